@@ -1,0 +1,1 @@
+//! Tokenization: tokenizer.json or GGUF metadata, chat templates.
