@@ -3,5 +3,13 @@
 //! Layers (each knows only the ones below it): `ops` (custom tensor ops) -> `weights`
 //! -> `layers` -> `models` -> `kv` -> `engine` -> `cli`. See ARCHITECTURE.md.
 
+pub mod batch;
+pub mod cli;
 pub mod engine;
+pub mod kv;
+pub mod layers;
+pub mod loader;
+pub mod models;
+pub mod ops;
 pub mod tokenizer;
+pub mod weights;

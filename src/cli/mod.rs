@@ -1,0 +1,54 @@
+//! The `iris` command line.
+
+mod args;
+mod bench;
+mod chat;
+pub mod default_model;
+mod generate;
+mod inspect;
+mod session;
+
+use clap::{Parser, Subcommand};
+
+pub use args::{EngineArgs, ModelArg, SamplingArgs};
+
+#[derive(Parser, Debug)]
+#[command(name = "iris", version, about = "Inference engine and server for LLMs and vision-language models")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+    /// Log more (repeat for more detail). RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a continuation of one prompt and stream it to stdout.
+    Generate(generate::GenerateArgs),
+    /// Chat with a model in the terminal (multi-turn).
+    Chat(chat::ChatArgs),
+    /// Show a model's architecture, size, quantization and KV cache cost.
+    Inspect(inspect::InspectArgs),
+    /// Measure prefill and decode throughput and time to first token.
+    Bench(bench::BenchArgs),
+}
+
+pub fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "iris=info",
+        1 => "iris=debug",
+        _ => "iris=trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Chat(a) => chat::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Bench(a) => bench::run(a),
+    }
+}

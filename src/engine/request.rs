@@ -1,0 +1,40 @@
+//! What callers hand the engine, and what it hands back.
+
+use super::finish::FinishReason;
+use super::sampler::Sampled;
+use super::sampling_params::SamplingParams;
+use super::sequence::SeqId;
+
+/// A tokenized prompt and how to continue it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt_tokens: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// Why the engine refused a request. Each says what to change.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum RequestError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens, more than the model's context of {max} tokens")]
+    PromptTooLong { prompt: usize, max: usize },
+    #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
+    BadToken { id: u32, vocab: usize },
+    #[error("{0}")]
+    BadParams(String),
+}
+
+/// What one step produced for one sequence.
+#[derive(Debug, Clone)]
+pub struct SeqUpdate {
+    pub id: SeqId,
+    /// The token sampled this step, when one was.
+    pub token: Option<Sampled>,
+    /// New text, safe to show: complete characters, never a possible start of a stop string.
+    pub text: String,
+    pub finish: Option<FinishReason>,
+    /// Prompt tokens (for usage accounting); filled when the sequence finishes.
+    pub num_prompt_tokens: usize,
+    pub num_output_tokens: usize,
+}

@@ -1,0 +1,10 @@
+//! Paged KV memory: fixed-size blocks handed out by an allocator, one block table per
+//! sequence, and per-layer storage of the blocks' keys and values.
+
+pub mod block_allocator;
+pub mod block_table;
+pub mod cache;
+
+pub use block_allocator::{BlockAllocator, BlockId};
+pub use block_table::BlockTable;
+pub use cache::{KvCache, KvCacheSpec, KvDtype, LayerCache};

@@ -1,0 +1,99 @@
+//! Self-attention over the paged KV cache: projections, optional per-head q/k norms, rotary,
+//! cache write, attention, output projection.
+
+use candle_core::{DType, Result, Tensor};
+
+use super::linear::Linear;
+use super::norm::{NormStyle, RmsNorm};
+use super::rotary::RotaryAngles;
+use crate::batch::AttentionMeta;
+use crate::kv::LayerCache;
+use crate::models::config::TextConfig;
+use crate::ops::kv_write::KvWrite;
+use crate::ops::paged_attention::PagedAttention;
+use crate::weights::{Weights, WeightsError};
+
+pub struct SelfAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    /// Per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3).
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    window: Option<usize>,
+    softcap: Option<f32>,
+}
+
+impl SelfAttention {
+    pub fn load(
+        w: &Weights,
+        cfg: &TextConfig,
+        layer: usize,
+        qk_norm: Option<NormStyle>,
+    ) -> std::result::Result<Self, WeightsError> {
+        let p = format!("model.layers.{layer}.self_attn");
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+        let bias = cfg.attention_bias;
+        let qk_norm = match qk_norm {
+            Some(style) => Some((
+                RmsNorm::load(w, &format!("{p}.q_norm.weight"), d, cfg.rms_norm_eps, style)?,
+                RmsNorm::load(w, &format!("{p}.k_norm.weight"), d, cfg.rms_norm_eps, style)?,
+            )),
+            None => None,
+        };
+        Ok(SelfAttention {
+            q_proj: Linear::load(w, &format!("{p}.q_proj"), h, qd, bias)?,
+            k_proj: Linear::load(w, &format!("{p}.k_proj"), h, kvd, bias)?,
+            v_proj: Linear::load(w, &format!("{p}.v_proj"), h, kvd, bias)?,
+            o_proj: Linear::load(w, &format!("{p}.o_proj"), qd, h, false)?,
+            qk_norm,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: d,
+            scale: cfg.attention_scale() as f32,
+            window: cfg.window_for(layer),
+            softcap: cfg.attn_logit_softcapping.map(|c| c as f32),
+        })
+    }
+
+    /// `x`: `[T, hidden]` -> `[T, hidden]`.
+    pub fn forward(&self, x: &Tensor, rot: &RotaryAngles, cache: &LayerCache, meta: &AttentionMeta) -> Result<Tensor> {
+        let t = x.dim(0)?;
+        let q = self.q_proj.forward(x)?.reshape((t, self.num_heads, self.head_dim))?;
+        let k = self.k_proj.forward(x)?.reshape((t, self.num_kv_heads, self.head_dim))?;
+        let v = self.v_proj.forward(x)?.reshape((t, self.num_kv_heads, self.head_dim))?;
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            None => (q, k),
+        };
+        let q = rot.apply(&q)?;
+        let k = rot.apply(&k)?;
+        let dtype = x.dtype();
+        // Our ops take f32 inputs; the cache stores its own dtype.
+        let as_f32 = |t: Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
+        let out = match cache {
+            LayerCache::Dense { k: kc, v: vc } => {
+                let write = KvWrite { slot_mapping: &meta.slot_mapping };
+                kc.inplace_op2(&as_f32(k)?, &write)?;
+                vc.inplace_op2(&as_f32(v)?, &write)?;
+                let op = PagedAttention {
+                    meta,
+                    num_heads: self.num_heads,
+                    num_kv_heads: self.num_kv_heads,
+                    head_dim: self.head_dim,
+                    scale: self.scale,
+                    window: self.window,
+                    softcap: self.softcap,
+                };
+                op.forward(&as_f32(q)?, kc, vc)?
+            }
+        };
+        let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
+        self.o_proj.forward(&out)
+    }
+}

@@ -1,0 +1,82 @@
+//! Turns a model location into a ready model: config, weights, tokenizer.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+
+use crate::models::config::TextConfig;
+use crate::models::{load_text_model, TextModel};
+use crate::tokenizer::{TextTokenizer, TokenizerError};
+use crate::weights::{GgufFile, ModelLocation, SafetensorsDir, Weights, WeightsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+}
+
+pub struct LoadedModel {
+    pub model: Box<dyn TextModel>,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub location: ModelLocation,
+    /// Bytes of weights as stored in memory (quantized sizes for GGUF).
+    pub weight_bytes: u64,
+}
+
+impl LoadedModel {
+    pub fn config(&self) -> &TextConfig {
+        self.model.config()
+    }
+}
+
+/// Reads the config only (cheap; for `inspect` and KV sizing before loading weights).
+pub fn read_config(path: &Path) -> Result<(ModelLocation, TextConfig), LoadError> {
+    let loc = ModelLocation::resolve(path)?;
+    let cfg = match &loc {
+        ModelLocation::HfDir(dir) => TextConfig::from_hf_file(&dir.join("config.json"))?,
+        ModelLocation::Gguf(file) => GgufFile::open(file)?.text_config()?,
+    };
+    Ok((loc, cfg))
+}
+
+pub fn load(path: &Path, device: &Device, dtype: DType) -> Result<LoadedModel, LoadError> {
+    let loc = ModelLocation::resolve(path)?;
+    let (weights, cfg, tokenizer, weight_bytes) = match &loc {
+        ModelLocation::HfDir(dir) => {
+            let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
+            merge_generation_config(dir, &mut cfg);
+            let tok = TextTokenizer::from_dir(dir)?;
+            let st = SafetensorsDir::open(dir)?;
+            let bytes = st.files().iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
+            (Weights::from_safetensors(st, device.clone(), dtype), cfg, tok, bytes)
+        }
+        ModelLocation::Gguf(file) => {
+            let g = GgufFile::open(file)?;
+            let cfg = g.text_config()?;
+            let tok = TextTokenizer::from_gguf(g.content())?;
+            let bytes = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+            (Weights::from_gguf(g, device.clone(), dtype), cfg, tok, bytes)
+        }
+    };
+    let model = load_text_model(&weights, &cfg)?;
+    Ok(LoadedModel { model, tokenizer: Arc::new(tokenizer), location: loc, weight_bytes })
+}
+
+/// `generation_config.json` may list more end-of-sequence ids than config.json.
+fn merge_generation_config(dir: &Path, cfg: &mut TextConfig) {
+    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else { return };
+    let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else { return };
+    let ids: Vec<u32> = match json.get("eos_token_id") {
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),
+        Some(v) => v.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        None => vec![],
+    };
+    for id in ids {
+        if !cfg.eos_token_ids.contains(&id) {
+            cfg.eos_token_ids.push(id);
+        }
+    }
+}

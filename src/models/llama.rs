@@ -1,0 +1,95 @@
+//! Llama and its close relatives Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm):
+//!   h = x + Attn(RMSNorm(x));  x' = h + MLP(RMSNorm(h))
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::config::{Arch, TextConfig};
+use super::{Taps, TextModel};
+use crate::batch::{Batch, Positions};
+use crate::kv::KvCache;
+use crate::layers::attention::SelfAttention;
+use crate::layers::embedding::Embedding;
+use crate::layers::linear::Linear;
+use crate::layers::mlp::GatedMlp;
+use crate::layers::norm::{NormStyle, RmsNorm};
+use crate::layers::rotary::Rotary;
+use crate::weights::{Weights, WeightsError};
+
+struct Layer {
+    attn_norm: RmsNorm,
+    attn: SelfAttention,
+    mlp_norm: RmsNorm,
+    mlp: GatedMlp,
+}
+
+pub struct Llama {
+    cfg: TextConfig,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: Rotary,
+    dtype: DType,
+    device: Device,
+}
+
+impl Llama {
+    pub fn load(w: &Weights, cfg: TextConfig) -> std::result::Result<Self, WeightsError> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let qk_norm = (cfg.arch == Arch::Qwen3).then_some(NormStyle::Plain);
+        let layers = (0..cfg.num_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                Ok(Layer {
+                    attn_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), h, eps, NormStyle::Plain)?,
+                    attn: SelfAttention::load(w, &cfg, i, qk_norm)?,
+                    mlp_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), h, eps, NormStyle::Plain)?,
+                    mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.activation)?,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
+        let embed = Embedding::load(w, "model.embed_tokens.weight", cfg.vocab_size, h)?;
+        let lm_head = if cfg.tie_word_embeddings || !w.contains("lm_head.weight") {
+            embed.as_linear()?
+        } else {
+            Linear::load(w, "lm_head", h, cfg.vocab_size, false)?
+        };
+        Ok(Llama {
+            embed,
+            layers,
+            norm: RmsNorm::load(w, "model.norm.weight", h, eps, NormStyle::Plain)?,
+            lm_head,
+            rotary: Rotary::new(&cfg.rope, cfg.head_dim, cfg.rope_layout),
+            dtype: w.dtype(),
+            device: w.device().clone(),
+            cfg,
+        })
+    }
+}
+
+impl TextModel for Llama {
+    fn config(&self) -> &TextConfig {
+        &self.cfg
+    }
+
+    fn forward(&self, batch: &Batch, kv: &KvCache, mut taps: Option<&mut Taps>) -> Result<Tensor> {
+        let Positions::Flat(pos) = &batch.positions;
+        let rot = self.rotary.angles(pos, &self.device, self.dtype)?;
+        let mut x = self.embed.forward(&batch.token_ids, self.dtype)?;
+        if let Some(t) = taps.as_deref_mut() {
+            t.embed = Some(x.clone());
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let h = (&x + l.attn.forward(&l.attn_norm.forward(&x)?, &rot, kv.layer(i), &batch.attn)?)?;
+            x = (&h + l.mlp.forward(&l.mlp_norm.forward(&h)?)?)?;
+            if let Some(t) = taps.as_deref_mut() {
+                t.layers.push(x.clone());
+            }
+        }
+        self.norm.forward(&x)
+    }
+
+    fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(hidden)?.to_dtype(DType::F32)
+    }
+}

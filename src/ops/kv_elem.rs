@@ -1,0 +1,55 @@
+//! Element types a dense KV cache can store.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Layout, Result};
+use half::{bf16, f16};
+
+pub trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl KvElem for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+/// The contiguous f32 data of a CPU tensor (inputs to our ops are made contiguous f32).
+pub fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+    let data = match s {
+        CpuStorage::F32(d) => d.as_slice(),
+        other => candle_core::bail!("{what}: expected f32, got {:?}", other.dtype()),
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("{what}: expected a contiguous tensor"),
+    }
+}

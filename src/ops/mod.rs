@@ -1,0 +1,6 @@
+//! Tensor operations candle lacks. Each is a candle custom op whose CPU implementation is
+//! plain Rust and is the reference any device kernel is checked against.
+
+pub mod kv_elem;
+pub mod kv_write;
+pub mod paged_attention;

@@ -1,0 +1,75 @@
+//! Shared helpers for the integration tests.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use iris::engine::build::{build_engine, EngineOptions};
+use iris::engine::{Engine, Request, SamplingParams};
+
+pub const TINY_MODELS: [&str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"];
+
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+pub fn reference(name: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &Device::Cpu).expect("reference.safetensors loads")
+}
+
+pub fn reference_json(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture(name).join("reference.json")).expect("reference.json exists");
+    serde_json::from_str(&text).expect("reference.json parses")
+}
+
+pub fn ids(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap().into_iter().map(|v| v as u32).collect()
+}
+
+/// max |a - b| / max |b|: the relative error of `a` against the reference `b`, measured
+/// against the reference's scale so near-zero entries do not dominate.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    assert_eq!(a.dims(), b.dims(), "shape mismatch");
+    let diff = (&a - &b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    let scale = b.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    diff / scale.max(1e-12)
+}
+
+pub fn engine_with(path: &Path, opts: EngineOptions) -> Engine {
+    build_engine(path, &Device::Cpu, &opts).expect("engine builds").0
+}
+
+pub fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams { max_tokens, ignore_eos: true, ..SamplingParams::default() }
+}
+
+/// Runs requests to completion; `arrivals[i]` is the step at which request i is submitted.
+/// Returns each request's output tokens.
+pub fn run_requests(engine: &mut Engine, reqs: &[(Vec<u32>, SamplingParams)], arrivals: &[usize]) -> Vec<Vec<u32>> {
+    let mut ids = vec![None; reqs.len()];
+    let mut outs: Vec<Vec<u32>> = vec![Vec::new(); reqs.len()];
+    let mut done = 0;
+    let mut step = 0;
+    while done < reqs.len() {
+        for (i, (prompt, params)) in reqs.iter().enumerate() {
+            if ids[i].is_none() && arrivals[i] <= step {
+                ids[i] = Some(engine.add_request(Request { prompt_tokens: prompt.clone(), params: params.clone() }).unwrap());
+            }
+        }
+        for u in engine.step().unwrap() {
+            let i = ids.iter().position(|x| *x == Some(u.id)).unwrap();
+            if let Some(t) = &u.token {
+                outs[i].push(t.token);
+            }
+            if u.finish.is_some() {
+                done += 1;
+            }
+        }
+        step += 1;
+        assert!(step < 100_000, "engine did not finish");
+    }
+    outs
+}

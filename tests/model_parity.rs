@@ -1,0 +1,108 @@
+//! Each tiny fixture model against transformers: every layer's hidden states and the logits
+//! (f32, relative error <= 1e-4 of the reference's largest magnitude), greedy tokens, and the
+//! chat template's token ids.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use iris::batch::{Batch, SeqSlice};
+use iris::engine::build::EngineOptions;
+use iris::kv::{KvCache, KvCacheSpec, KvDtype};
+use iris::models::Taps;
+
+const TOL: f32 = 1e-4;
+
+/// Runs `tokens` through the model in chunks of `chunk` tokens (one sequence), returning
+/// the concatenated final hidden states and, for a single chunk, the taps.
+fn forward_chunked(name: &str, tokens: &[u32], chunk: usize) -> (Tensor, Tensor, Taps) {
+    let loaded = iris::loader::load(&fixture(name), &Device::Cpu, DType::F32).unwrap();
+    let cfg = loaded.config().clone();
+    let bs = 4;
+    let spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs) + 2, dtype: KvDtype::F32 };
+    let kv = KvCache::new(&cfg, spec, &Device::Cpu).unwrap();
+    // Deliberately non-contiguous, reversed block order: paging must not assume adjacency.
+    let table: Vec<u32> = (0..spec.num_blocks as u32).rev().collect();
+    let mut taps = Taps::default();
+    let mut hidden = Vec::new();
+    let mut start = 0;
+    while start < tokens.len() {
+        let n = chunk.min(tokens.len() - start);
+        let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
+        let batch = Batch::from_tokens(&Device::Cpu, bs, vec![seq], &tokens[start..start + n]).unwrap();
+        let t = if chunk >= tokens.len() { Some(&mut taps) } else { None };
+        hidden.push(loaded.model.forward(&batch, &kv, t).unwrap());
+        start += n;
+    }
+    let hidden = Tensor::cat(&hidden, 0).unwrap();
+    let logits = loaded.model.logits(&hidden).unwrap();
+    (hidden, logits, taps)
+}
+
+fn check_layers(name: &str) {
+    let r = reference(name);
+    let tokens = ids(&r["text.input_ids"]);
+    let (hidden, logits, taps) = forward_chunked(name, &tokens, usize::MAX);
+    let e = rel_err(taps.embed.as_ref().unwrap(), &r["text.embed"]);
+    assert!(e <= TOL, "{name} embeddings: rel err {e}");
+    let n_layers = reference_json(name)["num_layers"].as_u64().unwrap() as usize;
+    assert_eq!(taps.layers.len(), n_layers);
+    for (i, h) in taps.layers.iter().enumerate() {
+        let e = rel_err(h, &r[&format!("text.layer.{i}")]);
+        assert!(e <= TOL, "{name} layer {i}: rel err {e}");
+    }
+    let e = rel_err(&hidden, &r["text.final_norm"]);
+    assert!(e <= TOL, "{name} final norm: rel err {e}");
+    let e = rel_err(&logits, &r["text.logits"]);
+    assert!(e <= TOL, "{name} logits: rel err {e}");
+
+    // The same prompt prefilled in chunks of 5 (each attending to the cached prefix).
+    let (_, chunked, _) = forward_chunked(name, &tokens, 5);
+    let e = rel_err(&chunked, &r["text.logits"]);
+    assert!(e <= TOL, "{name} chunked-prefill logits: rel err {e}");
+    // And token by token, as decode does.
+    let (_, stepped, _) = forward_chunked(name, &tokens, 1);
+    let e = rel_err(&stepped, &r["text.logits"]);
+    assert!(e <= TOL, "{name} token-by-token logits: rel err {e}");
+}
+
+fn check_greedy(name: &str) {
+    let r = reference(name);
+    let mut engine = engine_with(&fixture(name), EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
+    for key in ["text", "chat"] {
+        let prompt = ids(&r[&format!("{key}.input_ids")]);
+        let want = ids(&r[&format!("{key}.generated_ids")]);
+        let got = run_requests(&mut engine, &[(prompt, greedy(want.len()))], &[0]);
+        assert_eq!(got[0], want, "{name} {key}: greedy tokens differ from transformers");
+    }
+}
+
+fn check_chat_template(name: &str) {
+    let r = reference(name);
+    let j = reference_json(name);
+    let msgs: Vec<iris::tokenizer::ChatMessage> = serde_json::from_value(j["chat_messages"].clone()).unwrap();
+    let tok = iris::tokenizer::TextTokenizer::from_dir(&fixture(name)).unwrap();
+    let got = tok.encode_chat(&msgs, true).unwrap();
+    assert_eq!(got, ids(&r["chat.input_ids"]), "{name}: chat template token ids differ from transformers");
+}
+
+macro_rules! parity_tests {
+    ($($m:ident => $name:literal),*) => {$(
+        mod $m {
+            #[test]
+            fn hidden_states_and_logits_match_transformers() {
+                super::check_layers($name);
+            }
+            #[test]
+            fn greedy_tokens_match_transformers() {
+                super::check_greedy($name);
+            }
+            #[test]
+            fn chat_template_ids_match_transformers() {
+                super::check_chat_template($name);
+            }
+        }
+    )*};
+}
+
+parity_tests!(llama => "tiny-llama", qwen2 => "tiny-qwen2", qwen3 => "tiny-qwen3", gemma3 => "tiny-gemma3");
