@@ -74,16 +74,17 @@ pub struct Batch {
 
 impl Batch {
     /// Builds a batch of text tokens: `tokens[i]` are the new tokens of `seqs[i]`.
-    pub fn from_tokens(device: &Device, block_size: usize, seqs: Vec<SeqSlice>, tokens: &[u32]) -> candle_core::Result<Self> {
+    pub fn from_tokens(
+        device: &Device,
+        block_size: usize,
+        seqs: Vec<SeqSlice>,
+        tokens: &[u32],
+    ) -> candle_core::Result<Self> {
         let attn = AttentionMeta::new(block_size, seqs);
         if tokens.len() != attn.num_rows() {
             candle_core::bail!("batch has {} tokens for {} scheduled rows", tokens.len(), attn.num_rows());
         }
-        let positions = attn
-            .seqs
-            .iter()
-            .flat_map(|s| (s.first_position()..s.context_len).map(|p| p as u32))
-            .collect();
+        let positions = attn.seqs.iter().flat_map(|s| (s.first_position()..s.context_len).map(|p| p as u32)).collect();
         Ok(Batch { token_ids: Tensor::new(tokens, device)?, positions: Positions::Flat(positions), attn })
     }
 

@@ -6,6 +6,7 @@
 pub mod batch;
 pub mod cli;
 pub mod engine;
+pub mod fetch;
 pub mod kv;
 pub mod layers;
 pub mod loader;

@@ -49,7 +49,8 @@ fn check(name: &str) {
     let solo: Vec<Vec<u32>> = reqs
         .iter()
         .map(|r| {
-            let mut e = engine_with(&path, EngineOptions { kv_memory: Some(1 << 20), block_size: 4, ..Default::default() });
+            let mut e =
+                engine_with(&path, EngineOptions { kv_memory: Some(1 << 20), block_size: 4, ..Default::default() });
             run_requests(&mut e, std::slice::from_ref(r), &[0]).remove(0)
         })
         .collect();

@@ -6,7 +6,6 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device};
 use clap::Args;
 
-use super::default_model;
 use crate::engine::build::EngineOptions;
 use crate::engine::SamplingParams;
 use crate::kv::KvDtype;
@@ -25,7 +24,7 @@ impl ModelArg {
     pub fn resolve(&self) -> anyhow::Result<PathBuf> {
         match &self.model {
             Some(p) => Ok(p.clone()),
-            None => default_model::ensure(),
+            None => crate::fetch::SMOLLM2.ensure(),
         }
     }
 }
@@ -66,7 +65,9 @@ impl EngineArgs {
     pub fn device(&self) -> anyhow::Result<Device> {
         match self.device.as_str() {
             "cpu" => Ok(Device::Cpu),
-            d if d.starts_with("cuda") => bail!("--device {d}: this iris binary was built without CUDA support (build with --features cuda)"),
+            d if d.starts_with("cuda") => {
+                bail!("--device {d}: this iris binary was built without CUDA support (build with --features cuda)")
+            }
             d => bail!("--device {d}: unknown device (use cpu)"),
         }
     }
@@ -75,7 +76,10 @@ impl EngineArgs {
         let dtype = parse_dtype(&self.dtype).with_context(|| format!("--dtype {}", self.dtype))?;
         let kv_dtype = match self.kv_cache_dtype.as_str() {
             "auto" => None,
-            s => Some(KvDtype::from_dtype(parse_dtype(s).with_context(|| format!("--kv-cache-dtype {s}"))?).context("--kv-cache-dtype")?),
+            s => Some(
+                KvDtype::from_dtype(parse_dtype(s).with_context(|| format!("--kv-cache-dtype {s}"))?)
+                    .context("--kv-cache-dtype")?,
+            ),
         };
         let kv_memory = match &self.kv_cache_memory {
             Some(s) => Some(parse_bytes(s).with_context(|| format!("--kv-cache-memory {s}"))?),

@@ -98,13 +98,19 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.repeats > 0 && a.gen_len > 1 && a.prompt_len > 0, "--repeats, --gen-len (> 1) and --prompt-len must be positive");
+    anyhow::ensure!(
+        a.repeats > 0 && a.gen_len > 1 && a.prompt_len > 0,
+        "--repeats, --gen-len (> 1) and --prompt-len must be positive"
+    );
     let (mut engine, _) = open_engine(&a.engine)?;
     let prompt = prompt_tokens(&engine, a.prompt_len)?;
     // Warm up caches and thread pools.
     run_once(&mut engine, 1, &prompt, 4)?;
     let pb = ProgressBar::new((a.batch_sizes.len() * a.repeats) as u64);
-    pb.set_style(ProgressStyle::with_template("bench {bar:30} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    pb.set_style(
+        ProgressStyle::with_template("bench {bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     let mut rows = Vec::new();
     for &b in &a.batch_sizes {
         pb.set_message(format!("batch {b}"));

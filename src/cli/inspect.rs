@@ -24,7 +24,12 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     );
     let sliding = cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Sliding).count();
     if sliding > 0 {
-        println!("attention:        {} sliding-window layers (window {}), {} global", sliding, cfg.sliding_window.unwrap_or(0), cfg.num_layers - sliding);
+        println!(
+            "attention:        {} sliding-window layers (window {}), {} global",
+            sliding,
+            cfg.sliding_window.unwrap_or(0),
+            cfg.num_layers - sliding
+        );
     }
     println!("vocabulary:       {}", cfg.vocab_size);
     println!("context length:   {}", cfg.max_position_embeddings);

@@ -3,7 +3,6 @@
 mod args;
 mod bench;
 mod chat;
-pub mod default_model;
 mod generate;
 mod inspect;
 mod session;
@@ -40,8 +39,10 @@ pub fn init_logging(verbose: u8) {
         1 => "iris=debug",
         _ => "iris=trace",
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {

@@ -12,7 +12,10 @@ use crate::engine::{Engine, FinishReason, Request, SamplingParams};
 
 pub fn spinner(msg: String) -> ProgressBar {
     let pb = ProgressBar::new_spinner();
-    pb.set_style(ProgressStyle::with_template("{spinner} {msg} ({elapsed})").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
     pb.set_message(msg);
     pb.enable_steady_tick(Duration::from_millis(100));
     pb
@@ -51,12 +54,23 @@ pub struct RunStats {
 }
 
 /// Runs one request to completion, passing each text delta to `out`.
-pub fn run_one(engine: &mut Engine, prompt: Vec<u32>, params: SamplingParams, out: &mut dyn Write) -> anyhow::Result<RunStats> {
+pub fn run_one(
+    engine: &mut Engine,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    out: &mut dyn Write,
+) -> anyhow::Result<RunStats> {
     let n_prompt = prompt.len();
     let start = Instant::now();
     let id = engine.add_request(Request { prompt_tokens: prompt, params })?;
     let mut ttft = None;
-    let mut stats = RunStats { prompt_tokens: n_prompt, output_tokens: 0, ttft: Duration::ZERO, total: Duration::ZERO, finish: None };
+    let mut stats = RunStats {
+        prompt_tokens: n_prompt,
+        output_tokens: 0,
+        ttft: Duration::ZERO,
+        total: Duration::ZERO,
+        finish: None,
+    };
     while engine.has_work() {
         for u in engine.step()? {
             if u.id != id {

@@ -80,7 +80,9 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     let wanted_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
     // No need to reserve more than every sequence at full length could use.
     let useful = (per_token as u64) * (wanted_len as u64) * (opts.max_num_seqs as u64);
-    let budget = opts.kv_memory.unwrap_or_else(|| default_kv_budget().min(useful.max(per_token as u64 * opts.block_size as u64)));
+    let budget = opts
+        .kv_memory
+        .unwrap_or_else(|| default_kv_budget().min(useful.max(per_token as u64 * opts.block_size as u64)));
     let spec = KvCacheSpec::from_budget(&cfg, kv_dtype, opts.block_size, budget);
     if spec.num_blocks == 0 {
         return Err(BuildError::Kv(format!(

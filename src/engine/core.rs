@@ -53,7 +53,13 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn new(model: Box<dyn TextModel>, kv: KvCache, tokenizer: Arc<TextTokenizer>, cfg: EngineConfig, device: Device) -> Self {
+    pub fn new(
+        model: Box<dyn TextModel>,
+        kv: KvCache,
+        tokenizer: Arc<TextTokenizer>,
+        cfg: EngineConfig,
+        device: Device,
+    ) -> Self {
         let scheduler = Scheduler::new(cfg.scheduler, kv.spec().num_blocks);
         let mut eos: Vec<u32> = model.config().eos_token_ids.clone();
         for &id in tokenizer.eos_token_ids() {
@@ -61,7 +67,18 @@ impl Engine {
                 eos.push(id);
             }
         }
-        Engine { model, kv, scheduler, tokenizer, text: HashMap::new(), cfg, device, next_id: 0, eos, stats: EngineStats::default() }
+        Engine {
+            model,
+            kv,
+            scheduler,
+            tokenizer,
+            text: HashMap::new(),
+            cfg,
+            device,
+            next_id: 0,
+            eos,
+            stats: EngineStats::default(),
+        }
     }
 
     pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
@@ -103,8 +120,12 @@ impl Engine {
         req.params.validate(vocab).map_err(|e| RequestError::BadParams(e.to_string()))?;
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        let detok = IncrementalDetokenizer::new(self.tokenizer.inner().clone(), &req.prompt_tokens, req.params.skip_special_tokens)
-            .map_err(|e| RequestError::BadParams(e.to_string()))?;
+        let detok = IncrementalDetokenizer::new(
+            self.tokenizer.inner().clone(),
+            &req.prompt_tokens,
+            req.params.skip_special_tokens,
+        )
+        .map_err(|e| RequestError::BadParams(e.to_string()))?;
         let stop = StopChecker::new(&req.params.stop);
         self.text.insert(id, TextState { detok, stop });
         self.scheduler.add(Sequence::new(id, req.prompt_tokens, req.params, self.eos.clone()));
@@ -160,7 +181,12 @@ impl Engine {
             let seq = self.scheduler.get(id).expect("scheduled sequence exists");
             let q_start = tokens.len();
             tokens.extend((seq.num_computed..seq.num_computed + n).map(|i| seq.token(i)));
-            slices.push(SeqSlice { q_start, q_len: n, context_len: seq.num_computed + n, block_table: seq.block_table.ids() });
+            slices.push(SeqSlice {
+                q_start,
+                q_len: n,
+                context_len: seq.num_computed + n,
+                block_table: seq.block_table.ids(),
+            });
             if seq.num_computed + n == seq.num_tokens() {
                 sample_rows.push((id, q_start + n - 1));
             }

@@ -39,21 +39,13 @@ impl IncrementalDetokenizer {
         skip_special_tokens: bool,
     ) -> Result<Self, DetokenizeError> {
         let ids = prompt_tokens[prompt_tokens.len().saturating_sub(PROMPT_CONTEXT)..].to_vec();
-        let mut d = Self {
-            tokenizer,
-            skip_special_tokens,
-            read: ids.len(),
-            ids,
-            context: String::new(),
-        };
+        let mut d = Self { tokenizer, skip_special_tokens, read: ids.len(), ids, context: String::new() };
         d.context = d.decode(&d.ids)?;
         Ok(d)
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String, DetokenizeError> {
-        self.tokenizer
-            .decode(ids, self.skip_special_tokens)
-            .map_err(|e| DetokenizeError(e.to_string()))
+        self.tokenizer.decode(ids, self.skip_special_tokens).map_err(|e| DetokenizeError(e.to_string()))
     }
 
     /// Add one generated token; returns the newly completed text (often empty).
@@ -75,11 +67,7 @@ impl IncrementalDetokenizer {
     /// U+FFFD, exactly as a full `decode` would show it). Call once at the end.
     pub fn finish(&mut self) -> Result<String, DetokenizeError> {
         let text = self.decode(&self.ids)?;
-        let delta = if text.len() > self.context.len() {
-            self.delta(&text)
-        } else {
-            String::new()
-        };
+        let delta = if text.len() > self.context.len() { self.delta(&text) } else { String::new() };
         self.ids.drain(..self.read);
         self.read = self.ids.len();
         self.context = self.decode(&self.ids)?;
@@ -94,9 +82,7 @@ impl IncrementalDetokenizer {
             text[self.context.len()..].to_string()
         } else {
             tracing::warn!(context = %self.context, %text, "detokenizer window is not prefix-stable");
-            text.get(self.context.len()..)
-                .unwrap_or_default()
-                .to_string()
+            text.get(self.context.len()..).unwrap_or_default().to_string()
         }
     }
 }
@@ -108,10 +94,7 @@ mod tests {
 
     /// GPT-2's byte -> printable char map, which byte-level BPE vocabularies use.
     fn byte_to_char() -> Vec<char> {
-        let printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
-            .chain(0xA1..=0xAC)
-            .chain(0xAE..=0xFF)
-            .collect();
+        let printable: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
         let mut out = vec!['\0'; 256];
         let mut extra = 0;
         for b in 0..256u32 {
@@ -172,10 +155,7 @@ mod tests {
         assert_eq!(ids(&tok, "é"), vec![256]);
         // "€" is three bytes with no merge: three tokens, none valid alone.
         assert_eq!(ids(&tok, "€"), vec![0xE2, 0x82, 0xAC]);
-        assert_eq!(
-            tok.decode(&[0xE2, 0x82], false).expect("decode"),
-            "\u{FFFD}"
-        );
+        assert_eq!(tok.decode(&[0xE2, 0x82], false).expect("decode"), "\u{FFFD}");
     }
 
     #[test]
@@ -207,9 +187,6 @@ mod tests {
         let tok = tokenizer();
         let deltas = stream(&tok, &[], &[257, 0xE2, 0x82], true);
         assert_eq!(deltas, vec!["hi", "", "", "\u{FFFD}"]);
-        assert_eq!(
-            deltas.concat(),
-            tok.decode(&[257, 0xE2, 0x82], true).expect("decode")
-        );
+        assert_eq!(deltas.concat(), tok.decode(&[257, 0xE2, 0x82], true).expect("decode"));
     }
 }

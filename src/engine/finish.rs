@@ -40,10 +40,7 @@ mod tests {
         assert_eq!(FinishReason::Length.as_openai_str(), "length");
         assert_eq!(FinishReason::Cancelled.as_openai_str(), "abort");
         assert_eq!(FinishReason::Error("oom".into()).as_openai_str(), "error");
-        assert_eq!(
-            serde_json::to_string(&FinishReason::Length).ok().as_deref(),
-            Some(r#""length""#)
-        );
+        assert_eq!(serde_json::to_string(&FinishReason::Length).ok().as_deref(), Some(r#""length""#));
         let back: FinishReason = serde_json::from_str(r#"{"error":"oom"}"#).expect("valid json");
         assert_eq!(back, FinishReason::Error("oom".into()));
     }

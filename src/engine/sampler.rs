@@ -64,10 +64,7 @@ impl SequenceSampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_rng(&mut rand::rng()),
         };
-        Self {
-            rng,
-            eos_token_ids: Vec::new(),
-        }
+        Self { rng, eos_token_ids: Vec::new() }
     }
 
     /// A sampler seeded from `params.seed`.
@@ -96,54 +93,24 @@ impl SequenceSampler {
         output_tokens: &[u32],
     ) -> Sampled {
         SCRATCH.with_borrow_mut(|s| {
-            process_logits_with(
-                s,
-                logits,
-                params,
-                &self.eos_token_ids,
-                prompt_tokens,
-                output_tokens,
-            );
-            let token = if params.is_greedy() {
-                argmax(logits)
-            } else {
-                self.draw(logits, params, &mut s.cand)
-            }
-            .unwrap_or(0);
+            process_logits_with(s, logits, params, &self.eos_token_ids, prompt_tokens, output_tokens);
+            let token =
+                if params.is_greedy() { argmax(logits) } else { self.draw(logits, params, &mut s.cand) }.unwrap_or(0);
             match params.logprobs {
-                None => Sampled {
-                    token,
-                    logprob: f32::NAN,
-                    top_logprobs: Vec::new(),
-                },
+                None => Sampled { token, logprob: f32::NAN, top_logprobs: Vec::new() },
                 Some(n) => {
                     let (logprob, top_logprobs) = logprobs(logits, token, n);
-                    Sampled {
-                        token,
-                        logprob,
-                        top_logprobs,
-                    }
+                    Sampled { token, logprob, top_logprobs }
                 }
             }
         })
     }
 
     /// Temperature, top-k, top-p, min-p, then a draw. `None` if nothing is finite.
-    fn draw(
-        &mut self,
-        logits: &[f32],
-        params: &SamplingParams,
-        cand: &mut Vec<(u32, f32)>,
-    ) -> Option<u32> {
+    fn draw(&mut self, logits: &[f32], params: &SamplingParams, cand: &mut Vec<(u32, f32)>) -> Option<u32> {
         let inv_t = 1.0 / params.temperature;
         cand.clear();
-        cand.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.is_finite())
-                .map(|(i, &l)| (i as u32, l * inv_t)),
-        );
+        cand.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (i as u32, l * inv_t)));
         if cand.is_empty() {
             return None;
         }
@@ -195,12 +162,7 @@ pub struct SampleRow<'a> {
 /// Sample every row in parallel; results are in row order. An engine with a
 /// contiguous `[B, V]` host buffer builds the rows with `logits.chunks_mut(V)`.
 pub fn sample_batch(rows: Vec<SampleRow<'_>>) -> Vec<Sampled> {
-    rows.into_par_iter()
-        .map(|r| {
-            r.sampler
-                .sample(r.logits, r.params, r.prompt_tokens, r.output_tokens)
-        })
-        .collect()
+    rows.into_par_iter().map(|r| r.sampler.sample(r.logits, r.params, r.prompt_tokens, r.output_tokens)).collect()
 }
 
 /// Apply logit bias, min_tokens suppression and penalties in place (steps 1-2 of the
@@ -212,16 +174,7 @@ pub fn process_logits(
     prompt_tokens: &[u32],
     output_tokens: &[u32],
 ) {
-    SCRATCH.with_borrow_mut(|s| {
-        process_logits_with(
-            s,
-            logits,
-            params,
-            eos_token_ids,
-            prompt_tokens,
-            output_tokens,
-        )
-    })
+    SCRATCH.with_borrow_mut(|s| process_logits_with(s, logits, params, eos_token_ids, prompt_tokens, output_tokens))
 }
 
 fn process_logits_with(
@@ -241,11 +194,7 @@ fn process_logits_with(
     }
 
     if output_tokens.len() < params.min_tokens {
-        let eos = if params.ignore_eos {
-            &[][..]
-        } else {
-            eos_token_ids
-        };
+        let eos = if params.ignore_eos { &[][..] } else { eos_token_ids };
         for &id in params.stop_token_ids.iter().chain(eos) {
             if let Some(l) = logits.get_mut(id as usize) {
                 *l = f32::NEG_INFINITY;
@@ -347,19 +296,11 @@ fn top_p_filter(cand: &mut Vec<(u32, f32)>, top_p: f32) {
 
 /// log_softmax of `logits` at `token`, and the `n` most likely tokens.
 fn logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|l| l.is_finite())
-        .fold(f32::NEG_INFINITY, f32::max);
+    let max = logits.iter().copied().filter(|l| l.is_finite()).fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         return (f32::NAN, Vec::new());
     }
-    let sum: f64 = logits
-        .iter()
-        .filter(|l| l.is_finite())
-        .map(|&l| (l - max).exp() as f64)
-        .sum();
+    let sum: f64 = logits.iter().filter(|l| l.is_finite()).map(|&l| (l - max).exp() as f64).sum();
     let lse = max + sum.ln() as f32;
 
     // n <= 20, so an insertion-sorted short list beats selecting over the vocabulary.
@@ -387,10 +328,7 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32) -> SamplingParams {
-        SamplingParams {
-            temperature,
-            ..Default::default()
-        }
+        SamplingParams { temperature, ..Default::default() }
     }
 
     /// Log-probabilities of a hand-made distribution, usable as logits.
@@ -410,10 +348,7 @@ mod tests {
 
     fn softmax(logits: &[f32], t: f32) -> Vec<f64> {
         let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let e: Vec<f64> = logits
-            .iter()
-            .map(|&l| (((l - m) / t) as f64).exp())
-            .collect();
+        let e: Vec<f64> = logits.iter().map(|&l| (((l - m) / t) as f64).exp()).collect();
         let z: f64 = e.iter().sum();
         e.iter().map(|x| x / z).collect()
     }
@@ -430,20 +365,12 @@ mod tests {
     #[test]
     fn top_k_never_leaves_the_top_k() {
         let l = logits_of(&[0.4, 0.35, 0.25]);
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_k: 2,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() };
         let c = counts(&l, &p, 1000, 1);
         assert_eq!(c[2], 0);
         assert!(c[0] > 300 && c[1] > 300, "{c:?}");
         // top_k larger than the vocabulary is clamped, not an error.
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_k: 10,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_k: 10, ..Default::default() };
         assert!(counts(&l, &p, 1000, 1)[2] > 150);
     }
 
@@ -451,30 +378,18 @@ mod tests {
     fn top_p_keeps_the_smallest_nucleus() {
         let l = logits_of(&[0.05, 0.5, 0.15, 0.3]);
         // 0.5 + 0.3 = 0.8 >= 0.75: tokens 1 and 3 only.
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_p: 0.75,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_p: 0.75, ..Default::default() };
         let c = counts(&l, &p, 2000, 2);
         assert_eq!((c[0], c[2]), (0, 0), "{c:?}");
         // Renormalised: 0.5/0.8 = 0.625.
         assert!((c[1] as f64 / 2000.0 - 0.625).abs() < 0.04, "{c:?}");
         // 0.85 needs the 0.15 token too, but never the 0.05 one.
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_p: 0.85,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_p: 0.85, ..Default::default() };
         let c = counts(&l, &p, 2000, 3);
         assert_eq!(c[0], 0);
         assert!(c[2] > 100, "{c:?}");
         // Tiny top_p still keeps the single most likely token.
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_p: 1e-6,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_p: 1e-6, ..Default::default() };
         assert_eq!(counts(&l, &p, 200, 4)[1], 200);
     }
 
@@ -482,20 +397,12 @@ mod tests {
     fn min_p_drops_tokens_below_the_scaled_threshold() {
         let l = logits_of(&[0.5, 0.3, 0.15, 0.05]);
         // Threshold 0.2 * 0.5 = 0.1: drops only the 0.05 token.
-        let p = SamplingParams {
-            temperature: 1.0,
-            min_p: 0.2,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, min_p: 0.2, ..Default::default() };
         let c = counts(&l, &p, 2000, 5);
         assert_eq!(c[3], 0);
         assert!(c[2] > 150, "{c:?}");
         // Threshold 0.5 * 0.5 = 0.25: keeps 0 and 1.
-        let p = SamplingParams {
-            temperature: 1.0,
-            min_p: 0.5,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, min_p: 0.5, ..Default::default() };
         let c = counts(&l, &p, 2000, 6);
         assert_eq!((c[2], c[3]), (0, 0), "{c:?}");
     }
@@ -516,10 +423,7 @@ mod tests {
                 })
                 .sum();
             // 5 degrees of freedom: P(chi2 > 20.5) = 0.001.
-            assert!(
-                chi2 < 20.5,
-                "t={t} chi2={chi2} counts={c:?} expected={expected:?}"
-            );
+            assert!(chi2 < 20.5, "t={t} chi2={chi2} counts={c:?} expected={expected:?}");
         }
     }
 
@@ -529,9 +433,7 @@ mod tests {
         let p = params(1.0);
         let run = |seed: u64| -> Vec<u32> {
             let mut s = SequenceSampler::new(Some(seed));
-            (0..100)
-                .map(|_| s.sample(&mut l.clone(), &p, &[], &[]).token)
-                .collect()
+            (0..100).map(|_| s.sample(&mut l.clone(), &p, &[], &[]).token).collect()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));
@@ -543,20 +445,8 @@ mod tests {
         for _ in 0..100 {
             let (mut la, mut lb) = (l.clone(), l.clone());
             let out = sample_batch(vec![
-                SampleRow {
-                    logits: &mut lb,
-                    sampler: &mut b,
-                    params: &p,
-                    prompt_tokens: &[],
-                    output_tokens: &[],
-                },
-                SampleRow {
-                    logits: &mut la,
-                    sampler: &mut a,
-                    params: &p,
-                    prompt_tokens: &[],
-                    output_tokens: &[],
-                },
+                SampleRow { logits: &mut lb, sampler: &mut b, params: &p, prompt_tokens: &[], output_tokens: &[] },
+                SampleRow { logits: &mut la, sampler: &mut a, params: &p, prompt_tokens: &[], output_tokens: &[] },
             ]);
             got.push(out[1].token);
         }
@@ -589,23 +479,13 @@ mod tests {
     #[test]
     fn logit_bias_and_min_tokens() {
         let mut s = SequenceSampler::new(Some(0)).with_eos_token_ids(vec![0]);
-        let p = SamplingParams {
-            logit_bias: vec![(2, 10.0)],
-            ..Default::default()
-        };
+        let p = SamplingParams { logit_bias: vec![(2, 10.0)], ..Default::default() };
         assert_eq!(s.sample(&mut [5.0, 1.0, 0.0], &p, &[], &[]).token, 2);
 
-        let p = SamplingParams {
-            min_tokens: 2,
-            stop_token_ids: vec![1],
-            ..Default::default()
-        };
+        let p = SamplingParams { min_tokens: 2, stop_token_ids: vec![1], ..Default::default() };
         assert_eq!(s.sample(&mut [5.0, 4.0, 0.0], &p, &[], &[7]).token, 2);
         assert_eq!(s.sample(&mut [5.0, 4.0, 0.0], &p, &[], &[7, 7]).token, 0);
-        let p = SamplingParams {
-            ignore_eos: true,
-            ..p
-        };
+        let p = SamplingParams { ignore_eos: true, ..p };
         assert_eq!(s.sample(&mut [5.0, 4.0, 0.0], &p, &[], &[7]).token, 0);
     }
 
@@ -613,21 +493,13 @@ mod tests {
     fn logprobs_are_normalised_sorted_and_temperature_free() {
         let l = vec![0.3, 2.0, -1.0, 2.0, 0.0];
         let mut s = SequenceSampler::new(Some(3));
-        let p = SamplingParams {
-            temperature: 0.5,
-            logprobs: Some(5),
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 0.5, logprobs: Some(5), ..Default::default() };
         let out = s.sample(&mut l.clone(), &p, &[], &[]);
         let total: f32 = out.top_logprobs.iter().map(|t| t.1.exp()).sum();
         assert!((total - 1.0).abs() < 1e-5, "{total}");
         let ids: Vec<u32> = out.top_logprobs.iter().map(|t| t.0).collect();
         assert_eq!(ids, vec![1, 3, 0, 4, 2]);
-        let own = out
-            .top_logprobs
-            .iter()
-            .find(|t| t.0 == out.token)
-            .map(|t| t.1);
+        let own = out.top_logprobs.iter().find(|t| t.0 == out.token).map(|t| t.1);
         assert_eq!(own, Some(out.logprob));
         // Measured before temperature: equal to the T=1 log_softmax.
         let want = softmax(&l, 1.0);
@@ -635,23 +507,14 @@ mod tests {
             assert!((lp as f64 - want[id as usize].ln()).abs() < 1e-5);
         }
 
-        let p = SamplingParams {
-            logprobs: Some(2),
-            ..Default::default()
-        };
+        let p = SamplingParams { logprobs: Some(2), ..Default::default() };
         let out = s.sample(&mut l.clone(), &p, &[], &[]);
         assert_eq!(out.top_logprobs.len(), 2);
-        let p = SamplingParams {
-            logprobs: Some(0),
-            ..Default::default()
-        };
+        let p = SamplingParams { logprobs: Some(0), ..Default::default() };
         let out = s.sample(&mut l.clone(), &p, &[], &[]);
         assert!(out.top_logprobs.is_empty());
         assert!((out.logprob as f64 - want[1].ln()).abs() < 1e-5);
-        assert!(s
-            .sample(&mut l.clone(), &params(0.0), &[], &[])
-            .logprob
-            .is_nan());
+        assert!(s.sample(&mut l.clone(), &params(0.0), &[], &[]).logprob.is_nan());
     }
 
     #[test]
@@ -659,9 +522,7 @@ mod tests {
         let mut x = 12345u64;
         let weights: Vec<f32> = (0..5000)
             .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 ((x >> 40) as f32 / (1u64 << 24) as f32).powi(6) // skewed, like real logits
             })
             .collect();
@@ -677,11 +538,7 @@ mod tests {
                     cum >= top_p as f64 * total
                 })
                 .map_or(order.len(), |i| i + 1);
-            let mut cand: Vec<(u32, f32)> = weights
-                .iter()
-                .enumerate()
-                .map(|(i, &w)| (i as u32, w))
-                .collect();
+            let mut cand: Vec<(u32, f32)> = weights.iter().enumerate().map(|(i, &w)| (i as u32, w)).collect();
             top_p_filter(&mut cand, top_p);
             let mut got: Vec<u32> = cand.iter().map(|c| c.0).collect();
             got.sort_unstable();
@@ -712,11 +569,7 @@ mod tests {
         let mut order: Vec<u32> = (0..vocab as u32).collect();
         order.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]));
 
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_k: 50,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_k: 50, ..Default::default() };
         let top50 = &order[..50];
         let mut s = SequenceSampler::new(Some(11));
         for _ in 0..200 {
@@ -734,11 +587,7 @@ mod tests {
                 before < top_p
             })
             .count();
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_p: top_p as f32,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_p: top_p as f32, ..Default::default() };
         let mut seen_outside_head = false;
         for _ in 0..200 {
             let t = s.sample(&mut l.clone(), &p, &[], &[]).token;

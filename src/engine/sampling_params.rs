@@ -90,10 +90,7 @@ pub struct SamplingError {
 }
 
 fn invalid(param: &'static str, reason: impl Into<String>) -> Result<(), SamplingError> {
-    Err(SamplingError {
-        param,
-        reason: reason.into(),
-    })
+    Err(SamplingError { param, reason: reason.into() })
 }
 
 impl SamplingParams {
@@ -110,10 +107,7 @@ impl SamplingParams {
     pub fn validate(&self, vocab_size: usize) -> Result<(), SamplingError> {
         let t = self.temperature;
         if !t.is_finite() || t < 0.0 {
-            return invalid(
-                "temperature",
-                format!("must be a finite number >= 0, got {t}"),
-            );
+            return invalid("temperature", format!("must be a finite number >= 0, got {t}"));
         }
         let p = self.top_p;
         if !(p > 0.0 && p <= 1.0) {
@@ -125,15 +119,9 @@ impl SamplingParams {
         }
         let r = self.repetition_penalty;
         if !r.is_finite() || r <= 0.0 {
-            return invalid(
-                "repetition_penalty",
-                format!("must be a finite number > 0, got {r}"),
-            );
+            return invalid("repetition_penalty", format!("must be a finite number > 0, got {r}"));
         }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
             if !(-2.0..=2.0).contains(&v) {
                 return invalid(name, format!("must be in [-2, 2], got {v}"));
             }
@@ -146,18 +134,12 @@ impl SamplingParams {
                 );
             }
             if !bias.is_finite() {
-                return invalid(
-                    "logit_bias",
-                    format!("bias for token {id} must be finite, got {bias}"),
-                );
+                return invalid("logit_bias", format!("bias for token {id} must be finite, got {bias}"));
             }
         }
         if let Some(n) = self.logprobs {
             if n > MAX_LOGPROBS {
-                return invalid(
-                    "logprobs",
-                    format!("must be at most {MAX_LOGPROBS}, got {n}"),
-                );
+                return invalid("logprobs", format!("must be at most {MAX_LOGPROBS}, got {n}"));
             }
         }
         if self.max_tokens == 0 {
@@ -166,20 +148,13 @@ impl SamplingParams {
         if self.min_tokens > self.max_tokens {
             return invalid(
                 "min_tokens",
-                format!(
-                    "({}) must not exceed max_tokens ({})",
-                    self.min_tokens, self.max_tokens
-                ),
+                format!("({}) must not exceed max_tokens ({})", self.min_tokens, self.max_tokens),
             );
         }
         if self.stop.iter().any(String::is_empty) {
             return invalid("stop", "stop strings must not be empty");
         }
-        if let Some(&id) = self
-            .stop_token_ids
-            .iter()
-            .find(|&&id| id as usize >= vocab_size)
-        {
+        if let Some(&id) = self.stop_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
             return invalid(
                 "stop_token_ids",
                 format!("token id {id} is out of range for a vocabulary of {vocab_size}"),
@@ -209,9 +184,10 @@ fn de_logit_bias<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(u32, f32)>, D::
         Some(Repr::Map(m)) => m
             .into_iter()
             .map(|(k, v)| {
-                k.trim().parse::<u32>().map(|id| (id, v)).map_err(|_| {
-                    serde::de::Error::custom(format!("logit_bias key `{k}` is not a token id"))
-                })
+                k.trim()
+                    .parse::<u32>()
+                    .map(|id| (id, v))
+                    .map_err(|_| serde::de::Error::custom(format!("logit_bias key `{k}` is not a token id")))
             })
             .collect::<Result<_, _>>()?,
     };
@@ -234,18 +210,16 @@ mod tests {
 
     #[test]
     fn deserializes_partial_json_and_both_logit_bias_forms() {
-        let p: SamplingParams = serde_json::from_str(
-            r#"{"temperature": 0.7, "top_k": -1, "logit_bias": {"5": -100, "2": 3.5}}"#,
-        )
-        .expect("valid json");
+        let p: SamplingParams =
+            serde_json::from_str(r#"{"temperature": 0.7, "top_k": -1, "logit_bias": {"5": -100, "2": 3.5}}"#)
+                .expect("valid json");
         assert_eq!(p.temperature, 0.7);
         assert_eq!(p.top_k, 0);
         assert_eq!(p.top_p, 1.0);
         assert_eq!(p.logit_bias, vec![(2, 3.5), (5, -100.0)]);
 
         let p: SamplingParams =
-            serde_json::from_str(r#"{"logit_bias": [[7, 1.0]], "top_k": null}"#)
-                .expect("valid json");
+            serde_json::from_str(r#"{"logit_bias": [[7, 1.0]], "top_k": null}"#).expect("valid json");
         assert_eq!(p.logit_bias, vec![(7, 1.0)]);
         assert_eq!(p.top_k, 0);
 
@@ -257,118 +231,22 @@ mod tests {
     fn validate_rejects_bad_values() {
         let vocab = 100;
         let cases: Vec<(&str, SamplingParams)> = vec![
-            (
-                "temperature",
-                SamplingParams {
-                    temperature: -0.1,
-                    ..Default::default()
-                },
-            ),
-            (
-                "temperature",
-                SamplingParams {
-                    temperature: f32::NAN,
-                    ..Default::default()
-                },
-            ),
-            (
-                "top_p",
-                SamplingParams {
-                    top_p: 0.0,
-                    ..Default::default()
-                },
-            ),
-            (
-                "top_p",
-                SamplingParams {
-                    top_p: 1.5,
-                    ..Default::default()
-                },
-            ),
-            (
-                "top_p",
-                SamplingParams {
-                    top_p: f32::NAN,
-                    ..Default::default()
-                },
-            ),
-            (
-                "min_p",
-                SamplingParams {
-                    min_p: -0.5,
-                    ..Default::default()
-                },
-            ),
-            (
-                "repetition_penalty",
-                SamplingParams {
-                    repetition_penalty: 0.0,
-                    ..Default::default()
-                },
-            ),
-            (
-                "presence_penalty",
-                SamplingParams {
-                    presence_penalty: 3.0,
-                    ..Default::default()
-                },
-            ),
-            (
-                "frequency_penalty",
-                SamplingParams {
-                    frequency_penalty: f32::NAN,
-                    ..Default::default()
-                },
-            ),
-            (
-                "logit_bias",
-                SamplingParams {
-                    logit_bias: vec![(100, 1.0)],
-                    ..Default::default()
-                },
-            ),
-            (
-                "logit_bias",
-                SamplingParams {
-                    logit_bias: vec![(1, f32::INFINITY)],
-                    ..Default::default()
-                },
-            ),
-            (
-                "logprobs",
-                SamplingParams {
-                    logprobs: Some(21),
-                    ..Default::default()
-                },
-            ),
-            (
-                "max_tokens",
-                SamplingParams {
-                    max_tokens: 0,
-                    ..Default::default()
-                },
-            ),
-            (
-                "min_tokens",
-                SamplingParams {
-                    min_tokens: 17,
-                    ..Default::default()
-                },
-            ),
-            (
-                "stop",
-                SamplingParams {
-                    stop: vec![String::new()],
-                    ..Default::default()
-                },
-            ),
-            (
-                "stop_token_ids",
-                SamplingParams {
-                    stop_token_ids: vec![1000],
-                    ..Default::default()
-                },
-            ),
+            ("temperature", SamplingParams { temperature: -0.1, ..Default::default() }),
+            ("temperature", SamplingParams { temperature: f32::NAN, ..Default::default() }),
+            ("top_p", SamplingParams { top_p: 0.0, ..Default::default() }),
+            ("top_p", SamplingParams { top_p: 1.5, ..Default::default() }),
+            ("top_p", SamplingParams { top_p: f32::NAN, ..Default::default() }),
+            ("min_p", SamplingParams { min_p: -0.5, ..Default::default() }),
+            ("repetition_penalty", SamplingParams { repetition_penalty: 0.0, ..Default::default() }),
+            ("presence_penalty", SamplingParams { presence_penalty: 3.0, ..Default::default() }),
+            ("frequency_penalty", SamplingParams { frequency_penalty: f32::NAN, ..Default::default() }),
+            ("logit_bias", SamplingParams { logit_bias: vec![(100, 1.0)], ..Default::default() }),
+            ("logit_bias", SamplingParams { logit_bias: vec![(1, f32::INFINITY)], ..Default::default() }),
+            ("logprobs", SamplingParams { logprobs: Some(21), ..Default::default() }),
+            ("max_tokens", SamplingParams { max_tokens: 0, ..Default::default() }),
+            ("min_tokens", SamplingParams { min_tokens: 17, ..Default::default() }),
+            ("stop", SamplingParams { stop: vec![String::new()], ..Default::default() }),
+            ("stop_token_ids", SamplingParams { stop_token_ids: vec![1000], ..Default::default() }),
         ];
         for (param, p) in cases {
             let err = p.validate(vocab).expect_err(param);

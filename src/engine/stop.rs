@@ -31,11 +31,7 @@ impl StopChecker {
     /// rejects them earlier.
     pub fn new(stops: &[String]) -> Self {
         let stops = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
-        Self {
-            stops,
-            held: String::new(),
-            stopped: None,
-        }
+        Self { stops, held: String::new(), stopped: None }
     }
 
     /// Whether a stop string has been seen; later pushes emit nothing.
@@ -45,16 +41,10 @@ impl StopChecker {
 
     pub fn push(&mut self, delta: &str) -> StopOutcome {
         if self.stopped.is_some() {
-            return StopOutcome {
-                emit: String::new(),
-                stopped: self.stopped,
-            };
+            return StopOutcome { emit: String::new(), stopped: self.stopped };
         }
         if self.stops.is_empty() {
-            return StopOutcome {
-                emit: delta.to_string(),
-                stopped: None,
-            };
+            return StopOutcome { emit: delta.to_string(), stopped: None };
         }
         let mut text = std::mem::take(&mut self.held);
         text.push_str(delta);
@@ -62,27 +52,16 @@ impl StopChecker {
         // Earliest match wins; on equal positions, the first listed stop string. The
         // held part held no complete stop string, so searching all of `text` only
         // finds matches that involve the new delta.
-        let first = self
-            .stops
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| text.find(s.as_str()).map(|pos| (pos, i)))
-            .min();
+        let first = self.stops.iter().enumerate().filter_map(|(i, s)| text.find(s.as_str()).map(|pos| (pos, i))).min();
         if let Some((pos, i)) = first {
             text.truncate(pos);
             self.stopped = Some(i);
-            return StopOutcome {
-                emit: text,
-                stopped: Some(i),
-            };
+            return StopOutcome { emit: text, stopped: Some(i) };
         }
 
         let keep = self.longest_partial_suffix(&text);
         self.held = text.split_off(text.len() - keep);
-        StopOutcome {
-            emit: text,
-            stopped: None,
-        }
+        StopOutcome { emit: text, stopped: None }
     }
 
     /// Release the held-back text at the end of generation (empty after a stop).
@@ -98,10 +77,7 @@ impl StopChecker {
             .iter()
             .filter_map(|s| {
                 // Proper, non-empty prefixes s[..i] for char boundaries i > 0, longest first.
-                s.char_indices()
-                    .rev()
-                    .map(|(i, _)| i)
-                    .find(|&i| i > 0 && text.ends_with(&s[..i]))
+                s.char_indices().rev().map(|(i, _)| i).find(|&i| i > 0 && text.ends_with(&s[..i]))
             })
             .max()
             .unwrap_or(0)

@@ -13,7 +13,13 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
-    pub fn load(w: &Weights, prefix: &str, hidden: usize, inter: usize, act: Activation) -> std::result::Result<Self, WeightsError> {
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        act: Activation,
+    ) -> std::result::Result<Self, WeightsError> {
         Ok(GatedMlp {
             gate: Linear::load(w, &format!("{prefix}.gate_proj"), hidden, inter, false)?,
             up: Linear::load(w, &format!("{prefix}.up_proj"), hidden, inter, false)?,

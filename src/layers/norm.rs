@@ -17,7 +17,13 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(w: &Weights, name: &str, dim: usize, eps: f64, style: NormStyle) -> std::result::Result<Self, WeightsError> {
+    pub fn load(
+        w: &Weights,
+        name: &str,
+        dim: usize,
+        eps: f64,
+        style: NormStyle,
+    ) -> std::result::Result<Self, WeightsError> {
         let mut scale = w.dense_f32(name, &[dim])?;
         if style == NormStyle::OnePlus {
             scale = (scale + 1.0)?;

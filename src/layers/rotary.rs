@@ -20,7 +20,8 @@ impl Rotary {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor as f32),
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
-                let (factor, lo, hi, old) = (factor as f32, low_freq_factor as f32, high_freq_factor as f32, original_max_position as f32);
+                let (factor, lo, hi, old) =
+                    (factor as f32, low_freq_factor as f32, high_freq_factor as f32, original_max_position as f32);
                 let (low_wavelen, high_wavelen) = (old / lo, old / hi);
                 for f in inv_freq.iter_mut() {
                     let wavelen = 2.0 * std::f32::consts::PI / *f;

@@ -123,12 +123,9 @@ impl TextConfig {
 
     /// Reads `config.json` in a model directory.
     pub fn from_hf_file(path: &Path) -> Result<Self, WeightsError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| WeightsError::io(path, e))?;
-        let json: Value = serde_json::from_str(&text).map_err(|e| WeightsError::Config {
-            path: path.to_path_buf(),
-            msg: format!("not valid JSON: {e}"),
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|e| WeightsError::io(path, e))?;
+        let json: Value = serde_json::from_str(&text)
+            .map_err(|e| WeightsError::Config { path: path.to_path_buf(), msg: format!("not valid JSON: {e}") })?;
         Self::from_hf_json(&json).map_err(|msg| WeightsError::Config { path: path.to_path_buf(), msg })
     }
 
@@ -156,7 +153,9 @@ impl TextConfig {
         let head_dim = get("head_dim").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(hidden_size / num_heads);
         let num_layers = usize_of("num_hidden_layers")?;
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(format!("num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"));
+            return Err(format!(
+                "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            ));
         }
 
         let act = get("hidden_activation").or_else(|| get("hidden_act")).and_then(Value::as_str).unwrap_or("silu");
@@ -222,7 +221,11 @@ impl TextConfig {
             rope_layout: RopeLayout::Half,
             sliding_window,
             layer_kinds,
-            query_pre_attn_scalar: if arch == Arch::Gemma3 { get("query_pre_attn_scalar").and_then(Value::as_f64) } else { None },
+            query_pre_attn_scalar: if arch == Arch::Gemma3 {
+                get("query_pre_attn_scalar").and_then(Value::as_f64)
+            } else {
+                None
+            },
             final_logit_softcapping: get("final_logit_softcapping").and_then(Value::as_f64),
             attn_logit_softcapping: get("attn_logit_softcapping").and_then(Value::as_f64),
             bos_token_id: get("bos_token_id").and_then(Value::as_u64).map(|v| v as u32),
@@ -232,7 +235,8 @@ impl TextConfig {
 
     /// Parameters of the text model (embedding counted once when tied).
     pub fn parameter_count(&self) -> u64 {
-        let (h, i, l, v) = (self.hidden_size as u64, self.intermediate_size as u64, self.num_layers as u64, self.vocab_size as u64);
+        let (h, i, l, v) =
+            (self.hidden_size as u64, self.intermediate_size as u64, self.num_layers as u64, self.vocab_size as u64);
         let (q, kv) = ((self.num_heads * self.head_dim) as u64, (self.num_kv_heads * self.head_dim) as u64);
         let mut attn = h * q + 2 * h * kv + q * h;
         if self.attention_bias {
@@ -266,7 +270,8 @@ fn parse_rope<'a>(
 ) -> Result<(RopeConfig, Option<RopeConfig>), String> {
     let params = get("rope_parameters").filter(|v| v.is_object());
     let per_type = params.and_then(|p| p.get("full_attention")).is_some();
-    let full_src = if per_type { params.and_then(|p| p.get("full_attention")) } else { params.or_else(|| get("rope_scaling")) };
+    let full_src =
+        if per_type { params.and_then(|p| p.get("full_attention")) } else { params.or_else(|| get("rope_scaling")) };
     let theta_top = get("rope_theta").and_then(Value::as_f64);
     let rope = parse_one_rope(full_src, theta_top.unwrap_or(default_theta))?;
     let rope_local = if arch == Arch::Gemma3 {

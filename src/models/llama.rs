@@ -43,7 +43,13 @@ impl Llama {
                 Ok(Layer {
                     attn_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), h, eps, NormStyle::Plain)?,
                     attn: SelfAttention::load(w, &cfg, i, qk_norm)?,
-                    mlp_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), h, eps, NormStyle::Plain)?,
+                    mlp_norm: RmsNorm::load(
+                        w,
+                        &format!("{p}.post_attention_layernorm.weight"),
+                        h,
+                        eps,
+                        NormStyle::Plain,
+                    )?,
                     mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.activation)?,
                 })
             })

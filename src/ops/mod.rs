@@ -4,3 +4,5 @@
 pub mod kv_elem;
 pub mod kv_write;
 pub mod paged_attention;
+pub mod qmatmul;
+pub mod simd;

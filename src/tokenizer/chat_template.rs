@@ -45,20 +45,12 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with plain text content.
     pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: Some(MessageContent::Text(content.into())),
-            extra: Default::default(),
-        }
+        Self { role: role.into(), content: Some(MessageContent::Text(content.into())), extra: Default::default() }
     }
 
     /// A message whose content is a list of parts (text, image, ...).
     pub fn parts(role: impl Into<String>, parts: Vec<ContentPart>) -> Self {
-        Self {
-            role: role.into(),
-            content: Some(MessageContent::Parts(parts)),
-            extra: Default::default(),
-        }
+        Self { role: role.into(), content: Some(MessageContent::Parts(parts)), extra: Default::default() }
     }
 }
 
@@ -82,20 +74,12 @@ pub struct ContentPart {
 
 impl ContentPart {
     pub fn text(text: impl Into<String>) -> Self {
-        Self {
-            kind: "text".to_string(),
-            text: Some(text.into()),
-            extra: Default::default(),
-        }
+        Self { kind: "text".to_string(), text: Some(text.into()), extra: Default::default() }
     }
 
     /// An image placeholder part (`{"type": "image"}`); templates only test for its presence.
     pub fn image() -> Self {
-        Self {
-            kind: "image".to_string(),
-            text: None,
-            extra: Default::default(),
-        }
+        Self { kind: "image".to_string(), text: None, extra: Default::default() }
     }
 }
 
@@ -132,8 +116,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, without_generation_tags(source))
-            .map_err(ChatTemplateError::Syntax)?;
+        env.add_template_owned(TEMPLATE_NAME, without_generation_tags(source)).map_err(ChatTemplateError::Syntax)?;
         Ok(Self { env })
     }
 
@@ -146,18 +129,12 @@ impl ChatTemplate {
         ctx.extend(options.extra.clone());
         ctx.insert("tools".into(), serde_json::Value::Null);
         ctx.insert("documents".into(), serde_json::Value::Null);
-        ctx.insert(
-            "add_generation_prompt".into(),
-            options.add_generation_prompt.into(),
-        );
+        ctx.insert("add_generation_prompt".into(), options.add_generation_prompt.into());
         let mut ctx = Value::from_serialize(&ctx);
         // Messages go in as their own serialization so that key order stays as written.
         let messages = Value::from_serialize(messages);
         ctx = minijinja::context! { messages => messages, ..ctx };
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(ChatTemplateError::Render)?;
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(ChatTemplateError::Render)?;
         template.render(ctx).map_err(|e| match raised_message(&e) {
             Some(msg) => ChatTemplateError::Raised(msg),
             None => ChatTemplateError::Render(e),
@@ -176,8 +153,7 @@ fn without_generation_tags(source: &str) -> String {
             break;
         };
         let tag = &rest[start..start + len + 2];
-        let inner =
-            tag[2..tag.len() - 2].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let inner = tag[2..tag.len() - 2].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
         out.push_str(&rest[..start]);
         match inner {
             "generation" => out.push_str(&tag.replacen("generation", "if true", 1)),
@@ -203,10 +179,7 @@ impl std::fmt::Display for Raised {
 impl std::error::Error for Raised {}
 
 fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Error> {
-    Err(
-        minijinja::Error::new(ErrorKind::InvalidOperation, message.clone())
-            .with_source(Raised(message)),
-    )
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(Raised(message)))
 }
 
 fn raised_message(err: &minijinja::Error) -> Option<String> {
@@ -235,10 +208,7 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
             Some(s) => s.to_string(),
             None => {
                 let n = i64::try_from(v.clone()).map_err(|_| {
-                    minijinja::Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson: indent must be an int or a string",
-                    )
+                    minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an int or a string")
                 })?;
                 " ".repeat(n.max(0) as usize)
             }
@@ -247,15 +217,9 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
     // Python's defaults: ", " and ": " inline, "," and ": " with an indent.
     let (item_sep, key_sep) = match separators.filter(|v| !v.is_none()) {
         Some(v) => {
-            let parts: Vec<String> = v
-                .try_iter()?
-                .map(|p| p.as_str().map(str::to_string))
-                .collect::<Option<_>>()
-                .ok_or_else(|| {
-                    minijinja::Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson: separators must be two strings",
-                    )
+            let parts: Vec<String> =
+                v.try_iter()?.map(|p| p.as_str().map(str::to_string)).collect::<Option<_>>().ok_or_else(|| {
+                    minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings")
                 })?;
             match <[String; 2]>::try_from(parts) {
                 Ok([a, b]) => (a, b),
@@ -292,12 +256,7 @@ struct JsonWriter {
 }
 
 impl JsonWriter {
-    fn write(
-        &self,
-        out: &mut String,
-        v: &Value,
-        depth: usize,
-    ) -> std::result::Result<(), minijinja::Error> {
+    fn write(&self, out: &mut String, v: &Value, depth: usize) -> std::result::Result<(), minijinja::Error> {
         use minijinja::value::ValueKind;
         match v.kind() {
             ValueKind::Undefined | ValueKind::None => out.push_str("null"),
@@ -422,10 +381,7 @@ fn python_number(v: &Value) -> String {
 
 /// `datetime.now().strftime(format)`, in UTC, for the directives templates use.
 fn strftime_now(format: String) -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     strftime(secs, &format)
 }
 
@@ -444,15 +400,7 @@ fn strftime(unix_secs: i64, format: &str) -> String {
         "November",
         "December",
     ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     let days = unix_secs.div_euclid(86_400);
     let secs = unix_secs.rem_euclid(86_400);
     let (year, month, day) = civil_from_days(days);
@@ -522,14 +470,8 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
 
 /// The template named in a `tokenizer_config.json` `chat_template` field: a string, or a
 /// list of `{name, template}` of which "default" is used (as transformers does).
-pub fn template_from_config_value(
-    value: &serde_json::Value,
-    file: &Path,
-) -> Result<Option<String>> {
-    let source_err = |reason: String| ChatTemplateError::Source {
-        file: file.display().to_string(),
-        reason,
-    };
+pub fn template_from_config_value(value: &serde_json::Value, file: &Path) -> Result<Option<String>> {
+    let source_err = |reason: String| ChatTemplateError::Source { file: file.display().to_string(), reason };
     match value {
         serde_json::Value::Null => Ok(None),
         serde_json::Value::String(s) => Ok(Some(s.clone())),
@@ -541,19 +483,13 @@ pub fn template_from_config_value(
                     (Some("default"), Some(t)) => return Ok(Some(t.to_string())),
                     (Some(_), Some(_)) => {}
                     _ => {
-                        return Err(source_err(
-                            "`chat_template` list entries need string `name` and `template`".into(),
-                        ))
+                        return Err(source_err("`chat_template` list entries need string `name` and `template`".into()))
                     }
                 }
             }
-            Err(source_err(
-                "`chat_template` is a list of named templates without a \"default\" one".into(),
-            ))
+            Err(source_err("`chat_template` is a list of named templates without a \"default\" one".into()))
         }
-        _ => Err(source_err(
-            "`chat_template` must be a string or a list of {name, template}".into(),
-        )),
+        _ => Err(source_err("`chat_template` must be a string or a list of {name, template}".into())),
     }
 }
 
@@ -616,10 +552,7 @@ mod tests {
     fn opts(add_generation_prompt: bool) -> RenderOptions {
         RenderOptions {
             add_generation_prompt,
-            special_tokens: vec![
-                ("bos_token".into(), "<bos>".into()),
-                ("eos_token".into(), "<eos>".into()),
-            ],
+            special_tokens: vec![("bos_token".into(), "<bos>".into()), ("eos_token".into(), "<eos>".into())],
             extra: Default::default(),
         }
     }
@@ -629,10 +562,7 @@ mod tests {
             ChatMessage::text("system", "Be brief."),
             ChatMessage::text("user", "Hi there"),
             ChatMessage::text("assistant", "Hello! "),
-            ChatMessage::parts(
-                "user",
-                vec![ContentPart::image(), ContentPart::text(" What is this? ")],
-            ),
+            ChatMessage::parts("user", vec![ContentPart::image(), ContentPart::text(" What is this? ")]),
         ]
     }
 
@@ -653,10 +583,7 @@ mod tests {
              <|im_start|>assistant\n"
         );
         let no_prompt = t.render(&msgs[..2], &opts(false)).expect("render");
-        assert_eq!(
-            no_prompt,
-            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        );
+        assert_eq!(no_prompt, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
     }
 
     #[test]
@@ -675,16 +602,10 @@ mod tests {
     #[test]
     fn raise_exception_is_a_typed_error() {
         let t = ChatTemplate::new(GEMMA).expect("compile");
-        let msgs = vec![
-            ChatMessage::text("user", "a"),
-            ChatMessage::text("user", "b"),
-        ];
+        let msgs = vec![ChatMessage::text("user", "a"), ChatMessage::text("user", "b")];
         match t.render(&msgs, &opts(false)) {
             Err(ChatTemplateError::Raised(m)) => {
-                assert_eq!(
-                    m,
-                    "Conversation roles must alternate user/assistant/user/assistant/..."
-                )
+                assert_eq!(m, "Conversation roles must alternate user/assistant/user/assistant/...")
             }
             other => panic!("expected Raised, got {other:?}"),
         }
@@ -696,10 +617,7 @@ mod tests {
         // and the template's single trailing newline is dropped, like jinja2's defaults.
         let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n";
         let t = ChatTemplate::new(src).expect("compile");
-        let msgs = vec![
-            ChatMessage::text("user", "a"),
-            ChatMessage::text("assistant", "b"),
-        ];
+        let msgs = vec![ChatMessage::text("user", "a"), ChatMessage::text("assistant", "b")];
         assert_eq!(t.render(&msgs, &opts(false)).expect("render"), "[a]\n");
     }
 
@@ -726,8 +644,7 @@ mod tests {
         let src = "{{ x | tojson }}\n{{ x | tojson(indent=2) }}\n{{ x | tojson(ensure_ascii=true) }}\n{{ x | tojson(separators=[',', ':'], sort_keys=true) }}";
         let t = ChatTemplate::new(src).expect("compile");
         let mut o = opts(false);
-        let x =
-            serde_json::json!({"name": "é<tag>&'", "n": 1, "f": 0.5, "e": [], "l": [true, null]});
+        let x = serde_json::json!({"name": "é<tag>&'", "n": 1, "f": 0.5, "e": [], "l": [true, null]});
         o.extra.insert("x".into(), x);
         let out = t.render(&[], &o).expect("render");
         // serde_json (without preserve_order) sorts keys: e, f, l, n, name.
@@ -743,16 +660,13 @@ mod tests {
     #[test]
     fn message_keys_keep_their_order_in_tojson() {
         let t = ChatTemplate::new("{{ messages[0] | tojson }}").expect("compile");
-        let out = t
-            .render(&[ChatMessage::text("user", "hi")], &opts(false))
-            .expect("render");
+        let out = t.render(&[ChatMessage::text("user", "hi")], &opts(false)).expect("render");
         assert_eq!(out, "{\"role\": \"user\", \"content\": \"hi\"}");
     }
 
     #[test]
     fn generation_tags_render_their_body() {
-        let t =
-            ChatTemplate::new("a{%- generation -%} b {%- endgeneration -%} c").expect("compile");
+        let t = ChatTemplate::new("a{%- generation -%} b {%- endgeneration -%} c").expect("compile");
         assert_eq!(t.render(&[], &opts(false)).expect("render"), "abc");
     }
 
@@ -769,10 +683,7 @@ mod tests {
     fn strftime_formats_known_dates() {
         // 2024-02-29 13:05:09 UTC, a Thursday.
         assert_eq!(strftime(1_709_211_909, "%d %b %Y"), "29 Feb 2024");
-        assert_eq!(
-            strftime(1_709_211_909, "%A %B %-d %H:%M:%S %p %j %%"),
-            "Thursday February %-d 13:05:09 PM 060 %"
-        );
+        assert_eq!(strftime(1_709_211_909, "%A %B %-d %H:%M:%S %p %j %%"), "Thursday February %-d 13:05:09 PM 060 %");
         assert_eq!(strftime(0, "%Y-%m-%d %a"), "1970-01-01 Thu");
     }
 
@@ -780,28 +691,15 @@ mod tests {
     fn config_value_picks_default_template() {
         let file = Path::new("tokenizer_config.json");
         let list = serde_json::json!([{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]);
-        assert_eq!(
-            template_from_config_value(&list, file)
-                .expect("ok")
-                .as_deref(),
-            Some("D")
-        );
+        assert_eq!(template_from_config_value(&list, file).expect("ok").as_deref(), Some("D"));
         let no_default = serde_json::json!([{"name": "tool_use", "template": "T"}]);
         let err = template_from_config_value(&no_default, file).expect_err("no default");
         assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
-        assert_eq!(
-            template_from_config_value(&serde_json::json!("S"), file)
-                .expect("ok")
-                .as_deref(),
-            Some("S")
-        );
+        assert_eq!(template_from_config_value(&serde_json::json!("S"), file).expect("ok").as_deref(), Some("S"));
     }
 
     #[test]
     fn syntax_errors_are_reported() {
-        assert!(matches!(
-            ChatTemplate::new("{% if %}"),
-            Err(ChatTemplateError::Syntax(_))
-        ));
+        assert!(matches!(ChatTemplate::new("{% if %}"), Err(ChatTemplateError::Syntax(_))));
     }
 }

@@ -25,9 +25,7 @@ use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
-use tokenizers::{
-    AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
-};
+use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
 /// SentencePiece's word-boundary marker.
 const SPM_SPACE: char = '\u{2581}';
@@ -41,11 +39,7 @@ pub enum GgufTokenizerError {
     #[error("GGUF metadata key `{key}` is missing")]
     MissingKey { key: String },
     #[error("GGUF metadata key `{key}` has the wrong type: expected {expected}, found {found}")]
-    WrongType {
-        key: String,
-        expected: &'static str,
-        found: String,
-    },
+    WrongType { key: String, expected: &'static str, found: String },
     #[error("GGUF metadata key `{key}` is invalid: {reason}")]
     Invalid { key: String, reason: String },
     #[error("GGUF tokenizer model `{0}` (key `tokenizer.ggml.model`) is not supported; supported: gpt2, llama")]
@@ -86,11 +80,8 @@ pub fn tokenizer_from_gguf(content: &Content) -> Result<GgufTokenizer> {
     set_post_processor(&mut tokenizer, &spec)?;
 
     let token = |id: Option<u32>| id.and_then(|id| spec.tokens.get(id as usize).cloned());
-    let extra_eos_token_ids = [spec.eot_id, spec.eom_id]
-        .into_iter()
-        .flatten()
-        .filter(|id| Some(*id) != spec.eos_id)
-        .collect();
+    let extra_eos_token_ids =
+        [spec.eot_id, spec.eom_id].into_iter().flatten().filter(|id| Some(*id) != spec.eos_id).collect();
     Ok(GgufTokenizer {
         bos_token_id: spec.bos_id,
         eos_token_id: spec.eos_id,
@@ -109,19 +100,11 @@ struct Metadata<'a>(&'a HashMap<String, Value>);
 
 impl Metadata<'_> {
     fn get(&self, key: &str) -> Result<&Value> {
-        self.0
-            .get(key)
-            .ok_or_else(|| GgufTokenizerError::MissingKey {
-                key: key.to_string(),
-            })
+        self.0.get(key).ok_or_else(|| GgufTokenizerError::MissingKey { key: key.to_string() })
     }
 
     fn wrong_type(key: &str, expected: &'static str, value: &Value) -> GgufTokenizerError {
-        GgufTokenizerError::WrongType {
-            key: key.to_string(),
-            expected,
-            found: format!("{:?}", value.value_type()),
-        }
+        GgufTokenizerError::WrongType { key: key.to_string(), expected, found: format!("{:?}", value.value_type()) }
     }
 
     fn string(&self, key: &str) -> Result<String> {
@@ -233,15 +216,11 @@ impl VocabSpec {
         let tokens = meta.strings("tokenizer.ggml.tokens")?;
         let n = tokens.len();
         let scores = meta.opt_numbers("tokenizer.ggml.scores")?;
-        let token_types = meta
-            .opt_numbers("tokenizer.ggml.token_type")?
-            .map(|t| t.into_iter().map(|x| x as i32).collect::<Vec<_>>());
+        let token_types =
+            meta.opt_numbers("tokenizer.ggml.token_type")?.map(|t| t.into_iter().map(|x| x as i32).collect::<Vec<_>>());
         for (key, len) in [
             ("tokenizer.ggml.scores", scores.as_ref().map(Vec::len)),
-            (
-                "tokenizer.ggml.token_type",
-                token_types.as_ref().map(Vec::len),
-            ),
+            ("tokenizer.ggml.token_type", token_types.as_ref().map(Vec::len)),
         ] {
             if let Some(len) = len.filter(|&len| len != n) {
                 return Err(GgufTokenizerError::Invalid {
@@ -267,8 +246,7 @@ impl VocabSpec {
         let add_bos = if architecture == "gemma4" {
             false
         } else {
-            meta.opt_bool("tokenizer.ggml.add_bos_token")?
-                .unwrap_or(model == "llama")
+            meta.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(model == "llama")
         };
         Ok(Self {
             pre: meta.opt_string("tokenizer.ggml.pre")?,
@@ -282,9 +260,7 @@ impl VocabSpec {
             eot_id: id("tokenizer.ggml.eot_token_id")?,
             eom_id: id("tokenizer.ggml.eom_token_id")?,
             add_bos,
-            add_eos: meta
-                .opt_bool("tokenizer.ggml.add_eos_token")?
-                .unwrap_or(false),
+            add_eos: meta.opt_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
             add_space_prefix: meta.opt_bool("tokenizer.ggml.add_space_prefix")?,
             architecture,
             model,
@@ -308,12 +284,12 @@ impl VocabSpec {
             .iter()
             .enumerate()
             .map(|(i, m)| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| GgufTokenizerError::Invalid {
+                m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| {
+                    GgufTokenizerError::Invalid {
                         key: "tokenizer.ggml.merges".to_string(),
                         reason: format!("merge {i} ({m:?}) is not two tokens separated by a space"),
-                    })
+                    }
+                })
             })
             .collect::<Result<Vec<_>>>()
             .map(Some)
@@ -345,9 +321,7 @@ fn split_regex_for(pre: &str) -> Option<&'static str> {
     const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     match pre {
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe" => {
-            Some(LLAMA3)
-        }
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe" => Some(LLAMA3),
         "qwen2" | "deepseek-r1-qwen" | "megrez" => Some(QWEN2),
         _ => None,
     }
@@ -358,24 +332,14 @@ fn byte_level_pre_tokenizer(pre: Option<&str>) -> Result<PreTokenizerWrapper> {
     Ok(match pre {
         Some(p) if split_regex_for(p).is_some() => {
             let regex = split_regex_for(p).unwrap_or_default();
-            let split = Split::new(
-                SplitPattern::Regex(regex.to_string()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(build_err)?;
-            PreSequence::new(vec![
-                split.into(),
-                ByteLevel::new(false, true, false).into(),
-            ])
-            .into()
+            let split = Split::new(SplitPattern::Regex(regex.to_string()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(build_err)?;
+            PreSequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
         }
         // StarCoder-family vocabularies (SmolLM's included) were trained with every digit
         // split off; their `tokenizer.json` has `Digits(individual)` before `ByteLevel`, and
         // llama.cpp's `smollm`/`starcoder` pre-tokenizers do the same.
-        Some("smollm" | "starcoder") => {
-            PreSequence::new(vec![Digits::new(true).into(), plain.into()]).into()
-        }
+        Some("smollm" | "starcoder") => PreSequence::new(vec![Digits::new(true).into(), plain.into()]).into(),
         _ => plain.into(),
     })
 }
@@ -399,13 +363,8 @@ fn byte_level_bpe(spec: &VocabSpec) -> Result<Tokenizer> {
         .collect();
     let merges = spec
         .parsed_merges()?
-        .ok_or_else(|| GgufTokenizerError::MissingKey {
-            key: "tokenizer.ggml.merges".to_string(),
-        })?;
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .map_err(build_err)?;
+        .ok_or_else(|| GgufTokenizerError::MissingKey { key: "tokenizer.ggml.merges".to_string() })?;
+    let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(build_err)?;
     let mut tokenizer = Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(byte_level_pre_tokenizer(spec.pre.as_deref())?));
     tokenizer.with_decoder(Some(ByteLevel::default()));
@@ -418,13 +377,9 @@ fn sentencepiece_bpe(spec: &VocabSpec) -> Result<Tokenizer> {
     let merges = match spec.parsed_merges()? {
         Some(m) => m,
         None => {
-            let scores = spec
-                .scores
-                .as_ref()
-                .ok_or_else(|| GgufTokenizerError::MissingKey {
-                    key: "tokenizer.ggml.scores (needed when tokenizer.ggml.merges is absent)"
-                        .to_string(),
-                })?;
+            let scores = spec.scores.as_ref().ok_or_else(|| GgufTokenizerError::MissingKey {
+                key: "tokenizer.ggml.scores (needed when tokenizer.ggml.merges is absent)".to_string(),
+            })?;
             merges_from_vocab(&spec.tokens, &vocab, |id| scores[id as usize])
         }
     };
@@ -433,11 +388,7 @@ fn sentencepiece_bpe(spec: &VocabSpec) -> Result<Tokenizer> {
     // transformers always prepends `▁` to the first word here; llama.cpp honours the
     // file's `add_space_prefix`. We follow the file, since it describes the model.
     let prefix = spec.add_space_prefix.unwrap_or(true);
-    let scheme = if prefix {
-        PrependScheme::First
-    } else {
-        PrependScheme::Never
-    };
+    let scheme = if prefix { PrependScheme::First } else { PrependScheme::Never };
     tokenizer.with_pre_tokenizer(Some(Metaspace::new(SPM_SPACE, scheme, false)));
     let mut decoders = spm_decoders()?;
     if prefix {
@@ -470,9 +421,7 @@ fn gemma_bpe(spec: &VocabSpec) -> Result<Tokenizer> {
     };
     let unk = unk_token(spec, &vocab);
     let mut tokenizer = Tokenizer::new(spm_bpe(vocab, merges, unk)?);
-    tokenizer.with_normalizer(Some(
-        Replace::new(" ", SPM_SPACE.to_string()).map_err(build_err)?,
-    ));
+    tokenizer.with_normalizer(Some(Replace::new(" ", SPM_SPACE.to_string()).map_err(build_err)?));
     // A no-op after the normalizer, kept so the pipeline is the one transformers builds.
     tokenizer.with_pre_tokenizer(Some(
         Split::new(" ", SplitDelimiterBehavior::MergedWithPrevious, false).map_err(build_err)?,
@@ -488,11 +437,7 @@ fn is_python_space(c: char) -> bool {
 
 /// token -> id; a repeated token keeps its last id, as a Python dict comprehension would.
 fn vocab_of(tokens: &[String]) -> HashMap<String, u32> {
-    tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect()
+    tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect()
 }
 
 fn unk_token(spec: &VocabSpec, vocab: &HashMap<String, u32>) -> Option<String> {
@@ -503,10 +448,7 @@ fn unk_token(spec: &VocabSpec, vocab: &HashMap<String, u32>) -> Option<String> {
 
 fn spm_bpe(vocab: HashMap<String, u32>, merges: Merges, unk: Option<String>) -> Result<BPE> {
     let vocab: Vocab = vocab.into_iter().collect();
-    let mut builder = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .fuse_unk(true)
-        .byte_fallback(true);
+    let mut builder = BPE::builder().vocab_and_merges(vocab, merges).fuse_unk(true).byte_fallback(true);
     if let Some(unk) = unk {
         builder = builder.unk_token(unk);
     }
@@ -514,25 +456,16 @@ fn spm_bpe(vocab: HashMap<String, u32>, merges: Merges, unk: Option<String>) -> 
 }
 
 fn spm_decoders() -> Result<Vec<DecoderWrapper>> {
-    let replace = tokenizers::decoders::DecoderWrapper::Replace(
-        Replace::new(SPM_SPACE.to_string(), " ").map_err(build_err)?,
-    );
-    Ok(vec![
-        replace,
-        ByteFallback::new().into(),
-        Fuse::new().into(),
-    ])
+    let replace =
+        tokenizers::decoders::DecoderWrapper::Replace(Replace::new(SPM_SPACE.to_string(), " ").map_err(build_err)?);
+    Ok(vec![replace, ByteFallback::new().into(), Fuse::new().into()])
 }
 
 /// Recover BPE merges from a vocabulary, like transformers' `generate_merges` (used by its
 /// SentencePiece -> fast converter): every way to cut a piece into two vocabulary pieces is a
 /// merge, ranked by the merged piece's score (higher first), then by longer left, longer right.
 /// Within one piece, candidates are ordered by (left id, right id); the sort is stable.
-pub fn merges_from_vocab(
-    tokens: &[String],
-    vocab: &HashMap<String, u32>,
-    score_of: impl Fn(u32) -> f64,
-) -> Merges {
+pub fn merges_from_vocab(tokens: &[String], vocab: &HashMap<String, u32>, score_of: impl Fn(u32) -> f64) -> Merges {
     struct Candidate {
         left: u32,
         right: u32,
@@ -555,32 +488,15 @@ pub fn merges_from_vocab(
         for (n_left, (cut, _)) in piece.char_indices().enumerate().skip(1) {
             let (l, r) = piece.split_at(cut);
             if let (Some(&left), Some(&right)) = (vocab.get(l), vocab.get(r)) {
-                candidates.push(Candidate {
-                    left,
-                    right,
-                    score,
-                    left_len: n_left,
-                    right_len: r.chars().count(),
-                });
+                candidates.push(Candidate { left, right, score, left_len: n_left, right_len: r.chars().count() });
             }
         }
         candidates[start..].sort_by_key(|c| (c.left, c.right));
     }
     candidates.sort_by(|a, b| {
-        b.score
-            .total_cmp(&a.score)
-            .then(b.left_len.cmp(&a.left_len))
-            .then(b.right_len.cmp(&a.right_len))
+        b.score.total_cmp(&a.score).then(b.left_len.cmp(&a.left_len)).then(b.right_len.cmp(&a.right_len))
     });
-    candidates
-        .into_iter()
-        .map(|c| {
-            (
-                tokens[c.left as usize].clone(),
-                tokens[c.right as usize].clone(),
-            )
-        })
-        .collect()
+    candidates.into_iter().map(|c| (tokens[c.left as usize].clone(), tokens[c.right as usize].clone())).collect()
 }
 
 /// Control tokens become special added tokens, user-defined ones plain added tokens, so that
@@ -625,8 +541,7 @@ fn add_special_tokens(tokenizer: &mut Tokenizer, spec: &VocabSpec) {
 /// `bos $A eos` as configured, like transformers' `update_post_processor`.
 fn set_post_processor(tokenizer: &mut Tokenizer, spec: &VocabSpec) -> Result<()> {
     let named = |id: Option<u32>, enabled: bool| {
-        id.filter(|_| enabled)
-            .and_then(|id| spec.tokens.get(id as usize).map(|t| (t.clone(), id)))
+        id.filter(|_| enabled).and_then(|id| spec.tokens.get(id as usize).map(|t| (t.clone(), id)))
     };
     let bos = named(spec.bos_id, spec.add_bos);
     let eos = named(spec.eos_id, spec.add_eos);
@@ -675,10 +590,7 @@ mod tests {
     }
 
     fn ids(tok: &Tokenizer, text: &str, special: bool) -> Vec<u32> {
-        tok.encode(text, special)
-            .expect("encode")
-            .get_ids()
-            .to_vec()
+        tok.encode(text, special).expect("encode").get_ids().to_vec()
     }
 
     /// A tiny GPT-2 style vocabulary: control token, byte alphabet subset, a few merges.
@@ -719,10 +631,7 @@ mod tests {
             ("tokenizer.ggml.bos_token_id", Value::U32(16)),
             ("tokenizer.ggml.eos_token_id", Value::U32(0)),
             ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
-            (
-                "tokenizer.chat_template",
-                Value::String("{{ messages }}".into()),
-            ),
+            ("tokenizer.chat_template", Value::String("{{ messages }}".into())),
         ])
     }
 
@@ -739,15 +648,9 @@ mod tests {
         assert_eq!(ids(tok, "<|im_start|>hello", false), vec![16, 12]);
         // Without a Digits pre-tokenizer "12" is one word and merges.
         assert_eq!(ids(tok, "12", false), vec![17]);
-        assert_eq!(
-            tok.decode(&[12, 13, 4, 7, 3, 8], true).expect("decode"),
-            "hello world"
-        );
+        assert_eq!(tok.decode(&[12, 13, 4, 7, 3, 8], true).expect("decode"), "hello world");
         assert_eq!(tok.decode(&[0, 12], true).expect("decode"), "hello");
-        assert_eq!(
-            tok.decode(&[0, 12], false).expect("decode"),
-            "<|endoftext|>hello"
-        );
+        assert_eq!(tok.decode(&[0, 12], false).expect("decode"), "<|endoftext|>hello");
         assert_eq!(built.bos_token_id, Some(16));
         assert_eq!(built.eos_token.as_deref(), Some("<|endoftext|>"));
         assert_eq!(built.chat_template.as_deref(), Some("{{ messages }}"));
@@ -755,12 +658,8 @@ mod tests {
 
     #[test]
     fn smollm_pre_tokenizer_splits_digits() {
-        let plain = tokenizer_from_gguf(&gpt2_gguf("default"))
-            .expect("build")
-            .tokenizer;
-        let smollm = tokenizer_from_gguf(&gpt2_gguf("smollm"))
-            .expect("build")
-            .tokenizer;
+        let plain = tokenizer_from_gguf(&gpt2_gguf("default")).expect("build").tokenizer;
+        let smollm = tokenizer_from_gguf(&gpt2_gguf("smollm")).expect("build").tokenizer;
         // The merge "1 2" exists, but SmolLM's vocabulary was trained with digits split.
         assert_eq!(ids(&smollm, "12", false), vec![14, 15]);
         assert_eq!(ids(&plain, "12", false), vec![17]);
@@ -775,10 +674,7 @@ mod tests {
             types.push(6);
         }
         // id 259..: pieces, in decreasing score
-        let pieces = [
-            "▁", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "▁w", "hell", "▁hello", "llo",
-            "▁he", "or",
-        ];
+        let pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "▁w", "hell", "▁hello", "llo", "▁he", "or"];
         let mut scores = vec![0.0; tokens.len()];
         for (i, p) in pieces.iter().enumerate() {
             tokens.push(p.to_string());
@@ -793,18 +689,9 @@ mod tests {
         let mut meta = vec![
             ("general.architecture", Value::String(arch.into())),
             ("tokenizer.ggml.model", Value::String("llama".into())),
-            (
-                "tokenizer.ggml.tokens",
-                Value::Array(tokens.into_iter().map(Value::String).collect()),
-            ),
-            (
-                "tokenizer.ggml.scores",
-                Value::Array(scores.into_iter().map(|s| Value::F32(s as f32)).collect()),
-            ),
-            (
-                "tokenizer.ggml.token_type",
-                Value::Array(types.into_iter().map(Value::I32).collect()),
-            ),
+            ("tokenizer.ggml.tokens", Value::Array(tokens.into_iter().map(Value::String).collect())),
+            ("tokenizer.ggml.scores", Value::Array(scores.into_iter().map(|s| Value::F32(s as f32)).collect())),
+            ("tokenizer.ggml.token_type", Value::Array(types.into_iter().map(Value::I32).collect())),
             ("tokenizer.ggml.bos_token_id", Value::U32(1)),
             ("tokenizer.ggml.eos_token_id", Value::U32(2)),
             ("tokenizer.ggml.unknown_token_id", Value::U32(0)),
@@ -819,9 +706,7 @@ mod tests {
 
     #[test]
     fn spm_round_trip_derives_merges_from_scores() {
-        let tok = tokenizer_from_gguf(&spm_gguf("llama", None))
-            .expect("build")
-            .tokenizer;
+        let tok = tokenizer_from_gguf(&spm_gguf("llama", None)).expect("build").tokenizer;
         let p = |i: u32| SPM + i;
         // "hello" -> "▁hello" (dummy prefix): built through ▁h? no: h+e=he (9), l+l=ll (8),
         // ▁+he=▁he (14), ▁he+ll? no such token; hell=he+ll(11)... ▁hello = ▁he + llo.
@@ -834,54 +719,32 @@ mod tests {
         assert_eq!(ids(&tok, "world", false), vec![p(10), p(15), p(3), p(7)]);
         // Unknown characters fall back to UTF-8 bytes: "é" = C3 A9.
         assert_eq!(ids(&tok, "é", false), vec![p(0), 3 + 0xC3, 3 + 0xA9]);
-        assert_eq!(
-            tok.decode(&[1, p(0), p(11), p(4), 3 + 0xC3, 3 + 0xA9], true)
-                .expect("decode"),
-            "helloé"
-        );
+        assert_eq!(tok.decode(&[1, p(0), p(11), p(4), 3 + 0xC3, 3 + 0xA9], true).expect("decode"), "helloé");
     }
 
     #[test]
     fn spm_respects_add_space_prefix_false() {
-        let tok = tokenizer_from_gguf(&spm_gguf("llama", Some(false)))
-            .expect("build")
-            .tokenizer;
+        let tok = tokenizer_from_gguf(&spm_gguf("llama", Some(false))).expect("build").tokenizer;
         assert_eq!(ids(&tok, "hello", false), vec![SPM + 11, SPM + 4]);
-        assert_eq!(
-            ids(&tok, " world", false),
-            vec![SPM + 10, SPM + 15, SPM + 3, SPM + 7]
-        );
+        assert_eq!(ids(&tok, " world", false), vec![SPM + 10, SPM + 15, SPM + 3, SPM + 7]);
     }
 
     #[test]
     fn gemma_has_no_prefix_and_ranks_merges_by_position() {
-        let tok = tokenizer_from_gguf(&spm_gguf("gemma3", Some(false)))
-            .expect("build")
-            .tokenizer;
-        assert_eq!(
-            ids(&tok, "hello world", false),
-            vec![SPM + 11, SPM + 4, SPM + 10, SPM + 15, SPM + 3, SPM + 7]
-        );
+        let tok = tokenizer_from_gguf(&spm_gguf("gemma3", Some(false))).expect("build").tokenizer;
+        assert_eq!(ids(&tok, "hello world", false), vec![SPM + 11, SPM + 4, SPM + 10, SPM + 15, SPM + 3, SPM + 7]);
         assert_eq!(ids(&tok, "hello", true), vec![1, SPM + 11, SPM + 4]);
     }
 
     #[test]
     fn merges_follow_score_then_length_order() {
-        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc"]
-            .map(String::from)
-            .to_vec();
+        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc"].map(String::from).to_vec();
         let vocab = vocab_of(&tokens);
         let scores = [0.0, 0.0, 0.0, -2.0, -1.0, -3.0];
         let merges = merges_from_vocab(&tokens, &vocab, |id| scores[id as usize]);
-        let pairs: Vec<(&str, &str)> = merges
-            .iter()
-            .map(|(a, b)| (a.as_str(), b.as_str()))
-            .collect();
+        let pairs: Vec<(&str, &str)> = merges.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
         // bc (-1) before ab (-2) before the two cuts of abc (-3): longer left first.
-        assert_eq!(
-            pairs,
-            vec![("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]
-        );
+        assert_eq!(pairs, vec![("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]);
     }
 
     #[test]
@@ -890,23 +753,15 @@ mod tests {
         let err = tokenizer_from_gguf(&no_tokens).expect_err("no tokens");
         assert!(err.to_string().contains("tokenizer.ggml.tokens"), "{err}");
 
-        let wrong = round_trip(&[
-            ("tokenizer.ggml.model", Value::U32(3)),
-            ("tokenizer.ggml.tokens", strings(&["a"])),
-        ]);
+        let wrong = round_trip(&[("tokenizer.ggml.model", Value::U32(3)), ("tokenizer.ggml.tokens", strings(&["a"]))]);
         let err = tokenizer_from_gguf(&wrong).expect_err("model is not a string");
-        assert!(
-            matches!(err, GgufTokenizerError::WrongType { ref key, .. } if key == "tokenizer.ggml.model"),
-            "{err}"
-        );
+        assert!(matches!(err, GgufTokenizerError::WrongType { ref key, .. } if key == "tokenizer.ggml.model"), "{err}");
 
         let unknown = round_trip(&[
             ("tokenizer.ggml.model", Value::String("bert".into())),
             ("tokenizer.ggml.tokens", strings(&["a"])),
         ]);
-        assert!(
-            matches!(tokenizer_from_gguf(&unknown), Err(GgufTokenizerError::UnsupportedModel(m)) if m == "bert")
-        );
+        assert!(matches!(tokenizer_from_gguf(&unknown), Err(GgufTokenizerError::UnsupportedModel(m)) if m == "bert"));
 
         let no_merges = round_trip(&[
             ("tokenizer.ggml.model", Value::String("gpt2".into())),

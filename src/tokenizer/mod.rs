@@ -8,28 +8,21 @@ pub mod chat_template;
 pub mod gguf;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::Content;
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::Tokenizer;
 
-pub use chat_template::{
-    ChatMessage, ChatTemplate, ChatTemplateError, ContentPart, MessageContent, RenderOptions,
-};
+pub use chat_template::{ChatMessage, ChatTemplate, ChatTemplateError, ContentPart, MessageContent, RenderOptions};
 pub use gguf::{tokenizer_from_gguf, GgufTokenizer, GgufTokenizerError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     #[error("{}: cannot read: {source}", file.display())]
-    Io {
-        file: PathBuf,
-        source: std::io::Error,
-    },
+    Io { file: PathBuf, source: std::io::Error },
     #[error("{}: invalid JSON: {source}", file.display())]
-    Json {
-        file: PathBuf,
-        source: serde_json::Error,
-    },
+    Json { file: PathBuf, source: serde_json::Error },
     #[error("{}: {reason}", file.display())]
     Invalid { file: PathBuf, reason: String },
     #[error("{}: not a readable GGUF file: {reason}", file.display())]
@@ -51,7 +44,8 @@ pub type Result<T> = std::result::Result<T, TokenizerError>;
 /// A text tokenizer with its special ids and chat template.
 #[derive(Debug)]
 pub struct TextTokenizer {
-    inner: Tokenizer,
+    /// Shared with every sequence's incremental detokenizer.
+    inner: Arc<Tokenizer>,
     bos_token_id: Option<u32>,
     eos_token_ids: Vec<u32>,
     /// `bos_token`, `eos_token`, ... as the chat template sees them.
@@ -66,37 +60,20 @@ impl TextTokenizer {
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         let tokenizer_file = dir.join("tokenizer.json");
-        let mut inner =
-            Tokenizer::from_file(&tokenizer_file).map_err(|e| TokenizerError::Invalid {
-                file: tokenizer_file.clone(),
-                reason: format!("cannot load tokenizer: {e}"),
-            })?;
+        let mut inner = Tokenizer::from_file(&tokenizer_file).map_err(|e| TokenizerError::Invalid {
+            file: tokenizer_file.clone(),
+            reason: format!("cannot load tokenizer: {e}"),
+        })?;
 
         let config_file = dir.join("tokenizer_config.json");
         let config = read_json_if_exists(&config_file)?.unwrap_or_default();
         let token = |name: &str| special_token_content(&config, name, &config_file);
-        let special_tokens: Vec<(String, String)> =
-            ["bos_token", "eos_token", "unk_token", "pad_token"]
-                .into_iter()
-                .filter_map(|name| {
-                    token(name)
-                        .transpose()
-                        .map(|t| t.map(|t| (name.to_string(), t)))
-                })
-                .collect::<Result<_>>()?;
-        let named = |name: &str| {
-            special_tokens
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, t)| t.clone())
-        };
-        update_post_processor(
-            &mut inner,
-            &config,
-            &config_file,
-            named("bos_token"),
-            named("eos_token"),
-        )?;
+        let special_tokens: Vec<(String, String)> = ["bos_token", "eos_token", "unk_token", "pad_token"]
+            .into_iter()
+            .filter_map(|name| token(name).transpose().map(|t| t.map(|t| (name.to_string(), t))))
+            .collect::<Result<_>>()?;
+        let named = |name: &str| special_tokens.iter().find(|(n, _)| n == name).map(|(_, t)| t.clone());
+        update_post_processor(&mut inner, &config, &config_file, named("bos_token"), named("eos_token"))?;
 
         // `chat_template.jinja` wins over the config's field, as in transformers.
         let jinja_file = dir.join("chat_template.jinja");
@@ -112,33 +89,22 @@ impl TextTokenizer {
         // BOS/EOS ids: generation_config.json, then config.json, then the tokenizer's tokens.
         let generation = read_json_if_exists(&dir.join("generation_config.json"))?;
         let model_config = read_json_if_exists(&dir.join("config.json"))?;
-        let configs: Vec<&serde_json::Value> = [generation.as_ref(), model_config.as_ref()]
-            .into_iter()
-            .flatten()
-            .collect();
+        let configs: Vec<&serde_json::Value> =
+            [generation.as_ref(), model_config.as_ref()].into_iter().flatten().collect();
         let token_id = |name: &str| named(name).and_then(|t| inner.token_to_id(&t));
         let bos_token_id = configs
             .iter()
             .find_map(|c| ids_of(c.get("bos_token_id")).into_iter().next())
             .or_else(|| token_id("bos_token"));
         let mut eos_token_ids = Vec::new();
-        let eos_candidates = configs
-            .iter()
-            .flat_map(|c| ids_of(c.get("eos_token_id")))
-            .chain(token_id("eos_token"));
+        let eos_candidates = configs.iter().flat_map(|c| ids_of(c.get("eos_token_id"))).chain(token_id("eos_token"));
         for id in eos_candidates {
             if !eos_token_ids.contains(&id) {
                 eos_token_ids.push(id);
             }
         }
 
-        Ok(Self {
-            inner,
-            bos_token_id,
-            eos_token_ids,
-            special_tokens,
-            chat_template,
-        })
+        Ok(Self { inner: Arc::new(inner), bos_token_id, eos_token_ids, special_tokens, chat_template })
     }
 
     /// Build from GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
@@ -153,18 +119,10 @@ impl TextTokenizer {
         .into_iter()
         .filter_map(|(name, t)| t.map(|t| (name.to_string(), t)))
         .collect();
-        let chat_template = g
-            .chat_template
-            .as_deref()
-            .map(ChatTemplate::new)
-            .transpose()?;
-        let eos_token_ids = g
-            .eos_token_id
-            .into_iter()
-            .chain(g.extra_eos_token_ids)
-            .collect();
+        let chat_template = g.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
+        let eos_token_ids = g.eos_token_id.into_iter().chain(g.extra_eos_token_ids).collect();
         Ok(Self {
-            inner: g.tokenizer,
+            inner: Arc::new(g.tokenizer),
             bos_token_id: g.bos_token_id,
             eos_token_ids,
             special_tokens,
@@ -175,29 +133,21 @@ impl TextTokenizer {
     /// Read a GGUF file's metadata and build from it.
     pub fn from_gguf_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let mut file = std::fs::File::open(path).map_err(|source| TokenizerError::Io {
-            file: path.to_path_buf(),
-            source,
-        })?;
-        let content = Content::read(&mut file).map_err(|e| TokenizerError::GgufFile {
-            file: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+        let mut file =
+            std::fs::File::open(path).map_err(|source| TokenizerError::Io { file: path.to_path_buf(), source })?;
+        let content = Content::read(&mut file)
+            .map_err(|e| TokenizerError::GgufFile { file: path.to_path_buf(), reason: e.to_string() })?;
         Self::from_gguf(&content)
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let encoding =
+            self.inner.encode(text, add_special_tokens).map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| TokenizerError::Decode(e.to_string()))
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Decode(e.to_string()))
     }
 
     /// Every id that ends generation (generation_config's `eos_token_id` may be a list).
@@ -223,7 +173,7 @@ impl TextTokenizer {
     }
 
     /// The wrapped `tokenizers` tokenizer (e.g. for streaming decode).
-    pub fn inner(&self) -> &Tokenizer {
+    pub fn inner(&self) -> &Arc<Tokenizer> {
         &self.inner
     }
 
@@ -232,11 +182,7 @@ impl TextTokenizer {
     }
 
     /// Render a conversation with the model's chat template.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         self.apply_chat_template_with(messages, add_generation_prompt, Default::default())
     }
 
@@ -248,25 +194,14 @@ impl TextTokenizer {
         add_generation_prompt: bool,
         extra: serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        let template = self
-            .chat_template
-            .as_ref()
-            .ok_or(TokenizerError::NoChatTemplate)?;
-        let options = RenderOptions {
-            add_generation_prompt,
-            special_tokens: self.special_tokens.clone(),
-            extra,
-        };
+        let template = self.chat_template.as_ref().ok_or(TokenizerError::NoChatTemplate)?;
+        let options = RenderOptions { add_generation_prompt, special_tokens: self.special_tokens.clone(), extra };
         Ok(template.render(messages, &options)?)
     }
 
     /// Render and tokenize a conversation. Like transformers, the rendered text is encoded
     /// without adding special tokens: the template already writes BOS where it belongs.
-    pub fn encode_chat(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<Vec<u32>> {
+    pub fn encode_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>> {
         let text = self.apply_chat_template(messages, add_generation_prompt)?;
         self.encode(&text, false)
     }
@@ -276,30 +211,20 @@ fn read_if_exists(file: &Path) -> Result<Option<String>> {
     match std::fs::read_to_string(file) {
         Ok(s) => Ok(Some(s)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(TokenizerError::Io {
-            file: file.to_path_buf(),
-            source,
-        }),
+        Err(source) => Err(TokenizerError::Io { file: file.to_path_buf(), source }),
     }
 }
 
 fn read_json_if_exists(file: &Path) -> Result<Option<serde_json::Value>> {
     read_if_exists(file)?
         .map(|text| {
-            serde_json::from_str(&text).map_err(|source| TokenizerError::Json {
-                file: file.to_path_buf(),
-                source,
-            })
+            serde_json::from_str(&text).map_err(|source| TokenizerError::Json { file: file.to_path_buf(), source })
         })
         .transpose()
 }
 
 /// A special token in tokenizer_config.json: a string or an AddedToken dict with `content`.
-fn special_token_content(
-    config: &serde_json::Value,
-    name: &str,
-    file: &Path,
-) -> Result<Option<String>> {
+fn special_token_content(config: &serde_json::Value, name: &str, file: &Path) -> Result<Option<String>> {
     match config.get(name) {
         None | Some(serde_json::Value::Null) => Ok(None),
         Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
@@ -316,15 +241,10 @@ fn special_token_content(
 /// `eos_token_id` as an int or a list of ints.
 fn ids_of(value: Option<&serde_json::Value>) -> Vec<u32> {
     match value {
-        Some(serde_json::Value::Number(n)) => n
-            .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .into_iter()
-            .collect(),
-        Some(serde_json::Value::Array(items)) => items
-            .iter()
-            .filter_map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
-            .collect(),
+        Some(serde_json::Value::Number(n)) => n.as_u64().and_then(|n| u32::try_from(n).ok()).into_iter().collect(),
+        Some(serde_json::Value::Array(items)) => {
+            items.iter().filter_map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+        }
         _ => Vec::new(),
     }
 }
@@ -344,9 +264,7 @@ fn update_post_processor(
         return Ok(());
     }
     let with_id = |token: Option<String>, enabled: Option<bool>| {
-        token
-            .filter(|_| enabled == Some(true))
-            .and_then(|t| tokenizer.token_to_id(&t).map(|id| (t, id)))
+        token.filter(|_| enabled == Some(true)).and_then(|t| tokenizer.token_to_id(&t).map(|id| (t, id)))
     };
     let bos = with_id(bos, add_bos);
     let eos = with_id(eos, add_eos);
@@ -406,22 +324,14 @@ mod tests {
             }
         });
         std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).expect("write");
-        std::fs::write(
-            dir.join("tokenizer_config.json"),
-            tokenizer_config.to_string(),
-        )
-        .expect("write");
-        std::fs::write(
-            dir.join("generation_config.json"),
-            r#"{"bos_token_id": 0, "eos_token_id": [1, 2]}"#,
-        )
-        .expect("write");
+        std::fs::write(dir.join("tokenizer_config.json"), tokenizer_config.to_string()).expect("write");
+        std::fs::write(dir.join("generation_config.json"), r#"{"bos_token_id": 0, "eos_token_id": [1, 2]}"#)
+            .expect("write");
         std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 1}"#).expect("write");
     }
 
     fn temp_dir(name: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("iris-tokenizer-{name}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("iris-tokenizer-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("mkdir");
         dir
     }
@@ -448,15 +358,9 @@ mod tests {
         assert_eq!(tok.decode(&[0, 5, 7], true).expect("decode"), "hi hi");
 
         let msgs = [ChatMessage::text("u", "hi")];
-        assert_eq!(
-            tok.apply_chat_template(&msgs, false).expect("render"),
-            "<s>u:hi"
-        );
+        assert_eq!(tok.apply_chat_template(&msgs, false).expect("render"), "<s>u:hi");
         // The template wrote <s>; encode_chat must not add a second one.
-        assert_eq!(
-            tok.encode_chat(&msgs, false).expect("encode"),
-            vec![0, 10, 11, 5]
-        );
+        assert_eq!(tok.encode_chat(&msgs, false).expect("encode"), vec![0, 10, 11, 5]);
 
         // chat_template.jinja takes precedence over the config's template.
         std::fs::write(dir.join("chat_template.jinja"), "J{{ messages | length }}").expect("write");
@@ -485,10 +389,7 @@ mod tests {
             std::fs::remove_dir_all(&dir).ok();
             tok
         };
-        assert!(matches!(
-            tok.apply_chat_template(&[], true),
-            Err(TokenizerError::NoChatTemplate)
-        ));
+        assert!(matches!(tok.apply_chat_template(&[], true), Err(TokenizerError::NoChatTemplate)));
         // Without add_bos_token the tokenizer.json's own (absent) post-processor stays.
         assert_eq!(tok.encode("hi", true).expect("encode"), vec![5]);
     }

@@ -9,7 +9,9 @@ use candle_core::Device;
 
 use super::safetensors::root_cause;
 use super::{StoredTensor, WeightsError};
-use crate::models::config::{gemma_layer_pattern, Activation, Arch, LayerKind, RopeConfig, RopeLayout, RopeScaling, TextConfig};
+use crate::models::config::{
+    gemma_layer_pattern, Activation, Arch, LayerKind, RopeConfig, RopeLayout, RopeScaling, TextConfig,
+};
 
 /// One GGUF file: its metadata and a reader for its tensors.
 pub struct GgufFile {
@@ -25,11 +27,10 @@ impl GgufFile {
         let mut reader = BufReader::new(file);
         let content = Content::read(&mut reader)
             .map_err(|e| WeightsError::Gguf { path: path.to_path_buf(), msg: root_cause(&e) })?;
-        let arch_name = content
-            .metadata
-            .get("general.architecture")
-            .and_then(|v| v.to_string().ok())
-            .ok_or_else(|| WeightsError::Gguf { path: path.to_path_buf(), msg: "no general.architecture".into() })?;
+        let arch_name =
+            content.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).ok_or_else(|| {
+                WeightsError::Gguf { path: path.to_path_buf(), msg: "no general.architecture".into() }
+            })?;
         let arch = Arch::from_model_type(arch_name).ok_or_else(|| WeightsError::Config {
             path: path.to_path_buf(),
             msg: format!("unsupported architecture `{arch_name}` (iris supports llama, qwen2, qwen3, gemma3)"),
@@ -104,7 +105,9 @@ impl GgufFile {
     }
 
     fn u(&self, key: &str) -> Option<usize> {
-        self.meta(&self.arch_key(key)).and_then(|v| v.to_u64().ok().or_else(|| v.to_u32().ok().map(u64::from))).map(|v| v as usize)
+        self.meta(&self.arch_key(key))
+            .and_then(|v| v.to_u64().ok().or_else(|| v.to_u32().ok().map(u64::from)))
+            .map(|v| v as usize)
     }
 
     fn f(&self, key: &str) -> Option<f64> {
@@ -145,7 +148,11 @@ impl GgufFile {
         let rope = RopeConfig { theta: self.f("rope.freq_base").unwrap_or(default_theta), scaling };
         let (rope_local, sliding_window, layer_kinds) = if arch == Arch::Gemma3 {
             // llama.cpp fixes Gemma 3's local rotary base at 10k and every 6th layer global.
-            (Some(RopeConfig { theta: 10_000.0, scaling: RopeScaling::None }), self.u("attention.sliding_window"), gemma_layer_pattern(num_layers, 6))
+            (
+                Some(RopeConfig { theta: 10_000.0, scaling: RopeScaling::None }),
+                self.u("attention.sliding_window"),
+                gemma_layer_pattern(num_layers, 6),
+            )
         } else {
             (None, None, vec![LayerKind::Full; num_layers])
         };

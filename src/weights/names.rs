@@ -47,7 +47,10 @@ mod tests {
     fn maps_layer_names_per_arch() {
         assert_eq!(gguf_name("model.layers.3.self_attn.q_proj.weight", Arch::Llama).unwrap(), "blk.3.attn_q.weight");
         assert_eq!(gguf_name("model.layers.0.self_attn.k_proj.bias", Arch::Qwen2).unwrap(), "blk.0.attn_k.bias");
-        assert_eq!(gguf_name("model.layers.1.post_attention_layernorm.weight", Arch::Llama).unwrap(), "blk.1.ffn_norm.weight");
+        assert_eq!(
+            gguf_name("model.layers.1.post_attention_layernorm.weight", Arch::Llama).unwrap(),
+            "blk.1.ffn_norm.weight"
+        );
         assert_eq!(
             gguf_name("model.layers.1.post_attention_layernorm.weight", Arch::Gemma3).unwrap(),
             "blk.1.post_attention_norm.weight"

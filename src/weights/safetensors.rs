@@ -54,10 +54,9 @@ impl SafetensorsDir {
     }
 
     pub fn load(&self, name: &str, device: &Device) -> Result<Tensor, WeightsError> {
-        let key = self.resolve(name).ok_or_else(|| WeightsError::MissingTensor {
-            name: name.to_string(),
-            origin: self.dir.clone(),
-        })?;
+        let key = self
+            .resolve(name)
+            .ok_or_else(|| WeightsError::MissingTensor { name: name.to_string(), origin: self.dir.clone() })?;
         self.st.load(&key, device).map_err(|e| WeightsError::BadTensor {
             name: key,
             origin: self.dir.clone(),
@@ -84,10 +83,10 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, WeightsError> {
         let text = std::fs::read_to_string(&index).map_err(|e| WeightsError::io(&index, e))?;
         let json: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| WeightsError::Config { path: index.clone(), msg: format!("not valid JSON: {e}") })?;
-        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| WeightsError::Config {
-            path: index.clone(),
-            msg: "missing `weight_map` object".into(),
-        })?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| WeightsError::Config { path: index.clone(), msg: "missing `weight_map` object".into() })?;
         let mut files: Vec<PathBuf> = Vec::new();
         for v in map.values() {
             let f = v.as_str().ok_or_else(|| WeightsError::Config {
@@ -120,7 +119,9 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, WeightsError> {
 /// candle wraps errors in path and backtrace layers; users need the innermost message.
 pub(crate) fn root_cause(e: &candle_core::Error) -> String {
     match e {
-        candle_core::Error::WithPath { inner, .. } | candle_core::Error::WithBacktrace { inner, .. } => root_cause(inner),
+        candle_core::Error::WithPath { inner, .. } | candle_core::Error::WithBacktrace { inner, .. } => {
+            root_cause(inner)
+        }
         candle_core::Error::Context { inner, .. } => root_cause(inner),
         other => other.to_string(),
     }

