@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::linear::Linear;
+use super::linear::{Linear, StackedLinear};
 use super::norm::{NormStyle, RmsNorm};
 use super::rotary::RotaryAngles;
 use crate::batch::AttentionMeta;
@@ -14,9 +14,7 @@ use crate::ops::paged_attention::PagedAttention;
 use crate::weights::{Weights, WeightsError};
 
 pub struct SelfAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv_proj: StackedLinear,
     o_proj: Linear,
     /// Per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3).
     qk_norm: Option<(RmsNorm, RmsNorm)>,
@@ -47,9 +45,13 @@ impl SelfAttention {
             None => None,
         };
         Ok(SelfAttention {
-            q_proj: Linear::load(w, &format!("{p}.q_proj"), h, qd, bias)?,
-            k_proj: Linear::load(w, &format!("{p}.k_proj"), h, kvd, bias)?,
-            v_proj: Linear::load(w, &format!("{p}.v_proj"), h, kvd, bias)?,
+            qkv_proj: StackedLinear::load(
+                w,
+                &[format!("{p}.q_proj"), format!("{p}.k_proj"), format!("{p}.v_proj")],
+                h,
+                &[qd, kvd, kvd],
+                bias,
+            )?,
             o_proj: Linear::load(w, &format!("{p}.o_proj"), qd, h, false)?,
             qk_norm,
             num_heads: cfg.num_heads,
@@ -64,9 +66,11 @@ impl SelfAttention {
     /// `x`: `[T, hidden]` -> `[T, hidden]`.
     pub fn forward(&self, x: &Tensor, rot: &RotaryAngles, cache: &LayerCache, meta: &AttentionMeta) -> Result<Tensor> {
         let t = x.dim(0)?;
-        let q = self.q_proj.forward(x)?.reshape((t, self.num_heads, self.head_dim))?;
-        let k = self.k_proj.forward(x)?.reshape((t, self.num_kv_heads, self.head_dim))?;
-        let v = self.v_proj.forward(x)?.reshape((t, self.num_kv_heads, self.head_dim))?;
+        let [q, k, v]: [Tensor; 3] =
+            self.qkv_proj.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("qkv: 3 parts".into()))?;
+        let q = q.contiguous()?.reshape((t, self.num_heads, self.head_dim))?;
+        let k = k.contiguous()?.reshape((t, self.num_kv_heads, self.head_dim))?;
+        let v = v.contiguous()?.reshape((t, self.num_kv_heads, self.head_dim))?;
         let (q, k) = match &self.qk_norm {
             Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             None => (q, k),

@@ -57,3 +57,106 @@ impl Linear {
         }
     }
 }
+
+/// Several projections of one input computed as a single matrix product (q/k/v, gate/up):
+/// fewer, larger multiplications, each weight row still read once per step. Parts whose
+/// storage cannot be stacked (GGUF files may quantize q, k and v differently) stay separate.
+pub enum StackedLinear {
+    Merged { linear: Linear, widths: Vec<usize> },
+    Separate(Vec<Linear>),
+}
+
+impl StackedLinear {
+    pub fn load(
+        w: &Weights,
+        prefixes: &[String],
+        in_dim: usize,
+        out_dims: &[usize],
+        bias: bool,
+    ) -> std::result::Result<Self, WeightsError> {
+        let stored = prefixes
+            .iter()
+            .zip(out_dims)
+            .map(|(p, &o)| w.stored(&format!("{p}.weight"), &[o, in_dim]))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let biases = if bias {
+            let b = prefixes
+                .iter()
+                .zip(out_dims)
+                .map(|(p, &o)| w.dense(&format!("{p}.bias"), &[o]))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            Some(Tensor::cat(&b, 0)?)
+        } else {
+            None
+        };
+        let merged = if stored.iter().all(|s| matches!(s, StoredTensor::Dense(_))) {
+            let ts = stored
+                .iter()
+                .map(|s| match s {
+                    StoredTensor::Dense(t) => t.to_dtype(w.dtype()),
+                    StoredTensor::Quantized(_) => unreachable!("checked dense above"),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some(Matrix::Dense(Tensor::cat(&ts, 0)?))
+        } else {
+            let qs: Vec<&Arc<QTensor>> = stored
+                .iter()
+                .filter_map(|s| match s {
+                    StoredTensor::Quantized(q) => Some(q),
+                    StoredTensor::Dense(_) => None,
+                })
+                .collect();
+            match stack_quantized(&qs)? {
+                Some(q) if qs.len() == stored.len() => Some(Matrix::Quantized(QMatrix::new(Arc::new(q))?)),
+                _ => None,
+            }
+        };
+        Ok(match merged {
+            Some(m) => StackedLinear::Merged { linear: Linear { w: m, bias: biases }, widths: out_dims.to_vec() },
+            None => StackedLinear::Separate(
+                prefixes
+                    .iter()
+                    .zip(out_dims)
+                    .map(|(p, &o)| Linear::load(w, p, in_dim, o, bias))
+                    .collect::<std::result::Result<Vec<_>, _>>()?,
+            ),
+        })
+    }
+
+    /// One output per part, `[T, out_i]` each.
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            StackedLinear::Merged { linear, widths } => {
+                let y = linear.forward(x)?;
+                let mut off = 0;
+                widths
+                    .iter()
+                    .map(|&wd| {
+                        let part = y.narrow(1, off, wd);
+                        off += wd;
+                        part
+                    })
+                    .collect()
+            }
+            StackedLinear::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
+        }
+    }
+}
+
+/// Concatenates the rows of quantized matrices of one type and width (rows are whole blocks).
+fn stack_quantized(parts: &[&Arc<QTensor>]) -> Result<Option<QTensor>> {
+    let Some(first) = parts.first() else { return Ok(None) };
+    let (dt, cols) = (first.dtype(), first.shape().dims2()?.1);
+    let mut rows = 0;
+    let mut bytes = Vec::new();
+    for q in parts {
+        let (r, c) = q.shape().dims2()?;
+        if q.dtype() != dt || c != cols {
+            return Ok(None);
+        }
+        rows += r;
+        bytes.extend_from_slice(&q.data()?);
+    }
+    let storage = candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(bytes), &first.device(), dt)?;
+    Ok(Some(QTensor::new(storage, (rows, cols))?))
+}

@@ -1,13 +1,12 @@
 use candle_core::{Result, Tensor};
 
-use super::linear::Linear;
+use super::linear::{Linear, StackedLinear};
 use crate::models::config::Activation;
 use crate::weights::{Weights, WeightsError};
 
 /// `down(act(gate(x)) * up(x))`
 pub struct GatedMlp {
-    gate: Linear,
-    up: Linear,
+    gate_up: StackedLinear,
     down: Linear,
     act: Activation,
 }
@@ -21,19 +20,25 @@ impl GatedMlp {
         act: Activation,
     ) -> std::result::Result<Self, WeightsError> {
         Ok(GatedMlp {
-            gate: Linear::load(w, &format!("{prefix}.gate_proj"), hidden, inter, false)?,
-            up: Linear::load(w, &format!("{prefix}.up_proj"), hidden, inter, false)?,
+            gate_up: StackedLinear::load(
+                w,
+                &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
+                hidden,
+                &[inter, inter],
+                false,
+            )?,
             down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, false)?,
             act,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate.forward(x)?;
+        let [g, up]: [Tensor; 2] =
+            self.gate_up.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("gate/up: 2 parts".into()))?;
         let g = match self.act {
             Activation::Silu => candle_nn::ops::silu(&g)?,
             Activation::GeluTanh => g.gelu()?,
         };
-        self.down.forward(&(g * self.up.forward(x)?)?)
+        self.down.forward(&(g * up)?)
     }
 }
