@@ -545,6 +545,10 @@ def main() -> None:
             sys.exit(f"unknown engine {e}")
 
     info = machine_info(a)
+    load0 = os.getloadavg()
+    if load0[0] > 0.5:
+        log(f"warning: load average {load0[0]:.1f} before starting; other work on the cores will "
+            "distort the numbers (OpenMP engines by far more than the load suggests)")
     log(f"model {model}; {len(prompt)} prompt tokens; iris {info['iris_commit']}; {a.rounds} round(s)")
     results = {c["name"]: [] for c in configs}
     t_start = time.time()
@@ -559,10 +563,12 @@ def main() -> None:
                 + "  ".join(f"b{x['batch']} {x['decode_tok_s']:6.1f}" for x in res["rows"])
                 + f"  ({res['wall_s']:.0f} s)")
     elapsed = time.time() - t_start
+    load1 = os.getloadavg()
     med, tables = summarize(results, configs, a)
 
     machine = (f"Machine: {info['cpu']} ({info['isa']}), {info['cores']} cores visible, {info['mem_gb']} GB RAM, "
-               f"Linux {info['kernel']}; shared and noisy, so expect +-10%.\n"
+               f"Linux {info['kernel']}; shared and noisy, so expect +-10%. 1-min load average "
+               f"{load0[0]:.1f} before the run (the benchmark itself adds ~2), {load1[0]:.1f} after.\n"
                f"Versions: iris {info['iris_version'].replace('iris ', '')} at commit {info['iris_commit']}; "
                f"llama-cpp-python {info['llama_cpp_python']}; transformers {info['transformers']}; "
                f"torch {info['torch']}; Python {info['python']}.\n"
