@@ -16,17 +16,6 @@ pub enum BlockFormat {
     Q8_0,
 }
 
-impl BlockFormat {
-    pub fn block_bytes(self) -> usize {
-        match self {
-            BlockFormat::Q4_0 => 18,
-            BlockFormat::Q4_1 => 20,
-            BlockFormat::Q5_0 => 22,
-            BlockFormat::Q8_0 => 34,
-        }
-    }
-}
-
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -44,76 +33,136 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     half::f16::from_bits(u16::from_le_bytes([*p, *p.add(1)])).to_f32()
 }
 
-/// The 32 weights of the block at `p` as two vectors (elements 0..16 and 16..32).
+/// One block format's decoder: the 32 weights of the block at `p` as two vectors
+/// (elements 0..16 and 16..32). A type per format, so each kernel is compiled for one
+/// format with no per-block dispatch.
+#[cfg(target_arch = "x86_64")]
+trait Decode {
+    const BYTES: usize;
+    unsafe fn decode(p: *const u8) -> (__m512, __m512);
+}
+
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn decode(fmt: BlockFormat, p: *const u8) -> (__m512, __m512) {
-    let nib = |qs: __m128i| {
-        let mask = _mm_set1_epi8(0x0F);
-        (_mm_and_si128(qs, mask), _mm_and_si128(_mm_srli_epi16(qs, 4), mask))
-    };
-    match fmt {
-        BlockFormat::Q4_0 => {
-            let d = _mm512_set1_ps(f16_at(p));
-            let (lo, hi) = nib(_mm_loadu_si128(p.add(2) as *const __m128i));
-            let eight = _mm512_set1_epi32(8);
-            let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), eight));
-            let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), eight));
-            (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
-        }
-        BlockFormat::Q4_1 => {
-            let d = _mm512_set1_ps(f16_at(p));
-            let m = _mm512_set1_ps(f16_at(p.add(2)));
-            let (lo, hi) = nib(_mm_loadu_si128(p.add(4) as *const __m128i));
-            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
-            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-            (_mm512_add_ps(_mm512_mul_ps(q0, d), m), _mm512_add_ps(_mm512_mul_ps(q1, d), m))
-        }
-        BlockFormat::Q5_0 => {
-            let d = _mm512_set1_ps(f16_at(p));
-            let qh = u32::from_le_bytes([*p.add(2), *p.add(3), *p.add(4), *p.add(5)]);
-            let (lo, hi) = nib(_mm_loadu_si128(p.add(6) as *const __m128i));
-            let sixteen = _mm512_set1_epi32(16);
-            // Bit j of qh is the fifth bit of element j (and bit 16 + j of element 16 + j).
-            let i0 = _mm512_mask_or_epi32(_mm512_cvtepu8_epi32(lo), qh as u16, _mm512_cvtepu8_epi32(lo), sixteen);
-            let i1 =
-                _mm512_mask_or_epi32(_mm512_cvtepu8_epi32(hi), (qh >> 16) as u16, _mm512_cvtepu8_epi32(hi), sixteen);
-            let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i0, sixteen));
-            let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i1, sixteen));
-            (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
-        }
-        BlockFormat::Q8_0 => {
-            let d = _mm512_set1_ps(f16_at(p));
-            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i)));
-            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i)));
-            (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
-        }
+unsafe fn nibbles(qs: __m128i) -> (__m512i, __m512i) {
+    let mask = _mm_set1_epi8(0x0F);
+    (
+        _mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)),
+        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)),
+    )
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Q4_0;
+#[cfg(target_arch = "x86_64")]
+impl Decode for Q4_0 {
+    const BYTES: usize = 18;
+    #[inline(always)]
+    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
+        let d = _mm512_set1_ps(f16_at(p));
+        let (lo, hi) = nibbles(_mm_loadu_si128(p.add(2) as *const __m128i));
+        let eight = _mm512_set1_epi32(8);
+        let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight));
+        let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight));
+        (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Q4_1;
+#[cfg(target_arch = "x86_64")]
+impl Decode for Q4_1 {
+    const BYTES: usize = 20;
+    #[inline(always)]
+    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
+        let d = _mm512_set1_ps(f16_at(p));
+        let m = _mm512_set1_ps(f16_at(p.add(2)));
+        let (lo, hi) = nibbles(_mm_loadu_si128(p.add(4) as *const __m128i));
+        let (q0, q1) = (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi));
+        (_mm512_add_ps(_mm512_mul_ps(q0, d), m), _mm512_add_ps(_mm512_mul_ps(q1, d), m))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Q5_0;
+#[cfg(target_arch = "x86_64")]
+impl Decode for Q5_0 {
+    const BYTES: usize = 22;
+    #[inline(always)]
+    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
+        let d = _mm512_set1_ps(f16_at(p));
+        let qh = u32::from_le_bytes([*p.add(2), *p.add(3), *p.add(4), *p.add(5)]);
+        let (lo, hi) = nibbles(_mm_loadu_si128(p.add(6) as *const __m128i));
+        let sixteen = _mm512_set1_epi32(16);
+        // Bit j of qh is the fifth bit of element j (and bit 16 + j of element 16 + j).
+        let i0 = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
+        let i1 = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
+        let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i0, sixteen));
+        let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i1, sixteen));
+        (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Q8_0;
+#[cfg(target_arch = "x86_64")]
+impl Decode for Q8_0 {
+    const BYTES: usize = 34;
+    #[inline(always)]
+    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
+        let d = _mm512_set1_ps(f16_at(p));
+        let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i)));
+        let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i)));
+        (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
     }
 }
 
 /// `out[i] = dot(dequant(row), x[i * k..(i + 1) * k])` for `i < M`, where `row` holds the
-/// `k / 32` blocks of one weight row.
+/// `k / 32` blocks of one weight row. Two accumulators per row halve the FMA dependency chain.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dot_rows_of<F: Decode, const M: usize>(row: &[u8], x: &[f32], k: usize, out: &mut [f32]) {
+    debug_assert!(x.len() >= M * k && row.len() >= k / 32 * F::BYTES && out.len() >= M);
+    let mut acc0 = [_mm512_setzero_ps(); M];
+    let mut acc1 = [_mm512_setzero_ps(); M];
+    let xp = x.as_ptr();
+    let rp = row.as_ptr();
+    for b in 0..k / 32 {
+        let (w0, w1) = F::decode(rp.add(b * F::BYTES));
+        for i in 0..M {
+            let xi = xp.add(i * k + b * 32);
+            acc0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc0[i]);
+            acc1[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi.add(16)), acc1[i]);
+        }
+    }
+    for i in 0..M {
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
+    }
+}
+
+/// `out[i] = dot(dequant(row), x[i * k..(i + 1) * k])` for `i < M`.
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW; `row` must hold `k / 32` blocks of `fmt`, `x` `M * k` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], k: usize, out: &mut [f32]) {
-    debug_assert!(x.len() >= M * k && row.len() >= k / 32 * fmt.block_bytes() && out.len() >= M);
-    let bb = fmt.block_bytes();
-    let mut acc = [_mm512_setzero_ps(); M];
-    let xp = x.as_ptr();
-    let rp = row.as_ptr();
-    for b in 0..k / 32 {
-        let (w0, w1) = decode(fmt, rp.add(b * bb));
-        for i in 0..M {
-            let xi = xp.add(i * k + b * 32);
-            acc[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[i]);
-            acc[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi.add(16)), acc[i]);
-        }
+    match fmt {
+        BlockFormat::Q4_0 => dot_rows_of::<Q4_0, M>(row, x, k, out),
+        BlockFormat::Q4_1 => dot_rows_of::<Q4_1, M>(row, x, k, out),
+        BlockFormat::Q5_0 => dot_rows_of::<Q5_0, M>(row, x, k, out),
+        BlockFormat::Q8_0 => dot_rows_of::<Q8_0, M>(row, x, k, out),
     }
-    for i in 0..M {
-        out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dequant_row_of<F: Decode>(row: &[u8], out: &mut [f32]) {
+    let (rp, op) = (row.as_ptr(), out.as_mut_ptr());
+    for b in 0..out.len() / 32 {
+        let (w0, w1) = F::decode(rp.add(b * F::BYTES));
+        _mm512_storeu_ps(op.add(b * 32), w0);
+        _mm512_storeu_ps(op.add(b * 32 + 16), w1);
     }
 }
 
@@ -124,11 +173,10 @@ pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 pub unsafe fn dequant_row(fmt: BlockFormat, row: &[u8], out: &mut [f32]) {
-    let bb = fmt.block_bytes();
-    let (rp, op) = (row.as_ptr(), out.as_mut_ptr());
-    for b in 0..out.len() / 32 {
-        let (w0, w1) = decode(fmt, rp.add(b * bb));
-        _mm512_storeu_ps(op.add(b * 32), w0);
-        _mm512_storeu_ps(op.add(b * 32 + 16), w1);
+    match fmt {
+        BlockFormat::Q4_0 => dequant_row_of::<Q4_0>(row, out),
+        BlockFormat::Q4_1 => dequant_row_of::<Q4_1>(row, out),
+        BlockFormat::Q5_0 => dequant_row_of::<Q5_0>(row, out),
+        BlockFormat::Q8_0 => dequant_row_of::<Q8_0>(row, out),
     }
 }
