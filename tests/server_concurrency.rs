@@ -108,6 +108,9 @@ fn client_disconnect_before_first_token_frees_blocks() {
         "blocks not freed:\n{}",
         s.get("/metrics").text()
     );
+    // Freed because they were cancelled, not because they ran to the end.
+    let m = s.get("/metrics").text();
+    assert!(m.contains("iris_request_success_total{finished_reason=\"abort\"} 4"), "{m}");
 }
 
 #[test]
