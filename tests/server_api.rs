@@ -95,7 +95,10 @@ fn content_parts_and_developer_role_render_like_strings() {
 #[test]
 fn stop_strings_end_generation_and_are_not_returned() {
     let s = Server::start(&[]);
-    let full = s.post("/v1/completions", &json!({ "prompt": "the cat", "max_tokens": 24, "temperature": 0, "ignore_eos": true }));
+    let full = s.post(
+        "/v1/completions",
+        &json!({ "prompt": "the cat", "max_tokens": 24, "temperature": 0, "ignore_eos": true }),
+    );
     assert_eq!(full.status, 200, "{}", full.text());
     let text = full.json()["choices"][0]["text"].as_str().unwrap().to_string();
     // Pick a stop string from the middle of the greedy output.
@@ -194,7 +197,10 @@ fn seeded_n_choices_equal_single_requests_with_seed_plus_i() {
 #[test]
 fn chat_logprobs_shape() {
     let s = Server::start(&[]);
-    let r = s.post("/v1/chat/completions", &chat_body("hi", json!({ "logprobs": true, "top_logprobs": 3, "max_tokens": 4 })));
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat_body("hi", json!({ "logprobs": true, "top_logprobs": 3, "max_tokens": 4 })),
+    );
     let v = r.json();
     let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
     assert_eq!(content.len(), 4);
@@ -254,13 +260,14 @@ fn anthropic_messages_and_stream_events() {
     assert!(v["id"].as_str().unwrap().starts_with("msg_"));
     assert_eq!(v["content"][0]["type"], "text");
     let out = v["usage"]["output_tokens"].as_u64().unwrap();
-    assert!(out >= 1 && out <= 8);
+    assert!((1..=8).contains(&out));
     if out < 8 {
         assert_eq!(v["stop_reason"], "end_turn");
     } else {
         assert!(v["stop_reason"] == "max_tokens" || v["stop_reason"] == "end_turn");
     }
-    let count = s.post("/v1/messages/count_tokens", &json!({ "messages": body["messages"], "system": "Be terse." })).json();
+    let count =
+        s.post("/v1/messages/count_tokens", &json!({ "messages": body["messages"], "system": "Be terse." })).json();
     assert_eq!(count["input_tokens"], v["usage"]["input_tokens"]);
 
     let mut sb = body.clone();

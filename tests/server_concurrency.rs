@@ -85,7 +85,8 @@ fn real_model_concurrent_streams_equal_each_request_alone() {
         Err(e) => panic!("fetching the default model failed: {e:#}"),
     };
     let s = Server::start_path(&path, &["--kv-cache-memory", "256MiB"]);
-    let questions = ["What is 2+2?", "Name a color.", "Write a haiku about rain.", "Who wrote Hamlet?", "Hi", "Count to five."];
+    let questions =
+        ["What is 2+2?", "Name a color.", "Write a haiku about rain.", "Who wrote Hamlet?", "Hi", "Count to five."];
     let bodies: Vec<Value> = questions
         .iter()
         .map(|q| json!({ "messages": [{ "role": "user", "content": q }], "temperature": 0, "max_tokens": 16, "stream": true }))

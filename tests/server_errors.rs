@@ -73,7 +73,8 @@ fn empty_messages() {
 #[test]
 fn unknown_role() {
     let s = Server::start(&[]);
-    let e = openai_error(&s, "/v1/chat/completions", &chat(json!([{ "role": "wizard", "content": "hi" }]), json!({})), 400);
+    let e =
+        openai_error(&s, "/v1/chat/completions", &chat(json!([{ "role": "wizard", "content": "hi" }]), json!({})), 400);
     assert_eq!(e["param"], "messages[0].role");
     assert!(e["message"].as_str().unwrap().contains("wizard"));
 }
@@ -84,9 +85,15 @@ fn max_tokens_not_positive() {
     for bad in [0, -5] {
         let e = openai_error(&s, "/v1/chat/completions", &chat(user("hi"), json!({ "max_tokens": bad })), 400);
         assert_eq!(e["param"], "max_tokens");
-        let e = openai_error(&s, "/v1/chat/completions", &chat(user("hi"), json!({ "max_completion_tokens": bad })), 400);
+        let e =
+            openai_error(&s, "/v1/chat/completions", &chat(user("hi"), json!({ "max_completion_tokens": bad })), 400);
         assert_eq!(e["param"], "max_completion_tokens");
-        let e = openai_error(&s, "/v1/completions", &json!({ "prompt": "a", "max_tokens": bad }).to_string().into_bytes(), 400);
+        let e = openai_error(
+            &s,
+            "/v1/completions",
+            &json!({ "prompt": "a", "max_tokens": bad }).to_string().into_bytes(),
+            400,
+        );
         assert_eq!(e["param"], "max_tokens");
     }
 }
@@ -156,7 +163,12 @@ fn bad_sampling_values() {
         let e = openai_error(&s, "/v1/chat/completions", &chat(user("hi"), json!({ field: value })), 400);
         assert_eq!(e["param"], field, "{e}");
     }
-    let e = openai_error(&s, "/v1/chat/completions", &chat(user("hi"), json!({ "logprobs": true, "top_logprobs": 50 })), 400);
+    let e = openai_error(
+        &s,
+        "/v1/chat/completions",
+        &chat(user("hi"), json!({ "logprobs": true, "top_logprobs": 50 })),
+        400,
+    );
     assert_eq!(e["param"], "top_logprobs");
 }
 
@@ -168,7 +180,10 @@ fn anthropic_errors_have_anthropic_shape() {
         (json!({ "max_tokens": 0, "messages": [{ "role": "user", "content": "hi" }] }), 400),
         (json!({ "max_tokens": 5, "messages": [] }), 400),
         (json!({ "max_tokens": 5, "messages": [{ "role": "system", "content": "hi" }] }), 400),
-        (json!({ "max_tokens": 5, "messages": [{ "role": "user", "content": [{ "type": "image", "source": {} }] }] }), 400),
+        (
+            json!({ "max_tokens": 5, "messages": [{ "role": "user", "content": [{ "type": "image", "source": {} }] }] }),
+            400,
+        ),
         (json!({ "model": "claude-9", "max_tokens": 5, "messages": [{ "role": "user", "content": "hi" }] }), 404),
     ] {
         let r = s.post("/v1/messages", &body);
@@ -194,7 +209,8 @@ fn unknown_route_is_404_json() {
 fn queue_full_is_429_with_a_clear_message() {
     let s = Server::start(&["--max-num-seqs", "2", "--max-queue", "2"]);
     // One request holding all 4 slots (2 running, 2 queued) for thousands of steps.
-    let long = json!({ "prompt": "a", "n": 4, "max_tokens": 100000, "ignore_eos": true, "stream": true, "temperature": 0 });
+    let long =
+        json!({ "prompt": "a", "n": 4, "max_tokens": 100000, "ignore_eos": true, "stream": true, "temperature": 0 });
     let mut a = OpenStream::open(&s.addr, "/v1/completions", &long);
     a.read_until("data:");
     let e = openai_error(&s, "/v1/completions", json!({ "prompt": "a", "max_tokens": 2 }).to_string().as_bytes(), 429);

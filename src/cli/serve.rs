@@ -41,7 +41,8 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
-    let threads = a.http_threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).max(2));
+    let threads =
+        a.http_threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).max(2));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
         .thread_name("iris-http")
@@ -63,7 +64,13 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let name = a.served_model_name.clone().unwrap_or_else(|| default_name(&path));
     let cfg = ServeConfig {
         served_model_name: name.clone(),
-        model_path: a.engine.model.model.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| path.display().to_string()),
+        model_path: a
+            .engine
+            .model
+            .model
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| path.display().to_string()),
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: a.max_body_bytes,
         shutdown_timeout: Duration::from_secs_f64(a.shutdown_timeout.max(0.0)),

@@ -96,7 +96,9 @@ fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
             Some(other) => {
                 return Err(ApiError::invalid_param(
                     format!("messages[{i}].role"),
-                    format!("unknown role `{other}` in `messages[{i}]`: use user or assistant (system goes in `system`)"),
+                    format!(
+                        "unknown role `{other}` in `messages[{i}]`: use user or assistant (system goes in `system`)"
+                    ),
                 ))
             }
             None => {
@@ -106,9 +108,9 @@ fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 ))
             }
         };
-        let content = m
-            .get("content")
-            .ok_or_else(|| ApiError::invalid_param(format!("messages[{i}].content"), format!("`messages[{i}]` has no `content`")))?;
+        let content = m.get("content").ok_or_else(|| {
+            ApiError::invalid_param(format!("messages[{i}].content"), format!("`messages[{i}]` has no `content`"))
+        })?;
         out.push(ChatMessage::text(role, blocks_text(content, &format!("messages[{i}].content"))?));
     }
     Ok(out)

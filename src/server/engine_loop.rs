@@ -36,7 +36,11 @@ pub enum SeqEventKind {
 }
 
 pub enum Command {
-    Add { index: usize, request: Request, events: UnboundedSender<SeqEvent> },
+    Add {
+        index: usize,
+        request: Request,
+        events: UnboundedSender<SeqEvent>,
+    },
     /// Cancel everything (shutdown deadline passed).
     AbortAll,
 }

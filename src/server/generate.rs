@@ -11,7 +11,7 @@ use axum::http::StatusCode;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
-use super::engine_loop::{EngineHandle, SeqEvent, SeqEventKind, SubmitError, Submission};
+use super::engine_loop::{EngineHandle, SeqEvent, SeqEventKind, Submission, SubmitError};
 use super::errors::ApiError;
 use super::AppState;
 use crate::engine::{FinishReason, Request, RequestError, SamplingParams};
@@ -33,14 +33,20 @@ pub fn random_id(prefix: &str) -> String {
 pub fn parse_json(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<serde_json::Value, ApiError> {
     let bytes = body.map_err(|rej| {
         if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body is larger than the limit of {limit} bytes"))
-                .code("request_too_large")
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is larger than the limit of {limit} bytes"),
+            )
+            .code("request_too_large")
         } else {
             ApiError::new(rej.status(), format!("cannot read the request body: {}", rej.body_text()))
         }
     })?;
     let text = std::str::from_utf8(&bytes).map_err(|e| {
-        ApiError::bad_request(format!("the request body is not valid UTF-8 (invalid byte at offset {})", e.valid_up_to()))
+        ApiError::bad_request(format!(
+            "the request body is not valid UTF-8 (invalid byte at offset {})",
+            e.valid_up_to()
+        ))
     })?;
     let value: serde_json::Value = serde_json::from_str(text)
         .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
@@ -202,8 +208,9 @@ pub fn check_request(engine: &EngineHandle, prompt: &[u32], params: &mut Samplin
     }
     let vocab = engine.info.vocab_size;
     if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::bad_request(format!("token id {id} is outside the vocabulary of {vocab} tokens"))
-            .param("prompt"));
+        return Err(
+            ApiError::bad_request(format!("token id {id} is outside the vocabulary of {vocab} tokens")).param("prompt")
+        );
     }
     params.max_tokens = params.max_tokens.min(max_len - prompt.len());
     if params.min_tokens > params.max_tokens {
@@ -261,7 +268,10 @@ pub async fn collect(mut sub: Submission, n: usize, want_logprobs: bool) -> Resu
     let mut done = 0;
     while done < n {
         let Some(SeqEvent { index, kind }) = sub.events.recv().await else {
-            return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped before the request finished"));
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine stopped before the request finished",
+            ));
         };
         let c = &mut out[index];
         match kind {
@@ -277,7 +287,11 @@ pub async fn collect(mut sub: Submission, n: usize, want_logprobs: bool) -> Resu
                 if let Some(t) = &u.token {
                     c.tokens.push(t.token);
                     if want_logprobs {
-                        c.logprobs.push(TokenLogprob { token: t.token, logprob: t.logprob, top: t.top_logprobs.clone() });
+                        c.logprobs.push(TokenLogprob {
+                            token: t.token,
+                            logprob: t.logprob,
+                            top: t.top_logprobs.clone(),
+                        });
                     }
                 }
                 c.num_output_tokens = u.num_output_tokens;

@@ -50,9 +50,14 @@ impl Histogram {
     }
 }
 
-const TTFT_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0];
-const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5];
-const E2E_BUCKETS: &[f64] = &[0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0];
+const TTFT_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0];
+const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5,
+];
+const E2E_BUCKETS: &[f64] =
+    &[0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0];
 
 pub struct Metrics {
     /// HTTP responses by (endpoint, status code).
@@ -120,7 +125,8 @@ impl Metrics {
                 "# HELP iris_http_requests_total HTTP requests by endpoint and status code.\n# TYPE iris_http_requests_total counter"
             );
             for ((ep, status), n) in m.iter() {
-                let _ = writeln!(out, "iris_http_requests_total{{endpoint=\"{}\",status=\"{status}\"}} {n}", escape(ep));
+                let _ =
+                    writeln!(out, "iris_http_requests_total{{endpoint=\"{}\",status=\"{status}\"}} {n}", escape(ep));
             }
         }
         {
@@ -163,8 +169,18 @@ impl Metrics {
             "Sequences preempted because KV blocks ran out.",
             self.preemptions.load(Ordering::Relaxed) as u64,
         );
-        gauge(&mut out, "iris_num_requests_running", "Sequences running in the engine.", self.running.load(Ordering::Relaxed));
-        gauge(&mut out, "iris_num_requests_waiting", "Sequences waiting for a slot.", self.waiting.load(Ordering::Relaxed));
+        gauge(
+            &mut out,
+            "iris_num_requests_running",
+            "Sequences running in the engine.",
+            self.running.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut out,
+            "iris_num_requests_waiting",
+            "Sequences waiting for a slot.",
+            self.waiting.load(Ordering::Relaxed),
+        );
         gauge(&mut out, "iris_kv_cache_blocks_used", "KV cache blocks in use.", self.kv_used.load(Ordering::Relaxed));
         gauge(&mut out, "iris_kv_cache_blocks_free", "KV cache blocks free.", self.kv_free.load(Ordering::Relaxed));
         gauge(&mut out, "iris_kv_cache_blocks_total", "KV cache blocks in the pool.", kv_total);

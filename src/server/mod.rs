@@ -198,11 +198,10 @@ pub async fn shutdown_signal() {
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>) -> anyhow::Result<()> {
     let app = router(state.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let server = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown_signal().await;
-            let _ = stop_tx.send(true);
-        });
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
     let mut server = std::pin::pin!(server.into_future());
     let mut stop_rx = stop_rx;
     tokio::select! {

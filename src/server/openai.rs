@@ -19,8 +19,8 @@ use super::generate::{
 };
 use super::sse::{json_event, sse_response, Converter};
 use super::AppState;
-use crate::engine::{Request, SamplingParams};
 use crate::engine::sampling_params::MAX_LOGPROBS;
+use crate::engine::{Request, SamplingParams};
 use crate::tokenizer::{ChatMessage, TextTokenizer};
 
 type AppRef = State<Arc<AppState>>;
@@ -63,7 +63,10 @@ pub fn parse_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> 
     let mut out = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
         let Some(obj) = m.as_object() else {
-            return Err(ApiError::invalid_param(format!("messages[{i}]"), format!("`messages[{i}]` must be an object")));
+            return Err(ApiError::invalid_param(
+                format!("messages[{i}]"),
+                format!("`messages[{i}]` must be an object"),
+            ));
         };
         let role = match obj.get("role") {
             Some(Value::String(r)) => r.as_str(),
@@ -87,9 +90,7 @@ pub fn parse_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> 
             other => {
                 return Err(ApiError::invalid_param(
                     format!("messages[{i}].role"),
-                    format!(
-                        "unknown role `{other}` in `messages[{i}]`: use one of system, developer, user, assistant"
-                    ),
+                    format!("unknown role `{other}` in `messages[{i}]`: use one of system, developer, user, assistant"),
                 ))
             }
         };
@@ -244,9 +245,9 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let logprobs = params.logprobs.map(|_| {
-                json!({ "content": c.logprobs.iter().map(|lp| chat_logprob_entry(&tok, lp)).collect::<Vec<_>>() })
-            });
+            let logprobs = params.logprobs.map(
+                |_| json!({ "content": c.logprobs.iter().map(|lp| chat_logprob_entry(&tok, lp)).collect::<Vec<_>>() }),
+            );
             json!({
                 "index": i,
                 "message": { "role": "assistant", "content": c.text },
@@ -419,7 +420,11 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
     if prompts.len() * n > super::generate::MAX_N {
         return Err(ApiError::invalid_param(
             "n",
-            format!("{} prompts x n = {n} is more than {} sequences in one request", prompts.len(), super::generate::MAX_N),
+            format!(
+                "{} prompts x n = {n} is more than {} sequences in one request",
+                prompts.len(),
+                super::generate::MAX_N
+            ),
         ));
     }
     let mut params = fields.params(Some(16))?;
@@ -427,7 +432,10 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
         None => None,
         Some(l) if l >= 0 && l as usize <= MAX_LOGPROBS => Some(l as usize),
         Some(l) => {
-            return Err(ApiError::invalid_param("logprobs", format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {l}")))
+            return Err(ApiError::invalid_param(
+                "logprobs",
+                format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {l}"),
+            ))
         }
     };
     let echo = req.echo.unwrap_or(false);
@@ -624,7 +632,10 @@ impl Converter for CompletionStream {
                 let lp = match (&u.token, self.logprobs) {
                     (Some(t), true) => {
                         let mut lp = LegacyLogprobs::with_offset(self.offsets[i]);
-                        lp.push(&self.tok, &TokenLogprob { token: t.token, logprob: t.logprob, top: t.top_logprobs.clone() });
+                        lp.push(
+                            &self.tok,
+                            &TokenLogprob { token: t.token, logprob: t.logprob, top: t.top_logprobs.clone() },
+                        );
                         self.offsets[i] = lp.offset;
                         lp.into_json()
                     }

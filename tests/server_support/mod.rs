@@ -30,13 +30,8 @@ impl Server {
     }
 
     pub fn start_path(model: &std::path::Path, extra: &[&str]) -> Server {
-        let mut args: Vec<String> = vec![
-            "serve".into(),
-            "--model".into(),
-            model.display().to_string(),
-            "--port".into(),
-            "0".into(),
-        ];
+        let mut args: Vec<String> =
+            vec!["serve".into(), "--model".into(), model.display().to_string(), "--port".into(), "0".into()];
         if !extra.contains(&"--kv-cache-memory") {
             args.extend(["--kv-cache-memory".to_string(), "8MiB".to_string()]);
         }
@@ -211,8 +206,16 @@ pub fn sse_events(text: &str) -> Vec<(Option<String>, String)> {
     out
 }
 
-fn write_request(stream: &mut TcpStream, addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> std::io::Result<()> {
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+fn write_request(
+    stream: &mut TcpStream,
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<()> {
+    let mut head =
+        format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
     if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) && !body.is_empty() {
         head.push_str("Content-Type: application/json\r\n");
     }
@@ -226,7 +229,13 @@ fn write_request(stream: &mut TcpStream, addr: &str, method: &str, path: &str, h
 }
 
 /// One HTTP/1.1 request with `Connection: close`; reads the whole response.
-pub fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> std::io::Result<Response> {
+pub fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<Response> {
     let mut stream = TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(300)))?;
     write_request(&mut stream, addr, method, path, headers, body)?;
@@ -241,10 +250,10 @@ fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
     let head = String::from_utf8_lossy(&raw[..end]).into_owned();
     let mut lines = head.split("\r\n");
     let status_line = lines.next().ok_or_else(|| bad("no status line"))?;
-    let status: u16 = status_line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("bad status"))?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_string(), v.trim().to_string())))
-        .collect();
+    let status: u16 =
+        status_line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("bad status"))?;
+    let headers: Vec<(String, String)> =
+        lines.filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))).collect();
     let mut body = raw[end + 4..].to_vec();
     let chunked = headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
     if chunked {
@@ -255,8 +264,7 @@ fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(nl) = b.windows(2).position(|w| w == b"\r\n") else { break };
+    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
         let size_str = String::from_utf8_lossy(&b[..nl]);
         let size = usize::from_str_radix(size_str.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
         if size == 0 {
