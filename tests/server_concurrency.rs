@@ -187,3 +187,23 @@ fn sigterm_cancels_requests_past_the_deadline() {
         .count();
     assert_eq!(aborted, 8);
 }
+
+#[test]
+fn client_disconnect_mid_prefill_cancels_before_any_token() {
+    // One prompt token per step: a 3000-token prompt takes 3000 steps to prefill.
+    let s = Server::start(&["--max-num-batched-tokens", "1"]);
+    let body = json!({ "prompt": vec![5u32; 3000], "max_tokens": 5, "stream": true, "temperature": 0 });
+    let mut st = OpenStream::open(&s.addr, "/v1/completions", &body);
+    st.read_until("HTTP/1.1 200");
+    assert!(eventually(Duration::from_secs(10), || s.metric("iris_kv_cache_blocks_used").unwrap_or(0.0) > 0.0));
+    assert_eq!(s.metric("iris_generation_tokens_total"), Some(0.0), "still prefilling");
+    drop(st);
+    assert!(
+        eventually(Duration::from_secs(30), || s.metric("iris_kv_cache_blocks_used") == Some(0.0)),
+        "blocks not freed:\n{}",
+        s.get("/metrics").text()
+    );
+    let m = s.get("/metrics").text();
+    assert!(m.contains("iris_request_success_total{finished_reason=\"abort\"} 1"), "{m}");
+    assert_eq!(s.metric("iris_generation_tokens_total"), Some(0.0), "cancelled before its first token");
+}
