@@ -1,6 +1,6 @@
 //! Turns a model location into a ready model: config, weights, tokenizer.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
@@ -16,6 +16,9 @@ pub enum LoadError {
     Weights(#[from] WeightsError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
+    /// A GGUF file's vocabulary or chat template is unusable.
+    #[error("{}: {source}", file.display())]
+    GgufTokenizer { file: PathBuf, source: TokenizerError },
 }
 
 pub struct LoadedModel {
@@ -56,7 +59,8 @@ pub fn load(path: &Path, device: &Device, dtype: DType) -> Result<LoadedModel, L
         ModelLocation::Gguf(file) => {
             let g = GgufFile::open(file)?;
             let cfg = g.text_config()?;
-            let tok = TextTokenizer::from_gguf(g.content())?;
+            let tok = TextTokenizer::from_gguf(g.content())
+                .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?;
             let bytes = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
             (Weights::from_gguf(g, device.clone(), dtype), cfg, tok, bytes)
         }

@@ -103,19 +103,19 @@ pub struct SamplingArgs {
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Keep only the k most likely tokens (0: off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches p (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Drop tokens less likely than min-p times the most likely one (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Penalise tokens already in the prompt or output (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
     /// Seed for sampling; the same seed gives the same output.
     #[arg(long)]
@@ -159,6 +159,9 @@ pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
+    if num.trim().is_empty() {
+        bail!("`{s}` is not a size (e.g. 4GiB, 512MiB)");
+    }
     let n: f64 = num.trim().parse().with_context(|| format!("`{s}` is not a size (e.g. 4GiB, 512MiB)"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,

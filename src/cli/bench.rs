@@ -102,6 +102,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         a.repeats > 0 && a.gen_len > 1 && a.prompt_len > 0,
         "--repeats, --gen-len (> 1) and --prompt-len must be positive"
     );
+    anyhow::ensure!(
+        !a.batch_sizes.is_empty() && a.batch_sizes.iter().all(|&b| b > 0),
+        "--batch-sizes must be positive numbers"
+    );
     let (mut engine, _) = open_engine(&a.engine)?;
     let prompt = prompt_tokens(&engine, a.prompt_len)?;
     // Warm up caches and thread pools.

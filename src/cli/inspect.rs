@@ -15,6 +15,26 @@ pub struct InspectArgs {
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let path = a.model.resolve()?;
     let (loc, cfg) = read_config(&path)?;
+    // Everything that can fail is read before anything is printed.
+    let format = match &loc {
+        ModelLocation::Gguf(file) => {
+            let g = GgufFile::open(file)?;
+            let types: Vec<String> = g.dtype_histogram().iter().map(|(d, n)| format!("{d:?} x{n}")).collect();
+            format!("GGUF; tensor types: {}", types.join(", "))
+        }
+        ModelLocation::HfDir(dir) => {
+            let st = SafetensorsDir::open(dir)?;
+            let mut types: Vec<(String, usize)> = Vec::new();
+            for (_, dt, _) in st.summary() {
+                match types.iter_mut().find(|(d, _)| *d == dt) {
+                    Some((_, n)) => *n += 1,
+                    None => types.push((dt, 1)),
+                }
+            }
+            let types: Vec<String> = types.iter().map(|(d, n)| format!("{d} x{n}")).collect();
+            format!("safetensors ({} files); tensor dtypes: {}", st.files().len(), types.join(", "))
+        }
+    };
     println!("model:            {}", path.display());
     println!("architecture:     {}", cfg.arch.name());
     println!("parameters:       {} ({:.1} M)", cfg.parameter_count(), cfg.parameter_count() as f64 / 1e6);
@@ -34,25 +54,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     println!("vocabulary:       {}", cfg.vocab_size);
     println!("context length:   {}", cfg.max_position_embeddings);
     println!("rope theta:       {}", cfg.rope.theta);
-    match &loc {
-        ModelLocation::Gguf(file) => {
-            let g = GgufFile::open(file)?;
-            let types: Vec<String> = g.dtype_histogram().iter().map(|(d, n)| format!("{d:?} x{n}")).collect();
-            println!("format:           GGUF; tensor types: {}", types.join(", "));
-        }
-        ModelLocation::HfDir(dir) => {
-            let st = SafetensorsDir::open(dir)?;
-            let mut types: Vec<(String, usize)> = Vec::new();
-            for (_, dt, _) in st.summary() {
-                match types.iter_mut().find(|(d, _)| *d == dt) {
-                    Some((_, n)) => *n += 1,
-                    None => types.push((dt, 1)),
-                }
-            }
-            let types: Vec<String> = types.iter().map(|(d, n)| format!("{d} x{n}")).collect();
-            println!("format:           safetensors ({} files); tensor dtypes: {}", st.files().len(), types.join(", "));
-        }
-    }
+    println!("format:           {format}");
     for dt in [KvDtype::F32, KvDtype::Bf16] {
         println!("KV bytes/token:   {} ({dt})", KvCacheSpec::bytes_per_token(&cfg, dt));
     }

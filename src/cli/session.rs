@@ -30,7 +30,8 @@ pub fn open_engine(args: &EngineArgs) -> anyhow::Result<(Engine, StartupReport)>
     pb.finish_and_clear();
     let (engine, report) = built?;
     let cfg = engine.model().config();
-    tracing::info!(
+    // Debug level (`-v`): stderr stays free for the statistics line and errors.
+    tracing::debug!(
         "loaded {} ({}, {} layers, {:.0} MB of weights); KV cache {}: {} bytes/token, {} tokens ({:.0} MiB), max model len {}",
         path.display(),
         cfg.arch.name(),

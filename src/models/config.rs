@@ -149,14 +149,12 @@ impl TextConfig {
 
         let hidden_size = usize_of("hidden_size")?;
         let num_heads = usize_of("num_attention_heads")?;
+        if num_heads == 0 {
+            return Err("`num_attention_heads` must be positive".into());
+        }
         let num_kv_heads = get("num_key_value_heads").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(num_heads);
         let head_dim = get("head_dim").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(hidden_size / num_heads);
         let num_layers = usize_of("num_hidden_layers")?;
-        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(format!(
-                "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-            ));
-        }
 
         let act = get("hidden_activation").or_else(|| get("hidden_act")).and_then(Value::as_str).unwrap_or("silu");
         let activation = match act {
@@ -202,7 +200,7 @@ impl TextConfig {
             Some(v) => v.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
             None => vec![],
         };
-        Ok(TextConfig {
+        let cfg = TextConfig {
             arch,
             vocab_size: usize_of("vocab_size")?,
             hidden_size,
@@ -230,7 +228,49 @@ impl TextConfig {
             attn_logit_softcapping: get("attn_logit_softcapping").and_then(Value::as_f64),
             bos_token_id: get("bos_token_id").and_then(Value::as_u64).map(|v| v as u32),
             eos_token_ids,
-        })
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Rejects values the model code cannot run with (zero sizes, heads that do not group),
+    /// naming the HF config field at fault.
+    pub fn validate(&self) -> Result<(), String> {
+        for (field, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return Err(format!("`{field}` must be positive"));
+            }
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return Err(format!(
+                "`num_attention_heads` ({}) is not a multiple of `num_key_value_heads` ({})",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.layer_kinds.len() != self.num_layers {
+            return Err(format!("{} layer types for `num_hidden_layers` {}", self.layer_kinds.len(), self.num_layers));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(format!("`rms_norm_eps` must be a finite number >= 0, got {}", self.rms_norm_eps));
+        }
+        for rope in std::iter::once(&self.rope).chain(self.rope_local.as_ref()) {
+            if !(rope.theta.is_finite() && rope.theta > 0.0) {
+                return Err(format!("`rope_theta` must be positive, got {}", rope.theta));
+            }
+        }
+        if self.sliding_window == Some(0) {
+            return Err("`sliding_window` must be positive".into());
+        }
+        Ok(())
     }
 
     /// Parameters of the text model (embedding counted once when tied).

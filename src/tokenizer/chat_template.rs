@@ -149,7 +149,8 @@ fn without_generation_tags(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     while let Some(start) = rest.find("{%") {
-        let Some(len) = rest[start..].find("%}") else {
+        // Search past the opening `{%` so that `{%}` is not taken for a whole tag.
+        let Some(len) = rest[start + 2..].find("%}").map(|l| l + 2) else {
             break;
         };
         let tag = &rest[start..start + len + 2];

@@ -31,6 +31,8 @@ pub enum TokenizerError {
     Gguf(#[from] GgufTokenizerError),
     #[error(transparent)]
     ChatTemplate(#[from] ChatTemplateError),
+    #[error("{}: {source}", file.display())]
+    Template { file: PathBuf, source: ChatTemplateError },
     #[error("this tokenizer has no chat template")]
     NoChatTemplate,
     #[error("encoding failed: {0}")]
@@ -78,13 +80,17 @@ impl TextTokenizer {
         // `chat_template.jinja` wins over the config's field, as in transformers.
         let jinja_file = dir.join("chat_template.jinja");
         let template_source = match read_if_exists(&jinja_file)? {
-            Some(source) => Some(source),
+            Some(source) => Some((source, &jinja_file)),
             None => match config.get("chat_template") {
-                Some(v) => chat_template::template_from_config_value(v, &config_file)?,
+                Some(v) => chat_template::template_from_config_value(v, &config_file)?.map(|s| (s, &config_file)),
                 None => None,
             },
         };
-        let chat_template = template_source.map(|s| ChatTemplate::new(&s)).transpose()?;
+        let chat_template = template_source
+            .map(|(s, file)| {
+                ChatTemplate::new(&s).map_err(|source| TokenizerError::Template { file: file.clone(), source })
+            })
+            .transpose()?;
 
         // BOS/EOS ids: generation_config.json, then config.json, then the tokenizer's tokens.
         let generation = read_json_if_exists(&dir.join("generation_config.json"))?;

@@ -13,6 +13,8 @@ pub enum WeightsError {
     AmbiguousGguf { path: PathBuf, count: usize },
     #[error("{path}: {msg}")]
     Config { path: PathBuf, msg: String },
+    #[error("{path}: no such file, but {index} lists it")]
+    MissingShard { path: PathBuf, index: PathBuf },
     #[error("{dir}: no *.safetensors files")]
     NoSafetensors { dir: PathBuf },
     #[error("{path}: invalid safetensors file ({msg}); the file may be truncated or corrupt")]

@@ -163,7 +163,7 @@ impl GgufFile {
                 eos_token_ids.push(eot);
             }
         }
-        Ok(TextConfig {
+        let cfg = TextConfig {
             arch,
             vocab_size,
             hidden_size,
@@ -188,6 +188,8 @@ impl GgufFile {
             attn_logit_softcapping: self.f("attn_logit_softcapping"),
             bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
             eos_token_ids,
-        })
+        };
+        cfg.validate().map_err(|msg| WeightsError::Config { path: self.path.clone(), msg })?;
+        Ok(cfg)
     }
 }

@@ -62,6 +62,14 @@ impl Weights {
         }
     }
 
+    /// The file holding tensor `name` (for safetensors shards; the GGUF file otherwise).
+    pub fn origin_of(&self, name: &str) -> &Path {
+        match &self.source {
+            Source::Safetensors(s) => s.file_of(name),
+            Source::Gguf(g) => g.path(),
+        }
+    }
+
     fn arch(&self) -> Option<Arch> {
         match &self.source {
             Source::Gguf(g) => Some(g.arch()),
@@ -96,7 +104,7 @@ impl Weights {
         if actual != shape {
             return Err(WeightsError::ShapeMismatch {
                 name: name.to_string(),
-                origin: self.origin().to_path_buf(),
+                origin: self.origin_of(name).to_path_buf(),
                 expected: shape.to_vec(),
                 actual,
             });

@@ -1,4 +1,4 @@
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::safetensors::MmapedSafetensors;
@@ -11,23 +11,33 @@ pub struct SafetensorsDir {
     dir: PathBuf,
     files: Vec<PathBuf>,
     st: MmapedSafetensors,
-    names: HashSet<String>,
+    /// Each tensor's name and the file holding it.
+    names: HashMap<String, PathBuf>,
 }
 
 impl SafetensorsDir {
     /// Opens `model.safetensors.index.json`'s shards, or every `*.safetensors` in `dir`.
     pub fn open(dir: &Path) -> Result<Self, WeightsError> {
         let files = shard_files(dir)?;
-        // Validate each file on its own first so a truncated shard is named in the error.
+        // Validate each file on its own first so a truncated shard is named in the error, and
+        // note which file holds each tensor so later errors can name it.
+        let mut names = HashMap::new();
         for f in &files {
             // SAFETY: the mapping is read-only; iris never writes model files while serving them.
-            unsafe { MmapedSafetensors::new(f) }
+            let one = unsafe { MmapedSafetensors::new(f) }
                 .map_err(|e| WeightsError::Safetensors { path: f.clone(), msg: root_cause(&e) })?;
+            for (name, _) in one.tensors() {
+                if let Some(first) = names.insert(name.clone(), f.clone()) {
+                    return Err(WeightsError::Safetensors {
+                        path: f.clone(),
+                        msg: format!("tensor `{name}` is also in {}", first.display()),
+                    });
+                }
+            }
         }
         // SAFETY: as above.
         let st = unsafe { MmapedSafetensors::multi(&files) }
             .map_err(|e| WeightsError::Safetensors { path: dir.to_path_buf(), msg: root_cause(&e) })?;
-        let names = st.tensors().into_iter().map(|(n, _)| n).collect();
         Ok(SafetensorsDir { dir: dir.to_path_buf(), files, st, names })
     }
 
@@ -42,11 +52,16 @@ impl SafetensorsDir {
     /// VLM checkpoints keep the language model under `model.language_model.`; text-only
     /// names resolve there too, so one set of model code reads both layouts.
     fn resolve(&self, name: &str) -> Option<String> {
-        if self.names.contains(name) {
+        if self.names.contains_key(name) {
             return Some(name.to_string());
         }
         let alt = name.strip_prefix("model.").map(|rest| format!("model.language_model.{rest}"))?;
-        self.names.contains(&alt).then_some(alt)
+        self.names.contains_key(&alt).then_some(alt)
+    }
+
+    /// The file holding tensor `name` (the directory if no file does).
+    pub fn file_of(&self, name: &str) -> &Path {
+        self.resolve(name).and_then(|k| self.names.get(&k)).map_or(self.dir.as_path(), PathBuf::as_path)
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -58,8 +73,8 @@ impl SafetensorsDir {
             .resolve(name)
             .ok_or_else(|| WeightsError::MissingTensor { name: name.to_string(), origin: self.dir.clone() })?;
         self.st.load(&key, device).map_err(|e| WeightsError::BadTensor {
+            origin: self.names.get(&key).cloned().unwrap_or_else(|| self.dir.clone()),
             name: key,
-            origin: self.dir.clone(),
             msg: root_cause(&e),
         })
     }
@@ -96,7 +111,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, WeightsError> {
             let p = dir.join(f);
             if !files.contains(&p) {
                 if !p.is_file() {
-                    return Err(WeightsError::NotFound { path: p });
+                    return Err(WeightsError::MissingShard { path: p, index: index.clone() });
                 }
                 files.push(p);
             }

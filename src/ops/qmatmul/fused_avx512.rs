@@ -1,0 +1,134 @@
+//! Fused dequantize-and-dot kernels for the 32-element GGUF block formats (Q4_0, Q4_1,
+//! Q5_0, Q8_0) with AVX-512: each weight block is decoded once into two f32 vectors,
+//! exactly as the scalar dequantizer computes it (`q * d`, then `+ m`, two roundings), and
+//! multiplied with up to `M` activation rows. Decode is memory-bound; this reads each weight
+//! byte once per step for all of a small batch's rows.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// The block formats with a fused kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockFormat {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q8_0,
+}
+
+impl BlockFormat {
+    pub fn block_bytes(self) -> usize {
+        match self {
+            BlockFormat::Q4_0 => 18,
+            BlockFormat::Q4_1 => 20,
+            BlockFormat::Q5_0 => 22,
+            BlockFormat::Q8_0 => 34,
+        }
+    }
+}
+
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([*p, *p.add(1)])).to_f32()
+}
+
+/// The 32 weights of the block at `p` as two vectors (elements 0..16 and 16..32).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn decode(fmt: BlockFormat, p: *const u8) -> (__m512, __m512) {
+    let nib = |qs: __m128i| {
+        let mask = _mm_set1_epi8(0x0F);
+        (_mm_and_si128(qs, mask), _mm_and_si128(_mm_srli_epi16(qs, 4), mask))
+    };
+    match fmt {
+        BlockFormat::Q4_0 => {
+            let d = _mm512_set1_ps(f16_at(p));
+            let (lo, hi) = nib(_mm_loadu_si128(p.add(2) as *const __m128i));
+            let eight = _mm512_set1_epi32(8);
+            let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), eight));
+            let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), eight));
+            (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+        }
+        BlockFormat::Q4_1 => {
+            let d = _mm512_set1_ps(f16_at(p));
+            let m = _mm512_set1_ps(f16_at(p.add(2)));
+            let (lo, hi) = nib(_mm_loadu_si128(p.add(4) as *const __m128i));
+            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+            (_mm512_add_ps(_mm512_mul_ps(q0, d), m), _mm512_add_ps(_mm512_mul_ps(q1, d), m))
+        }
+        BlockFormat::Q5_0 => {
+            let d = _mm512_set1_ps(f16_at(p));
+            let qh = u32::from_le_bytes([*p.add(2), *p.add(3), *p.add(4), *p.add(5)]);
+            let (lo, hi) = nib(_mm_loadu_si128(p.add(6) as *const __m128i));
+            let sixteen = _mm512_set1_epi32(16);
+            // Bit j of qh is the fifth bit of element j (and bit 16 + j of element 16 + j).
+            let i0 = _mm512_mask_or_epi32(_mm512_cvtepu8_epi32(lo), qh as u16, _mm512_cvtepu8_epi32(lo), sixteen);
+            let i1 =
+                _mm512_mask_or_epi32(_mm512_cvtepu8_epi32(hi), (qh >> 16) as u16, _mm512_cvtepu8_epi32(hi), sixteen);
+            let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i0, sixteen));
+            let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i1, sixteen));
+            (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+        }
+        BlockFormat::Q8_0 => {
+            let d = _mm512_set1_ps(f16_at(p));
+            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i)));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i)));
+            (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+        }
+    }
+}
+
+/// `out[i] = dot(dequant(row), x[i * k..(i + 1) * k])` for `i < M`, where `row` holds the
+/// `k / 32` blocks of one weight row.
+///
+/// # Safety
+/// The CPU must have AVX-512F/BW; `row` must hold `k / 32` blocks of `fmt`, `x` `M * k` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], k: usize, out: &mut [f32]) {
+    debug_assert!(x.len() >= M * k && row.len() >= k / 32 * fmt.block_bytes() && out.len() >= M);
+    let bb = fmt.block_bytes();
+    let mut acc = [_mm512_setzero_ps(); M];
+    let xp = x.as_ptr();
+    let rp = row.as_ptr();
+    for b in 0..k / 32 {
+        let (w0, w1) = decode(fmt, rp.add(b * bb));
+        for i in 0..M {
+            let xi = xp.add(i * k + b * 32);
+            acc[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[i]);
+            acc[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi.add(16)), acc[i]);
+        }
+    }
+    for i in 0..M {
+        out[i] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
+/// Decodes one row of blocks into f32 (the gemm path's tile fill).
+///
+/// # Safety
+/// As for [`dot_rows`]; `out` holds `k` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn dequant_row(fmt: BlockFormat, row: &[u8], out: &mut [f32]) {
+    let bb = fmt.block_bytes();
+    let (rp, op) = (row.as_ptr(), out.as_mut_ptr());
+    for b in 0..out.len() / 32 {
+        let (w0, w1) = decode(fmt, rp.add(b * bb));
+        _mm512_storeu_ps(op.add(b * 32), w0);
+        _mm512_storeu_ps(op.add(b * 32 + 16), w1);
+    }
+}

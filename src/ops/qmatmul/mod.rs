@@ -1,0 +1,292 @@
+//! Matrix products with GGUF block-quantized weights and f32 activations.
+//!
+//! candle's quantized matmul rounds the activations to 8 bits before the dot products, as
+//! llama.cpp does. That moves logits enough to flip near-ties (SmolLM2's answer to "What is
+//! the capital of France?" changes), so iris keeps activations in f32 and dequantizes the
+//! weights on the fly: y = x · dequant(W)^T, exact up to f32 summation order.
+
+use std::sync::Arc;
+
+use candle_core::quantized::k_quants::{
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, GgmlType,
+};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::kv_elem::f32_slice;
+use super::simd::dot_f32;
+
+mod fused_avx512;
+
+use fused_avx512::BlockFormat;
+
+/// Batches up to this many rows use the fused kernels; larger ones dequantize tiles of the
+/// matrix and run a GEMM on them (the dequantization is then amortised over many rows).
+const FUSED_MAX_ROWS: usize = 16;
+/// Weight rows per GEMM tile: a tile (`TILE_ROWS x cols` f32) stays in L2.
+const TILE_ROWS: usize = 32;
+
+/// A quantized `[rows, cols]` weight matrix (rows = output features).
+pub struct QMatrix {
+    q: Arc<QTensor>,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    dequant_row: fn(&[u8], &mut [f32]),
+    fused: Option<BlockFormat>,
+}
+
+fn dequant_as<T: GgmlType>(bytes: &[u8], out: &mut [f32]) {
+    let n = bytes.len() / std::mem::size_of::<T>();
+    // SAFETY: `bytes` is a whole number of blocks cut from the QTensor's own block vector,
+    // so it is aligned for and fully initialised as `T`.
+    let blocks = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, n) };
+    T::to_float(blocks, out);
+}
+
+/// A pointer that rayon tasks share to write disjoint parts of one output buffer.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a disjoint set of elements, and the buffer outlives the tasks.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    // A method, so closures capture the whole (Send) wrapper rather than its raw field.
+    fn at(self, i: usize) -> *mut f32 {
+        // SAFETY: callers stay within the buffer.
+        unsafe { self.0.add(i) }
+    }
+}
+
+impl QMatrix {
+    pub fn new(q: Arc<QTensor>) -> Result<Self> {
+        let (rows, cols) = q.shape().dims2()?;
+        let dt = q.dtype();
+        if cols % dt.block_size() != 0 {
+            candle_core::bail!("quantized matrix with {cols} columns is not a whole number of {dt:?} blocks");
+        }
+        let dequant_row: fn(&[u8], &mut [f32]) = match dt {
+            GgmlDType::Q4_0 => dequant_as::<BlockQ4_0>,
+            GgmlDType::Q4_1 => dequant_as::<BlockQ4_1>,
+            GgmlDType::Q5_0 => dequant_as::<BlockQ5_0>,
+            GgmlDType::Q5_1 => dequant_as::<BlockQ5_1>,
+            GgmlDType::Q8_0 => dequant_as::<BlockQ8_0>,
+            GgmlDType::Q2K => dequant_as::<BlockQ2K>,
+            GgmlDType::Q3K => dequant_as::<BlockQ3K>,
+            GgmlDType::Q4K => dequant_as::<BlockQ4K>,
+            GgmlDType::Q5K => dequant_as::<BlockQ5K>,
+            GgmlDType::Q6K => dequant_as::<BlockQ6K>,
+            other => candle_core::bail!("quantized type {other:?} is not supported for matrices"),
+        };
+        let fused = match dt {
+            GgmlDType::Q4_0 => Some(BlockFormat::Q4_0),
+            GgmlDType::Q4_1 => Some(BlockFormat::Q4_1),
+            GgmlDType::Q5_0 => Some(BlockFormat::Q5_0),
+            GgmlDType::Q8_0 => Some(BlockFormat::Q8_0),
+            _ => None,
+        }
+        .filter(|_| fused_avx512::available());
+        Ok(QMatrix { row_bytes: cols / dt.block_size() * dt.type_size(), q, rows, cols, dequant_row, fused })
+    }
+
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    pub fn qtensor(&self) -> &Arc<QTensor> {
+        &self.q
+    }
+
+    /// `x` `[m, cols]` -> `[m, rows]` (f32).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        x.apply_op1_no_bwd(self)
+    }
+
+    fn dequant(&self, data: &[u8], r: usize, out: &mut [f32]) {
+        let bytes = &data[r * self.row_bytes..(r + 1) * self.row_bytes];
+        match self.fused {
+            // SAFETY: `fused` is only set when the CPU has AVX-512; `bytes` is one whole row.
+            #[cfg(target_arch = "x86_64")]
+            Some(fmt) => unsafe { fused_avx512::dequant_row(fmt, bytes, out) },
+            _ => (self.dequant_row)(bytes, out),
+        }
+    }
+
+    fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let data = self.q.data()?;
+        let (n, k) = (self.rows, self.cols);
+        let mut out = vec![0f32; m * n];
+        let dst = OutPtr(out.as_mut_ptr());
+        if m > FUSED_MAX_ROWS {
+            self.matmul_tiled(&data, x, m, dst);
+        } else {
+            let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(1, 64);
+            (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|c| {
+                let (r0, r1) = (c * rows_per_task, ((c + 1) * rows_per_task).min(n));
+                let mut w = vec![0f32; if self.fused.is_some() { 0 } else { k }];
+                let mut res = [0f32; 8];
+                for r in r0..r1 {
+                    let row = &data[r * self.row_bytes..(r + 1) * self.row_bytes];
+                    let mut i0 = 0;
+                    while i0 < m {
+                        let g = (m - i0).min(8);
+                        let xs = &x[i0 * k..(i0 + g) * k];
+                        match self.fused {
+                            // SAFETY: AVX-512 is present when `fused` is set; sizes as documented.
+                            #[cfg(target_arch = "x86_64")]
+                            Some(fmt) => unsafe { fused_rows(fmt, g, row, xs, k, &mut res) },
+                            _ => {
+                                if i0 == 0 {
+                                    (self.dequant_row)(row, &mut w);
+                                }
+                                for (i, o) in res.iter_mut().enumerate().take(g) {
+                                    *o = dot_f32(&w, &xs[i * k..(i + 1) * k]);
+                                }
+                            }
+                        }
+                        for (i, v) in res.iter().enumerate().take(g) {
+                            // SAFETY: (i0 + i, r) is inside `out`, and row r belongs to this task only.
+                            unsafe { *dst.at((i0 + i) * n + r) = *v };
+                        }
+                        i0 += g;
+                    }
+                }
+            });
+        }
+        Ok(out)
+    }
+
+    /// Large batches: dequantize `TILE_ROWS` weight rows at a time and multiply them with
+    /// all of `x` by a GEMM, each tile writing its own columns of the output.
+    fn matmul_tiled(&self, data: &[u8], x: &[f32], m: usize, dst: OutPtr) {
+        let (n, k) = (self.rows, self.cols);
+        (0..n.div_ceil(TILE_ROWS)).into_par_iter().for_each(|t| {
+            let (r0, r1) = (t * TILE_ROWS, ((t + 1) * TILE_ROWS).min(n));
+            let mut tile = vec![0f32; (r1 - r0) * k];
+            for r in r0..r1 {
+                self.dequant(data, r, &mut tile[(r - r0) * k..(r - r0 + 1) * k]);
+            }
+            // SAFETY: pointers and strides describe x [m, k], tile^T [k, r1 - r0] and the
+            // output columns r0..r1 of [m, n]; no other task writes those columns.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    r1 - r0,
+                    k,
+                    dst.at(r0),
+                    1,
+                    n as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    tile.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
+    }
+
+    /// Rows of the dequantized matrix (embedding lookups).
+    pub fn rows_f32(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let data = self.q.data()?;
+        let mut out = vec![0f32; ids.len() * self.cols];
+        for (i, &id) in ids.iter().enumerate() {
+            let r = id as usize;
+            if r >= self.rows {
+                candle_core::bail!("row {r} out of range ({} rows)", self.rows);
+            }
+            (self.dequant_row)(
+                &data[r * self.row_bytes..(r + 1) * self.row_bytes],
+                &mut out[i * self.cols..(i + 1) * self.cols],
+            );
+        }
+        Ok(out)
+    }
+}
+
+/// Dispatches a group of up to 8 activation rows to the fused kernel of that size.
+///
+/// # Safety
+/// AVX-512F/BW must be available; `xs` holds `g * k` values, `row` one weight row.
+#[cfg(target_arch = "x86_64")]
+unsafe fn fused_rows(fmt: BlockFormat, g: usize, row: &[u8], xs: &[f32], k: usize, out: &mut [f32; 8]) {
+    use fused_avx512::dot_rows;
+    match g {
+        1 => dot_rows::<1>(fmt, row, xs, k, out),
+        2 => dot_rows::<2>(fmt, row, xs, k, out),
+        3 => dot_rows::<3>(fmt, row, xs, k, out),
+        4 => dot_rows::<4>(fmt, row, xs, k, out),
+        5 => dot_rows::<5>(fmt, row, xs, k, out),
+        6 => dot_rows::<6>(fmt, row, xs, k, out),
+        7 => dot_rows::<7>(fmt, row, xs, k, out),
+        _ => dot_rows::<8>(fmt, row, xs, k, out),
+    }
+}
+
+impl CustomOp1 for QMatrix {
+    fn name(&self) -> &'static str {
+        "qmatmul-f32"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l, "qmatmul x")?;
+        let dims = l.dims();
+        let k = *dims.last().unwrap_or(&0);
+        if k != self.cols {
+            candle_core::bail!("qmatmul: x has {k} columns, the matrix {}", self.cols);
+        }
+        let m = x.len() / k.max(1);
+        let out = self.matmul(x, m)?;
+        let mut shape = dims.to_vec();
+        *shape.last_mut().expect("non-empty shape") = self.rows;
+        Ok((CpuStorage::F32(out), Shape::from(shape)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn check(dt: GgmlDType, n: usize, k: usize) {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+        let q = Arc::new(QTensor::quantize(&w, dt).unwrap());
+        let wd: Vec<Vec<f32>> = q.dequantize(&dev).unwrap().to_vec2().unwrap();
+        let qm = QMatrix::new(q).unwrap();
+        for m in [1, 3, 8, 9, 16, 17, 40] {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
+            let got: Vec<Vec<f32>> = qm.forward(&x).unwrap().to_vec2().unwrap();
+            let xv: Vec<Vec<f32>> = x.to_vec2().unwrap();
+            for i in 0..m {
+                for r in 0..n {
+                    let want: f64 = (0..k).map(|j| xv[i][j] as f64 * wd[r][j] as f64).sum();
+                    let tol = 1e-4 * (k as f64).sqrt() * 4.0;
+                    assert!(
+                        (got[i][r] as f64 - want).abs() < tol,
+                        "{dt:?} m={m} ({i},{r}): {} vs {want}",
+                        got[i][r]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_path_matches_dequantize_then_matmul() {
+        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+            check(dt, 70, 512);
+        }
+    }
+}

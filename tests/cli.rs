@@ -1,0 +1,742 @@
+//! End-to-end tests of the `iris` binary: broken models and bad flags give one clear error
+//! line (naming the file and tensor at fault) and a non-zero exit, never a panic; the
+//! subcommands work on the tiny fixtures.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use clap::CommandFactory;
+use iris::models::config::Arch;
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// A scratch directory removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::SeqCst);
+        let p = std::env::temp_dir().join(format!("iris-cli-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+
+    fn join(&self, p: &str) -> PathBuf {
+        self.0.join(p)
+    }
+
+    fn arg(&self) -> &str {
+        self.0.to_str().expect("utf-8 temp path")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A copy of a fixture model directory (without the reference files).
+fn copy_fixture(name: &str) -> TempDir {
+    let dst = TempDir::new(name);
+    for e in std::fs::read_dir(fixture(name)).expect("read fixture") {
+        let p = e.expect("entry").path();
+        let fname = p.file_name().unwrap().to_string_lossy().to_string();
+        if fname.starts_with("reference") {
+            continue;
+        }
+        std::fs::copy(&p, dst.join(&fname)).expect("copy fixture file");
+    }
+    dst
+}
+
+fn iris_cmd(args: &[&str]) -> (Command, TempDir) {
+    let cache = TempDir::new("cache");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_iris"));
+    c.args(args)
+        .env("IRIS_CACHE", cache.path())
+        .env_remove("IRIS_MODEL")
+        .env_remove("RUST_LOG")
+        .env_remove("RUST_BACKTRACE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    (c, cache)
+}
+
+fn iris(args: &[&str]) -> Output {
+    let (mut c, _cache) = iris_cmd(args);
+    c.output().expect("run iris")
+}
+
+fn iris_with_stdin(args: &[&str], input: &str) -> Output {
+    let (mut c, _cache) = iris_cmd(args);
+    c.stdin(Stdio::piped());
+    let mut child = c.spawn().expect("spawn iris");
+    child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("write stdin");
+    child.wait_with_output().expect("wait iris")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn assert_no_panic(out: &Output) {
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"), "iris panicked:\n{stderr}");
+    assert_ne!(out.status.code(), Some(101), "exit code 101 is a panic:\n{stderr}");
+}
+
+/// Runs iris, expecting failure with exactly one `error:` line on stderr that contains
+/// every string of `must_name`. Returns that line.
+fn expect_error(args: &[&str], must_name: &[&str]) -> String {
+    let out = iris(args);
+    check_error(&out, args, must_name)
+}
+
+fn check_error(out: &Output, args: &[&str], must_name: &[&str]) -> String {
+    let stderr = text(&out.stderr);
+    assert_no_panic(out);
+    assert!(!out.status.success(), "iris {args:?} succeeded; stderr:\n{stderr}");
+    assert!(out.status.code().is_some(), "iris {args:?} was killed by a signal; stderr:\n{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "iris {args:?}: stderr must be one line, got:\n{stderr}");
+    let line = lines[0];
+    assert!(line.starts_with("error: "), "iris {args:?}: stderr must start with `error: `, got:\n{stderr}");
+    for s in must_name {
+        assert!(line.contains(s), "iris {args:?}: error should name `{s}`:\n{line}");
+    }
+    line.to_string()
+}
+
+fn generate_args<'a>(model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["generate", "--model", model, "--prompt", "The quick", "--max-tokens", "4", "--quiet"];
+    v.extend_from_slice(extra);
+    v
+}
+
+/// The safetensors header: (tensor name -> (dtype, shape, data byte range)).
+fn safetensors_header(path: &Path) -> serde_json::Map<String, serde_json::Value> {
+    let bytes = std::fs::read(path).expect("read safetensors");
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let json: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).expect("header json");
+    let mut map = json.as_object().expect("header object").clone();
+    map.remove("__metadata__");
+    map
+}
+
+fn rewrite_safetensors(path: &Path, edit: impl FnOnce(&mut HashMap<String, Tensor>)) {
+    let mut tensors = candle_core::safetensors::load(path, &Device::Cpu).expect("load safetensors");
+    edit(&mut tensors);
+    candle_core::safetensors::save(&tensors, path).expect("save safetensors");
+}
+
+/// tiny-llama as a GGUF file (F32 tensors under llama.cpp names, gpt2 tokenizer metadata).
+fn write_tiny_llama_gguf(path: &Path) {
+    let dir = fixture("tiny-llama");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+    let u = |k: &str| Value::U32(cfg[k].as_u64().unwrap() as u32);
+
+    let mut vocab: Vec<(String, u64)> =
+        tok["model"]["vocab"].as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.as_u64().unwrap())).collect();
+    for t in tok["added_tokens"].as_array().unwrap() {
+        let (c, id) = (t["content"].as_str().unwrap().to_string(), t["id"].as_u64().unwrap());
+        if !vocab.iter().any(|(_, i)| *i == id) {
+            vocab.push((c, id));
+        }
+    }
+    vocab.sort_by_key(|(_, id)| *id);
+    let tokens: Vec<Value> = vocab.iter().map(|(t, _)| Value::String(t.clone())).collect();
+    let merges: Vec<Value> = tok["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| match m {
+            serde_json::Value::Array(p) => {
+                Value::String(format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap()))
+            }
+            s => Value::String(s.as_str().unwrap().to_string()),
+        })
+        .collect();
+    let meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.embedding_length", u("hidden_size")),
+        ("llama.feed_forward_length", u("intermediate_size")),
+        ("llama.block_count", u("num_hidden_layers")),
+        ("llama.attention.head_count", u("num_attention_heads")),
+        ("llama.attention.head_count_kv", u("num_key_value_heads")),
+        ("llama.attention.key_length", u("head_dim")),
+        ("llama.context_length", u("max_position_embeddings")),
+        ("llama.vocab_size", u("vocab_size")),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.tokens", Value::Array(tokens)),
+        ("tokenizer.ggml.merges", Value::Array(merges)),
+        ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+    ];
+    let st = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<&String> = st.keys().collect();
+    names.sort();
+    let mut qs: Vec<(String, QTensor)> = Vec::new();
+    for n in names {
+        let g = iris::weights::gguf_name(n, Arch::Llama).unwrap_or_else(|| panic!("no gguf name for {n}"));
+        qs.push((g, QTensor::quantize(&st[n], GgmlDType::F32).unwrap()));
+    }
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let q_refs: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut f, &meta_refs, &q_refs).unwrap();
+}
+
+fn truncate(path: &Path, len: u64) {
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(len).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// wrong or missing files
+
+#[test]
+fn model_path_does_not_exist() {
+    let tmp = TempDir::new("nopath");
+    let missing = tmp.join("no-such-model");
+    let m = missing.to_str().unwrap();
+    expect_error(&generate_args(m, &[]), &[m]);
+    expect_error(&["inspect", "--model", m], &[m]);
+    expect_error(&["bench", "--model", m], &[m]);
+    expect_error(&["chat", "--model", m], &[m]);
+}
+
+#[test]
+fn directory_without_config_or_gguf() {
+    let tmp = TempDir::new("empty");
+    std::fs::write(tmp.join("README.md"), "nothing here").unwrap();
+    let line = expect_error(&generate_args(tmp.arg(), &[]), &[tmp.arg()]);
+    assert!(line.contains("config.json"), "{line}");
+    expect_error(&["inspect", "--model", tmp.arg()], &[tmp.arg(), "config.json"]);
+}
+
+#[test]
+fn garbage_gguf_file() {
+    let tmp = TempDir::new("garbage");
+    let f = tmp.join("model.gguf");
+    let bytes: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    std::fs::write(&f, bytes).unwrap();
+    let p = f.to_str().unwrap();
+    expect_error(&generate_args(p, &[]), &[p, "GGUF"]);
+    expect_error(&["inspect", "--model", p], &[p, "GGUF"]);
+    // A directory holding that one file resolves to it.
+    expect_error(&["inspect", "--model", tmp.arg()], &[p]);
+}
+
+#[test]
+fn truncated_gguf() {
+    let tmp = TempDir::new("gguf");
+    let f = tmp.join("tiny.gguf");
+    write_tiny_llama_gguf(&f);
+    let p = f.to_str().unwrap();
+    // The intact file loads and generates.
+    let out = iris(&generate_args(p, &["--temperature", "0"]));
+    assert_no_panic(&out);
+    assert!(out.status.success(), "intact GGUF: {}", text(&out.stderr));
+    let len = std::fs::metadata(&f).unwrap().len();
+
+    // Cut inside the tensor data: the error names the file and a tensor.
+    truncate(&f, len - 1000);
+    let line = expect_error(&generate_args(p, &[]), &[p, "tensor `"]);
+    assert!(line.contains("truncated") || line.contains("remaining"), "{line}");
+
+    // Cut inside the metadata: the header cannot be read.
+    truncate(&f, 100);
+    expect_error(&generate_args(p, &[]), &[p, "GGUF"]);
+    expect_error(&["inspect", "--model", p], &[p, "GGUF"]);
+    truncate(&f, 0);
+    expect_error(&["inspect", "--model", p], &[p]);
+}
+
+#[test]
+fn gguf_unknown_architecture() {
+    let tmp = TempDir::new("gguf-arch");
+    let f = tmp.join("m.gguf");
+    let arch = Value::String("mamba".into());
+    let mut file = std::fs::File::create(&f).unwrap();
+    gguf_file::write(&mut file, &[("general.architecture", &arch)], &[]).unwrap();
+    drop(file);
+    let p = f.to_str().unwrap();
+    expect_error(&generate_args(p, &[]), &[p, "mamba"]);
+    expect_error(&["inspect", "--model", p], &[p, "mamba"]);
+}
+
+#[test]
+fn config_invalid_json() {
+    let m = copy_fixture("tiny-llama");
+    std::fs::write(m.join("config.json"), "{ \"model_type\": \"llama\", ").unwrap();
+    let cfg = m.join("config.json");
+    let c = cfg.to_str().unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[c, "JSON"]);
+    expect_error(&["inspect", "--model", m.arg()], &[c, "JSON"]);
+}
+
+fn edit_config(m: &TempDir, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let p = m.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    edit(v.as_object_mut().unwrap());
+    std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn config_unknown_architecture() {
+    let m = copy_fixture("tiny-llama");
+    edit_config(&m, |c| {
+        c.insert("model_type".into(), "mamba".into());
+    });
+    let cfg = m.join("config.json");
+    let c = cfg.to_str().unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[c, "mamba", "architecture"]);
+    expect_error(&["inspect", "--model", m.arg()], &[c, "mamba"]);
+}
+
+#[test]
+fn config_missing_or_bad_fields() {
+    let m = copy_fixture("tiny-llama");
+    let cfg = m.join("config.json");
+    let c = cfg.to_str().unwrap();
+    edit_config(&m, |c| {
+        c.remove("hidden_size");
+    });
+    expect_error(&generate_args(m.arg(), &[]), &[c, "hidden_size"]);
+    expect_error(&["inspect", "--model", m.arg()], &[c, "hidden_size"]);
+
+    // Values that would divide by zero or leave no layers.
+    for (field, value) in [
+        ("num_attention_heads", serde_json::json!(0)),
+        ("num_key_value_heads", serde_json::json!(3)),
+        ("num_hidden_layers", serde_json::json!(0)),
+        ("vocab_size", serde_json::json!(0)),
+        ("head_dim", serde_json::json!(0)),
+        ("hidden_size", serde_json::json!("64")),
+    ] {
+        let m = copy_fixture("tiny-llama");
+        let cfg = m.join("config.json");
+        edit_config(&m, |c| {
+            c.insert(field.into(), value.clone());
+        });
+        let line = expect_error(&generate_args(m.arg(), &[]), &[cfg.to_str().unwrap()]);
+        assert!(line.contains(field), "{field}={value}: {line}");
+        expect_error(&["inspect", "--model", m.arg()], &[cfg.to_str().unwrap(), field]);
+    }
+}
+
+#[test]
+fn truncated_safetensors() {
+    let m = copy_fixture("tiny-llama");
+    let st = m.join("model.safetensors");
+    let len = std::fs::metadata(&st).unwrap().len();
+    truncate(&st, len / 2);
+    let s = st.to_str().unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[s, "truncated"]);
+    expect_error(&["inspect", "--model", m.arg()], &[s]);
+    // Cut inside the header.
+    truncate(&st, 20);
+    expect_error(&generate_args(m.arg(), &[]), &[s]);
+    truncate(&st, 3);
+    expect_error(&generate_args(m.arg(), &[]), &[s]);
+}
+
+#[test]
+fn truncated_shard() {
+    let m = copy_fixture("tiny-qwen3");
+    let shard = m.join("model-00002-of-00003.safetensors");
+    let len = std::fs::metadata(&shard).unwrap().len();
+    truncate(&shard, len - 10);
+    expect_error(&generate_args(m.arg(), &[]), &[shard.to_str().unwrap()]);
+}
+
+#[test]
+fn missing_shard() {
+    let m = copy_fixture("tiny-qwen3");
+    let shard = m.join("model-00002-of-00003.safetensors");
+    std::fs::remove_file(&shard).unwrap();
+    let line = expect_error(&generate_args(m.arg(), &[]), &[shard.to_str().unwrap()]);
+    assert!(line.contains("model.safetensors.index.json"), "should say which index lists it: {line}");
+    expect_error(&["inspect", "--model", m.arg()], &[shard.to_str().unwrap()]);
+    // Nothing half-printed before the error.
+    assert_eq!(text(&iris(&["inspect", "--model", m.arg()]).stdout), "");
+}
+
+#[test]
+fn index_names_tensor_missing_from_its_shard() {
+    // The index routes a tensor to a shard that does not hold it.
+    let m = copy_fixture("tiny-qwen3");
+    let index = m.join("model.safetensors.index.json");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
+    let shard_name = v["weight_map"]["model.norm.weight"].as_str().unwrap().to_string();
+    let shard = m.join(&shard_name);
+    rewrite_safetensors(&shard, |t| {
+        t.remove("model.norm.weight");
+    });
+    expect_error(&generate_args(m.arg(), &[]), &["model.norm.weight", m.arg()]);
+}
+
+#[test]
+fn no_safetensors_files() {
+    let m = copy_fixture("tiny-llama");
+    std::fs::remove_file(m.join("model.safetensors")).unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[m.arg(), "safetensors"]);
+}
+
+#[test]
+fn missing_tensor() {
+    let m = copy_fixture("tiny-llama");
+    let st = m.join("model.safetensors");
+    rewrite_safetensors(&st, |t| {
+        t.remove("model.norm.weight").expect("fixture has model.norm.weight");
+    });
+    expect_error(&generate_args(m.arg(), &[]), &[m.arg(), "model.norm.weight", "not found"]);
+}
+
+#[test]
+fn tensor_with_wrong_shape() {
+    let m = copy_fixture("tiny-llama");
+    let st = m.join("model.safetensors");
+    rewrite_safetensors(&st, |t| {
+        t.insert("model.norm.weight".into(), Tensor::ones(63, candle_core::DType::F32, &Device::Cpu).unwrap());
+    });
+    // The file holding the tensor is named, with the tensor and both shapes.
+    let line = expect_error(&generate_args(m.arg(), &[]), &[st.to_str().unwrap(), "model.norm.weight", "63", "64"]);
+    assert!(!line.contains("panicked"));
+
+    // A matrix with a wrong dimension, in a sharded model.
+    let m = copy_fixture("tiny-qwen3");
+    let index = m.join("model.safetensors.index.json");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
+    let name = "model.layers.1.self_attn.k_proj.weight";
+    let shard = m.join(v["weight_map"][name].as_str().unwrap());
+    rewrite_safetensors(&shard, |t| {
+        t.insert(name.into(), Tensor::zeros((32, 60), candle_core::DType::F32, &Device::Cpu).unwrap());
+    });
+    expect_error(&generate_args(m.arg(), &[]), &[shard.to_str().unwrap(), name, "[32, 60]"]);
+}
+
+#[test]
+fn tensor_with_unsupported_dtype() {
+    let m = copy_fixture("tiny-llama");
+    let st = m.join("model.safetensors");
+    rewrite_safetensors(&st, |t| {
+        let w = t["model.norm.weight"].to_dtype(candle_core::DType::U8).unwrap();
+        t.insert("model.norm.weight".into(), w);
+    });
+    let out = iris(&generate_args(m.arg(), &[]));
+    // u8 weights either load (converted) or fail cleanly naming the tensor.
+    assert_no_panic(&out);
+    if !out.status.success() {
+        check_error(&out, &[], &["model.norm.weight"]);
+    }
+}
+
+#[test]
+fn tokenizer_missing_or_corrupt() {
+    let m = copy_fixture("tiny-llama");
+    let tok = m.join("tokenizer.json");
+    let t = tok.to_str().unwrap();
+    std::fs::write(&tok, "{\"version\": \"1.0\", \"model\": ").unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[t]);
+    std::fs::write(&tok, "{\"version\": \"1.0\"}").unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[t]);
+    std::fs::remove_file(&tok).unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[t]);
+
+    let m = copy_fixture("tiny-llama");
+    let tc = m.join("tokenizer_config.json");
+    std::fs::write(&tc, "not json").unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[tc.to_str().unwrap()]);
+
+    let m = copy_fixture("tiny-llama");
+    let j = m.join("chat_template.jinja");
+    std::fs::write(&j, "{% for m in messages %}{{ m.content ").unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[j.to_str().unwrap()]);
+    // `{%}` once made the `{% generation %}` rewrite slice backwards.
+    std::fs::write(&j, "{%}").unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[j.to_str().unwrap()]);
+}
+
+#[test]
+fn generation_config_invalid_json() {
+    let m = copy_fixture("tiny-llama");
+    let g = m.join("generation_config.json");
+    std::fs::write(&g, "{ oops").unwrap();
+    expect_error(&generate_args(m.arg(), &[]), &[g.to_str().unwrap()]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// bad flags
+
+#[test]
+fn bad_flags() {
+    let m = fixture("tiny-llama");
+    let m = m.to_str().unwrap();
+    expect_error(&generate_args(m, &["--dtype", "f8"]), &["--dtype", "f8"]);
+    expect_error(&generate_args(m, &["--kv-cache-dtype", "int4"]), &["--kv-cache-dtype", "int4"]);
+    let line = expect_error(&generate_args(m, &["--kv-cache-memory", "lots"]), &["--kv-cache-memory", "lots"]);
+    assert!(line.contains("not a size"), "{line}");
+    expect_error(&generate_args(m, &["--kv-cache-memory", "0"]), &["--kv-cache-memory"]);
+    expect_error(&generate_args(m, &["--kv-cache-memory", "1KiB"]), &["--kv-cache-memory", "block"]);
+    expect_error(
+        &generate_args(m, &["--kv-cache-memory", "1MiB", "--max-model-len", "100000"]),
+        &["--max-model-len", "100000"],
+    );
+    expect_error(&generate_args(m, &["--device", "cuda"]), &["--device", "cuda"]);
+    expect_error(&generate_args(m, &["--device", "tpu"]), &["--device", "tpu"]);
+    expect_error(&generate_args(m, &["--block-size", "0"]), &["block"]);
+    expect_error(&generate_args(m, &["--max-num-seqs", "0"]), &["max-num-seqs"]);
+    expect_error(&generate_args(m, &["--temperature", "-1"]), &["temperature", "-1"]);
+    expect_error(&generate_args(m, &["--repetition-penalty", "-2"]), &["repetition_penalty"]);
+    expect_error(&generate_args(m, &["--top-p", "1.5"]), &["top"]);
+    expect_error(&generate_args(m, &["--temperature", "nan"]), &["temperature"]);
+    expect_error(&["bench", "--model", m, "--repeats", "0"], &["--repeats"]);
+    expect_error(&["bench", "--model", m, "--batch-sizes", "0"], &["--batch-sizes"]);
+    // Flags clap rejects are one line too.
+    expect_error(&generate_args(m, &["--top-k", "many"]), &["--top-k", "many"]);
+    expect_error(&generate_args(m, &["--max-token", "3"]), &["--max-token"]);
+    expect_error(&["generate", "--model", m], &["--prompt"]);
+    expect_error(&["frobnicate"], &["frobnicate"]);
+}
+
+#[test]
+fn prompt_longer_than_max_model_len() {
+    let m = fixture("tiny-llama");
+    let m = m.to_str().unwrap();
+    let long = "word ".repeat(200);
+    let args = ["generate", "--model", m, "--prompt", &long, "--max-model-len", "32", "--quiet"];
+    expect_error(&args, &["32"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// the subcommands, end to end
+
+fn stdout_of(args: &[&str]) -> String {
+    let out = iris(args);
+    assert_no_panic(&out);
+    assert!(out.status.success(), "iris {args:?} failed:\n{}", text(&out.stderr));
+    text(&out.stdout)
+}
+
+#[test]
+fn generate_greedy_matches_reference() {
+    let dir = fixture("tiny-llama");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let prompt = reference["text_prompt"].as_str().unwrap();
+    let ids: Vec<u32> =
+        reference["text_generated_ids"].as_array().unwrap()[..8].iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let tok = iris::tokenizer::TextTokenizer::from_dir(&dir).unwrap();
+    let expected = tok.decode(&ids, true).unwrap();
+
+    let m = dir.to_str().unwrap();
+    let args = ["generate", "--model", m, "--prompt", prompt, "--max-tokens", "8", "--temperature", "0"];
+    let out = iris(&args);
+    assert_no_panic(&out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let got = text(&out.stdout);
+    assert_eq!(got.strip_suffix('\n').unwrap_or(&got), expected);
+    // Timing statistics go to stderr, not stdout.
+    assert!(text(&out.stderr).contains("generated"), "{}", text(&out.stderr));
+
+    let short = ["generate", "--model", m, "--prompt", "The quick", "--max-tokens", "8", "--temperature", "0"];
+    let a = stdout_of(&short);
+    assert!(!a.trim().is_empty(), "empty continuation");
+    assert_eq!(a, stdout_of(&short), "greedy decoding must be deterministic");
+}
+
+#[test]
+fn generate_chat_and_seeded_sampling() {
+    let m = fixture("tiny-llama");
+    let m = m.to_str().unwrap();
+    let chat = ["generate", "--model", m, "--chat", "--prompt", "Hello there", "--max-tokens", "8", "-q"];
+    let a = stdout_of(&chat);
+    assert!(!a.trim().is_empty());
+    assert_eq!(a, stdout_of(&chat));
+
+    let sampled = |seed: &str| {
+        stdout_of(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "The quick",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "1",
+            "--seed",
+            seed,
+            "--ignore-eos",
+            "-q",
+        ])
+    };
+    let s7 = sampled("7");
+    assert!(!s7.trim().is_empty());
+    assert_eq!(s7, sampled("7"), "the same seed must give the same output");
+    assert_ne!(s7, sampled("8"), "different seeds should (almost surely) differ");
+}
+
+#[test]
+fn generate_from_gguf_default_dir() {
+    // A directory holding exactly one .gguf resolves to it.
+    let tmp = TempDir::new("gguf-dir");
+    write_tiny_llama_gguf(&tmp.join("tiny.gguf"));
+    let out = stdout_of(&["generate", "--model", tmp.arg(), "--prompt", "The quick", "--max-tokens", "4", "-q"]);
+    assert!(!out.trim().is_empty());
+    let inspect = stdout_of(&["inspect", "--model", tmp.arg()]);
+    assert!(inspect.contains("GGUF"), "{inspect}");
+}
+
+#[test]
+fn inspect_reports_architecture_parameters_and_kv() {
+    let dir = fixture("tiny-qwen3");
+    let out = stdout_of(&["inspect", "--model", dir.to_str().unwrap()]);
+    // Expected numbers from the files themselves.
+    let mut params = 0u64;
+    let mut n_files = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        if name.starts_with("model-") && name.ends_with(".safetensors") {
+            n_files += 1;
+            for (_, info) in safetensors_header(&p) {
+                params += info["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>();
+            }
+        }
+    }
+    assert_eq!(n_files, 3);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let c = |k: &str| cfg[k].as_u64().unwrap();
+    let kv_f32 = c("num_hidden_layers") * 2 * c("num_key_value_heads") * c("head_dim") * 4;
+
+    let line = |key: &str| {
+        out.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("no `{key}` line in:\n{out}")).to_string()
+    };
+    assert!(line("architecture:").contains("qwen3"), "{out}");
+    let p = line("parameters:");
+    let count: u64 = p.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert_eq!(count, params, "{out}");
+    let kv: Vec<String> = out.lines().filter(|l| l.starts_with("KV bytes/token:")).map(String::from).collect();
+    assert!(kv.iter().any(|l| l.contains(&format!(" {kv_f32} (f32)"))), "{out}");
+    assert!(kv.iter().any(|l| l.contains(&format!(" {} (bf16)", kv_f32 / 2))), "{out}");
+    assert!(line("format:").contains("3 files"), "{out}");
+
+    // Every fixture's parameter count matches its files (tied embeddings counted once).
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-gemma3"] {
+        let dir = fixture(name);
+        let out = stdout_of(&["inspect", "--model", dir.to_str().unwrap()]);
+        let expected: u64 = safetensors_header(&dir.join("model.safetensors"))
+            .values()
+            .map(|i| i["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>())
+            .sum();
+        let p = out.lines().find(|l| l.starts_with("parameters:")).unwrap();
+        let count: u64 = p.split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert_eq!(count, expected, "{name}:\n{out}");
+    }
+}
+
+#[test]
+fn chat_through_stdin() {
+    let m = fixture("tiny-llama");
+    let args = ["chat", "--model", m.to_str().unwrap(), "--max-tokens", "6"];
+    let out = iris_with_stdin(&args, "hello\n/reset\nhi\n/exit\n");
+    assert_no_panic(&out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.matches("> ").count() >= 3, "prompts: {stdout:?}");
+    assert!(text(&out.stderr).contains("reset"), "{}", text(&out.stderr));
+    assert!(!text(&out.stderr).contains("error"), "{}", text(&out.stderr));
+
+    // End of input without /exit also ends cleanly.
+    let out = iris_with_stdin(&args, "hello\n");
+    assert_no_panic(&out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn bench_json() {
+    let m = fixture("tiny-llama");
+    let args = [
+        "bench",
+        "--model",
+        m.to_str().unwrap(),
+        "--batch-sizes",
+        "1,2",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "4",
+        "--repeats",
+        "1",
+        "--json",
+    ];
+    let out = stdout_of(&args);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}):\n{out}"));
+    let rows = v.as_array().expect("an array of rows");
+    assert_eq!(rows.len(), 2, "{out}");
+    for (row, batch) in rows.iter().zip([1, 2]) {
+        assert_eq!(row["batch"], batch);
+        assert_eq!(row["prompt_len"], 8);
+        assert_eq!(row["gen_len"], 4);
+        for k in ["prefill_tok_s", "ttft_ms", "decode_tok_s", "total_tok_s"] {
+            let x = row[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {out}"));
+            assert!(x.is_finite() && x > 0.0, "{k} = {x}: {out}");
+        }
+    }
+    // The table form too.
+    let args_table: Vec<&str> = args[..args.len() - 1].to_vec();
+    let table = stdout_of(&args_table);
+    assert!(table.starts_with("| batch"), "{table}");
+    assert_eq!(table.lines().count(), 4, "{table}");
+}
+
+#[test]
+fn help_mentions_every_flag() {
+    let out = stdout_of(&["--help"]);
+    for sub in ["generate", "chat", "inspect", "bench"] {
+        assert!(out.contains(sub), "iris --help should list `{sub}`:\n{out}");
+    }
+    let cmd = iris::cli::Cli::command();
+    for sub in cmd.get_subcommands() {
+        let name = sub.get_name();
+        let help = stdout_of(&[name, "--help"]);
+        let mut n = 0;
+        for arg in sub.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            n += 1;
+            assert!(help.contains(&format!("--{long}")), "`iris {name} --help` does not mention --{long}:\n{help}");
+            assert!(
+                arg.get_help().is_some_and(|h| !h.to_string().trim().is_empty()),
+                "--{long} of `iris {name}` has no help text"
+            );
+        }
+        assert!(n >= 1, "{name}: {n} flags");
+        assert!(help.contains("--model"), "{name}:\n{help}");
+    }
+    assert!(stdout_of(&["--version"]).contains(env!("CARGO_PKG_VERSION")));
+}
