@@ -7,7 +7,7 @@
 //! and routes the updates. No lock is ever held around model state.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -74,6 +74,17 @@ pub struct EngineHandle {
     limit: usize,
     pub info: Arc<EngineInfo>,
     pub tokenizer: Arc<TextTokenizer>,
+    /// False once the engine thread has ended (it panicked, or every handle was dropped).
+    alive: Arc<AtomicBool>,
+}
+
+/// Clears the liveness flag when the engine thread ends, by return or by panic.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 /// A request's sequences inside the engine. Dropping it (the client went away, the handler
@@ -123,6 +134,10 @@ impl EngineHandle {
         let _ = self.commands.send(Command::AbortAll);
     }
 
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
     }
@@ -144,7 +159,10 @@ where
 {
     let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded::<Command>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let alive = Arc::new(AtomicBool::new(true));
+    let guard = AliveGuard(alive.clone());
     std::thread::Builder::new().name("iris-engine".into()).spawn(move || {
+        let _guard = guard;
         let engine = match build() {
             Ok(e) => e,
             Err(e) => {
@@ -172,6 +190,7 @@ where
         limit,
         info: Arc::new(info),
         tokenizer,
+        alive,
     })
 }
 

@@ -240,7 +240,10 @@ pub fn submit(state: &AppState, engine: &EngineHandle, requests: Vec<Request>) -
             )
             .code("queue_full")
         }
-        SubmitError::EngineGone => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine is shutting down"),
+        SubmitError::EngineGone => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine has stopped (shutting down, or it failed: see the server log)",
+        ),
     })
 }
 

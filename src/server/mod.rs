@@ -160,7 +160,8 @@ async fn not_found(req: Request) -> Response {
 
 async fn health(State(app): State<Arc<AppState>>) -> Response {
     match app.engine.get() {
-        Some(_) => (StatusCode::OK, "ok").into_response(),
+        Some(e) if e.is_alive() => (StatusCode::OK, "ok").into_response(),
+        Some(_) => (StatusCode::SERVICE_UNAVAILABLE, "the engine stopped (see the server log)").into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
     }
 }
