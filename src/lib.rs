@@ -12,5 +12,6 @@ pub mod layers;
 pub mod loader;
 pub mod models;
 pub mod ops;
+pub mod server;
 pub mod tokenizer;
 pub mod weights;

@@ -5,6 +5,7 @@ mod bench;
 mod chat;
 mod generate;
 mod inspect;
+mod serve;
 mod session;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,8 @@ pub enum Command {
     Chat(chat::ChatArgs),
     /// Show a model's architecture, size, quantization and KV cache cost.
     Inspect(inspect::InspectArgs),
+    /// Serve the OpenAI and Anthropic HTTP APIs.
+    Serve(serve::ServeArgs),
     /// Measure prefill and decode throughput and time to first token.
     Bench(bench::BenchArgs),
 }
@@ -51,5 +54,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Chat(a) => chat::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }

@@ -1,0 +1,332 @@
+//! What the API front ends share: body parsing, sampling fields, prompt checks, submission,
+//! and collecting a request's sequences for non-streaming responses.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+use super::engine_loop::{EngineHandle, SeqEvent, SeqEventKind, Submission, SubmitError};
+use super::errors::ApiError;
+use super::AppState;
+use crate::engine::{FinishReason, Request, RequestError, SamplingParams};
+use crate::tokenizer::TextTokenizer;
+
+/// Most choices (`n`) one request may ask for.
+pub const MAX_N: usize = 64;
+
+pub fn now_unix() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+pub fn random_id(prefix: &str) -> String {
+    format!("{prefix}{:024x}", rand::random::<u128>() >> 32)
+}
+
+/// Reads a JSON object body into `serde_json::Value`, with a clear error for each way it can
+/// be wrong (too large, not UTF-8, not JSON, not an object).
+pub fn parse_json(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<serde_json::Value, ApiError> {
+    let bytes = body.map_err(|rej| {
+        if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is larger than the limit of {limit} bytes"),
+            )
+            .code("request_too_large")
+        } else {
+            ApiError::new(rej.status(), format!("cannot read the request body: {}", rej.body_text()))
+        }
+    })?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| {
+        ApiError::bad_request(format!(
+            "the request body is not valid UTF-8 (invalid byte at offset {})",
+            e.valid_up_to()
+        ))
+    })?;
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request("the request body must be a JSON object"));
+    }
+    Ok(value)
+}
+
+/// Deserializes a JSON object into `T`, naming the field at fault.
+pub fn typed<T: DeserializeOwned>(value: &serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::bad_request(format!("invalid request: {inner}"))
+        } else {
+            ApiError::invalid_param(path.clone(), format!("invalid value for `{path}`: {inner}"))
+        }
+    })
+}
+
+/// `stop`: a string or a list of strings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopField {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StopField::One(s) => vec![s],
+            StopField::Many(v) => v,
+        }
+    }
+}
+
+/// Sampling fields shared by the OpenAI endpoints (vLLM's extensions included). Read from
+/// the same body as the endpoint's own struct, so wrong types name their field.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct SamplingFields {
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopField>,
+    pub n: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub logit_bias: Option<HashMap<String, f32>>,
+    pub ignore_eos: Option<bool>,
+    pub min_tokens: Option<i64>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub skip_special_tokens: Option<bool>,
+}
+
+impl SamplingFields {
+    /// `n`, checked.
+    pub fn n(&self) -> Result<usize, ApiError> {
+        match self.n {
+            None => Ok(1),
+            Some(n) if n >= 1 && n as usize <= MAX_N => Ok(n as usize),
+            Some(n) => Err(ApiError::invalid_param("n", format!("`n` must be between 1 and {MAX_N}, got {n}"))),
+        }
+    }
+
+    /// The parameters (without logprobs and max_tokens defaults, set by the caller).
+    pub fn params(&self, default_max_tokens: Option<usize>) -> Result<SamplingParams, ApiError> {
+        let mut p = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+        if let Some(t) = self.temperature {
+            p.temperature = t;
+        }
+        if let Some(v) = self.top_p {
+            p.top_p = v;
+        }
+        if let Some(k) = self.top_k {
+            p.top_k = usize::try_from(k).unwrap_or(0);
+        }
+        if let Some(v) = self.min_p {
+            p.min_p = v;
+        }
+        if let Some(v) = self.presence_penalty {
+            p.presence_penalty = v;
+        }
+        if let Some(v) = self.frequency_penalty {
+            p.frequency_penalty = v;
+        }
+        if let Some(v) = self.repetition_penalty {
+            p.repetition_penalty = v;
+        }
+        p.seed = self.seed.map(|s| s as u64);
+        if let Some(stop) = &self.stop {
+            p.stop = stop.clone().into_vec();
+        }
+        if let Some(m) = &self.logit_bias {
+            let mut bias = Vec::with_capacity(m.len());
+            for (k, v) in m {
+                let id = k.trim().parse::<u32>().map_err(|_| {
+                    ApiError::invalid_param("logit_bias", format!("logit_bias key `{k}` is not a token id"))
+                })?;
+                if !(-100.0..=100.0).contains(v) {
+                    return Err(ApiError::invalid_param(
+                        "logit_bias",
+                        format!("logit_bias values must be in [-100, 100], got {v} for token {id}"),
+                    ));
+                }
+                bias.push((id, *v));
+            }
+            bias.sort_by_key(|&(id, _)| id);
+            p.logit_bias = bias;
+        }
+        p.ignore_eos = self.ignore_eos.unwrap_or(false);
+        if let Some(m) = self.min_tokens {
+            p.min_tokens = usize::try_from(m)
+                .map_err(|_| ApiError::invalid_param("min_tokens", format!("`min_tokens` must be >= 0, got {m}")))?;
+        }
+        if let Some(ids) = &self.stop_token_ids {
+            p.stop_token_ids = ids.clone();
+        }
+        if let Some(s) = self.skip_special_tokens {
+            p.skip_special_tokens = s;
+        }
+        let (name, max) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => ("max_completion_tokens", Some(m)),
+            (None, m) => ("max_tokens", m),
+        };
+        p.max_tokens = match max {
+            Some(m) if m <= 0 => {
+                return Err(ApiError::invalid_param(name, format!("`{name}` must be at least 1, got {m}")))
+            }
+            Some(m) => m as usize,
+            None => default_max_tokens.unwrap_or(usize::MAX),
+        };
+        Ok(p)
+    }
+}
+
+/// Checks a prompt against the context and the parameters against the vocabulary, then
+/// caps `max_tokens` at what the context leaves (so the default "as many as fit" works).
+pub fn check_request(engine: &EngineHandle, prompt: &[u32], params: &mut SamplingParams) -> Result<(), ApiError> {
+    let max_len = engine.info.max_model_len;
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
+    }
+    if prompt.len() >= max_len {
+        return Err(ApiError::bad_request(format!(
+            "This model's maximum context length is {max_len} tokens, but the prompt has {} tokens \
+             (at least one token must be left for the output). Please shorten the prompt.",
+            prompt.len()
+        ))
+        .code("context_length_exceeded"));
+    }
+    let vocab = engine.info.vocab_size;
+    if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(
+            ApiError::bad_request(format!("token id {id} is outside the vocabulary of {vocab} tokens")).param("prompt")
+        );
+    }
+    params.max_tokens = params.max_tokens.min(max_len - prompt.len());
+    if params.min_tokens > params.max_tokens {
+        params.min_tokens = params.max_tokens;
+    }
+    params.validate(vocab).map_err(|e| ApiError::invalid_param(e.param, e.to_string()))
+}
+
+/// Turns engine-side refusals into API errors.
+pub fn request_error(e: RequestError) -> ApiError {
+    match e {
+        RequestError::BadParams(m) => ApiError::bad_request(m),
+        other => ApiError::bad_request(other.to_string()),
+    }
+}
+
+pub fn submit(state: &AppState, engine: &EngineHandle, requests: Vec<Request>) -> Result<Submission, ApiError> {
+    engine.submit(requests).map_err(|e| match e {
+        SubmitError::QueueFull { limit } => {
+            state.metrics.rejected_queue_full.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "the server is at capacity: {limit} sequences are already running or queued \
+                     (--max-num-seqs + --max-queue); retry later"
+                ),
+            )
+            .code("queue_full")
+        }
+        SubmitError::EngineGone => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine has stopped (shutting down, or it failed: see the server log)",
+        ),
+    })
+}
+
+/// One token's logprob and alternatives.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Everything a sequence produced, for non-streaming responses.
+#[derive(Debug, Clone, Default)]
+pub struct Collected {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish: Option<FinishReason>,
+    pub num_output_tokens: usize,
+}
+
+/// Waits until each of the `n` sequences has finished.
+pub async fn collect(mut sub: Submission, n: usize, want_logprobs: bool) -> Result<Vec<Collected>, ApiError> {
+    let mut out = vec![Collected::default(); n];
+    let mut done = 0;
+    while done < n {
+        let Some(SeqEvent { index, kind }) = sub.events.recv().await else {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine stopped before the request finished",
+            ));
+        };
+        let c = &mut out[index];
+        match kind {
+            SeqEventKind::Rejected(e) => return Err(request_error(e)),
+            SeqEventKind::Ended(reason) => {
+                if c.finish.is_none() {
+                    c.finish = Some(reason);
+                    done += 1;
+                }
+            }
+            SeqEventKind::Update(u) => {
+                c.text.push_str(&u.text);
+                if let Some(t) = &u.token {
+                    c.tokens.push(t.token);
+                    if want_logprobs {
+                        c.logprobs.push(TokenLogprob {
+                            token: t.token,
+                            logprob: t.logprob,
+                            top: t.top_logprobs.clone(),
+                        });
+                    }
+                }
+                c.num_output_tokens = u.num_output_tokens;
+                if let Some(f) = u.finish {
+                    c.finish = Some(f);
+                    done += 1;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The text of one token, as logprobs show it.
+pub fn token_text(tok: &TextTokenizer, id: u32) -> String {
+    tok.decode(&[id], false).unwrap_or_default()
+}
+
+/// Which stop string ended a sequence, if one did: the earliest one in the decoded output.
+pub fn matched_stop(tok: &Arc<TextTokenizer>, tokens: &[u32], stops: &[String], eos: &[u32]) -> Option<String> {
+    if stops.is_empty() || tokens.last().is_some_and(|t| eos.contains(t)) {
+        return None;
+    }
+    let text = tok.decode(tokens, true).ok()?;
+    stops.iter().filter_map(|s| text.find(s.as_str()).map(|i| (i, s))).min_by_key(|(i, _)| *i).map(|(_, s)| s.clone())
+}
+
+/// Seeds for `n` sequences of one request: `seed + i` when seeded.
+pub fn seeded(params: &SamplingParams, i: usize) -> SamplingParams {
+    let mut p = params.clone();
+    if let Some(s) = p.seed {
+        p.seed = Some(s.wrapping_add(i as u64));
+    }
+    p
+}

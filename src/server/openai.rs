@@ -1,0 +1,749 @@
+//! The OpenAI API: chat completions, completions, models; vLLM's tokenize / detokenize.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::engine_loop::{SeqEvent, SeqEventKind};
+use super::errors::ApiError;
+use super::generate::{
+    check_request, collect, now_unix, parse_json, random_id, request_error, seeded, submit, token_text, typed,
+    Collected, SamplingFields, TokenLogprob,
+};
+use super::sse::{json_event, sse_response, Converter};
+use super::AppState;
+use crate::engine::sampling_params::MAX_LOGPROBS;
+use crate::engine::{Request, SamplingParams};
+use crate::tokenizer::{ChatMessage, TextTokenizer};
+
+type AppRef = State<Arc<AppState>>;
+
+fn respond(r: Result<Response, ApiError>) -> Response {
+    r.unwrap_or_else(|e| e.into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<Value>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+    #[serde(default)]
+    top_logprobs: Option<i64>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+}
+
+/// OpenAI messages -> chat template messages (text only). Roles: system, developer (rendered
+/// as system, which is what chat templates know), user, assistant.
+pub fn parse_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid_param("messages", "`messages` must contain at least one message"));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let Some(obj) = m.as_object() else {
+            return Err(ApiError::invalid_param(
+                format!("messages[{i}]"),
+                format!("`messages[{i}]` must be an object"),
+            ));
+        };
+        let role = match obj.get("role") {
+            Some(Value::String(r)) => r.as_str(),
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    format!("messages[{i}].role"),
+                    format!("`messages[{i}].role` must be a string"),
+                ))
+            }
+            None => {
+                return Err(ApiError::invalid_param(
+                    format!("messages[{i}].role"),
+                    format!("`messages[{i}]` has no `role`"),
+                ))
+            }
+        };
+        let role = match role {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            other => {
+                return Err(ApiError::invalid_param(
+                    format!("messages[{i}].role"),
+                    format!("unknown role `{other}` in `messages[{i}]`: use one of system, developer, user, assistant"),
+                ))
+            }
+        };
+        let content = content_text(obj.get("content"), &format!("messages[{i}].content"), role == "assistant")?;
+        out.push(ChatMessage::text(role, content));
+    }
+    Ok(out)
+}
+
+/// A string, or a list of `{"type": "text", "text": ...}` parts (joined with newlines).
+fn content_text(content: Option<&Value>, path: &str, may_be_null: bool) -> Result<String, ApiError> {
+    match content {
+        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) if may_be_null => Ok(String::new()),
+        None | Some(Value::Null) => Err(ApiError::invalid_param(path, format!("`{path}` is missing"))),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str);
+                match kind {
+                    Some("text") => match part.get("text") {
+                        Some(Value::String(t)) => texts.push(t.as_str()),
+                        _ => {
+                            return Err(ApiError::invalid_param(
+                                format!("{path}[{j}].text"),
+                                format!("`{path}[{j}].text` must be a string"),
+                            ))
+                        }
+                    },
+                    Some(other) => {
+                        return Err(ApiError::invalid_param(
+                            format!("{path}[{j}].type"),
+                            format!(
+                                "unsupported content part type `{other}` in `{path}[{j}]`: this server accepts text parts only"
+                            ),
+                        ))
+                    }
+                    None => {
+                        return Err(ApiError::invalid_param(
+                            format!("{path}[{j}].type"),
+                            format!("`{path}[{j}]` must be an object with a string `type`"),
+                        ))
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        Some(_) => Err(ApiError::invalid_param(path, format!("`{path}` must be a string or a list of content parts"))),
+    }
+}
+
+/// Renders and tokenizes a conversation; template errors are the client's (400).
+pub fn encode_chat(
+    tok: &TextTokenizer,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    extra: serde_json::Map<String, Value>,
+) -> Result<Vec<u32>, ApiError> {
+    let text = tok
+        .apply_chat_template_with(messages, add_generation_prompt, extra)
+        .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}")).param("messages"))?;
+    tok.encode(&text, false).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+fn logprobs_setting(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<usize>, ApiError> {
+    let top = match top {
+        None => 0,
+        Some(t) if t >= 0 && t as usize <= MAX_LOGPROBS => t as usize,
+        Some(t) => {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                format!("`top_logprobs` must be between 0 and {MAX_LOGPROBS}, got {t}"),
+            ))
+        }
+    };
+    match logprobs {
+        Some(true) => Ok(Some(top)),
+        _ if top > 0 => Err(ApiError::invalid_param("top_logprobs", "`top_logprobs` needs `logprobs: true`")),
+        _ => Ok(None),
+    }
+}
+
+fn chat_logprob_entry(tok: &TextTokenizer, lp: &TokenLogprob) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let text = token_text(tok, id);
+        let bytes: Vec<u8> = text.as_bytes().to_vec();
+        json!({ "token": text, "logprob": finite(logprob), "bytes": bytes })
+    };
+    let mut e = entry(lp.token, lp.logprob);
+    e["top_logprobs"] = Value::Array(lp.top.iter().map(|&(id, l)| entry(id, l)).collect());
+    e
+}
+
+/// JSON has no -inf: clamp like vLLM does.
+fn finite(x: f32) -> f32 {
+    if x.is_finite() {
+        x
+    } else {
+        -9999.0
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+}
+
+pub async fn chat_completions(State(app): AppRef, body: Result<Bytes, BytesRejection>) -> Response {
+    respond(chat_inner(app, body).await)
+}
+
+async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let engine = app.engine()?.clone();
+    let v = parse_json(body, app.cfg.max_body_bytes)?;
+    let req: ChatRequest = typed(&v)?;
+    let fields: SamplingFields = typed(&v)?;
+    let model = app.check_model(req.model.as_deref())?;
+    let messages = parse_messages(&req.messages)?;
+    let tok = engine.tokenizer.clone();
+    let prompt = encode_chat(
+        &tok,
+        &messages,
+        req.add_generation_prompt.unwrap_or(true),
+        req.chat_template_kwargs.clone().unwrap_or_default(),
+    )?;
+    let n = fields.n()?;
+    let mut params = fields.params(None)?;
+    params.logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
+    check_request(&engine, &prompt, &mut params)?;
+    let requests = (0..n).map(|i| Request { prompt_tokens: prompt.clone(), params: seeded(&params, i) }).collect();
+    let sub = submit(&app, &engine, requests)?;
+    let id = random_id("chatcmpl-");
+    let created = now_unix();
+    if req.stream.unwrap_or(false) {
+        let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+        let conv = ChatStream {
+            id,
+            created,
+            model,
+            tok,
+            n,
+            include_usage,
+            logprobs: params.logprobs.is_some(),
+            prompt_tokens: prompt.len(),
+            finished: vec![false; n],
+            output_tokens: vec![0; n],
+        };
+        return Ok(sse_response(sub, conv));
+    }
+    let results = collect(sub, n, params.logprobs.is_some()).await?;
+    let completion: usize = results.iter().map(|c| c.num_output_tokens).sum();
+    let choices: Vec<Value> = results
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let logprobs = params.logprobs.map(
+                |_| json!({ "content": c.logprobs.iter().map(|lp| chat_logprob_entry(&tok, lp)).collect::<Vec<_>>() }),
+            );
+            json!({
+                "index": i,
+                "message": { "role": "assistant", "content": c.text },
+                "logprobs": logprobs,
+                "finish_reason": finish_str(c),
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt.len(), completion),
+        "system_fingerprint": null,
+    }))
+    .into_response())
+}
+
+fn finish_str(c: &Collected) -> &'static str {
+    c.finish.as_ref().map(|f| f.as_openai_str()).unwrap_or("abort")
+}
+
+struct ChatStream {
+    id: String,
+    created: u64,
+    model: String,
+    tok: Arc<TextTokenizer>,
+    n: usize,
+    include_usage: bool,
+    logprobs: bool,
+    prompt_tokens: usize,
+    finished: Vec<bool>,
+    output_tokens: Vec<usize>,
+}
+
+impl ChatStream {
+    fn chunk(&self, index: usize, delta: Value, logprobs: Value, finish: Option<&str>) -> Event {
+        let mut c = json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish }],
+        });
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        json_event(&c)
+    }
+
+    fn finish(&mut self, index: usize, reason: &str, out: &mut Vec<Event>) -> bool {
+        if !self.finished[index] {
+            self.finished[index] = true;
+            out.push(self.chunk(index, json!({}), Value::Null, Some(reason)));
+        }
+        self.finished.iter().all(|f| *f)
+    }
+}
+
+impl Converter for ChatStream {
+    fn start(&mut self, out: &mut Vec<Event>) {
+        for i in 0..self.n {
+            out.push(self.chunk(i, json!({ "role": "assistant", "content": "" }), Value::Null, None));
+        }
+    }
+
+    fn on_event(&mut self, ev: SeqEvent, out: &mut Vec<Event>) -> bool {
+        let i = ev.index;
+        match ev.kind {
+            SeqEventKind::Rejected(e) => {
+                out.push(json_event(&request_error(e).body()));
+                self.finish(i, "error", out)
+            }
+            SeqEventKind::Ended(reason) => self.finish(i, reason.as_openai_str(), out),
+            SeqEventKind::Update(u) => {
+                self.output_tokens[i] = u.num_output_tokens;
+                let lp = match (&u.token, self.logprobs) {
+                    (Some(t), true) => {
+                        let e = TokenLogprob { token: t.token, logprob: t.logprob, top: t.top_logprobs.clone() };
+                        json!({ "content": [chat_logprob_entry(&self.tok, &e)] })
+                    }
+                    _ => Value::Null,
+                };
+                if !u.text.is_empty() || !lp.is_null() {
+                    out.push(self.chunk(i, json!({ "content": u.text }), lp, None));
+                }
+                match u.finish {
+                    Some(f) => self.finish(i, f.as_openai_str(), out),
+                    None => false,
+                }
+            }
+        }
+    }
+
+    fn end(&mut self, _complete: bool, out: &mut Vec<Event>) {
+        if self.include_usage {
+            let completion: usize = self.output_tokens.iter().sum();
+            out.push(json_event(&json!({
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage(self.prompt_tokens, completion),
+            })));
+        }
+        out.push(Event::default().data("[DONE]"));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// /v1/completions
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum PromptField {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    #[serde(default)]
+    model: Option<String>,
+    prompt: PromptField,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    logprobs: Option<i64>,
+    #[serde(default)]
+    echo: Option<bool>,
+    #[serde(default)]
+    suffix: Option<String>,
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+}
+
+pub async fn completions(State(app): AppRef, body: Result<Bytes, BytesRejection>) -> Response {
+    respond(completions_inner(app, body).await)
+}
+
+async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let engine = app.engine()?.clone();
+    let v = parse_json(body, app.cfg.max_body_bytes)?;
+    let req: CompletionRequest = typed(&v)?;
+    let fields: SamplingFields = typed(&v)?;
+    let model = app.check_model(req.model.as_deref())?;
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid_param("suffix", "`suffix` is not supported"));
+    }
+    let tok = engine.tokenizer.clone();
+    let add_special = req.add_special_tokens.unwrap_or(true);
+    let encode = |s: &str| tok.encode(s, add_special).map_err(|e| ApiError::bad_request(e.to_string()).param("prompt"));
+    let prompts: Vec<Vec<u32>> = match &req.prompt {
+        PromptField::Text(s) => vec![encode(s)?],
+        PromptField::Texts(v) => v.iter().map(|s| encode(s)).collect::<Result<_, _>>()?,
+        PromptField::Tokens(t) => vec![t.clone()],
+        PromptField::TokenLists(v) => v.clone(),
+    };
+    if prompts.is_empty() {
+        return Err(ApiError::invalid_param("prompt", "`prompt` must not be an empty list"));
+    }
+    let n = fields.n()?;
+    if prompts.len() * n > super::generate::MAX_N {
+        return Err(ApiError::invalid_param(
+            "n",
+            format!(
+                "{} prompts x n = {n} is more than {} sequences in one request",
+                prompts.len(),
+                super::generate::MAX_N
+            ),
+        ));
+    }
+    let mut params = fields.params(Some(16))?;
+    params.logprobs = match req.logprobs {
+        None => None,
+        Some(l) if l >= 0 && l as usize <= MAX_LOGPROBS => Some(l as usize),
+        Some(l) => {
+            return Err(ApiError::invalid_param(
+                "logprobs",
+                format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {l}"),
+            ))
+        }
+    };
+    let echo = req.echo.unwrap_or(false);
+    let mut requests = Vec::with_capacity(prompts.len() * n);
+    let mut per_prompt: Vec<SamplingParams> = Vec::with_capacity(prompts.len());
+    for prompt in &prompts {
+        let mut p = params.clone();
+        check_request(&engine, prompt, &mut p)?;
+        for i in 0..n {
+            requests.push(Request { prompt_tokens: prompt.clone(), params: seeded(&p, i) });
+        }
+        per_prompt.push(p);
+    }
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    // What echo shows: the prompt as text (special tokens included, as it was sent).
+    let echo_texts: Vec<String> = if echo {
+        prompts.iter().map(|p| tok.decode(p, false).unwrap_or_default()).collect()
+    } else {
+        vec![String::new(); prompts.len()]
+    };
+    let total = requests.len();
+    let sub = submit(&app, &engine, requests)?;
+    let id = random_id("cmpl-");
+    let created = now_unix();
+    if req.stream.unwrap_or(false) {
+        let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+        let conv = CompletionStream {
+            id,
+            created,
+            model,
+            tok,
+            n,
+            include_usage,
+            logprobs: params.logprobs.is_some(),
+            prompt_tokens,
+            echo: echo_texts,
+            echo_prompts: if echo { prompts.clone() } else { Vec::new() },
+            offsets: vec![0; total],
+            finished: vec![false; total],
+            output_tokens: vec![0; total],
+        };
+        return Ok(sse_response(sub, conv));
+    }
+    let results = collect(sub, total, params.logprobs.is_some()).await?;
+    let completion: usize = results.iter().map(|c| c.num_output_tokens).sum();
+    let choices: Vec<Value> = results
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let p = i / n;
+            let text = format!("{}{}", echo_texts[p], c.text);
+            let logprobs = params.logprobs.map(|_| {
+                let echoed: &[u32] = if echo { &prompts[p] } else { &[] };
+                let mut lp = LegacyLogprobs::default();
+                lp.push_prompt(&tok, echoed);
+                for e in &c.logprobs {
+                    lp.push(&tok, e);
+                }
+                lp.into_json()
+            });
+            json!({ "index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_str(c) })
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion),
+        "system_fingerprint": null,
+    }))
+    .into_response())
+}
+
+/// The completions API's logprobs object.
+#[derive(Default)]
+struct LegacyLogprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<Option<f32>>,
+    top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
+    text_offset: Vec<usize>,
+    offset: usize,
+}
+
+impl LegacyLogprobs {
+    fn with_offset(offset: usize) -> Self {
+        LegacyLogprobs { offset, ..Default::default() }
+    }
+
+    /// Echoed prompt tokens: no logprobs are computed for the prompt.
+    fn push_prompt(&mut self, tok: &TextTokenizer, ids: &[u32]) {
+        for &id in ids {
+            let t = token_text(tok, id);
+            self.text_offset.push(self.offset);
+            self.offset += t.len();
+            self.tokens.push(t);
+            self.token_logprobs.push(None);
+            self.top_logprobs.push(None);
+        }
+    }
+
+    fn push(&mut self, tok: &TextTokenizer, e: &TokenLogprob) {
+        let t = token_text(tok, e.token);
+        self.text_offset.push(self.offset);
+        self.offset += t.len();
+        self.tokens.push(t);
+        self.token_logprobs.push(Some(finite(e.logprob)));
+        let mut top = serde_json::Map::new();
+        for &(id, l) in &e.top {
+            top.insert(token_text(tok, id), json!(finite(l)));
+        }
+        self.top_logprobs.push(Some(top));
+    }
+
+    fn into_json(self) -> Value {
+        json!({
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        })
+    }
+}
+
+struct CompletionStream {
+    id: String,
+    created: u64,
+    model: String,
+    tok: Arc<TextTokenizer>,
+    n: usize,
+    include_usage: bool,
+    logprobs: bool,
+    prompt_tokens: usize,
+    echo: Vec<String>,
+    echo_prompts: Vec<Vec<u32>>,
+    offsets: Vec<usize>,
+    finished: Vec<bool>,
+    output_tokens: Vec<usize>,
+}
+
+impl CompletionStream {
+    fn chunk(&self, index: usize, text: &str, logprobs: Value, finish: Option<&str>) -> Event {
+        let mut c = json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{ "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish }],
+        });
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        json_event(&c)
+    }
+
+    fn finish(&mut self, index: usize, reason: &str, out: &mut Vec<Event>) -> bool {
+        if !self.finished[index] {
+            self.finished[index] = true;
+            out.push(self.chunk(index, "", Value::Null, Some(reason)));
+        }
+        self.finished.iter().all(|f| *f)
+    }
+}
+
+impl Converter for CompletionStream {
+    fn start(&mut self, out: &mut Vec<Event>) {
+        for i in 0..self.finished.len() {
+            let p = i / self.n;
+            if !self.echo[p].is_empty() {
+                let lp = if self.logprobs {
+                    let mut lp = LegacyLogprobs::default();
+                    lp.push_prompt(&self.tok, &self.echo_prompts[p]);
+                    self.offsets[i] = lp.offset;
+                    lp.into_json()
+                } else {
+                    Value::Null
+                };
+                out.push(self.chunk(i, &self.echo[p].clone(), lp, None));
+            }
+        }
+    }
+
+    fn on_event(&mut self, ev: SeqEvent, out: &mut Vec<Event>) -> bool {
+        let i = ev.index;
+        match ev.kind {
+            SeqEventKind::Rejected(e) => {
+                out.push(json_event(&request_error(e).body()));
+                self.finish(i, "error", out)
+            }
+            SeqEventKind::Ended(reason) => self.finish(i, reason.as_openai_str(), out),
+            SeqEventKind::Update(u) => {
+                self.output_tokens[i] = u.num_output_tokens;
+                let lp = match (&u.token, self.logprobs) {
+                    (Some(t), true) => {
+                        let mut lp = LegacyLogprobs::with_offset(self.offsets[i]);
+                        lp.push(
+                            &self.tok,
+                            &TokenLogprob { token: t.token, logprob: t.logprob, top: t.top_logprobs.clone() },
+                        );
+                        self.offsets[i] = lp.offset;
+                        lp.into_json()
+                    }
+                    _ => Value::Null,
+                };
+                if !u.text.is_empty() || !lp.is_null() {
+                    out.push(self.chunk(i, &u.text, lp, None));
+                }
+                match u.finish {
+                    Some(f) => self.finish(i, f.as_openai_str(), out),
+                    None => false,
+                }
+            }
+        }
+    }
+
+    fn end(&mut self, _complete: bool, out: &mut Vec<Event>) {
+        if self.include_usage {
+            let completion: usize = self.output_tokens.iter().sum();
+            out.push(json_event(&json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage(self.prompt_tokens, completion),
+            })));
+        }
+        out.push(Event::default().data("[DONE]"));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// /v1/models, /tokenize, /detokenize
+
+pub async fn models(State(app): AppRef) -> Response {
+    let max_len = app.engine.get().map(|e| e.info.max_model_len);
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": app.cfg.served_model_name,
+            "object": "model",
+            "created": app.started,
+            "owned_by": "iris",
+            "root": app.cfg.model_path,
+            "max_model_len": max_len,
+        }],
+    }))
+    .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<Value>>,
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+}
+
+pub async fn tokenize(State(app): AppRef, body: Result<Bytes, BytesRejection>) -> Response {
+    respond((|| {
+        let engine = app.engine()?;
+        let v = parse_json(body, app.cfg.max_body_bytes)?;
+        let req: TokenizeRequest = typed(&v)?;
+        app.check_model(req.model.as_deref())?;
+        let tok = &engine.tokenizer;
+        let tokens = match (&req.prompt, &req.messages) {
+            (Some(p), None) => tok
+                .encode(p, req.add_special_tokens.unwrap_or(true))
+                .map_err(|e| ApiError::bad_request(e.to_string()))?,
+            (None, Some(m)) => {
+                let messages = parse_messages(m)?;
+                encode_chat(tok, &messages, req.add_generation_prompt.unwrap_or(true), Default::default())?
+            }
+            _ => return Err(ApiError::bad_request("give exactly one of `prompt` and `messages`")),
+        };
+        Ok(Json(json!({ "count": tokens.len(), "max_model_len": engine.info.max_model_len, "tokens": tokens }))
+            .into_response())
+    })())
+}
+
+#[derive(Debug, Deserialize)]
+struct DetokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+pub async fn detokenize(State(app): AppRef, body: Result<Bytes, BytesRejection>) -> Response {
+    respond((|| {
+        let engine = app.engine()?;
+        let v = parse_json(body, app.cfg.max_body_bytes)?;
+        let req: DetokenizeRequest = typed(&v)?;
+        app.check_model(req.model.as_deref())?;
+        let vocab = engine.info.vocab_size;
+        if let Some(&id) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid_param(
+                "tokens",
+                format!("token id {id} is outside the vocabulary of {vocab} tokens"),
+            ));
+        }
+        let text = engine.tokenizer.decode(&req.tokens, false).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok(Json(json!({ "prompt": text })).into_response())
+    })())
+}

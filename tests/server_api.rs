@@ -1,0 +1,317 @@
+//! The OpenAI and Anthropic APIs of `iris serve`, over raw HTTP against the real binary.
+
+mod server_support;
+
+use serde_json::{json, Value};
+use server_support::Server;
+
+fn chat_body(content: &str, extra: Value) -> Value {
+    let mut b = json!({
+        "messages": [{ "role": "user", "content": content }],
+        "temperature": 0,
+        "max_tokens": 12,
+        "ignore_eos": true,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+/// Concatenated `delta.content` of a chat stream, its finish reasons, and the usage chunk.
+fn chat_stream_parts(data: &[String]) -> (String, Vec<String>, Option<Value>) {
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "stream ends with [DONE]");
+    let mut text = String::new();
+    let mut finishes = Vec::new();
+    let mut usage = None;
+    for d in &data[..data.len() - 1] {
+        let v: Value = serde_json::from_str(d).unwrap();
+        assert_eq!(v["object"], "chat.completion.chunk");
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            usage = Some(u.clone());
+        }
+        for c in v["choices"].as_array().unwrap() {
+            if let Some(t) = c["delta"]["content"].as_str() {
+                text.push_str(t);
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                finishes.push(f.to_string());
+            }
+        }
+    }
+    (text, finishes, usage)
+}
+
+#[test]
+fn chat_completion_matches_its_stream_with_exact_usage() {
+    let s = Server::start(&[]);
+    let r = s.post("/v1/chat/completions", &chat_body("Hello there", json!({})));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "tiny-llama");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let usage = &v["usage"];
+    assert_eq!(usage["completion_tokens"], 12);
+    // The prompt is what /tokenize says the chat template renders.
+    let t = s.post("/tokenize", &json!({ "messages": [{ "role": "user", "content": "Hello there" }] })).json();
+    assert_eq!(usage["prompt_tokens"], t["count"]);
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), t["count"].as_u64().unwrap() + 12);
+
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat_body("Hello there", json!({ "stream": true, "stream_options": { "include_usage": true } })),
+    );
+    assert_eq!(r.status, 200);
+    assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
+    let (streamed, finishes, susage) = chat_stream_parts(&r.sse_data());
+    assert_eq!(streamed, text);
+    assert_eq!(finishes, vec!["length"]);
+    assert_eq!(susage.as_ref(), Some(usage));
+}
+
+#[test]
+fn content_parts_and_developer_role_render_like_strings() {
+    let s = Server::start(&[]);
+    let plain = s.post(
+        "/v1/chat/completions",
+        &json!({ "messages": [{ "role": "system", "content": "Be brief." }, { "role": "user", "content": "a\nb" }],
+                 "temperature": 0, "max_tokens": 6 }),
+    );
+    let parts = s.post(
+        "/v1/chat/completions",
+        &json!({ "messages": [{ "role": "developer", "content": [{ "type": "text", "text": "Be brief." }] },
+                              { "role": "user", "content": [{ "type": "text", "text": "a" }, { "type": "text", "text": "b" }] }],
+                 "temperature": 0, "max_completion_tokens": 6 }),
+    );
+    assert_eq!(plain.status, 200, "{}", plain.text());
+    assert_eq!(parts.status, 200, "{}", parts.text());
+    assert_eq!(plain.json()["choices"], parts.json()["choices"]);
+    assert_eq!(plain.json()["usage"], parts.json()["usage"]);
+}
+
+#[test]
+fn stop_strings_end_generation_and_are_not_returned() {
+    let s = Server::start(&[]);
+    let full = s.post(
+        "/v1/completions",
+        &json!({ "prompt": "the cat", "max_tokens": 24, "temperature": 0, "ignore_eos": true }),
+    );
+    assert_eq!(full.status, 200, "{}", full.text());
+    let text = full.json()["choices"][0]["text"].as_str().unwrap().to_string();
+    // Pick a stop string from the middle of the greedy output.
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 6, "output too short: {text:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let expected = &text[..text.find(&stop).unwrap()];
+    let r = s.post(
+        "/v1/completions",
+        &json!({ "prompt": "the cat", "max_tokens": 24, "temperature": 0, "ignore_eos": true, "stop": [stop.clone(), "\u{1}never"] }),
+    );
+    let v = r.json();
+    assert_eq!(v["choices"][0]["text"], expected);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // Anthropic names the stop sequence that matched.
+    let m = s.post(
+        "/v1/messages",
+        &json!({ "max_tokens": 24, "temperature": 0, "messages": [{ "role": "user", "content": "x" }] }),
+    );
+    let mtext = m.json()["content"][0]["text"].as_str().unwrap().to_string();
+    let mchars: Vec<char> = mtext.chars().collect();
+    if mchars.len() >= 4 && m.json()["stop_reason"] == "max_tokens" {
+        let stop: String = mchars[mchars.len() / 2..mchars.len() / 2 + 2].iter().collect();
+        let m2 = s.post(
+            "/v1/messages",
+            &json!({ "max_tokens": 24, "temperature": 0, "stop_sequences": [stop.clone()],
+                     "messages": [{ "role": "user", "content": "x" }] }),
+        );
+        let v2 = m2.json();
+        assert_eq!(v2["stop_reason"], "stop_sequence", "{v2}");
+        assert_eq!(v2["stop_sequence"], stop);
+        assert_eq!(v2["content"][0]["text"], &mtext[..mtext.find(&stop).unwrap()]);
+    }
+}
+
+#[test]
+fn completions_batch_prompts_n_echo_and_logprobs() {
+    let s = Server::start(&[]);
+    let r = s.post(
+        "/v1/completions",
+        &json!({ "prompt": ["one two", "three"], "n": 2, "max_tokens": 5, "temperature": 0, "ignore_eos": true,
+                 "echo": true, "logprobs": 2 }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let prefix = if i < 2 { "one two" } else { "three" };
+        assert!(c["text"].as_str().unwrap().starts_with(prefix), "{c}");
+        let lp = &c["logprobs"];
+        let n_tokens = lp["tokens"].as_array().unwrap().len();
+        assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), n_tokens);
+        // Generated tokens carry a logprob and at most 2 alternatives.
+        let gen = &lp["top_logprobs"].as_array().unwrap()[n_tokens - 1];
+        assert!(gen.as_object().unwrap().len() <= 2 && !gen.as_object().unwrap().is_empty());
+        assert!(lp["token_logprobs"][n_tokens - 1].as_f64().unwrap() <= 0.0);
+    }
+    // Greedy: both choices of a prompt agree.
+    assert_eq!(choices[0]["text"], choices[1]["text"]);
+    assert_eq!(v["usage"]["completion_tokens"], 20);
+    let p1 = s.post("/tokenize", &json!({ "prompt": "one two" })).json()["count"].as_u64().unwrap();
+    let p2 = s.post("/tokenize", &json!({ "prompt": "three" })).json()["count"].as_u64().unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64().unwrap(), p1 + p2);
+
+    // Streaming gives the same text per choice.
+    let r = s.post(
+        "/v1/completions",
+        &json!({ "prompt": "one two", "max_tokens": 5, "temperature": 0, "ignore_eos": true, "stream": true }),
+    );
+    let data = r.sse_data();
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let text: String = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(format!("one two{text}"), choices[0]["text"].as_str().unwrap());
+}
+
+#[test]
+fn seeded_n_choices_equal_single_requests_with_seed_plus_i() {
+    let s = Server::start(&[]);
+    let body = |n: usize, seed: u64| {
+        json!({ "prompt": "random words", "max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
+                "seed": seed, "n": n, "ignore_eos": true })
+    };
+    let many = s.post("/v1/completions", &body(3, 7)).json();
+    for i in 0..3 {
+        let one = s.post("/v1/completions", &body(1, 7 + i as u64)).json();
+        assert_eq!(many["choices"][i]["text"], one["choices"][0]["text"], "choice {i}");
+    }
+}
+
+#[test]
+fn chat_logprobs_shape() {
+    let s = Server::start(&[]);
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat_body("hi", json!({ "logprobs": true, "top_logprobs": 3, "max_tokens": 4 })),
+    );
+    let v = r.json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 4);
+    for e in content {
+        assert!(e["token"].is_string() && e["bytes"].is_array() && e["logprob"].as_f64().unwrap() <= 0.0);
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(top[0]["logprob"], e["logprob"]);
+    }
+}
+
+#[test]
+fn models_tokenize_detokenize_health_metrics() {
+    let s = Server::start(&["--served-model-name", "tiny"]);
+    let m = s.get("/v1/models").json();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], "tiny");
+    let t = s.post("/tokenize", &json!({ "prompt": "hello world", "add_special_tokens": false })).json();
+    let tokens = t["tokens"].clone();
+    assert_eq!(t["count"], tokens.as_array().unwrap().len());
+    let d = s.post("/detokenize", &json!({ "tokens": tokens })).json();
+    assert_eq!(d["prompt"], "hello world");
+    assert_eq!(s.get("/health").status, 200);
+    // The served name works; so does no name.
+    let r = s.post("/v1/completions", &json!({ "model": "tiny", "prompt": "a", "max_tokens": 2 }));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let metrics = s.get("/metrics");
+    assert_eq!(metrics.status, 200);
+    let text = metrics.text();
+    for name in [
+        "iris_http_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1",
+        "iris_prompt_tokens_total",
+        "iris_generation_tokens_total 2",
+        "iris_time_to_first_token_seconds_bucket",
+        "iris_inter_token_latency_seconds_count 1",
+        "iris_num_requests_running 0",
+        "iris_num_requests_waiting 0",
+        "iris_kv_cache_blocks_used 0",
+        "iris_kv_cache_blocks_free",
+        "iris_num_preemptions_total",
+    ] {
+        assert!(text.contains(name), "/metrics lacks `{name}`:\n{text}");
+    }
+}
+
+#[test]
+fn anthropic_messages_and_stream_events() {
+    let s = Server::start(&[]);
+    let body = json!({ "model": "tiny-llama", "max_tokens": 8, "temperature": 0, "system": "Be terse.",
+                       "messages": [{ "role": "user", "content": [{ "type": "text", "text": "hi" }] }] });
+    let r = s.post("/v1/messages", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["role"], "assistant");
+    assert!(v["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(v["content"][0]["type"], "text");
+    let out = v["usage"]["output_tokens"].as_u64().unwrap();
+    assert!((1..=8).contains(&out));
+    if out < 8 {
+        assert_eq!(v["stop_reason"], "end_turn");
+    } else {
+        assert!(v["stop_reason"] == "max_tokens" || v["stop_reason"] == "end_turn");
+    }
+    let count =
+        s.post("/v1/messages/count_tokens", &json!({ "messages": body["messages"], "system": "Be terse." })).json();
+    assert_eq!(count["input_tokens"], v["usage"]["input_tokens"]);
+
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let r = s.post("/v1/messages", &sb);
+    let events = r.sse();
+    let names: Vec<String> = events.iter().map(|(e, _)| e.clone().unwrap_or_default()).collect();
+    assert_eq!(names[..3], ["message_start", "content_block_start", "ping"]);
+    assert_eq!(names[names.len() - 3..], ["content_block_stop", "message_delta", "message_stop"]);
+    let mut text = String::new();
+    for (name, data) in &events {
+        let d: Value = serde_json::from_str(data).unwrap();
+        assert_eq!(Some(d["type"].as_str().unwrap()), name.as_deref());
+        if name.as_deref() == Some("content_block_delta") {
+            text.push_str(d["delta"]["text"].as_str().unwrap());
+        }
+        if name.as_deref() == Some("message_delta") {
+            assert_eq!(d["delta"]["stop_reason"], v["stop_reason"]);
+            assert_eq!(d["usage"]["output_tokens"], v["usage"]["output_tokens"]);
+        }
+    }
+    assert_eq!(text, v["content"][0]["text"].as_str().unwrap());
+}
+
+#[test]
+fn api_key_is_required_when_set() {
+    let s = Server::start(&["--api-key", "sekret"]);
+    let body = json!({ "prompt": "a", "max_tokens": 1 }).to_string();
+    let r = s.post_raw("/v1/completions", &[], body.as_bytes());
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["error"]["type"], "authentication_error");
+    let r = s.post_raw("/v1/completions", &[("Authorization", "Bearer wrong")], body.as_bytes());
+    assert_eq!(r.status, 401);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("invalid"));
+    let r = s.post_raw("/v1/completions", &[("Authorization", "Bearer sekret")], body.as_bytes());
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = json!({ "max_tokens": 1, "messages": [{ "role": "user", "content": "a" }] }).to_string();
+    let r = s.post_raw("/v1/messages", &[], m.as_bytes());
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["type"], "error");
+    assert_eq!(r.json()["error"]["type"], "authentication_error");
+    let r = s.post_raw("/v1/messages", &[("x-api-key", "sekret")], m.as_bytes());
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Health and metrics stay open for probes.
+    assert_eq!(s.get("/health").status, 200);
+    assert_eq!(s.get("/metrics").status, 200);
+}

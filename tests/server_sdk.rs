@@ -1,0 +1,53 @@
+//! The official Python SDKs (openai, anthropic) against the real server: runs
+//! tests/python/test_sdk.py with the interpreter named by IRIS_TEST_PYTHON (.ci/run makes a
+//! venv with both SDKs and sets it), else `python3` if it has both SDKs. Without them the test
+//! is skipped, saying why — except under CI=true, where it fails unless .ci/run said why
+//! (IRIS_SDK_SKIP_REASON: pip could not install them).
+
+mod server_support;
+
+use std::process::Command;
+
+use server_support::Server;
+
+fn python() -> Option<String> {
+    if let Ok(p) = std::env::var("IRIS_TEST_PYTHON") {
+        return Some(p);
+    }
+    let ok = Command::new("python3")
+        .args(["-c", "import openai, anthropic"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    ok.then(|| "python3".to_string())
+}
+
+#[test]
+fn official_python_sdks() {
+    let Some(py) = python() else {
+        let msg = "the openai and anthropic Python packages are not installed: set IRIS_TEST_PYTHON to a \
+                   python that has them (.ci/run does)";
+        if let Ok(reason) = std::env::var("IRIS_SDK_SKIP_REASON") {
+            eprintln!("skipped: {reason}");
+            return;
+        }
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            panic!("{msg}");
+        }
+        eprintln!("skipped: {msg}");
+        return;
+    };
+    let s = Server::start(&["--api-key", "test-key", "--served-model-name", "tiny-llama"]);
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk.py");
+    let out = Command::new(&py)
+        .arg(&script)
+        .arg("-v")
+        .env("IRIS_BASE_URL", format!("http://{}", s.addr))
+        .env("IRIS_API_KEY", "test-key")
+        .env("IRIS_MODEL", "tiny-llama")
+        .output()
+        .expect("python runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert!(out.status.success(), "SDK tests failed:\n{stderr}\nserver log:\n{}", s.log());
+}
