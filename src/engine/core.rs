@@ -140,6 +140,17 @@ impl Engine {
 
     /// Runs one step: schedule, run the model on the flat batch, sample, detokenize.
     pub fn step(&mut self) -> candle_core::Result<Vec<SeqUpdate>> {
+        // Run the step on a worker of the compute pool: the kernels' parallel loops then
+        // start from inside the pool (the caller works too) instead of waking every worker
+        // from outside for each of the ~200 parallel regions of a decode step.
+        if rayon::current_thread_index().is_some() {
+            return self.step_inner();
+        }
+        // From outside the pool, `rayon::scope` runs its body on a pool worker.
+        rayon::scope(|_| self.step_inner())
+    }
+
+    fn step_inner(&mut self) -> candle_core::Result<Vec<SeqUpdate>> {
         let plan = self.scheduler.schedule();
         self.stats.preemptions += plan.preempted.len() as u64;
         if plan.is_empty() {

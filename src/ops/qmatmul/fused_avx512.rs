@@ -27,6 +27,11 @@ pub fn available() -> bool {
     }
 }
 
+/// Bytes ahead of the current block to prefetch (rows are contiguous, so this runs into the
+/// next rows of the same task).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_AHEAD: usize = 768;
+
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn f16_at(p: *const u8) -> f32 {
@@ -46,10 +51,7 @@ trait Decode {
 #[inline(always)]
 unsafe fn nibbles(qs: __m128i) -> (__m512i, __m512i) {
     let mask = _mm_set1_epi8(0x0F);
-    (
-        _mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)),
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)),
-    )
+    (_mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)), _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -128,6 +130,8 @@ unsafe fn dot_rows_of<F: Decode, const M: usize>(row: &[u8], x: &[f32], k: usize
     let xp = x.as_ptr();
     let rp = row.as_ptr();
     for b in 0..k / 32 {
+        // Weights stream from L3 or memory once per step: ask for them well ahead.
+        _mm_prefetch(rp.add(b * F::BYTES + PREFETCH_AHEAD) as *const i8, _MM_HINT_T0);
         let (w0, w1) = F::decode(rp.add(b * F::BYTES));
         for i in 0..M {
             let xi = xp.add(i * k + b * 32);

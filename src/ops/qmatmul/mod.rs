@@ -273,11 +273,7 @@ mod tests {
                 for r in 0..n {
                     let want: f64 = (0..k).map(|j| xv[i][j] as f64 * wd[r][j] as f64).sum();
                     let tol = 1e-4 * (k as f64).sqrt() * 4.0;
-                    assert!(
-                        (got[i][r] as f64 - want).abs() < tol,
-                        "{dt:?} m={m} ({i},{r}): {} vs {want}",
-                        got[i][r]
-                    );
+                    assert!((got[i][r] as f64 - want).abs() < tol, "{dt:?} m={m} ({i},{r}): {} vs {want}", got[i][r]);
                 }
             }
         }
