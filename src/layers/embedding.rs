@@ -27,6 +27,22 @@ impl Embedding {
         }
     }
 
+    /// The output projection: `lm_head.weight`, or this table when tied (or when the
+    /// checkpoint has no separate head).
+    pub fn output_head(
+        &self,
+        w: &Weights,
+        tied: bool,
+        vocab: usize,
+        hidden: usize,
+    ) -> std::result::Result<Linear, WeightsError> {
+        if tied || !w.contains("lm_head.weight") {
+            Ok(self.as_linear()?)
+        } else {
+            Linear::load(w, "lm_head", hidden, vocab, false)
+        }
+    }
+
     /// The same table as an output projection, for tied embeddings.
     pub fn as_linear(&self) -> Result<Linear> {
         match self {

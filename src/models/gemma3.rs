@@ -58,11 +58,7 @@ impl Gemma3 {
             })
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
         let embed = Embedding::load(w, "model.embed_tokens.weight", cfg.vocab_size, h)?;
-        let lm_head = if cfg.tie_word_embeddings || !w.contains("lm_head.weight") {
-            embed.as_linear()?
-        } else {
-            Linear::load(w, "lm_head", h, cfg.vocab_size, false)?
-        };
+        let lm_head = embed.output_head(w, cfg.tie_word_embeddings, cfg.vocab_size, h)?;
         let local = cfg.rope_local.clone().unwrap_or_else(|| cfg.rope.clone());
         Ok(Gemma3 {
             embed,

@@ -55,11 +55,7 @@ impl Llama {
             })
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
         let embed = Embedding::load(w, "model.embed_tokens.weight", cfg.vocab_size, h)?;
-        let lm_head = if cfg.tie_word_embeddings || !w.contains("lm_head.weight") {
-            embed.as_linear()?
-        } else {
-            Linear::load(w, "lm_head", h, cfg.vocab_size, false)?
-        };
+        let lm_head = embed.output_head(w, cfg.tie_word_embeddings, cfg.vocab_size, h)?;
         Ok(Llama {
             embed,
             layers,

@@ -24,7 +24,6 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
 /// SentencePiece's word-boundary marker.
@@ -545,28 +544,7 @@ fn set_post_processor(tokenizer: &mut Tokenizer, spec: &VocabSpec) -> Result<()>
     };
     let bos = named(spec.bos_id, spec.add_bos);
     let eos = named(spec.eos_id, spec.add_eos);
-    let template = |seq: &str, type_id: u32| {
-        let mut parts = Vec::new();
-        if let Some((t, _)) = &bos {
-            parts.push(format!("{t}:{type_id}"));
-        }
-        parts.push(format!("{seq}:{type_id}"));
-        if let Some((t, _)) = &eos {
-            parts.push(format!("{t}:{type_id}"));
-        }
-        parts.join(" ")
-    };
-    let single = template("$A", 0);
-    let pair = format!("{single} {}", template("$B", 1));
-    let specials: Vec<(String, u32)> = bos.iter().chain(eos.iter()).cloned().collect();
-    let processor = TemplateProcessing::builder()
-        .try_single(single)
-        .map_err(build_err)?
-        .try_pair(pair)
-        .map_err(build_err)?
-        .special_tokens(specials)
-        .build()
-        .map_err(build_err)?;
+    let processor = super::post_processor::bos_eos_processor(bos, eos).map_err(build_err)?;
     tokenizer.with_post_processor(Some(processor));
     Ok(())
 }

@@ -6,12 +6,12 @@
 
 pub mod chat_template;
 pub mod gguf;
+mod post_processor;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::Content;
-use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::Tokenizer;
 
 pub use chat_template::{ChatMessage, ChatTemplate, ChatTemplateError, ContentPart, MessageContent, RenderOptions};
@@ -274,32 +274,10 @@ fn update_post_processor(
     };
     let bos = with_id(bos, add_bos);
     let eos = with_id(eos, add_eos);
-    let part = |seq: &str, type_id: u32| {
-        let mut parts = Vec::new();
-        if let Some((t, _)) = &bos {
-            parts.push(format!("{t}:{type_id}"));
-        }
-        parts.push(format!("{seq}:{type_id}"));
-        if let Some((t, _)) = &eos {
-            parts.push(format!("{t}:{type_id}"));
-        }
-        parts.join(" ")
-    };
-    let single = part("$A", 0);
-    let pair = format!("{single} {}", part("$B", 1));
-    let invalid = |e: String| TokenizerError::Invalid {
+    let processor = post_processor::bos_eos_processor(bos, eos).map_err(|e| TokenizerError::Invalid {
         file: file.to_path_buf(),
         reason: format!("cannot build the BOS/EOS post-processor: {e}"),
-    };
-    let specials: Vec<(String, u32)> = bos.iter().chain(eos.iter()).cloned().collect();
-    let processor = TemplateProcessing::builder()
-        .try_single(single)
-        .map_err(invalid)?
-        .try_pair(pair)
-        .map_err(invalid)?
-        .special_tokens(specials)
-        .build()
-        .map_err(|e| invalid(e.to_string()))?;
+    })?;
     tokenizer.with_post_processor(Some(processor));
     Ok(())
 }
