@@ -7,6 +7,25 @@ use half::{bf16, f16};
 pub trait KvElem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
+    /// The values as f32 without conversion, when they already are.
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        let _ = s;
+        None
+    }
+}
+
+/// `s` as f32: borrowed when already f32, else converted into `buf`.
+#[inline]
+pub fn to_f32_slice<'a, T: KvElem>(s: &'a [T], buf: &'a mut [f32]) -> &'a [f32] {
+    match T::as_f32(s) {
+        Some(f) => f,
+        None => {
+            for (x, y) in buf.iter_mut().zip(s) {
+                *x = y.to_f32();
+            }
+            buf
+        }
+    }
 }
 
 impl KvElem for f32 {
@@ -17,6 +36,10 @@ impl KvElem for f32 {
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
         v
+    }
+    #[inline(always)]
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
     }
 }
 

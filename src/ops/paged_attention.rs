@@ -9,7 +9,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::kv_elem::{f32_slice, KvElem};
+use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
+use super::simd::dot_f32;
 use crate::batch::AttentionMeta;
 
 pub struct PagedAttention<'a> {
@@ -56,16 +57,9 @@ impl PagedAttention<'_> {
             let mut kf = vec![0f32; d];
             for (jj, j) in (lo..=pos).enumerate() {
                 let off = (slot_of(j) * hkv + g) * d;
-                for (x, y) in kf.iter_mut().zip(&k[off..off + d]) {
-                    *x = y.to_f32();
-                }
+                let kj = to_f32_slice(&k[off..off + d], &mut kf);
                 for h in 0..group {
-                    let qh = &qg[h * d..(h + 1) * d];
-                    let mut s = 0f32;
-                    for (a, b) in qh.iter().zip(&kf) {
-                        s += a * b;
-                    }
-                    let mut s = s * self.scale;
+                    let mut s = dot_f32(&qg[h * d..(h + 1) * d], kj) * self.scale;
                     if let Some(cap) = self.softcap {
                         s = (s / cap).tanh() * cap;
                     }
@@ -87,12 +81,10 @@ impl PagedAttention<'_> {
             }
             for (jj, j) in (lo..=pos).enumerate() {
                 let off = (slot_of(j) * hkv + g) * d;
-                for (x, y) in kf.iter_mut().zip(&v[off..off + d]) {
-                    *x = y.to_f32();
-                }
+                let vj = to_f32_slice(&v[off..off + d], &mut kf);
                 for h in 0..group {
                     let p = scores[h * n + jj];
-                    for (acc, vv) in o[h * d..(h + 1) * d].iter_mut().zip(&kf) {
+                    for (acc, vv) in o[h * d..(h + 1) * d].iter_mut().zip(vj) {
                         *acc += p * vv;
                     }
                 }

@@ -24,8 +24,9 @@ use fused_avx512::BlockFormat;
 /// Batches up to this many rows use the fused kernels; larger ones dequantize tiles of the
 /// matrix and run a GEMM on them (the dequantization is then amortised over many rows).
 const FUSED_MAX_ROWS: usize = 16;
-/// Weight rows per GEMM tile: a tile (`TILE_ROWS x cols` f32) stays in L2.
-const TILE_ROWS: usize = 32;
+/// Bytes of a dequantized GEMM tile: it stays in L2, and is wide enough that the GEMM's
+/// packing of the activations is amortised.
+const TILE_BYTES: usize = 1 << 20;
 
 /// A quantized `[rows, cols]` weight matrix (rows = output features).
 pub struct QMatrix {
@@ -159,12 +160,16 @@ impl QMatrix {
         Ok(out)
     }
 
-    /// Large batches: dequantize `TILE_ROWS` weight rows at a time and multiply them with
+    /// Large batches: dequantize a tile of weight rows at a time and multiply them with
     /// all of `x` by a GEMM, each tile writing its own columns of the output.
     fn matmul_tiled(&self, data: &[u8], x: &[f32], m: usize, dst: OutPtr) {
         let (n, k) = (self.rows, self.cols);
-        (0..n.div_ceil(TILE_ROWS)).into_par_iter().for_each(|t| {
-            let (r0, r1) = (t * TILE_ROWS, ((t + 1) * TILE_ROWS).min(n));
+        // Wide tiles, but at least two per thread so that both cores stay busy.
+        let by_cache = (TILE_BYTES / (4 * k)).max(16);
+        let by_balance = n.div_ceil(rayon::current_num_threads() * 2).max(16);
+        let tile_rows = by_cache.min(by_balance).next_multiple_of(16);
+        (0..n.div_ceil(tile_rows)).into_par_iter().for_each(|t| {
+            let (r0, r1) = (t * tile_rows, ((t + 1) * tile_rows).min(n));
             let mut tile = vec![0f32; (r1 - r0) * k];
             for r in r0..r1 {
                 self.dequant(data, r, &mut tile[(r - r0) * k..(r - r0 + 1) * k]);
