@@ -245,6 +245,9 @@ fn run_loop(mut engine: Engine, commands: Receiver<Command>, metrics: &Metrics) 
         }
         match engine.step() {
             Ok(updates) => {
+                // Gauges first: a client that has its answer must find /metrics already
+                // counting its sequence as finished.
+                publish_gauges(&engine, metrics);
                 let now = Instant::now();
                 for u in updates {
                     route(&mut entries, u, now, metrics);
