@@ -266,9 +266,9 @@ fn run_loop(mut engine: Engine, commands: Receiver<Command>, metrics: &Metrics) 
                         metrics.record_finish("error");
                     }
                 }
+                publish_gauges(&engine, metrics);
             }
         }
-        publish_gauges(&engine, metrics);
     }
 }
 

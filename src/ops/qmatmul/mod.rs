@@ -92,14 +92,6 @@ impl QMatrix {
         Ok(QMatrix { row_bytes: cols / dt.block_size() * dt.type_size(), q, rows, cols, dequant_row, fused })
     }
 
-    pub fn shape(&self) -> (usize, usize) {
-        (self.rows, self.cols)
-    }
-
-    pub fn qtensor(&self) -> &Arc<QTensor> {
-        &self.q
-    }
-
     /// `x` `[m, cols]` -> `[m, rows]` (f32).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.to_dtype(candle_core::DType::F32)?.contiguous()?;
@@ -200,23 +192,6 @@ impl QMatrix {
                 );
             }
         });
-    }
-
-    /// Rows of the dequantized matrix (embedding lookups).
-    pub fn rows_f32(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        let data = self.q.data()?;
-        let mut out = vec![0f32; ids.len() * self.cols];
-        for (i, &id) in ids.iter().enumerate() {
-            let r = id as usize;
-            if r >= self.rows {
-                candle_core::bail!("row {r} out of range ({} rows)", self.rows);
-            }
-            (self.dequant_row)(
-                &data[r * self.row_bytes..(r + 1) * self.row_bytes],
-                &mut out[i * self.cols..(i + 1) * self.cols],
-            );
-        }
-        Ok(out)
     }
 }
 
