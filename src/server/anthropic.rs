@@ -45,35 +45,7 @@ struct MessagesRequest {
 fn blocks_text(v: &Value, path: &str) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
-        Value::Array(blocks) => {
-            let mut text = String::new();
-            for (j, b) in blocks.iter().enumerate() {
-                match b.get("type").and_then(Value::as_str) {
-                    Some("text") => match b.get("text") {
-                        Some(Value::String(t)) => text.push_str(t),
-                        _ => {
-                            return Err(ApiError::invalid_param(
-                                format!("{path}[{j}].text"),
-                                format!("`{path}[{j}].text` must be a string"),
-                            ))
-                        }
-                    },
-                    Some(other) => {
-                        return Err(ApiError::invalid_param(
-                            format!("{path}[{j}].type"),
-                            format!("unsupported content block type `{other}` in `{path}[{j}]`: this server accepts text blocks only"),
-                        ))
-                    }
-                    None => {
-                        return Err(ApiError::invalid_param(
-                            format!("{path}[{j}].type"),
-                            format!("`{path}[{j}]` must be an object with a string `type`"),
-                        ))
-                    }
-                }
-            }
-            Ok(text)
-        }
+        Value::Array(blocks) => Ok(super::content::text_items(blocks, path, "block")?.concat()),
         _ => Err(ApiError::invalid_param(path, format!("`{path}` must be a string or a list of content blocks"))),
     }
 }

@@ -6,6 +6,7 @@
 //! (what they share), `sse` (streaming), `errors` (error bodies), `metrics`.
 
 pub mod anthropic;
+mod content;
 pub mod engine_loop;
 pub mod errors;
 pub mod generate;

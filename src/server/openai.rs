@@ -106,38 +106,7 @@ fn content_text(content: Option<&Value>, path: &str, may_be_null: bool) -> Resul
         Some(Value::String(s)) => Ok(s.clone()),
         None | Some(Value::Null) if may_be_null => Ok(String::new()),
         None | Some(Value::Null) => Err(ApiError::invalid_param(path, format!("`{path}` is missing"))),
-        Some(Value::Array(parts)) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            for (j, part) in parts.iter().enumerate() {
-                let kind = part.get("type").and_then(Value::as_str);
-                match kind {
-                    Some("text") => match part.get("text") {
-                        Some(Value::String(t)) => texts.push(t.as_str()),
-                        _ => {
-                            return Err(ApiError::invalid_param(
-                                format!("{path}[{j}].text"),
-                                format!("`{path}[{j}].text` must be a string"),
-                            ))
-                        }
-                    },
-                    Some(other) => {
-                        return Err(ApiError::invalid_param(
-                            format!("{path}[{j}].type"),
-                            format!(
-                                "unsupported content part type `{other}` in `{path}[{j}]`: this server accepts text parts only"
-                            ),
-                        ))
-                    }
-                    None => {
-                        return Err(ApiError::invalid_param(
-                            format!("{path}[{j}].type"),
-                            format!("`{path}[{j}]` must be an object with a string `type`"),
-                        ))
-                    }
-                }
-            }
-            Ok(texts.join("\n"))
-        }
+        Some(Value::Array(parts)) => Ok(super::content::text_items(parts, path, "part")?.join("\n")),
         Some(_) => Err(ApiError::invalid_param(path, format!("`{path}` must be a string or a list of content parts"))),
     }
 }
