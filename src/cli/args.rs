@@ -37,13 +37,15 @@ pub struct EngineArgs {
     /// weights stay quantized whatever this says.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
-    /// Device: cpu (this build has no GPU support compiled in unless built with --features cuda).
-    #[arg(long, default_value = "cpu")]
+    /// Device: cpu, cuda, cuda:N, or auto (the first CUDA GPU when this binary was built with
+    /// --features cuda and one is present, else cpu).
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// KV cache element type: auto (the compute dtype), f32, bf16 or f16.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
-    /// Memory for the KV cache, e.g. 2GiB, 512MiB, 1e9. Default: a quarter of RAM, capped at
+    /// Memory for the KV cache, e.g. 2GiB, 512MiB, 1e9. Default: a quarter of RAM (on a GPU: its
+    /// free memory less a tenth of its total), capped at
     /// what max-num-seqs sequences of max-model-len tokens can use.
     #[arg(long)]
     pub kv_cache_memory: Option<String>,
@@ -63,13 +65,7 @@ pub struct EngineArgs {
 
 impl EngineArgs {
     pub fn device(&self) -> anyhow::Result<Device> {
-        match self.device.as_str() {
-            "cpu" => Ok(Device::Cpu),
-            d if d.starts_with("cuda") => {
-                bail!("--device {d}: this iris binary was built without CUDA support (build with --features cuda)")
-            }
-            d => bail!("--device {d}: unknown device (use cpu)"),
-        }
+        Ok(crate::device::open(&self.device)?)
     }
 
     pub fn options(&self) -> anyhow::Result<EngineOptions> {

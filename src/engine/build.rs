@@ -14,7 +14,7 @@ pub struct EngineOptions {
     pub dtype: DType,
     /// None: same as the model dtype.
     pub kv_dtype: Option<KvDtype>,
-    /// None: a share of RAM (see `default_kv_budget`).
+    /// None: a share of the device's memory (see `default_kv_budget`).
     pub kv_memory: Option<u64>,
     pub block_size: usize,
     pub max_num_batched_tokens: usize,
@@ -57,8 +57,13 @@ pub struct StartupReport {
     pub weight_bytes: u64,
 }
 
-/// A quarter of physical memory, or 4 GiB if that cannot be read.
-pub fn default_kv_budget() -> u64 {
+/// On a GPU: its free memory (weights already loaded) less a tenth of its total (at least
+/// 2 GiB) for a step's activations. On the CPU: a quarter of physical memory, or 4 GiB if that
+/// cannot be read.
+pub fn default_kv_budget(device: &Device) -> u64 {
+    if let Some((free, total)) = crate::device::memory_info(device) {
+        return free.saturating_sub((total / 10).max(2 << 30));
+    }
     let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
         s.lines()
             .find(|l| l.starts_with("MemTotal:"))
@@ -82,7 +87,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     let useful = (per_token as u64) * (wanted_len as u64) * (opts.max_num_seqs as u64);
     let budget = opts
         .kv_memory
-        .unwrap_or_else(|| default_kv_budget().min(useful.max(per_token as u64 * opts.block_size as u64)));
+        .unwrap_or_else(|| default_kv_budget(device).min(useful.max(per_token as u64 * opts.block_size as u64)));
     let spec = KvCacheSpec::from_budget(&cfg, kv_dtype, opts.block_size, budget);
     if spec.num_blocks == 0 {
         return Err(BuildError::Kv(format!(

@@ -3,12 +3,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 
 use super::detokenizer::IncrementalDetokenizer;
 use super::finish::FinishReason;
 use super::request::{Request, RequestError, SeqUpdate};
-use super::sampler::Sampled;
+use super::runner::{StepOutput, StepRunner};
+use super::sampler::{picks_raw_argmax, Sampled};
 use super::scheduler::{Plan, Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
 use super::stop::StopChecker;
@@ -42,11 +43,11 @@ pub struct EngineStats {
 pub struct Engine {
     model: Box<dyn TextModel>,
     kv: KvCache,
+    runner: StepRunner,
     scheduler: Scheduler,
     tokenizer: Arc<TextTokenizer>,
     text: HashMap<SeqId, TextState>,
     cfg: EngineConfig,
-    device: Device,
     next_id: u64,
     eos: Vec<u32>,
     pub stats: EngineStats,
@@ -67,14 +68,16 @@ impl Engine {
                 eos.push(id);
             }
         }
+        let max_blocks = cfg.max_model_len.div_ceil(cfg.scheduler.block_size);
+        let runner = StepRunner::new(device, cfg.scheduler.max_num_seqs, max_blocks);
         Engine {
             model,
             kv,
+            runner,
             scheduler,
             tokenizer,
             text: HashMap::new(),
             cfg,
-            device,
             next_id: 0,
             eos,
             stats: EngineStats::default(),
@@ -158,7 +161,11 @@ impl Engine {
         }
         self.stats.steps += 1;
         let (batch, sample_rows) = self.build_batch(&plan)?;
-        let hidden = self.model.forward(&batch, &self.kv, None)?;
+        let rows: Vec<u32> = sample_rows.iter().map(|(_, r)| *r as u32).collect();
+        let argmax_ok = sample_rows.iter().all(|(id, _)| {
+            self.scheduler.get(*id).is_some_and(|s| picks_raw_argmax(&s.params, s.output.len()))
+        });
+        let out = self.runner.run(self.model.as_ref(), &self.kv, batch, &rows, argmax_ok)?;
         let mut updates = Vec::new();
         // Advance what was computed before sampling, whatever happens next.
         for &(id, n) in &plan.items {
@@ -172,18 +179,18 @@ impl Engine {
         if sample_rows.is_empty() {
             return Ok(updates);
         }
-        let rows: Vec<u32> = sample_rows.iter().map(|(_, r)| *r as u32).collect();
-        let rows = Tensor::new(rows.as_slice(), &self.device)?;
-        let logits = self.model.logits(&hidden.index_select(&rows, 0)?)?;
-        let mut logits: Vec<Vec<f32>> = logits.to_vec2()?;
-        let sampled = self.sample(&sample_rows, &mut logits);
+        let sampled = match out {
+            StepOutput::Logits(mut logits) => self.sample(&sample_rows, &mut logits),
+            StepOutput::Tokens(tokens) => tokens.into_iter().map(Sampled::greedy).collect(),
+        };
         for ((id, _), tok) in sample_rows.iter().zip(sampled) {
             updates.push(self.append_token(*id, tok));
         }
         Ok(updates)
     }
 
-    /// Flattens the plan into one batch; returns which rows need next-token logits.
+    /// Flattens the plan into one batch on the host (the runner moves it to the device);
+    /// returns which rows need next-token logits.
     fn build_batch(&self, plan: &Plan) -> candle_core::Result<(Batch, Vec<(SeqId, usize)>)> {
         let mut tokens = Vec::with_capacity(plan.num_tokens());
         let mut slices = Vec::with_capacity(plan.items.len());
@@ -202,7 +209,7 @@ impl Engine {
                 sample_rows.push((id, q_start + n - 1));
             }
         }
-        let batch = Batch::from_tokens(&self.device, self.scheduler.config().block_size, slices, &tokens)?;
+        let batch = Batch::from_tokens(&Device::Cpu, self.scheduler.config().block_size, slices, &tokens)?;
         Ok((batch, sample_rows))
     }
 

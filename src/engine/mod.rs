@@ -3,9 +3,12 @@
 
 pub mod build;
 pub mod core;
+#[cfg(feature = "cuda")]
+mod cuda_graph;
 pub mod detokenizer;
 pub mod finish;
 pub mod request;
+pub mod runner;
 pub mod sampler;
 pub mod sampling_params;
 pub mod scheduler;

@@ -8,9 +8,10 @@ use super::norm::{NormStyle, RmsNorm};
 use super::rotary::RotaryAngles;
 use crate::batch::AttentionMeta;
 use crate::kv::LayerCache;
-use crate::models::config::TextConfig;
+use crate::models::config::{RopeLayout, TextConfig};
 use crate::ops::kv_write::KvWrite;
 use crate::ops::paged_attention::PagedAttention;
+use crate::ops::qkv_rope::QkvRope;
 use crate::weights::{Weights, WeightsError};
 
 pub struct SelfAttention {
@@ -66,23 +67,35 @@ impl SelfAttention {
     /// `x`: `[T, hidden]` -> `[T, hidden]`.
     pub fn forward(&self, x: &Tensor, rot: &RotaryAngles, cache: &LayerCache, meta: &AttentionMeta) -> Result<Tensor> {
         let t = x.dim(0)?;
-        let [q, k, v]: [Tensor; 3] =
-            self.qkv_proj.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("qkv: 3 parts".into()))?;
-        let q = q.contiguous()?.reshape((t, self.num_heads, self.head_dim))?;
-        let k = k.contiguous()?.reshape((t, self.num_kv_heads, self.head_dim))?;
-        let v = v.contiguous()?.reshape((t, self.num_kv_heads, self.head_dim))?;
-        let (q, k) = match &self.qk_norm {
-            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
-            None => (q, k),
+        let (q, k, v) = match self.qkv_proj.merged().filter(|_| x.device().is_cuda()) {
+            Some(qkv) => {
+                let (cos, sin, layout) = rot.parts();
+                QkvRope {
+                    num_heads: self.num_heads,
+                    num_kv_heads: self.num_kv_heads,
+                    head_dim: self.head_dim,
+                    bias: qkv.bias(),
+                    cos,
+                    sin,
+                    qk_norm: self.qk_norm.as_ref().map(|(q, k)| (q.weight(), k.weight(), q.eps())),
+                    interleaved: layout == RopeLayout::Interleaved,
+                }
+                .forward(&qkv.forward_unbiased(x)?)?
+            }
+            None => self.project_and_rotate(x, rot)?,
         };
-        let q = rot.apply(&q)?;
-        let k = rot.apply(&k)?;
         let dtype = x.dtype();
-        // Our ops take f32 inputs; the cache stores its own dtype.
-        let as_f32 = |t: Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
+        // The CPU ops take f32 inputs, the CUDA kernels the model's type; the cache stores its own.
+        let as_f32 = |t: Tensor| -> Result<Tensor> {
+            if t.device().is_cpu() {
+                t.to_dtype(DType::F32)?.contiguous()
+            } else {
+                t.contiguous()
+            }
+        };
         let out = match cache {
             LayerCache::Dense { k: kc, v: vc } => {
-                let write = KvWrite { slot_mapping: &meta.slot_mapping };
+                let write = KvWrite { meta };
                 kc.inplace_op2(&as_f32(k)?, &write)?;
                 vc.inplace_op2(&as_f32(v)?, &write)?;
                 let op = PagedAttention {
@@ -99,5 +112,21 @@ impl SelfAttention {
         };
         let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
         self.o_proj.forward(&out)
+    }
+
+    /// Op by op what `QkvRope` does in one pass on CUDA: `[T, hidden]` -> q, k and v heads,
+    /// q and k normed (where the model has it) and rotated.
+    fn project_and_rotate(&self, x: &Tensor, rot: &RotaryAngles) -> Result<(Tensor, Tensor, Tensor)> {
+        let t = x.dim(0)?;
+        let [q, k, v]: [Tensor; 3] =
+            self.qkv_proj.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("qkv: 3 parts".into()))?;
+        let q = q.contiguous()?.reshape((t, self.num_heads, self.head_dim))?;
+        let k = k.contiguous()?.reshape((t, self.num_kv_heads, self.head_dim))?;
+        let v = v.contiguous()?.reshape((t, self.num_kv_heads, self.head_dim))?;
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            None => (q, k),
+        };
+        Ok((rot.apply(&q)?, rot.apply(&k)?, v))
     }
 }

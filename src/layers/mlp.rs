@@ -2,6 +2,7 @@ use candle_core::{Result, Tensor};
 
 use super::linear::{Linear, StackedLinear};
 use crate::models::config::Activation;
+use crate::ops::gated_act::GatedAct;
 use crate::weights::{Weights, WeightsError};
 
 /// `down(act(gate(x)) * up(x))`
@@ -33,6 +34,11 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(gate_up) = self.gate_up.merged().filter(|_| x.device().is_cuda()) {
+            // One pass instead of act, mul and their strided reads.
+            let gelu = self.act == Activation::GeluTanh;
+            return self.down.forward(&GatedAct { gelu }.forward(&gate_up.forward(x)?)?);
+        }
         let [g, up]: [Tensor; 2] =
             self.gate_up.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("gate/up: 2 parts".into()))?;
         let g = match self.act {

@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use crate::batch::AttentionMeta;
 use crate::models::config::{RopeConfig, RopeLayout, RopeScaling};
 
 /// Inverse frequencies of one rotary configuration, computed in f32 as transformers does.
@@ -9,6 +10,9 @@ use crate::models::config::{RopeConfig, RopeLayout, RopeScaling};
 pub struct Rotary {
     inv_freq: Vec<f32>,
     layout: RopeLayout,
+    /// cos/sin of every position up to a limit, `[positions, head_dim / 2]`, kept on a GPU: a
+    /// step looks its rows up there instead of uploading angles (which a CUDA graph cannot replay).
+    table: Option<(Tensor, Tensor)>,
 }
 
 impl Rotary {
@@ -36,7 +40,38 @@ impl Rotary {
                 }
             }
         }
-        Rotary { inv_freq, layout }
+        Rotary { inv_freq, layout, table: None }
+    }
+
+    /// On a GPU, precomputes the angles of positions `[0, max_positions)` there (the same f32
+    /// values `angles` computes). Nothing to do on the CPU.
+    pub fn on_device(mut self, device: &Device, dtype: DType, max_positions: usize) -> Result<Self> {
+        if device.is_cpu() {
+            return Ok(self);
+        }
+        let positions: Vec<u32> = (0..max_positions.min(1 << 20) as u32).collect();
+        let a = self.angles(&positions, device, dtype)?;
+        let half = self.inv_freq.len();
+        self.table = Some((a.cos.reshape((positions.len(), half))?, a.sin.reshape((positions.len(), half))?));
+        Ok(self)
+    }
+
+    /// The angles of a step's rows: looked up on the device when the step's positions are
+    /// there and inside the table, else computed here and uploaded.
+    pub fn angles_for(&self, positions: &[u32], meta: &AttentionMeta, device: &Device, dtype: DType) -> Result<RotaryAngles> {
+        if let (Some((cos, sin)), Some(dm)) = (&self.table, &meta.device) {
+            let limit = cos.dim(0)?;
+            if dm.layout.rows == positions.len() && positions.iter().all(|&p| (p as usize) < limit) {
+                let idx = dm.positions()?;
+                let (t, half) = (positions.len(), self.inv_freq.len());
+                return Ok(RotaryAngles {
+                    cos: cos.index_select(&idx, 0)?.reshape((t, 1, half))?,
+                    sin: sin.index_select(&idx, 0)?.reshape((t, 1, half))?,
+                    layout: self.layout,
+                });
+            }
+        }
+        self.angles(positions, device, dtype)
     }
 
     /// cos/sin for the given positions, `[T, 1, head_dim / 2]` each.
@@ -68,6 +103,11 @@ pub struct RotaryAngles {
 }
 
 impl RotaryAngles {
+    /// cos and sin, `[T, 1, head_dim / 2]` each, and the pairing of the rotated elements.
+    pub fn parts(&self) -> (&Tensor, &Tensor, RopeLayout) {
+        (&self.cos, &self.sin, self.layout)
+    }
+
     /// Rotates `x` (`[T, heads, head_dim]`). Each row is its own "batch" of one token, so every
     /// row gets its own position.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
