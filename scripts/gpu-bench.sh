@@ -45,6 +45,11 @@ for m in $MODELS; do
     > "$RES/iris-decode-$m.json" 2> "$RES/iris-decode-$m.err" || { echo "iris bench failed:"; tail -5 "$RES/iris-decode-$m.err"; }
   "$IRIS" bench "${common[@]}" --batch-sizes 1 --prompt-len 2048 --gen-len 2 --repeats 3 \
     > "$RES/iris-prefill-$m.json" 2> "$RES/iris-prefill-$m.err" || { echo "iris prefill failed:"; tail -5 "$RES/iris-prefill-$m.err"; }
+  if [ "${NOGRAPH_COMPARE:-0}" = 1 ]; then
+    IRIS_CUDA_GRAPHS=0 "$IRIS" bench "${common[@]}" --batch-sizes 1,64 --prompt-len 128 --gen-len 32 --repeats 1 \
+      > "$RES/iris-nograph-$m.json" 2> "$RES/iris-nograph-$m.err"
+    python3 -c 'import json,sys; [print("   no graphs: batch", r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))]' "$RES/iris-nograph-$m.json" || tail -3 "$RES/iris-nograph-$m.err"
+  fi
   echo "== $m: iris done at $(( $(date +%s) - t0 )) s"
   if [ "$HF" = 1 ]; then
     py hf "$md" --gen 32 --prefill-len 2048 > "$RES/hf-$m.log" 2>&1 || { echo "transformers failed:"; tail -5 "$RES/hf-$m.log"; }

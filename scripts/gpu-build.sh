@@ -16,7 +16,9 @@ import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["target"]["name"], m["executable"])
+        t = m["target"]
+        # The library and the binary unit tests are both named after the crate.
+        print(t["name"] + ("-" + t["kind"][0] if t["kind"][0] in ("lib", "bin") else ""), m["executable"])
 ' > /tmp/iris-gpu-tests.txt
 stage=$(mktemp -d)
 mkdir -p "$stage/tests" .gpu

@@ -69,7 +69,8 @@ impl Engine {
             }
         }
         let max_blocks = cfg.max_model_len.div_ceil(cfg.scheduler.block_size);
-        let runner = StepRunner::new(device, cfg.scheduler.max_num_seqs, max_blocks);
+        let max_positions = model.config().max_position_embeddings.min(crate::layers::rotary::MAX_TABLE_POSITIONS);
+        let runner = StepRunner::new(device, cfg.scheduler.max_num_seqs, max_blocks, max_positions);
         Engine {
             model,
             kv,

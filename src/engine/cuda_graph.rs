@@ -31,6 +31,7 @@ pub struct DecodeGraphs {
     device: Device,
     buckets: Vec<usize>,
     max_blocks_per_seq: usize,
+    max_positions: usize,
     graphs: HashMap<usize, Option<Captured>>,
 }
 
@@ -51,12 +52,12 @@ struct Captured {
 
 impl DecodeGraphs {
     /// None when graphs are off: not a CUDA device, or `IRIS_CUDA_GRAPHS=0`.
-    pub fn new(device: &Device, max_num_seqs: usize, max_blocks_per_seq: usize) -> Option<Self> {
+    pub fn new(device: &Device, max_num_seqs: usize, max_blocks_per_seq: usize, max_positions: usize) -> Option<Self> {
         if !device.is_cuda() || std::env::var("IRIS_CUDA_GRAPHS").is_ok_and(|v| v == "0") {
             return None;
         }
         let buckets: Vec<usize> = BUCKETS.iter().copied().filter(|&b| b < max_num_seqs).chain([max_num_seqs]).collect();
-        Some(DecodeGraphs { device: device.clone(), buckets, max_blocks_per_seq, graphs: HashMap::new() })
+        Some(DecodeGraphs { device: device.clone(), buckets, max_blocks_per_seq, max_positions, graphs: HashMap::new() })
     }
 
     /// Runs a pure decode step (one row per sequence, every row sampled) through its bucket's
@@ -72,7 +73,9 @@ impl DecodeGraphs {
         let t = meta.num_rows();
         let decode = t > 0
             && meta.seqs.len() == t
-            && meta.seqs.iter().all(|s| s.q_len == 1 && s.block_table.len() <= self.max_blocks_per_seq)
+            && meta.seqs.iter().all(|s| {
+                s.q_len == 1 && s.block_table.len() <= self.max_blocks_per_seq && s.context_len <= self.max_positions
+            })
             && sample_rows.len() == t
             && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
         let Some(&bucket) = self.buckets.iter().find(|&&b| b >= t).filter(|_| decode) else { return Ok(None) };

@@ -23,12 +23,14 @@ pub struct StepRunner {
 }
 
 impl StepRunner {
-    /// `max_blocks_per_seq` bounds a sequence's block table (decode graphs size their buffers by it).
-    pub fn new(device: Device, max_num_seqs: usize, max_blocks_per_seq: usize) -> Self {
+    /// `max_blocks_per_seq` bounds a sequence's block table (decode graphs size their buffers
+    /// by it); graphs run steps whose positions are all below `max_positions` (the model's
+    /// rotary table on the device).
+    pub fn new(device: Device, max_num_seqs: usize, max_blocks_per_seq: usize, max_positions: usize) -> Self {
         #[cfg(feature = "cuda")]
-        let graphs = super::cuda_graph::DecodeGraphs::new(&device, max_num_seqs, max_blocks_per_seq);
+        let graphs = super::cuda_graph::DecodeGraphs::new(&device, max_num_seqs, max_blocks_per_seq, max_positions);
         #[cfg(not(feature = "cuda"))]
-        let _ = (max_num_seqs, max_blocks_per_seq);
+        let _ = (max_num_seqs, max_blocks_per_seq, max_positions);
         StepRunner {
             device,
             #[cfg(feature = "cuda")]

@@ -5,6 +5,9 @@ use candle_core::{DType, Device, Result, Tensor};
 use crate::batch::AttentionMeta;
 use crate::models::config::{RopeConfig, RopeLayout, RopeScaling};
 
+/// Most positions a device table holds (a longer context rotates op by op, with uploaded angles).
+pub const MAX_TABLE_POSITIONS: usize = 1 << 20;
+
 /// Inverse frequencies of one rotary configuration, computed in f32 as transformers does.
 #[derive(Debug, Clone)]
 pub struct Rotary {
@@ -49,7 +52,7 @@ impl Rotary {
         if device.is_cpu() {
             return Ok(self);
         }
-        let positions: Vec<u32> = (0..max_positions.min(1 << 20) as u32).collect();
+        let positions: Vec<u32> = (0..max_positions.min(MAX_TABLE_POSITIONS) as u32).collect();
         let a = self.angles(&positions, device, dtype)?;
         let half = self.inv_freq.len();
         self.table = Some((a.cos.reshape((positions.len(), half))?, a.sin.reshape((positions.len(), half))?));
