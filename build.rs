@@ -10,6 +10,8 @@ fn main() {
 #[cfg(feature = "cuda")]
 fn cuda_kernels() {
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    // The directory, so that a new .cu file is picked up too.
+    println!("cargo::rerun-if-changed=src/ops/cuda");
     let ptx = cudaforge::KernelBuilder::new()
         .source_dir("src/ops/cuda")
         .watch(["src/ops/cuda/common.cuh"])

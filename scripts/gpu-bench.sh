@@ -38,24 +38,29 @@ first=1
 for m in $MODELS; do
   md="$DIR/$m"
   t0=$(date +%s)
-  py make "$md" "$m" > "$RES/make-$m.log" 2>&1 || { cat "$RES/make-$m.log"; exit 1; }
+  if [ ! -f "$md/done.json" ]; then
+    py make "$md" "$m" > "$RES/make-$m.log" 2>&1 || { cat "$RES/make-$m.log"; exit 1; }
+    last_json "$RES/make-$m.log" > "$md/done.json"
+  fi
+  cp "$md/done.json" "$RES/weights-$m.json"
   echo "== $m: checkpoint written in $(( $(date +%s) - t0 )) s"
   common=(--model "$md" --device cuda --dtype bf16 --json)
   "$IRIS" bench "${common[@]}" --batch-sizes 1,8,64,256 --prompt-len 128 --gen-len "$GEN_LEN" --repeats 3 \
     > "$RES/iris-decode-$m.json" 2> "$RES/iris-decode-$m.err" || { echo "iris bench failed:"; tail -5 "$RES/iris-decode-$m.err"; }
   "$IRIS" bench "${common[@]}" --batch-sizes 1 --prompt-len 2048 --gen-len 2 --repeats 3 \
     > "$RES/iris-prefill-$m.json" 2> "$RES/iris-prefill-$m.err" || { echo "iris prefill failed:"; tail -5 "$RES/iris-prefill-$m.err"; }
-  if [ "${NOGRAPH_COMPARE:-0}" = 1 ]; then
-    IRIS_CUDA_GRAPHS=0 "$IRIS" bench "${common[@]}" --batch-sizes 1,64 --prompt-len 128 --gen-len 32 --repeats 1 \
-      > "$RES/iris-nograph-$m.json" 2> "$RES/iris-nograph-$m.err"
-    python3 -c 'import json,sys; [print("   no graphs: batch", r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))]' "$RES/iris-nograph-$m.json" || tail -3 "$RES/iris-nograph-$m.err"
+  # COMPARE_ENV="IRIS_CUDA_GRAPHS=0" (say): the same decode bench once more with that setting.
+  if [ -n "${COMPARE_ENV:-}" ]; then
+    env $COMPARE_ENV "$IRIS" bench "${common[@]}" --batch-sizes 1,8,64 --prompt-len 128 --gen-len 32 --repeats 1 \
+      > "$RES/iris-compare-$m.json" 2> "$RES/iris-compare-$m.err"
+    python3 -c 'import json,sys; [print("   %s: batch" % sys.argv[2], r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))]' "$RES/iris-compare-$m.json" "$COMPARE_ENV" || tail -3 "$RES/iris-compare-$m.err"
   fi
   echo "== $m: iris done at $(( $(date +%s) - t0 )) s"
   if [ "$HF" = 1 ]; then
     py hf "$md" --gen 32 --prefill-len 2048 > "$RES/hf-$m.log" 2>&1 || { echo "transformers failed:"; tail -5 "$RES/hf-$m.log"; }
     echo "== $m: transformers done at $(( $(date +%s) - t0 )) s"
   fi
-  python3 - "$m" "$RES" "$(last_json "$RES/make-$m.log")" >> "$RES/results.json" <<PY
+  python3 - "$m" "$RES" "$(cat "$RES/weights-$m.json")" >> "$RES/results.json" <<PY
 import json, sys
 m, res, weights = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 out = {"model": m, "weights": weights, "prefill_len": 2048}
@@ -74,7 +79,7 @@ except Exception:
 print(("" if $first else ",") + json.dumps(out))
 PY
   first=0
-  rm -rf "$md"
+  [ "${KEEP:-0}" = 1 ] || rm -rf "$md"
 done
 echo "]}" >> "$RES/results.json"
 py table "$RES/results.json" | tee "$RES/summary.md"

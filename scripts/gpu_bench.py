@@ -102,7 +102,8 @@ def make(out, name):
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     nbytes = sum(t.numel() * 2 for t in tensors.values())
     emb = cfg["vocab_size"] * h * 2
-    print(json.dumps({"model": name, "weight_bytes": nbytes, "embedding_bytes": emb}))
+    print(json.dumps({"model": name, "weight_bytes": nbytes, "embedding_bytes": emb,
+                      "tied": cfg["tie_word_embeddings"]}))
 
 
 def bandwidth():
@@ -124,6 +125,30 @@ def bandwidth():
     times.sort()
     bw = 2 * n / times[len(times) // 2]
     print(json.dumps({"copy_bytes_per_s": bw, "device": torch.cuda.get_device_name()}))
+
+
+def gemv():
+    """cuBLAS (through torch) on Qwen2.5-7B's decode matrix products: achieved bandwidth."""
+    import torch
+    res = {}
+    shapes = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
+              "lm_head": (152064, 3584)}
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for w in ws:
+                x @ w.T
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for i in range(40):
+                x @ ws[i % 4].T
+            e.record()
+            e.synchronize()
+            t = s.elapsed_time(e) / 40 / 1e3
+            res[f"{name}_m{m}"] = {"us": t * 1e6, "tb_s": n * k * 2 / t / 1e12}
+    print(json.dumps(res))
 
 
 def hf(path, batches, gen, prefill_len):
@@ -164,10 +189,11 @@ def table(path):
     print(f"card: {r['bandwidth']['device']}; copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
     for m in r["models"]:
         wb, eb = m["weights"]["weight_bytes"], m["weights"]["embedding_bytes"]
-        # Batch-1 bound: every weight byte read once per token (the embedding table is not).
-        bound = bw / (wb - eb)
+        # Batch-1 bound: every weight byte read once per token; an untied embedding table is not
+        # read (its rows are looked up), a tied one is the output head.
+        bound = bw / (wb - (0 if m["weights"].get("tied") else eb))
         print(f"\n## {m['model']} (bf16, {wb / 1e9:.2f} GB of weights; batch-1 bound {bound:.0f} tok/s)")
-        print("| engine | b1 tok/s | % of bound | b8 | b64 | b256 | prefill tok/s (%d) | TTFT ms |" % m["prefill_len"])
+        print(f"| engine | b1 tok/s | % of bound | b8 | b64 | b256 | prefill tok/s ({m['prefill_len']}) | TTFT ms |")
         print("|---|---|---|---|---|---|---|---|")
         for eng in ("iris", "transformers"):
             e = m.get(eng)
@@ -187,6 +213,7 @@ def main():
     m.add_argument("out")
     m.add_argument("model", choices=sorted(CONFIGS))
     sub.add_parser("bandwidth")
+    sub.add_parser("gemv")
     h = sub.add_parser("hf")
     h.add_argument("path")
     h.add_argument("--batches", default="1,8,64,256")
@@ -199,6 +226,8 @@ def main():
         make(a.out, a.model)
     elif a.cmd == "bandwidth":
         bandwidth()
+    elif a.cmd == "gemv":
+        gemv()
     elif a.cmd == "hf":
         hf(a.path, [int(x) for x in a.batches.split(",")], a.gen, a.prefill_len)
     else:

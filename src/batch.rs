@@ -42,21 +42,39 @@ pub struct AttentionMeta {
 /// Slot of a padding row (CUDA graphs run fixed batch sizes): its key and value are not stored.
 pub const PAD_SLOT: u32 = u32::MAX;
 
+/// Sequences computing at least this many rows in a step are prompt chunks: on a GPU their
+/// attention runs in tiles of rows (`MetaLayout::tiles`) with tensor cores.
+pub const PREFILL_MIN_ROWS: usize = 16;
+/// Rows per prompt-chunk tile.
+pub const PREFILL_TILE_ROWS: usize = 64;
+
 /// Where each part of a step's metadata sits in its device copy (u32 offsets): `slot_mapping
 /// [rows]` at 0, `row_seq [rows]`, `positions [rows]`, per sequence `(q_start, q_len,
-/// context_len, offset of its block table)` `[4 seqs]`, then the block tables end to end.
+/// context_len, offset of its block table)` `[4 seqs]`, the prompt-chunk tiles `(sequence,
+/// first row)` `[2 num_tiles]`, then the block tables end to end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetaLayout {
     pub rows: usize,
     pub row_seq: usize,
     pub positions: usize,
     pub seq_info: usize,
+    pub tiles: usize,
+    pub num_tiles: usize,
     pub block_tables: usize,
 }
 
 impl MetaLayout {
-    pub fn new(rows: usize, seqs: usize) -> Self {
-        MetaLayout { rows, row_seq: rows, positions: 2 * rows, seq_info: 3 * rows, block_tables: 3 * rows + 4 * seqs }
+    pub fn new(rows: usize, seqs: usize, num_tiles: usize) -> Self {
+        let tiles = 3 * rows + 4 * seqs;
+        MetaLayout {
+            rows,
+            row_seq: rows,
+            positions: 2 * rows,
+            seq_info: 3 * rows,
+            tiles,
+            num_tiles,
+            block_tables: tiles + 2 * num_tiles,
+        }
     }
 }
 
@@ -94,7 +112,7 @@ impl AttentionMeta {
         if device.is_cpu() {
             return Ok(());
         }
-        let layout = MetaLayout::new(self.num_rows(), self.seqs.len());
+        let layout = MetaLayout::new(self.num_rows(), self.seqs.len(), self.prefill_tiles().count());
         let data = Tensor::new(self.packed(&layout).as_slice(), device)?;
         self.device = Some(DeviceAttentionMeta { data, layout });
         Ok(())
@@ -105,7 +123,7 @@ impl AttentionMeta {
     /// of one token in block 0, whose table entry follows the real tables).
     pub fn packed(&self, layout: &MetaLayout) -> Vec<u32> {
         let t = self.num_rows();
-        let pad_seqs = (layout.block_tables - layout.seq_info) / 4 - self.seqs.len();
+        let pad_seqs = (layout.tiles - layout.seq_info) / 4 - self.seqs.len();
         let tables: usize = self.seqs.iter().map(|s| s.block_table.len()).sum();
         let mut data = Vec::with_capacity(layout.block_tables + tables + 1);
         data.extend_from_slice(&self.slot_mapping);
@@ -124,6 +142,7 @@ impl AttentionMeta {
         for p in 0..pad_seqs {
             data.extend([(t + p) as u32, 1, 1, tables as u32]);
         }
+        data.extend(self.prefill_tiles().take(layout.num_tiles).flat_map(|(s, r)| [s as u32, r as u32]));
         for s in &self.seqs {
             data.extend_from_slice(&s.block_table);
         }
@@ -133,6 +152,13 @@ impl AttentionMeta {
 
     pub fn num_rows(&self) -> usize {
         self.slot_mapping.len()
+    }
+
+    /// `(sequence, first row)` of every tile of PREFILL_TILE_ROWS rows of the prompt chunks.
+    pub fn prefill_tiles(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.seqs.iter().enumerate().filter(|(_, s)| s.q_len >= PREFILL_MIN_ROWS).flat_map(|(i, s)| {
+            (s.q_start..s.q_start + s.q_len).step_by(PREFILL_TILE_ROWS).map(move |r| (i, r))
+        })
     }
 }
 

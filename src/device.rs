@@ -30,11 +30,18 @@ pub fn open(spec: &str) -> Result<Device, DeviceError> {
     cuda(ordinal).map_err(|reason| DeviceError::Unavailable { spec: spec.to_string(), reason })
 }
 
+/// Held while a device is created and while a CUDA graph is captured: creating a device
+/// synchronizes the context, which would break a capture running on another thread of the
+/// same process (tests run several engines at once; a server runs one).
+#[cfg(feature = "cuda")]
+pub(crate) static CUDA_SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Opens CUDA device `ordinal` on a stream of its own. Everything iris runs goes to that one
 /// stream, so the per-tensor event tracking cudarc does for multi-stream use is switched off
 /// (it costs host time on every launch and cannot be captured into a graph).
 #[cfg(feature = "cuda")]
 fn cuda(ordinal: usize) -> Result<Device, String> {
+    let _setup = CUDA_SETUP.lock().unwrap_or_else(|p| p.into_inner());
     let count = candle_core::cuda_backend::cudarc::driver::CudaContext::device_count().map_err(|e| e.to_string())?;
     if ordinal >= count.max(0) as usize {
         return Err(format!("{count} CUDA device(s) found"));

@@ -1,16 +1,17 @@
 //! Decode steps replayed as CUDA graphs, one graph per batch-size bucket.
 //!
 //! Launching a decode step kernel by kernel costs more host time than a small batch costs the
-//! GPU (about a thousand launches). A step in which every scheduled sequence decodes one token
-//! is instead padded to the next bucket size and run by replaying a graph captured for that
-//! size: the step's token ids and attention metadata are uploaded into buffers the graph reads,
-//! and the graph leaves the final hidden states in a buffer the engine reads. Padding rows
-//! write no KV (slot PAD_SLOT) and attend to one token of block 0; their outputs are ignored.
+//! GPU (hundreds of launches). A step in which every scheduled sequence decodes one token is
+//! instead padded to the next bucket size and run by replaying a graph captured for that size:
+//! the step's token ids and attention metadata are uploaded into buffers the graphs read, and
+//! the graph leaves the logits and their argmax in buffers the engine reads (only the ids, or
+//! the logits when some row samples, are copied back). Padding rows write no KV (slot PAD_SLOT)
+//! and attend to one token of block 0; their outputs are ignored.
 //!
-//! A bucket is captured the first time a step of its size comes: one real forward pass first
-//! (its results are that step's output; it also fills candle's cache of the small layout
-//! uploads its ops make, which a capture may not do), then the same pass captured. A model
-//! whose pass cannot be captured keeps running op by op for that bucket.
+//! A bucket is captured the first time a step of its size comes: one real pass first (its
+//! results are that step's output; it also fills candle's cache of the small layout uploads
+//! its ops make, which a capture may not do), then the same pass captured. A model whose pass
+//! cannot be captured keeps running op by op for that bucket.
 
 use std::collections::HashMap;
 
@@ -20,9 +21,11 @@ use candle_core::cuda_backend::cudarc::driver::CudaGraph;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor};
 
+use super::runner::StepOutput;
 use crate::batch::{AttentionMeta, Batch, DeviceAttentionMeta, MetaLayout, Positions, SeqSlice};
 use crate::kv::KvCache;
 use crate::models::TextModel;
+use crate::ops::argmax::Argmax;
 
 /// Batch sizes graphs are captured for; a step runs in the smallest that holds it.
 const BUCKETS: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
@@ -32,7 +35,18 @@ pub struct DecodeGraphs {
     buckets: Vec<usize>,
     max_blocks_per_seq: usize,
     max_positions: usize,
-    graphs: HashMap<usize, Option<Captured>>,
+    /// Shared by every bucket's graph (one runs at a time); made at the first capture.
+    buffers: Option<Buffers>,
+    graphs: HashMap<usize, Option<Graph>>,
+}
+
+/// What the graphs read (token ids, attention metadata) and write (logits, argmax ids), sized
+/// for the largest bucket; a bucket uses the first rows.
+struct Buffers {
+    tokens: Tensor,
+    meta: Tensor,
+    logits: Tensor,
+    ids: Tensor,
 }
 
 /// A captured graph, moved between threads with the engine that owns it.
@@ -42,14 +56,6 @@ struct Graph(CudaGraph);
 // binds the device's context to the calling thread before each use); it is never shared.
 unsafe impl Send for Graph {}
 
-/// One bucket's graph and the buffers it reads and writes.
-struct Captured {
-    graph: Graph,
-    tokens: Tensor,
-    meta: Tensor,
-    hidden: Tensor,
-}
-
 impl DecodeGraphs {
     /// None when graphs are off: not a CUDA device, or `IRIS_CUDA_GRAPHS=0`.
     pub fn new(device: &Device, max_num_seqs: usize, max_blocks_per_seq: usize, max_positions: usize) -> Option<Self> {
@@ -57,18 +63,30 @@ impl DecodeGraphs {
             return None;
         }
         let buckets: Vec<usize> = BUCKETS.iter().copied().filter(|&b| b < max_num_seqs).chain([max_num_seqs]).collect();
-        Some(DecodeGraphs { device: device.clone(), buckets, max_blocks_per_seq, max_positions, graphs: HashMap::new() })
+        Some(DecodeGraphs {
+            device: device.clone(),
+            buckets,
+            max_blocks_per_seq,
+            max_positions,
+            buffers: None,
+            graphs: HashMap::new(),
+        })
+    }
+
+    fn max_bucket(&self) -> usize {
+        self.buckets.last().copied().unwrap_or(1)
     }
 
     /// Runs a pure decode step (one row per sequence, every row sampled) through its bucket's
-    /// graph and returns the `[rows, hidden]` final hidden states; None for any other step.
+    /// graph; None for any other step (or a bucket that cannot be captured).
     pub fn run(
         &mut self,
         model: &dyn TextModel,
         kv: &KvCache,
         batch: &Batch,
         sample_rows: &[u32],
-    ) -> Result<Option<Tensor>> {
+        argmax_ok: bool,
+    ) -> Result<Option<StepOutput>> {
         let meta = &batch.attn;
         let t = meta.num_rows();
         let decode = t > 0
@@ -79,29 +97,47 @@ impl DecodeGraphs {
             && sample_rows.len() == t
             && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
         let Some(&bucket) = self.buckets.iter().find(|&&b| b >= t).filter(|_| decode) else { return Ok(None) };
+        if matches!(self.graphs.get(&bucket), Some(None)) {
+            return Ok(None);
+        }
         let Positions::Flat(_) = &batch.positions;
-        let tokens: Vec<u32> = batch.token_ids.to_vec1()?;
-        let layout = MetaLayout::new(bucket, bucket);
-        let packed = meta.packed(&layout);
+        let layout = MetaLayout::new(bucket, bucket, 0);
+        if self.buffers.is_none() {
+            self.buffers = Some(self.make_buffers(model)?);
+        }
+        let bufs = self.buffers.as_ref().expect("made above");
+        let mut tokens: Vec<u32> = batch.token_ids.to_vec1()?;
+        tokens.resize(bucket, 0);
+        write_host(&bufs.tokens, &tokens)?;
+        write_host(&bufs.meta, &meta.packed(&layout))?;
         match self.graphs.get(&bucket) {
-            Some(Some(c)) => {
-                write_host(&c.tokens, &padded(&tokens, bucket))?;
-                write_host(&c.meta, &packed)?;
-                c.graph.0.launch().w()?;
-                Ok(Some(c.hidden.narrow(0, 0, t)?))
-            }
-            Some(None) => Ok(None),
-            None => {
-                let (captured, hidden) = self.capture(model, kv, meta, bucket, layout, &tokens, &packed)?;
-                self.graphs.insert(bucket, captured);
-                Ok(Some(hidden.narrow(0, 0, t)?))
+            Some(Some(g)) => g.0.launch().w()?,
+            _ => {
+                let graph = self.capture(model, kv, meta, bucket, layout)?;
+                self.graphs.insert(bucket, graph);
             }
         }
+        let bufs = self.buffers.as_ref().expect("made above");
+        Ok(Some(if argmax_ok {
+            StepOutput::Tokens(bufs.ids.narrow(0, 0, t)?.to_vec1()?)
+        } else {
+            StepOutput::Logits(bufs.logits.narrow(0, 0, t)?.to_vec2()?)
+        }))
     }
 
-    /// Runs the step once for real in the bucket's buffers, then captures the same pass.
-    /// Returns the graph (None if the pass could not be captured) and the step's hidden states.
-    #[allow(clippy::too_many_arguments)]
+    fn make_buffers(&self, model: &dyn TextModel) -> Result<Buffers> {
+        let (dev, b) = (&self.device, self.max_bucket());
+        let meta_len = MetaLayout::new(b, b, 0).block_tables + b * self.max_blocks_per_seq + 1;
+        Ok(Buffers {
+            tokens: Tensor::zeros(b, DType::U32, dev)?,
+            meta: Tensor::zeros(meta_len, DType::U32, dev)?,
+            logits: Tensor::zeros((b, model.config().vocab_size), DType::F32, dev)?,
+            ids: Tensor::zeros(b, DType::U32, dev)?,
+        })
+    }
+
+    /// Runs the step once for real on the buffers (already holding its inputs), then captures
+    /// the same pass. Returns the graph, or None if the pass could not be captured.
     fn capture(
         &self,
         model: &dyn TextModel,
@@ -109,15 +145,10 @@ impl DecodeGraphs {
         meta: &AttentionMeta,
         bucket: usize,
         layout: MetaLayout,
-        tokens: &[u32],
-        packed: &[u32],
-    ) -> Result<(Option<Captured>, Tensor)> {
-        let dev = &self.device;
-        let cuda = dev.as_cuda_device()?;
-        let tokens_buf = Tensor::zeros(bucket, DType::U32, dev)?;
-        let meta_buf = Tensor::zeros(layout.block_tables + bucket * self.max_blocks_per_seq + 1, DType::U32, dev)?;
-        write_host(&tokens_buf, &padded(tokens, bucket))?;
-        write_host(&meta_buf, packed)?;
+    ) -> Result<Option<Graph>> {
+        let _setup = crate::device::CUDA_SETUP.lock().unwrap_or_else(|p| p.into_inner());
+        let bufs = self.buffers.as_ref().expect("buffers exist before a capture");
+        let cuda = self.device.as_cuda_device()?;
         // The host side of the captured batch: `bucket` one-token sequences. Only its shape
         // matters (the ops check it while capturing); the kernels read the device buffers.
         let pads = (0..bucket).map(|i| {
@@ -130,39 +161,33 @@ impl DecodeGraphs {
             }
         });
         let mut attn = AttentionMeta::new(meta.block_size, pads.collect());
-        attn.device = Some(DeviceAttentionMeta { data: meta_buf.clone(), layout });
+        attn.device = Some(DeviceAttentionMeta { data: bufs.meta.clone(), layout });
         let positions = attn.seqs.iter().map(|s| s.first_position() as u32).collect();
-        let batch = Batch { token_ids: tokens_buf.clone(), positions: Positions::Flat(positions), attn };
-        let hidden_dims = (bucket, model.config().hidden_size);
+        let batch = Batch { token_ids: bufs.tokens.narrow(0, 0, bucket)?, positions: Positions::Flat(positions), attn };
+        let pass = || -> Result<()> {
+            let logits = model.logits(&model.forward(&batch, kv, None)?)?;
+            bufs.ids.slice_set(&Argmax::forward(&logits)?, 0, 0)?;
+            bufs.logits.slice_set(&logits, 0, 0)
+        };
         let _cache = cuda.enable_cuda_graph_htod_cache();
-        let first = model.forward(&batch, kv, None)?;
-        let hidden = Tensor::zeros(hidden_dims, first.dtype(), dev)?;
-        hidden.slice_set(&first, 0, 0)?;
-        drop(first);
+        pass()?;
 
         let stream = cuda.cuda_stream();
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).w()?;
-        let pass = model.forward(&batch, kv, None).and_then(|h| hidden.slice_set(&h, 0, 0));
+        let captured = pass();
         let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-        let captured = match (pass, graph) {
+        Ok(match (captured, graph) {
             (Ok(()), Ok(Some(graph))) => {
                 graph.upload().w()?;
-                Some(Captured { graph: Graph(graph), tokens: tokens_buf, meta: meta_buf, hidden: hidden.clone() })
+                Some(Graph(graph))
             }
-            (pass, graph) => {
-                let why = pass.err().map(|e| e.to_string()).or_else(|| graph.err().map(|e| e.to_string()));
-                tracing::warn!("decode step of {bucket} rows runs op by op: capture failed ({})", why.unwrap_or_default());
+            (captured, graph) => {
+                let why = captured.err().map(|e| e.to_string()).or_else(|| graph.err().map(|e| e.to_string()));
+                tracing::warn!("decode steps of {bucket} rows run op by op: capture failed ({})", why.unwrap_or_default());
                 None
             }
-        };
-        Ok((captured, hidden))
+        })
     }
-}
-
-fn padded(tokens: &[u32], n: usize) -> Vec<u32> {
-    let mut v = tokens.to_vec();
-    v.resize(n, 0);
-    v
 }
 
 /// Copies host values into the start of a device u32 tensor, in stream order.

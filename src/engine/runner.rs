@@ -58,8 +58,8 @@ impl StepRunner {
         }
         #[cfg(feature = "cuda")]
         if let Some(graphs) = &mut self.graphs {
-            if let Some(hidden) = graphs.run(model, kv, &batch, sample_rows)? {
-                return self.pick(model, &hidden, argmax_ok);
+            if let Some(out) = graphs.run(model, kv, &batch, sample_rows, argmax_ok)? {
+                return Ok(out);
             }
         }
         batch.to_device(&self.device)?;

@@ -149,7 +149,8 @@ impl CustomOp3 for PagedAttention<'_> {
         use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
         use super::cuda::Kernel;
 
-        use super::cuda::{dtype_name, with_u32_slice, PAGED_ATTENTION};
+        use super::cuda::{dtype_name, with_u32_slice, PAGED_ATTENTION, PREFILL_ATTENTION};
+        use crate::batch::PREFILL_MIN_ROWS;
 
         let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let rows = self.meta.num_rows();
@@ -179,74 +180,98 @@ impl CustomOp3 for PagedAttention<'_> {
         let group = hq / hkv;
         // Query heads per block: the largest divisor of the group the kernel holds at once.
         let hb = (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1);
-        let name = format!("paged_attention_{}_{}_{d}", dtype_name(q.dtype())?, dtype_name(k.dtype())?);
-        let func = PAGED_ATTENTION.func(&dev, &name)?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, (hkv * group / hb) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+        let (qt, ct) = (dtype_name(q.dtype())?, dtype_name(k.dtype())?);
+        let decode = PAGED_ATTENTION.func(&dev, &format!("paged_attention_{qt}_{ct}_{d}"))?;
+        let l = dm.layout;
+        if l.rows != rows {
+            candle_core::bail!("paged-attention: device metadata has {} rows, the step {rows}", l.rows);
+        }
+        // Prompt chunks of 16-bit models go to the tensor-core kernel, the other rows here.
+        let prefill = if l.num_tiles > 0 && qt == ct && qt != "f32" && [64, 80, 96, 128, 256].contains(&d) {
+            let f = PREFILL_ATTENTION.func(&dev, &format!("prefill_attention_{qt}_{d}"))?;
+            let smem = (640 * d + 30720) as u32;
+            f.set_max_dynamic_shared(smem)?;
+            let cfg = LaunchConfig { grid_dim: (l.num_tiles as u32, hq as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem };
+            Some((f, cfg))
+        } else {
+            None
         };
-        let ints = [hq as i32, hkv as i32, hb as i32, self.meta.block_size as i32];
-        let floats = [self.scale, self.softcap.unwrap_or(0.0)];
-        let window = self.window.map_or(0, |w| w as i32);
+        let p = Params {
+            decode: LaunchConfig { grid_dim: (rows as u32, (hkv * group / hb) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 },
+            ints: [hq as i32, hkv as i32, hb as i32, self.meta.block_size as i32],
+            scale: self.scale,
+            softcap: self.softcap.unwrap_or(0.0),
+            window: self.window.map_or(0, |w| w as i32),
+            skip: if prefill.is_some() { PREFILL_MIN_ROWS as i32 } else { i32::MAX },
+        };
         let (ko, vo) = (k_l.start_offset(), v_l.start_offset());
 
+        struct Params {
+            decode: LaunchConfig,
+            ints: [i32; 4],
+            scale: f32,
+            softcap: f32,
+            window: i32,
+            skip: i32,
+        }
         struct Meta<'m> {
             row_seq: CudaView<'m, u32>,
             seq_info: CudaView<'m, u32>,
+            tiles: CudaView<'m, u32>,
             block_tables: CudaView<'m, u32>,
         }
         #[allow(clippy::too_many_arguments)]
         fn launch<Q: CudaDType + DeviceRepr, C: DeviceRepr>(
             dev: &candle_core::cuda_backend::CudaDevice,
-            func: &Kernel,
-            cfg: LaunchConfig,
+            decode: &Kernel,
+            prefill: &Option<(Kernel, LaunchConfig)>,
+            p: &Params,
             n_out: usize,
-            q: CudaView<Q>,
-            k: CudaView<C>,
-            v: CudaView<C>,
+            (q, k, v): (CudaView<Q>, CudaView<C>, CudaView<C>),
             m: &Meta,
-            ints: [i32; 4],
-            floats: [f32; 2],
-            window: i32,
         ) -> Result<CudaStorage> {
-            // SAFETY: the kernel writes every element of the output.
+            // SAFETY: the kernels together write every element of the output.
             let out: CudaSlice<Q> = unsafe { dev.alloc::<Q>(n_out)? };
-            let mut b = func.builder();
+            let [hq, hkv, hb, bs] = p.ints;
+            let mut b = decode.builder();
             b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.row_seq).arg(&m.seq_info).arg(&m.block_tables);
-            b.arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]).arg(&floats[0]).arg(&window).arg(&floats[1]);
+            b.arg(&hq).arg(&hkv).arg(&hb).arg(&bs).arg(&p.scale).arg(&p.window).arg(&p.softcap).arg(&p.skip);
             // SAFETY: argument types and counts match the kernel's signature; block tables were checked.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(p.decode) }.w()?;
+            if let Some((f, cfg)) = prefill {
+                let mut b = f.builder();
+                b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.tiles).arg(&m.seq_info).arg(&m.block_tables);
+                b.arg(&hq).arg(&hkv).arg(&bs).arg(&p.scale).arg(&p.window).arg(&p.softcap);
+                // SAFETY: as above; the tiles cover exactly the rows the first kernel skipped.
+                unsafe { b.launch(*cfg) }.w()?;
+            }
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-        }
-        let l = dm.layout;
-        if l.rows != rows {
-            candle_core::bail!("paged-attention: device metadata has {} rows, the step {rows}", l.rows);
         }
         let out = with_u32_slice(&dm.data, |data| {
             let m = Meta {
                 row_seq: data.slice(l.row_seq..l.row_seq + rows),
-                seq_info: data.slice(l.seq_info..l.block_tables),
+                seq_info: data.slice(l.seq_info..l.tiles),
+                tiles: data.slice(l.tiles..l.block_tables),
                 block_tables: data.slice(l.block_tables..),
             };
             let n = rows * hq * d;
             match (&q.slice, &k.slice, &v.slice) {
                 (S::F32(q), S::F32(k), S::F32(v)) => {
-                    launch(&dev, &func, cfg, n, q.slice(qa..qb), k.slice(ko..), v.slice(vo..), &m, ints, floats, window)
+                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
                 (S::F32(q), S::BF16(k), S::BF16(v)) => {
-                    launch(&dev, &func, cfg, n, q.slice(qa..qb), k.slice(ko..), v.slice(vo..), &m, ints, floats, window)
+                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
                 (S::F32(q), S::F16(k), S::F16(v)) => {
-                    launch(&dev, &func, cfg, n, q.slice(qa..qb), k.slice(ko..), v.slice(vo..), &m, ints, floats, window)
+                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
                 (S::BF16(q), S::BF16(k), S::BF16(v)) => {
-                    launch(&dev, &func, cfg, n, q.slice(qa..qb), k.slice(ko..), v.slice(vo..), &m, ints, floats, window)
+                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
                 (S::F16(q), S::F16(k), S::F16(v)) => {
-                    launch(&dev, &func, cfg, n, q.slice(qa..qb), k.slice(ko..), v.slice(vo..), &m, ints, floats, window)
+                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
-                _ => candle_core::bail!("paged-attention: {name} is not supported"),
+                _ => candle_core::bail!("paged-attention: {qt} queries over a {ct} cache are not supported"),
             }
         })?;
         Ok((out, shape))

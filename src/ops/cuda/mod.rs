@@ -19,8 +19,10 @@ pub struct Module {
 
 pub const ADD_RMS_NORM: Module = Module { name: "iris_add_rms_norm", ptx: ptx::ADD_RMS_NORM };
 pub const GATED_ACT: Module = Module { name: "iris_gated_act", ptx: ptx::GATED_ACT };
+pub const GEMV: Module = Module { name: "iris_gemv", ptx: ptx::GEMV };
 pub const KV_WRITE: Module = Module { name: "iris_kv_write", ptx: ptx::KV_WRITE };
 pub const PAGED_ATTENTION: Module = Module { name: "iris_paged_attention", ptx: ptx::PAGED_ATTENTION };
+pub const PREFILL_ATTENTION: Module = Module { name: "iris_prefill_attention", ptx: ptx::PREFILL_ATTENTION };
 pub const QKV_ROPE: Module = Module { name: "iris_qkv_rope", ptx: ptx::QKV_ROPE };
 pub const SAMPLING: Module = Module { name: "iris_sampling", ptx: ptx::SAMPLING };
 
@@ -41,6 +43,15 @@ pub struct Kernel {
 impl Kernel {
     pub fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
+    }
+
+    /// Lets a launch ask for `bytes` of dynamic shared memory (past the default 48 KiB).
+    pub fn set_max_dynamic_shared(&self, bytes: u32) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+        use candle_core::cuda_backend::WrapErr;
+        self.func
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+            .w()
     }
 }
 

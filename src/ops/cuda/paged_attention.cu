@@ -19,7 +19,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
                                 const TC* __restrict__ vc, const uint32_t* __restrict__ row_seq,
                                 const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
                                 int num_heads, int num_kv_heads, int hb, int block_size, float scale, int window,
-                                float softcap) {
+                                float softcap, int skip_q_len) {
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;                 // 16-byte vectors per head row
     constexpr int KG = PA_THREADS / NV;       // keys accumulated at once in the value phase
@@ -34,6 +34,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
 
     const uint32_t s = row_seq[t];
     const int q_start = seq_info[4 * s], q_len = seq_info[4 * s + 1], ctx = seq_info[4 * s + 2];
+    if (q_len >= skip_q_len) return;  // a prompt chunk, done by prefill_attention.cu
     const uint32_t* bt = block_tables + seq_info[4 * s + 3];
     const int pos = ctx - q_len + (t - q_start);
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
@@ -161,9 +162,9 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
     extern "C" __global__ void __launch_bounds__(PA_THREADS)                                                   \
         NAME(TQ* out, const TQ* q, const TC* kc, const TC* vc, const uint32_t* row_seq,                        \
              const uint32_t* seq_info, const uint32_t* block_tables, int num_heads, int num_kv_heads, int hb,  \
-             int block_size, float scale, int window, float softcap) {                                         \
+             int block_size, float scale, int window, float softcap, int skip_q_len) {                         \
         paged_attention<TQ, TC, D>(out, q, kc, vc, row_seq, seq_info, block_tables, num_heads, num_kv_heads,   \
-                                   hb, block_size, scale, window, softcap);                                    \
+                                   hb, block_size, scale, window, softcap, skip_q_len);                        \
     }
 
 #define PA_DIMS(TN, CN, TQ, TC)                                                                                \
