@@ -148,6 +148,7 @@ def gemv():
             e.synchronize()
             t = s.elapsed_time(e) / 40 / 1e3
             res[f"{name}_m{m}"] = {"us": t * 1e6, "tb_s": n * k * 2 / t / 1e12}
+    print("cuBLAS (torch) decode products: " + ", ".join(f"{k} {v['us']:.0f} us {v['tb_s']:.2f} TB/s" for k, v in res.items()))
     print(json.dumps(res))
 
 

@@ -1,12 +1,11 @@
 //! The CPU references of the fused GPU ops (ops/qkv_rope.rs, gated_act.rs, add_rms_norm.rs,
-//! gemv.rs, argmax.rs) against the op-by-op computation the layers do on the CPU, so that
+//! argmax.rs) against the op-by-op computation the layers do on the CPU, so that
 //! tests/cuda_ops.rs, which compares each CUDA kernel with its reference, checks the real thing.
 
 use candle_core::{DType, Device, Tensor};
 use iris::ops::add_rms_norm::AddRmsNorm;
 use iris::ops::argmax::Argmax;
 use iris::ops::gated_act::GatedAct;
-use iris::ops::gemv::Gemv;
 use iris::ops::qkv_rope::QkvRope;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -86,14 +85,6 @@ fn add_rms_norm_reference_is_add_then_norm() {
     let h2 = (&x + &delta).unwrap();
     assert!(max_rel_err(&h, &h2) <= 1e-6);
     assert!(max_rel_err(&y, &candle_nn::ops::rms_norm(&h2, &w, 1e-6).unwrap()) <= 1e-5);
-}
-
-#[test]
-fn gemv_reference_is_the_matrix_product() {
-    let mut rng = StdRng::seed_from_u64(7);
-    let (x, w) = (random(&mut rng, &[3, 96]), random(&mut rng, &[7, 96]));
-    assert!(max_rel_err(&Gemv::forward(&x, &w).unwrap(), &x.matmul(&w.t().unwrap()).unwrap()) <= 1e-6);
-    assert!(Gemv::forward(&random(&mut rng, &[9, 96]), &w).is_err(), "more rows than the kernel takes");
 }
 
 #[test]

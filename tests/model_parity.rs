@@ -41,6 +41,7 @@ fn forward_chunked(name: &str, tokens: &[u32], chunk: usize) -> (Tensor, Tensor,
 }
 
 fn check_layers(name: &str) {
+    let _gpu = gpu_lock();
     let r = reference(name);
     let tokens = ids(&r["text.input_ids"]);
     let (hidden, logits, taps) = forward_chunked(name, &tokens, usize::MAX);
@@ -68,6 +69,7 @@ fn check_layers(name: &str) {
 }
 
 fn check_greedy(name: &str) {
+    let _gpu = gpu_lock();
     let r = reference(name);
     let mut engine = engine_with(&fixture(name), EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
     for key in ["text", "chat"] {

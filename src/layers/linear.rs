@@ -3,16 +3,9 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{Result, Tensor};
 
-use crate::ops::gemv::{self, Gemv};
 use crate::ops::qmatmul::QMatrix;
 
 use crate::weights::{StoredTensor, Weights, WeightsError};
-
-/// `IRIS_GEMV=0` sends small GPU batches to cuBLAS too (to compare the two).
-fn gemv_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("IRIS_GEMV").map_or(true, |v| v != "0"))
-}
 
 enum Matrix {
     /// `[out, in]` in the model dtype.
@@ -64,10 +57,6 @@ impl Linear {
     /// `x W^T`, the bias left for the caller to fuse into what follows.
     pub fn forward_unbiased(&self, x: &Tensor) -> Result<Tensor> {
         match &self.w {
-            // A few rows on a GPU: one stream over the weights beats a general GEMM.
-            Matrix::Dense(w) if x.device().is_cuda() && x.rank() == 2 && x.dim(0)? <= gemv::MAX_ROWS && gemv_enabled() => {
-                Gemv::forward(&x.contiguous()?, w)
-            }
             Matrix::Dense(w) => x.matmul(&w.t()?),
             Matrix::Quantized(q) => q.forward(x)?.to_dtype(x.dtype()),
         }

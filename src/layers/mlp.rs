@@ -9,6 +9,8 @@ use crate::weights::{Weights, WeightsError};
 pub struct GatedMlp {
     gate_up: StackedLinear,
     down: Linear,
+    /// The intermediate width.
+    inter: usize,
     act: Activation,
 }
 
@@ -29,12 +31,14 @@ impl GatedMlp {
                 false,
             )?,
             down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, false)?,
+            inter: inter,
             act,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(gate_up) = self.gate_up.merged().filter(|_| x.device().is_cuda()) {
+        let fused = x.device().is_cuda() && GatedAct::supports(self.inter);
+        if let Some(gate_up) = self.gate_up.merged().filter(|_| fused) {
             // One pass instead of act, mul and their strided reads.
             let gelu = self.act == Activation::GeluTanh;
             return self.down.forward(&GatedAct { gelu }.forward(&gate_up.forward(x)?)?);

@@ -1,6 +1,6 @@
 use candle_core::{Result, Tensor};
 
-use crate::ops::add_rms_norm::{AddRmsNorm, MAX_DIM};
+use crate::ops::add_rms_norm::{self, AddRmsNorm};
 use crate::weights::{Weights, WeightsError};
 
 /// Which RMSNorm convention the checkpoint uses.
@@ -43,7 +43,7 @@ impl RmsNorm {
     /// `(h, norm(h))` with `h = x + delta` (`[T, dim]` each): the residual add and the norm
     /// that reads it, in one pass on CUDA.
     pub fn forward_residual(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor)> {
-        if x.device().is_cuda() && x.rank() == 2 && x.dim(1)? <= MAX_DIM {
+        if x.device().is_cuda() && x.rank() == 2 && add_rms_norm::supports(x.dim(1)?) {
             return AddRmsNorm { eps: self.eps }.forward(x, delta, &self.scale);
         }
         let h = (x + delta)?;

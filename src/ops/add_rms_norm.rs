@@ -9,8 +9,10 @@ pub struct AddRmsNorm {
     pub eps: f32,
 }
 
-/// Rows wider than this do not fit the kernel's shared memory.
-pub const MAX_DIM: usize = 12 * 1024;
+/// Rows the kernel takes: whole 16-byte vectors, at most 4096 of them (held in registers).
+pub fn supports(dim: usize) -> bool {
+    dim % 8 == 0 && dim <= 16 * 1024
+}
 
 impl AddRmsNorm {
     /// `x`, `delta`: `[T, dim]`; `w`: `[dim]`. Returns `(h, y)`, `[T, dim]` each.
@@ -21,7 +23,7 @@ impl AddRmsNorm {
 
     fn check(x: &Layout, d: &Layout, w: &Layout) -> Result<(usize, usize)> {
         let (t, dim) = x.shape().dims2()?;
-        if d.dims() != x.dims() || w.dims() != [dim] || dim > MAX_DIM {
+        if d.dims() != x.dims() || w.dims() != [dim] || !supports(dim) {
             candle_core::bail!("add-rms-norm: shapes {:?} + {:?}, weight {:?}", x.dims(), d.dims(), w.dims());
         }
         Ok((t, dim))
@@ -77,8 +79,12 @@ impl CustomOp3 for AddRmsNorm {
         let (t, dim) = Self::check(xl, dl, wl)?;
         let dev = x.device().clone();
         let func = super::cuda::ADD_RMS_NORM.func(&dev, &format!("add_rms_norm_{}", super::cuda::dtype_name(x.dtype())?))?;
-        let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (dim * 4) as u32 };
+        let vecs = dim / (16 / x.dtype().size_in_bytes());
+        let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (vecs.div_ceil(32).min(32) as u32 * 32, 1, 1), shared_mem_bytes: 0 };
         let offs = [xl.start_offset(), dl.start_offset(), wl.start_offset()];
+        if offs.iter().any(|o| o % 8 != 0) {
+            candle_core::bail!("add-rms-norm: inputs must start on a 16-byte boundary");
+        }
         #[allow(clippy::too_many_arguments)]
         fn launch<T: CudaDType + DeviceRepr>(
             dev: &candle_core::cuda_backend::CudaDevice,

@@ -22,9 +22,14 @@ impl GatedAct {
         y.apply_op1_no_bwd(self)
     }
 
+    /// Widths the kernel takes: whole 16-byte vectors.
+    pub fn supports(inter: usize) -> bool {
+        inter % 8 == 0
+    }
+
     fn check(l: &Layout) -> Result<(usize, usize, usize)> {
         let (t, w) = l.shape().dims2()?;
-        if w % 2 != 0 || l.stride()[1] != 1 {
+        if w % 2 != 0 || !Self::supports(w / 2) || l.stride()[1] != 1 || l.stride()[0] % 8 != 0 || l.start_offset() % 8 != 0 {
             candle_core::bail!("gated-act: expected [T, 2 * inter] rows with unit stride, got {:?}", l.shape());
         }
         Ok((t, w / 2, l.stride()[0]))
@@ -60,8 +65,9 @@ impl CustomOp1 for GatedAct {
         let dev = s.device().clone();
         let func = super::cuda::GATED_ACT.func(&dev, &format!("gated_act_{}", super::cuda::dtype_name(s.dtype())?))?;
         let n = t * inter;
-        let cfg = LaunchConfig { grid_dim: (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let args = [stride as i32, inter as i32, n as i32, self.gelu as i32];
+        let vecs = n / (16 / s.dtype().size_in_bytes());
+        let cfg = LaunchConfig { grid_dim: (vecs.div_ceil(256).clamp(1, 65535) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let args = [stride as i32, inter as i32, t as i32, self.gelu as i32];
         fn launch<T: CudaDType + DeviceRepr>(
             dev: &candle_core::cuda_backend::CudaDevice,
             func: &Kernel,

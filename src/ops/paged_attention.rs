@@ -178,8 +178,10 @@ impl CustomOp3 for PagedAttention<'_> {
             candle_core::Error::Msg("paged-attention: the step's metadata is not on the device (AttentionMeta::upload)".into())
         })?;
         let group = hq / hkv;
-        // Query heads per block: the largest divisor of the group the kernel holds at once.
-        let hb = (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1);
+        // Query heads per block: the largest divisor of the group the kernel holds at once, or
+        // one when there are too few rows to fill the GPU's ~130 multiprocessors otherwise (a
+        // decode step of a few sequences is bound by the latency of each block's loop).
+        let hb = if rows * hkv < 128 { 1 } else { (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1) };
         let (qt, ct) = (dtype_name(q.dtype())?, dtype_name(k.dtype())?);
         let decode = PAGED_ATTENTION.func(&dev, &format!("paged_attention_{qt}_{ct}_{d}"))?;
         let l = dm.layout;

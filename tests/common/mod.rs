@@ -17,6 +17,15 @@ pub fn device() -> Device {
     iris::device::open(&spec).unwrap_or_else(|e| panic!("IRIS_TEST_DEVICE: {e}"))
 }
 
+/// Held by tests that run models when they run on a GPU, so they run one at a time: an engine
+/// captures CUDA graphs at its first decode steps, and a capture breaks when another thread of
+/// the process creates or drops a CUDA device meanwhile (a server runs one engine per process).
+pub fn gpu_lock() -> Option<std::sync::MutexGuard<'static, ()>> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let on_gpu = std::env::var("IRIS_TEST_DEVICE").is_ok_and(|d| d.starts_with("cuda"));
+    on_gpu.then(|| LOCK.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }

@@ -3,7 +3,8 @@
 // p = context_len - q_len + (t - q_start) and attends to cached positions [lo, p].
 //
 // One block per (row, group of query heads sharing one KV head): every key and value loaded is
-// used by all heads of the group (GQA). Keys are visited in chunks of one per thread: each thread
+// used by all heads of the group (GQA); with few rows, one block per (row, query head) instead,
+// so that more of the GPU works on the step. Keys are visited in chunks of one per thread: each thread
 // scores its key against every head, a warp per head updates the running softmax (max, sum), and
 // then threads split the chunk's values into 16-byte column slices and accumulate p * v.
 #include "common.cuh"
@@ -70,7 +71,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
             float sc[PA_MAXH];
 #pragma unroll
             for (int h = 0; h < PA_MAXH; ++h) sc[h] = 0.f;
-#pragma unroll 4
+#pragma unroll 8
             for (int vi = 0; vi < NV; ++vi) {
                 float kf[V];
                 load16(kp + vi * V, kf);
@@ -127,6 +128,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
                 }
             }
             const int n = min(PA_CHUNK, pos + 1 - c0);
+#pragma unroll 4
             for (int jj = kg; jj < n; jj += KG) {
                 float vf[V];
                 load16(vc + ((size_t)slot_s[jj] * num_kv_heads + kvh) * D + dv * V, vf);
