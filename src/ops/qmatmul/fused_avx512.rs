@@ -19,7 +19,9 @@ pub enum BlockFormat {
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -32,26 +34,40 @@ pub fn available() -> bool {
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_AHEAD: usize = 768;
 
+/// The f16 at `p` (unaligned) in every lane. The vector conversion is much cheaper than a
+/// scalar one followed by a broadcast, and this runs once or twice per 32 weights.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn f16_at(p: *const u8) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([*p, *p.add(1)])).to_f32()
+unsafe fn f16_splat(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_set1_epi16((p as *const i16).read_unaligned()))
+}
+
+/// `[0, 1, .., 15]`: the 4-bit codes as floats, to build a block's 16-entry value table.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn codes16() -> __m512 {
+    _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.)
 }
 
 /// One block format's decoder: the 32 weights of the block at `p` as two vectors
 /// (elements 0..16 and 16..32). A type per format, so each kernel is compiled for one
 /// format with no per-block dispatch.
+///
+/// The 4- and 5-bit formats have only 16 or 32 distinct values per block: the decoders build
+/// that table (each entry computed exactly as the scalar dequantizer computes it: `q * d`,
+/// then `+ m`) and look the codes up with a permute, instead of converting 32 integers.
 #[cfg(target_arch = "x86_64")]
 trait Decode {
     const BYTES: usize;
     unsafe fn decode(p: *const u8) -> (__m512, __m512);
 }
 
+/// The 16 code bytes at `p` widened to 32-bit lanes: lane j holds byte j, whose low nibble
+/// is element j and high nibble element j + 16. Permutes read only the low bits of an index.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn nibbles(qs: __m128i) -> (__m512i, __m512i) {
-    let mask = _mm_set1_epi8(0x0F);
-    (_mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)), _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)))
+unsafe fn code_bytes(p: *const u8) -> __m512i {
+    _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -61,12 +77,9 @@ impl Decode for Q4_0 {
     const BYTES: usize = 18;
     #[inline(always)]
     unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(f16_at(p));
-        let (lo, hi) = nibbles(_mm_loadu_si128(p.add(2) as *const __m128i));
-        let eight = _mm512_set1_epi32(8);
-        let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight));
-        let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight));
-        (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+        let table = _mm512_mul_ps(_mm512_sub_ps(codes16(), _mm512_set1_ps(8.0)), f16_splat(p));
+        let e = code_bytes(p.add(2));
+        (_mm512_permutexvar_ps(e, table), _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), table))
     }
 }
 
@@ -77,11 +90,9 @@ impl Decode for Q4_1 {
     const BYTES: usize = 20;
     #[inline(always)]
     unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(f16_at(p));
-        let m = _mm512_set1_ps(f16_at(p.add(2)));
-        let (lo, hi) = nibbles(_mm_loadu_si128(p.add(4) as *const __m128i));
-        let (q0, q1) = (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi));
-        (_mm512_add_ps(_mm512_mul_ps(q0, d), m), _mm512_add_ps(_mm512_mul_ps(q1, d), m))
+        let table = _mm512_add_ps(_mm512_mul_ps(codes16(), f16_splat(p)), f16_splat(p.add(2)));
+        let e = code_bytes(p.add(4));
+        (_mm512_permutexvar_ps(e, table), _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), table))
     }
 }
 
@@ -92,16 +103,19 @@ impl Decode for Q5_0 {
     const BYTES: usize = 22;
     #[inline(always)]
     unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(f16_at(p));
-        let qh = u32::from_le_bytes([*p.add(2), *p.add(3), *p.add(4), *p.add(5)]);
-        let (lo, hi) = nibbles(_mm_loadu_si128(p.add(6) as *const __m128i));
+        let d = f16_splat(p);
+        // Codes 0..16 are the values -16..0, codes 16..32 the values 0..16.
+        let low = _mm512_mul_ps(_mm512_sub_ps(codes16(), _mm512_set1_ps(16.0)), d);
+        let high = _mm512_mul_ps(codes16(), d);
+        let qh = (p.add(2) as *const u32).read_unaligned();
+        let e = code_bytes(p.add(6));
         let sixteen = _mm512_set1_epi32(16);
         // Bit j of qh is the fifth bit of element j (and bit 16 + j of element 16 + j).
+        let lo = _mm512_and_si512(e, _mm512_set1_epi32(15));
         let i0 = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
+        let hi = _mm512_srli_epi32(e, 4);
         let i1 = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
-        let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i0, sixteen));
-        let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i1, sixteen));
-        (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+        (_mm512_permutex2var_ps(low, i0, high), _mm512_permutex2var_ps(low, i1, high))
     }
 }
 
@@ -112,7 +126,7 @@ impl Decode for Q8_0 {
     const BYTES: usize = 34;
     #[inline(always)]
     unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(f16_at(p));
+        let d = f16_splat(p);
         let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i)));
         let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i)));
         (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
@@ -149,7 +163,7 @@ unsafe fn dot_rows_of<F: Decode, const M: usize>(row: &[u8], x: &[f32], k: usize
 /// # Safety
 /// The CPU must have AVX-512F/BW; `row` must hold `k / 32` blocks of `fmt`, `x` `M * k` values.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
 pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], k: usize, out: &mut [f32]) {
     match fmt {
         BlockFormat::Q4_0 => dot_rows_of::<Q4_0, M>(row, x, k, out),
@@ -175,7 +189,7 @@ unsafe fn dequant_row_of<F: Decode>(row: &[u8], out: &mut [f32]) {
 /// # Safety
 /// As for [`dot_rows`]; `out` holds `k` values.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
 pub unsafe fn dequant_row(fmt: BlockFormat, row: &[u8], out: &mut [f32]) {
     match fmt {
         BlockFormat::Q4_0 => dequant_row_of::<Q4_0>(row, out),

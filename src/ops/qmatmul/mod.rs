@@ -259,6 +259,28 @@ mod tests {
         }
     }
 
+    /// The fused decoders compute each weight exactly as candle's scalar dequantizer does.
+    #[test]
+    fn fused_decoders_equal_the_scalar_dequantizer_bit_for_bit() {
+        if !fused_avx512::available() {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let dev = Device::Cpu;
+        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0] {
+            let w = Tensor::randn(0f32, 1.0, (8, 256), &dev).unwrap();
+            let q = Arc::new(QTensor::quantize(&w, dt).unwrap());
+            let want: Vec<Vec<f32>> = q.dequantize(&dev).unwrap().to_vec2().unwrap();
+            let qm = QMatrix::new(q.clone()).unwrap();
+            let data = q.data().unwrap();
+            for (r, want) in want.iter().enumerate() {
+                let mut got = vec![0f32; 256];
+                qm.dequant(&data, r, &mut got);
+                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dt:?} row {r}");
+            }
+        }
+    }
+
     #[test]
     fn every_path_matches_dequantize_then_matmul() {
         for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
