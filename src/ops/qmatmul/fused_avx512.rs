@@ -1,27 +1,19 @@
 //! Fused dequantize-and-dot kernels for the 32-element GGUF block formats (Q4_0, Q4_1,
-//! Q5_0, Q8_0) with AVX-512: each weight block is decoded once into two f32 vectors,
-//! exactly as the scalar dequantizer computes it (`q * d`, then `+ m`, two roundings), and
-//! multiplied with up to `M` activation rows. Decode is memory-bound; this reads each weight
-//! byte once per step for all of a small batch's rows.
+//! Q5_0, Q8_0) with AVX-512, on rows packed by `packed.rs`: each weight block is decoded
+//! once into two f32 vectors, exactly as the scalar dequantizer computes it (`q * d`, then
+//! `+ m`, two roundings), and multiplied with up to `M` activation rows, so each weight byte
+//! is read once per step for all of a small batch's rows. For small models the weights sit
+//! in L3 and the decoding, not memory, bounds the speed: hence the table lookups below.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// The block formats with a fused kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BlockFormat {
-    Q4_0,
-    Q4_1,
-    Q5_0,
-    Q8_0,
-}
+pub use super::packed::BlockFormat;
 
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("f16c")
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -29,18 +21,10 @@ pub fn available() -> bool {
     }
 }
 
-/// Bytes ahead of the current block to prefetch (rows are contiguous, so this runs into the
+/// Bytes ahead of the current codes to prefetch (rows are contiguous, so this runs into the
 /// next rows of the same task).
 #[cfg(target_arch = "x86_64")]
-const PREFETCH_AHEAD: usize = 768;
-
-/// The f16 at `p` (unaligned) in every lane. The vector conversion is much cheaper than a
-/// scalar one followed by a broadcast, and this runs once or twice per 32 weights.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn f16_splat(p: *const u8) -> __m512 {
-    _mm512_cvtph_ps(_mm256_set1_epi16((p as *const i16).read_unaligned()))
-}
+const PREFETCH_AHEAD: usize = 512;
 
 /// `[0, 1, .., 15]`: the 4-bit codes as floats, to build a block's 16-entry value table.
 #[cfg(target_arch = "x86_64")]
@@ -49,17 +33,45 @@ unsafe fn codes16() -> __m512 {
     _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.)
 }
 
-/// One block format's decoder: the 32 weights of the block at `p` as two vectors
-/// (elements 0..16 and 16..32). A type per format, so each kernel is compiled for one
-/// format with no per-block dispatch.
+/// A packed row (see `packed.rs`): `nb` blocks, `F::WORDS` arrays of per-block 32-bit words,
+/// then the codes.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Row {
+    p: *const u8,
+    nb: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Row {
+    /// Word array `i`, block `b`, in every lane.
+    #[inline(always)]
+    unsafe fn splat(self, i: usize, b: usize) -> __m512 {
+        _mm512_set1_ps((self.p.add(4 * (i * self.nb + b)) as *const f32).read_unaligned())
+    }
+
+    #[inline(always)]
+    unsafe fn word(self, i: usize, b: usize) -> u32 {
+        (self.p.add(4 * (i * self.nb + b)) as *const u32).read_unaligned()
+    }
+
+    #[inline(always)]
+    unsafe fn codes<F: Decode>(self, b: usize) -> *const u8 {
+        self.p.add(4 * F::FORMAT.words() * self.nb + b * F::FORMAT.code_bytes())
+    }
+}
+
+/// One block format's decoder: the 32 weights of block `b` as two vectors (elements 0..16
+/// and 16..32). A type per format, so each kernel is compiled for one format with no
+/// per-block dispatch.
 ///
 /// The 4- and 5-bit formats have only 16 or 32 distinct values per block: the decoders build
 /// that table (each entry computed exactly as the scalar dequantizer computes it: `q * d`,
 /// then `+ m`) and look the codes up with a permute, instead of converting 32 integers.
 #[cfg(target_arch = "x86_64")]
 trait Decode {
-    const BYTES: usize;
-    unsafe fn decode(p: *const u8) -> (__m512, __m512);
+    const FORMAT: BlockFormat;
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512);
 }
 
 /// The 16 code bytes at `p` widened to 32-bit lanes: lane j holds byte j, whose low nibble
@@ -74,11 +86,11 @@ unsafe fn code_bytes(p: *const u8) -> __m512i {
 struct Q4_0;
 #[cfg(target_arch = "x86_64")]
 impl Decode for Q4_0 {
-    const BYTES: usize = 18;
+    const FORMAT: BlockFormat = BlockFormat::Q4_0;
     #[inline(always)]
-    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let table = _mm512_mul_ps(_mm512_sub_ps(codes16(), _mm512_set1_ps(8.0)), f16_splat(p));
-        let e = code_bytes(p.add(2));
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let table = _mm512_mul_ps(_mm512_sub_ps(codes16(), _mm512_set1_ps(8.0)), row.splat(0, b));
+        let e = code_bytes(row.codes::<Self>(b));
         (_mm512_permutexvar_ps(e, table), _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), table))
     }
 }
@@ -87,11 +99,11 @@ impl Decode for Q4_0 {
 struct Q4_1;
 #[cfg(target_arch = "x86_64")]
 impl Decode for Q4_1 {
-    const BYTES: usize = 20;
+    const FORMAT: BlockFormat = BlockFormat::Q4_1;
     #[inline(always)]
-    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let table = _mm512_add_ps(_mm512_mul_ps(codes16(), f16_splat(p)), f16_splat(p.add(2)));
-        let e = code_bytes(p.add(4));
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let table = _mm512_add_ps(_mm512_mul_ps(codes16(), row.splat(0, b)), row.splat(1, b));
+        let e = code_bytes(row.codes::<Self>(b));
         (_mm512_permutexvar_ps(e, table), _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), table))
     }
 }
@@ -100,15 +112,15 @@ impl Decode for Q4_1 {
 struct Q5_0;
 #[cfg(target_arch = "x86_64")]
 impl Decode for Q5_0 {
-    const BYTES: usize = 22;
+    const FORMAT: BlockFormat = BlockFormat::Q5_0;
     #[inline(always)]
-    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = f16_splat(p);
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let d = row.splat(0, b);
         // Codes 0..16 are the values -16..0, codes 16..32 the values 0..16.
         let low = _mm512_mul_ps(_mm512_sub_ps(codes16(), _mm512_set1_ps(16.0)), d);
         let high = _mm512_mul_ps(codes16(), d);
-        let qh = (p.add(2) as *const u32).read_unaligned();
-        let e = code_bytes(p.add(6));
+        let qh = row.word(1, b);
+        let e = code_bytes(row.codes::<Self>(b));
         let sixteen = _mm512_set1_epi32(16);
         // Bit j of qh is the fifth bit of element j (and bit 16 + j of element 16 + j).
         let lo = _mm512_and_si512(e, _mm512_set1_epi32(15));
@@ -123,12 +135,13 @@ impl Decode for Q5_0 {
 struct Q8_0;
 #[cfg(target_arch = "x86_64")]
 impl Decode for Q8_0 {
-    const BYTES: usize = 34;
+    const FORMAT: BlockFormat = BlockFormat::Q8_0;
     #[inline(always)]
-    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = f16_splat(p);
-        let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i)));
-        let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i)));
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let d = row.splat(0, b);
+        let c = row.codes::<Self>(b);
+        let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c as *const __m128i)));
+        let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c.add(16) as *const __m128i)));
         (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
     }
 }
@@ -138,15 +151,15 @@ impl Decode for Q8_0 {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn dot_rows_of<F: Decode, const M: usize>(row: &[u8], x: &[f32], k: usize, out: &mut [f32]) {
-    debug_assert!(x.len() >= M * k && row.len() >= k / 32 * F::BYTES && out.len() >= M);
+    debug_assert!(x.len() >= M * k && row.len() >= k / 32 * F::FORMAT.packed_bytes() && out.len() >= M);
     let mut acc0 = [_mm512_setzero_ps(); M];
     let mut acc1 = [_mm512_setzero_ps(); M];
     let xp = x.as_ptr();
-    let rp = row.as_ptr();
+    let rp = Row { p: row.as_ptr(), nb: k / 32 };
     for b in 0..k / 32 {
         // Weights stream from L3 or memory once per step: ask for them well ahead.
-        _mm_prefetch(rp.add(b * F::BYTES + PREFETCH_AHEAD) as *const i8, _MM_HINT_T0);
-        let (w0, w1) = F::decode(rp.add(b * F::BYTES));
+        _mm_prefetch(rp.codes::<F>(b).add(PREFETCH_AHEAD) as *const i8, _MM_HINT_T0);
+        let (w0, w1) = F::decode(rp, b);
         for i in 0..M {
             let xi = xp.add(i * k + b * 32);
             acc0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc0[i]);
@@ -161,9 +174,9 @@ unsafe fn dot_rows_of<F: Decode, const M: usize>(row: &[u8], x: &[f32], k: usize
 /// `out[i] = dot(dequant(row), x[i * k..(i + 1) * k])` for `i < M`.
 ///
 /// # Safety
-/// The CPU must have AVX-512F/BW; `row` must hold `k / 32` blocks of `fmt`, `x` `M * k` values.
+/// The CPU must have AVX-512F/BW; `row` must be one packed row of `k / 32` blocks of `fmt`, `x` `M * k` values.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[target_feature(enable = "avx512f,avx512bw")]
 pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], k: usize, out: &mut [f32]) {
     match fmt {
         BlockFormat::Q4_0 => dot_rows_of::<Q4_0, M>(row, x, k, out),
@@ -176,9 +189,9 @@ pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], 
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn dequant_row_of<F: Decode>(row: &[u8], out: &mut [f32]) {
-    let (rp, op) = (row.as_ptr(), out.as_mut_ptr());
+    let (rp, op) = (Row { p: row.as_ptr(), nb: out.len() / 32 }, out.as_mut_ptr());
     for b in 0..out.len() / 32 {
-        let (w0, w1) = F::decode(rp.add(b * F::BYTES));
+        let (w0, w1) = F::decode(rp, b);
         _mm512_storeu_ps(op.add(b * 32), w0);
         _mm512_storeu_ps(op.add(b * 32 + 16), w1);
     }
@@ -189,7 +202,7 @@ unsafe fn dequant_row_of<F: Decode>(row: &[u8], out: &mut [f32]) {
 /// # Safety
 /// As for [`dot_rows`]; `out` holds `k` values.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[target_feature(enable = "avx512f,avx512bw")]
 pub unsafe fn dequant_row(fmt: BlockFormat, row: &[u8], out: &mut [f32]) {
     match fmt {
         BlockFormat::Q4_0 => dequant_row_of::<Q4_0>(row, out),
