@@ -6,3 +6,4 @@ pub mod kv_write;
 pub mod paged_attention;
 pub mod qmatmul;
 pub mod simd;
+pub mod team;

@@ -7,10 +7,10 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
 use super::simd::{axpy_f32, dot_f32};
+use super::team::{team, OutPtr};
 use crate::batch::AttentionMeta;
 
 pub struct PagedAttention<'a> {
@@ -47,7 +47,10 @@ impl PagedAttention<'_> {
         #[cfg(target_arch = "x86_64")]
         let fast_path = d % 16 == 0 && std::is_x86_feature_detected!("avx512f");
         // One work item per (row, kv head): the query heads of a GQA group share each key load.
-        out.par_chunks_mut(group * d).enumerate().for_each(|(item, o)| {
+        let dst = OutPtr(out.as_mut_ptr());
+        team().for_each(rows * hkv, |item| {
+            // SAFETY: item `item` owns out[item * group * d..][..group * d] and nothing else.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(item * group * d), group * d) };
             let (t, g) = (item / hkv, item % hkv);
             let seq = &self.meta.seqs[self.meta.row_seq[t] as usize];
             let pos = seq.first_position() + (t - seq.q_start);

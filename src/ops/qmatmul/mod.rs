@@ -12,10 +12,10 @@ use candle_core::quantized::k_quants::{
 };
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 use super::kv_elem::f32_slice;
 use super::simd::dot_f32;
+use super::team::{team, OutPtr};
 
 mod fused_avx512;
 mod packed;
@@ -49,21 +49,6 @@ fn dequant_as<T: GgmlType>(bytes: &[u8], out: &mut [f32]) {
     // so it is aligned for and fully initialised as `T`.
     let blocks = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, n) };
     T::to_float(blocks, out);
-}
-
-/// A pointer that rayon tasks share to write disjoint parts of one output buffer.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of elements, and the buffer outlives the tasks.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    // A method, so closures capture the whole (Send) wrapper rather than its raw field.
-    fn at(self, i: usize) -> *mut f32 {
-        // SAFETY: callers stay within the buffer.
-        unsafe { self.0.add(i) }
-    }
 }
 
 impl QMatrix {
@@ -168,8 +153,8 @@ impl QMatrix {
         if m > FUSED_MAX_ROWS {
             self.matmul_tiled(&data, x, m, dst);
         } else {
-            let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(1, 64);
-            (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|c| {
+            let rows_per_task = (n / (team().threads() * 8)).clamp(1, 64);
+            team().for_each(n.div_ceil(rows_per_task), |c| {
                 let (r0, r1) = (c * rows_per_task, ((c + 1) * rows_per_task).min(n));
                 let mut w = vec![0f32; if fused.is_some() { 0 } else { k }];
                 let mut res = [0f32; 8];
@@ -210,9 +195,9 @@ impl QMatrix {
         let (n, k) = (self.rows, self.cols);
         // Wide tiles, but at least two per thread so that both cores stay busy.
         let by_cache = (TILE_BYTES / (4 * k)).max(16);
-        let by_balance = n.div_ceil(rayon::current_num_threads() * 2).max(16);
+        let by_balance = n.div_ceil(team().threads() * 2).max(16);
         let tile_rows = by_cache.min(by_balance).next_multiple_of(16);
-        (0..n.div_ceil(tile_rows)).into_par_iter().for_each(|t| {
+        team().for_each(n.div_ceil(tile_rows), |t| {
             let (r0, r1) = (t * tile_rows, ((t + 1) * tile_rows).min(n));
             let mut tile = vec![0f32; (r1 - r0) * k];
             for r in r0..r1 {
