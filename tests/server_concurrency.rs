@@ -115,7 +115,7 @@ fn real_model_concurrent_streams_equal_each_request_alone() {
 fn client_disconnect_mid_stream_frees_blocks() {
     let s = Server::start(&[]);
     let total = s.metric("iris_kv_cache_blocks_total").unwrap();
-    let body = json!({ "prompt": "hello", "max_tokens": 100000, "ignore_eos": true, "stream": true, "temperature": 0 });
+    let body = json!({ "prompt": "hello", "max_tokens": 4000, "ignore_eos": true, "stream": true, "temperature": 0 });
     let mut st = OpenStream::open(&s.addr, "/v1/completions", &body);
     st.read_until("\"text\"");
     assert!(s.metric("iris_kv_cache_blocks_used").unwrap() > 0.0, "{}", s.get("/metrics").text());
@@ -138,7 +138,7 @@ fn client_disconnect_mid_stream_frees_blocks() {
 fn client_disconnect_before_first_token_frees_blocks() {
     // Non-streaming: the client gives up while the request is still generating.
     let s = Server::start(&[]);
-    let body = json!({ "prompt": "hello", "max_tokens": 100000, "ignore_eos": true, "temperature": 0, "n": 4 });
+    let body = json!({ "prompt": "hello", "max_tokens": 4000, "ignore_eos": true, "temperature": 0, "n": 4 });
     let st = OpenStream::open(&s.addr, "/v1/completions", &body);
     assert!(eventually(Duration::from_secs(10), || s.metric("iris_kv_cache_blocks_used").unwrap_or(0.0) > 0.0));
     drop(st);
@@ -172,7 +172,8 @@ fn sigterm_finishes_in_flight_requests_and_exits_zero() {
 #[test]
 fn sigterm_cancels_requests_past_the_deadline() {
     let mut s = Server::start(&["--shutdown-timeout", "0.5"]);
-    let body = json!({ "prompt": "hello", "max_tokens": 100000, "ignore_eos": true, "stream": true, "temperature": 0, "n": 8 });
+    let body =
+        json!({ "prompt": "hello", "max_tokens": 4000, "ignore_eos": true, "stream": true, "temperature": 0, "n": 8 });
     let mut st = OpenStream::open(&s.addr, "/v1/completions", &body);
     st.read_until("data:");
     let reader = std::thread::spawn(move || st.finish());

@@ -2,8 +2,9 @@
 //!
 //! Handlers never touch the model: they validate, tokenize, and hand sequences to the
 //! engine thread through an [`EngineHandle`] (see `engine_loop.rs`); every request joins the
-//! engine's continuous batch. Modules: `openai` and `anthropic` (the APIs), `generate`
-//! (what they share), `sse` (streaming), `errors` (error bodies), `metrics`.
+//! engine's continuous batch. Modules: `openai` and `anthropic` (the APIs), `openai_choices`
+//! (the chat and completions output formats and their stream), `generate` (what the APIs
+//! share), `sse` (streaming), `errors` (error bodies), `metrics`.
 
 pub mod anthropic;
 mod content;
@@ -12,6 +13,7 @@ pub mod errors;
 pub mod generate;
 pub mod metrics;
 pub mod openai;
+pub mod openai_choices;
 pub mod sse;
 
 use std::future::IntoFuture;
