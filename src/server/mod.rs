@@ -25,6 +25,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 
 pub use engine_loop::{spawn_engine, EngineHandle, EngineInfo};
@@ -202,6 +203,13 @@ pub async fn shutdown_signal() {
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>) -> anyhow::Result<()> {
     let app = router(state.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Streams write one small chunk per token: with Nagle's algorithm each chunk would wait
+    // for the ACK of the previous one, which a client may delay by ~40 ms.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(async move {
         shutdown_signal().await;
         let _ = stop_tx.send(true);
