@@ -25,7 +25,7 @@ Pass/fail (exit status 0 only if all hold):
 3. After the load stops, /metrics shows every KV block free and no sequence running or waiting.
 4. SIGTERM then stops the server with exit status 0.
 
-Why a small KV pool by default (--kv-cache-memory 64MiB): the pool is allocated zeroed, so its
+Why a small KV pool by default (--kv-cache-memory 32MiB): the pool is allocated zeroed, so its
 pages become resident only when a block is first used; the block allocator reuses the most
 recently freed blocks first, so resident KV pages grow only up to the peak number of blocks in
 use at once. With a pool smaller than the load's peak demand, the whole pool is in use (and
@@ -396,7 +396,7 @@ def main():
     ap.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS samples (default 5)")
     ap.add_argument("--iris-bin", default=str(REPO / "target" / "release" / "iris"))
     ap.add_argument("--model", help="model path (default: the server's default model)")
-    ap.add_argument("--kv-cache-memory", default="64MiB", help="KV pool (default 64MiB; see the docstring)")
+    ap.add_argument("--kv-cache-memory", default="32MiB", help="KV pool (default 32MiB; see the docstring)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", help="write the samples and counts here")
     ap.add_argument("serve_args", nargs="*", help="extra `iris serve` flags (after --)")
