@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use super::detokenizer::IncrementalDetokenizer;
 use super::finish::FinishReason;
 use super::request::{Request, RequestError, SeqUpdate};
-use super::sampler::Sampled;
+use super::sampler::{logprobs, Sampled};
 use super::scheduler::{Plan, Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
 use super::stop::StopChecker;
@@ -159,6 +159,7 @@ impl Engine {
         self.stats.steps += 1;
         let (batch, sample_rows) = self.build_batch(&plan)?;
         let hidden = self.model.forward(&batch, &self.kv, None)?;
+        self.record_prompt_logprobs(&plan, &hidden)?;
         let mut updates = Vec::new();
         // Advance what was computed before sampling, whatever happens next.
         for &(id, n) in &plan.items {
@@ -206,6 +207,41 @@ impl Engine {
         Ok((batch, sample_rows))
     }
 
+    /// vLLM's `prompt_logprobs`: for each sequence that asks, the rows of this step's chunk
+    /// whose next token is still a prompt token give that token's logprob under the raw model.
+    /// Their logits are computed apart from the sampled rows' (which stay exactly as without
+    /// this feature), a bounded number of rows at a time. A chunk recomputed after preemption
+    /// adds nothing: its entries are already there.
+    fn record_prompt_logprobs(&mut self, plan: &Plan, hidden: &Tensor) -> candle_core::Result<()> {
+        /// Most rows of vocabulary-wide logits held at once.
+        const ROWS_AT_ONCE: usize = 256;
+        let mut rows: Vec<(SeqId, u32, u32)> = Vec::new(); // (sequence, batch row, next prompt token)
+        let mut q_start = 0;
+        for &(id, n) in &plan.items {
+            let seq = self.scheduler.get(id).expect("scheduled sequence exists");
+            if seq.params.prompt_logprobs.is_some() {
+                // Position p predicts prompt token p + 1; entries before `done` exist already.
+                let done = seq.prompt_logprobs.len();
+                let end = (seq.num_computed + n).min(seq.prompt.len().saturating_sub(1));
+                for p in seq.num_computed.max(done)..end {
+                    rows.push((id, (q_start + p - seq.num_computed) as u32, seq.prompt[p + 1]));
+                }
+            }
+            q_start += n;
+        }
+        for chunk in rows.chunks(ROWS_AT_ONCE) {
+            let idx: Vec<u32> = chunk.iter().map(|r| r.1).collect();
+            let idx = Tensor::new(idx.as_slice(), &self.device)?;
+            let logits: Vec<Vec<f32>> = self.model.logits(&hidden.index_select(&idx, 0)?)?.to_vec2()?;
+            for (&(id, _, next), l) in chunk.iter().zip(&logits) {
+                let seq = self.scheduler.get_mut(id).expect("scheduled sequence exists");
+                let (logprob, top_logprobs) = logprobs(l, next, seq.params.prompt_logprobs.unwrap_or(0));
+                seq.prompt_logprobs.push(Sampled { token: next, logprob, top_logprobs });
+            }
+        }
+        Ok(())
+    }
+
     fn sample(&mut self, rows: &[(SeqId, usize)], logits: &mut [Vec<f32>]) -> Vec<Sampled> {
         // Each sequence samples with its own RNG, so results do not depend on the batch.
         rows.iter()
@@ -224,6 +260,8 @@ impl Engine {
         self.stats.generated_tokens += 1;
         let p = &seq.params;
         let n_out = seq.output.len();
+        let prompt_logprobs =
+            (n_out == 1 && p.prompt_logprobs.is_some()).then(|| std::mem::take(&mut seq.prompt_logprobs));
         let state = self.text.get_mut(&id).expect("text state exists");
         // The sampler keeps EOS and stop ids out until min_tokens, so any here are final.
         let ends = (!p.ignore_eos && self.eos.contains(&tok.token)) || p.stop_token_ids.contains(&tok.token);
@@ -243,7 +281,7 @@ impl Engine {
             text = out.emit;
             if out.stopped.is_some() && n_out > p.min_tokens {
                 // Text after the stop string is dropped, as OpenAI does.
-                return self.finish(id, tok, text, FinishReason::Stop);
+                return self.finish(id, tok, text, FinishReason::Stop, prompt_logprobs);
             }
         }
         if finish.is_none() && (n_out >= p.max_tokens || seq.num_tokens() >= self.cfg.max_model_len) {
@@ -255,20 +293,28 @@ impl Engine {
                 let tail = state.detok.finish().unwrap_or_default();
                 text.push_str(&state.stop.push(&tail).emit);
                 text.push_str(&state.stop.flush());
-                self.finish(id, tok, text, reason)
+                self.finish(id, tok, text, reason, prompt_logprobs)
             }
             None => SeqUpdate {
                 id,
                 token: Some(tok),
                 text,
                 finish: None,
+                prompt_logprobs,
                 num_prompt_tokens: seq.prompt.len(),
                 num_output_tokens: n_out,
             },
         }
     }
 
-    fn finish(&mut self, id: SeqId, tok: Sampled, text: String, reason: FinishReason) -> SeqUpdate {
+    fn finish(
+        &mut self,
+        id: SeqId,
+        tok: Sampled,
+        text: String,
+        reason: FinishReason,
+        prompt_logprobs: Option<Vec<Sampled>>,
+    ) -> SeqUpdate {
         self.text.remove(&id);
         let seq = self.scheduler.remove(id).expect("finishing sequence exists");
         SeqUpdate {
@@ -276,6 +322,7 @@ impl Engine {
             token: Some(tok),
             text,
             finish: Some(reason),
+            prompt_logprobs,
             num_prompt_tokens: seq.prompt.len(),
             num_output_tokens: seq.output.len(),
         }

@@ -34,6 +34,9 @@ pub struct SeqUpdate {
     /// New text, safe to show: complete characters, never a possible start of a stop string.
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// With the first token of a sequence whose params ask for `prompt_logprobs`: the
+    /// logprobs of its prompt tokens from the second on (the first has no context).
+    pub prompt_logprobs: Option<Vec<Sampled>>,
     /// Prompt tokens (for usage accounting); filled when the sequence finishes.
     pub num_prompt_tokens: usize,
     pub num_output_tokens: usize,

@@ -1,7 +1,7 @@
 //! A request's life inside the engine.
 
 use super::finish::FinishReason;
-use super::sampler::SequenceSampler;
+use super::sampler::{Sampled, SequenceSampler};
 use super::sampling_params::SamplingParams;
 use crate::kv::BlockTable;
 
@@ -35,6 +35,9 @@ pub struct Sequence {
     pub status: SeqStatus,
     pub finish: Option<FinishReason>,
     pub preemptions: u32,
+    /// With `params.prompt_logprobs`: entry `i` is prompt token `i + 1` given the ones before
+    /// it, filled as prefill chunks are computed (and kept across preemption).
+    pub prompt_logprobs: Vec<Sampled>,
 }
 
 impl Sequence {
@@ -51,6 +54,7 @@ impl Sequence {
             status: SeqStatus::Waiting,
             finish: None,
             preemptions: 0,
+            prompt_logprobs: Vec::new(),
         }
     }
 

@@ -13,7 +13,9 @@ use serde_json::{json, Value};
 
 use super::engine_loop::{SeqEvent, SeqEventKind};
 use super::errors::ApiError;
-use super::generate::{check_request, collect, matched_stop, parse_json, random_id, request_error, submit, typed};
+use super::generate::{
+    check_request, collect, matched_stop, parse_json, random_id, request_error, submit, typed, MaxTokens,
+};
 use super::openai::encode_chat;
 use super::sse::{named_event, sse_response, Converter};
 use super::AppState;
@@ -142,7 +144,8 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
         stop: req.stop_sequences.clone().unwrap_or_default(),
         ..SamplingParams::default()
     };
-    check_request(&engine, &prompt, &mut params)?;
+    let max_tokens = MaxTokens { requested: Some(max_tokens), default: None };
+    check_request(&engine, &prompt, &mut params, max_tokens, "messages")?;
     let stops = params.stop.clone();
     let sub = submit(&app, &engine, vec![Request { prompt_tokens: prompt.clone(), params }])?;
     let id = random_id("msg_");
