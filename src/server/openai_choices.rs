@@ -184,12 +184,12 @@ impl ChoiceFormat for CompletionFormat {
 /// The SSE stream of a chat or completions request: a chunk per piece of output, one with
 /// each choice's finish reason, the usage chunk when asked for, and `[DONE]`.
 pub struct OpenAiStream<F> {
-    pub id: String,
-    pub created: u64,
-    pub model: String,
-    pub include_usage: bool,
-    pub prompt_tokens: usize,
-    pub format: F,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    prompt_tokens: usize,
+    format: F,
     finished: Vec<bool>,
     output_tokens: Vec<usize>,
 }
