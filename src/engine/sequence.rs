@@ -1,6 +1,7 @@
 //! A request's life inside the engine.
 
 use super::finish::FinishReason;
+use super::multimodal::MultiModalState;
 use super::sampler::SequenceSampler;
 use super::sampling_params::SamplingParams;
 use crate::kv::BlockTable;
@@ -35,6 +36,8 @@ pub struct Sequence {
     pub status: SeqStatus,
     pub finish: Option<FinishReason>,
     pub preemptions: u32,
+    /// Images, M-RoPE positions and image embeddings of a vision-language prompt.
+    pub mm: Option<Box<MultiModalState>>,
 }
 
 impl Sequence {
@@ -51,6 +54,7 @@ impl Sequence {
             status: SeqStatus::Waiting,
             finish: None,
             preemptions: 0,
+            mm: None,
         }
     }
 
