@@ -126,3 +126,28 @@ pub fn expand_image_tokens(tokens: &[u32], image_token: u32, counts: &[usize]) -
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expands_each_placeholder_by_its_count() {
+        assert_eq!(expand_image_tokens(&[1, 9, 2, 9], 9, &[2, 3]).unwrap(), vec![1, 9, 9, 2, 9, 9, 9]);
+        assert!(expand_image_tokens(&[1, 9], 9, &[2, 3]).is_err());
+        assert!(expand_image_tokens(&[1, 2], 9, &[1]).is_err());
+    }
+
+    #[test]
+    fn cache_evicts_least_recently_used_beyond_budget() {
+        let t = |v: f32| Tensor::new(&[v; 4], &candle_core::Device::Cpu).unwrap(); // 16 bytes
+        let mut c = EmbedCache::new(40);
+        c.insert([1; 32], t(1.0));
+        c.insert([2; 32], t(2.0));
+        assert!(c.get(&[1; 32]).is_some()); // 1 is now more recent than 2
+        c.insert([3; 32], t(3.0)); // 48 bytes > 40: evicts 2
+        assert!(c.get(&[2; 32]).is_none());
+        assert!(c.get(&[1; 32]).is_some() && c.get(&[3; 32]).is_some());
+        assert_eq!((c.len(), c.hits, c.misses), (2, 3, 1));
+    }
+}

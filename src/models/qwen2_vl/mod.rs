@@ -79,6 +79,23 @@ impl VisionModel for Qwen2Vl {
     }
 
     fn prompt_positions(&self, tokens: &[u32], images: &[&PixelValues]) -> Result<PromptPositions, PositionError> {
+        let cfg = self.tower.config();
+        for (index, p) in images.iter().enumerate() {
+            let [t, h, w] = p.grid_thw;
+            let m = cfg.spatial_merge_size;
+            if p.cols != cfg.patch_dim() || p.rows != t * h * w || p.rows == 0 || h % m != 0 || w % m != 0 {
+                return Err(PositionError::BadPixels {
+                    index,
+                    reason: format!(
+                        "[{}, {}] pixel values with grid {:?} do not fit this model's patches",
+                        p.rows, p.cols, p.grid_thw
+                    ),
+                });
+            }
+            if p.data.len() != p.rows * p.cols {
+                return Err(PositionError::BadPixels { index, reason: "pixel data has the wrong length".into() });
+            }
+        }
         let grids: Vec<[usize; 3]> = images.iter().map(|p| p.grid_thw).collect();
         mrope::prompt_positions(tokens, self.image_token_id(), &grids, self.tower.config().spatial_merge_size)
     }

@@ -19,6 +19,8 @@ pub enum PositionError {
     WrongRun { index: usize, expected: usize, found: usize },
     #[error("the prompt has image tokens for {found} of its {images} image(s)")]
     TooFewImageTokens { found: usize, images: usize },
+    #[error("image {index}: {reason}")]
+    BadPixels { index: usize, reason: String },
 }
 
 /// `grids[k]` is image k's patch grid (t, h, w) before merging; each image's tokens are one
