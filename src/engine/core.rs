@@ -264,6 +264,8 @@ impl Engine {
                 parts.push(e);
             }
             mm.embeds = Some(Tensor::cat(&parts, 0)?);
+            // The embeddings outlive preemption; the pixels are not needed any more.
+            mm.images.clear();
         }
         Ok(())
     }

@@ -26,6 +26,7 @@ impl ImageInput {
 }
 
 pub struct MultiModalState {
+    /// Until the sequence's first step encodes them.
     pub images: Vec<ImageInput>,
     /// Positions of the prompt's tokens; later tokens continue at `index + delta`.
     pub positions: PromptPositions,

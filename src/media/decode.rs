@@ -127,6 +127,29 @@ mod tests {
     }
 
     #[test]
+    fn decodes_jpeg_webp_and_gif() {
+        use image::codecs::{gif::GifEncoder, jpeg::JpegEncoder, webp::WebPEncoder};
+        use image::ImageEncoder;
+        let rgb: Vec<u8> = (0..6 * 4 * 3).map(|i| (i * 7 % 256) as u8).collect();
+        let enc = |f: &dyn Fn(&mut Vec<u8>)| {
+            let mut out = Vec::new();
+            f(&mut out);
+            decode_image(&out, &DecodeLimits::default()).expect("decodes")
+        };
+        let jpeg = enc(&|o| JpegEncoder::new(o).write_image(&rgb, 6, 4, image::ExtendedColorType::Rgb8).unwrap());
+        assert_eq!((jpeg.width, jpeg.height), (6, 4)); // lossy: size only
+        let webp =
+            enc(&|o| WebPEncoder::new_lossless(o).write_image(&rgb, 6, 4, image::ExtendedColorType::Rgb8).unwrap());
+        assert_eq!(webp.data, rgb);
+        // GIF stores a palette: a first frame of few colours comes back exactly.
+        let flat: Vec<u8> =
+            (0..24).flat_map(|i| if i % 2 == 0 { [255, 0, 0, 255] } else { [0, 0, 255, 255] }).collect();
+        let gif = enc(&|o| GifEncoder::new(o).write_image(&flat, 6, 4, image::ExtendedColorType::Rgba8).unwrap());
+        let want: Vec<u8> = flat.chunks(4).flat_map(|p| [p[0], p[1], p[2]]).collect();
+        assert_eq!(gif.data, want);
+    }
+
+    #[test]
     fn limits_and_garbage_are_errors() {
         let rgb = png(4, 4, image::ExtendedColorType::Rgb8, &[0; 48]);
         let tight = DecodeLimits { max_bytes: 1 << 20, max_pixels: 15 };

@@ -17,9 +17,15 @@ pub struct MediaPolicy {
     pub limits: DecodeLimits,
 }
 
-/// An image reference from a request, with the JSON path of the part it came from.
+/// An image reference from a request, with the JSON paths of its part and of the field
+/// holding the image.
 #[derive(Debug, Clone)]
 pub struct ImageRef {
+    /// The content item (`messages[0].content[1]`).
+    pub item: String,
+    /// Its type (`image_url`, `image`).
+    pub item_type: &'static str,
+    /// The field with the data or URL.
     pub path: String,
     pub source: Source,
 }
@@ -42,7 +48,12 @@ pub fn openai_image(part: &Value, path: &str) -> Result<ImageRef, ApiError> {
             return Err(ApiError::invalid_param(format!("{path}.image_url"), format!("`{path}` has no `image_url`")))
         }
     };
-    Ok(ImageRef { path: format!("{path}.image_url.url"), source: url_source(url) })
+    Ok(ImageRef {
+        item: path.to_string(),
+        item_type: "image_url",
+        path: format!("{path}.image_url.url"),
+        source: url_source(url),
+    })
 }
 
 /// Anthropic: `{"type": "image", "source": {"type": "base64", "media_type": ..., "data": ...}}`
@@ -56,12 +67,18 @@ pub fn anthropic_image(block: &Value, path: &str) -> Result<ImageRef, ApiError> 
             ApiError::invalid_param(format!("{path}.source.{name}"), format!("`{path}.source.{name}` must be a string"))
         })
     };
+    let r = |field: &str, source| ImageRef {
+        item: path.to_string(),
+        item_type: "image",
+        path: format!("{path}.source.{field}"),
+        source,
+    };
     match src.get("type").and_then(Value::as_str) {
         Some("base64") => {
             field("media_type")?;
-            Ok(ImageRef { path: format!("{path}.source.data"), source: Source::Base64(field("data")?.to_string()) })
+            Ok(r("data", Source::Base64(field("data")?.to_string())))
         }
-        Some("url") => Ok(ImageRef { path: format!("{path}.source.url"), source: url_source(field("url")?) }),
+        Some("url") => Ok(r("url", url_source(field("url")?))),
         _ => Err(ApiError::invalid_param(
             format!("{path}.source.type"),
             format!("`{path}.source.type` must be \"base64\" or \"url\""),
@@ -164,15 +181,15 @@ mod tests {
         assert!(matches!(openai_image(&part, "m").unwrap().source, Source::Base64(ref d) if d == "AAAA"));
         let block = serde_json::json!({"type": "image", "source": {"type": "base64", "media_type": "image/png"}});
         assert!(anthropic_image(&block, "m").is_err());
-        let remote = ImageRef { path: "p".into(), source: Source::Url("http://127.0.0.1/x.png".into()) };
+        let at = |source| ImageRef { item: "i".into(), item_type: "image_url", path: "p".into(), source };
+        let remote = at(Source::Url("http://127.0.0.1/x.png".into()));
         assert_eq!(load(&remote, &MediaPolicy::default()).unwrap_err().status.as_u16(), 400);
-        let local = ImageRef { path: "p".into(), source: Source::Url("file:///etc/passwd".into()) };
+        let local = at(Source::Url("file:///etc/passwd".into()));
         let err = load(&local, &MediaPolicy::default()).unwrap_err();
         assert!(err.message.contains("--allowed-local-media-path"), "{}", err.message);
         let dir = std::env::temp_dir().canonicalize().unwrap();
         let policy = MediaPolicy { allowed_local_media_path: Some(dir.join("iris-none")), ..Default::default() };
-        let outside =
-            ImageRef { path: "p".into(), source: Source::Url(format!("file://{}/../etc/passwd", dir.display())) };
+        let outside = at(Source::Url(format!("file://{}/../etc/passwd", dir.display())));
         assert!(load(&outside, &policy).unwrap_err().message.contains("outside"));
     }
 }
@@ -180,9 +197,13 @@ mod tests {
 /// Refuses images for a model without a vision tower (before its template sees them).
 pub fn check_accepted(engine: &super::EngineHandle, refs: &[ImageRef]) -> Result<(), ApiError> {
     match (refs.first(), &engine.vision) {
-        (Some(r), None) => {
-            Err(ApiError::invalid_param(r.path.clone(), "this model does not accept images (it has no vision tower)"))
-        }
+        (Some(r), None) => Err(ApiError::invalid_param(
+            format!("{}.type", r.item),
+            format!(
+                "this model does not accept images: `{}` is an `{}` item, which needs a vision-language model",
+                r.item, r.item_type
+            ),
+        )),
         _ => Ok(()),
     }
 }
