@@ -152,3 +152,32 @@ fn bad_images_are_400s() {
 fn openai_part_small() -> Value {
     openai_part("image_20x30.png")
 }
+
+/// The official Python SDKs (see tests/server_sdk.rs for how the interpreter is found).
+#[test]
+fn official_python_sdks_send_images() {
+    let Some(py) = std::env::var("IRIS_TEST_PYTHON").ok() else {
+        if let Ok(reason) = std::env::var("IRIS_SDK_SKIP_REASON") {
+            eprintln!("skipped: {reason}");
+            return;
+        }
+        assert!(std::env::var("CI").map_or(true, |v| v != "true"), "IRIS_TEST_PYTHON is not set");
+        eprintln!("skipped: set IRIS_TEST_PYTHON to a python with the openai and anthropic packages");
+        return;
+    };
+    let server = Server::start_model(MODEL, &["--served-model-name", "tiny-qwen2-vl"]);
+    let r = reference();
+    let question = r["cases"]["single"]["messages"][0]["content"][1]["text"].as_str().unwrap().to_string();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk_vision.py");
+    let out = std::process::Command::new(&py)
+        .arg(&script)
+        .arg("-v")
+        .env("IRIS_BASE_URL", format!("http://{}", server.addr))
+        .env("IRIS_IMAGE", fixture(MODEL).join("image_square.png"))
+        .env("IRIS_QUESTION", question)
+        .env("IRIS_EXPECTED", expected("single").0)
+        .output()
+        .expect("python runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "SDK vision tests failed:\n{stderr}\nserver log:\n{}", server.log());
+}
