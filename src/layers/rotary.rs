@@ -86,7 +86,7 @@ pub struct RotaryAngles {
 impl RotaryAngles {
     /// From rotation angles `[rows, half]` (row-major), each the angle of one rotary pair.
     pub fn from_angles(angles: &[f32], rows: usize, layout: RopeLayout, device: &Device, dtype: DType) -> Result<Self> {
-        let half = if rows == 0 { 0 } else { angles.len() / rows };
+        let half = angles.len().checked_div(rows).unwrap_or(0);
         let shape = (rows, 1, half);
         let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
         let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();

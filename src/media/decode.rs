@@ -78,7 +78,7 @@ fn to_rgb(img: DynamicImage) -> RgbImage {
         return RgbImage::new(w, h, img.into_rgb8().into_raw());
     }
     let rgba = img.into_rgba8().into_raw();
-    let data = rgba.chunks_exact(4).flat_map(|p| over_white(p)).collect();
+    let data = rgba.chunks_exact(4).flat_map(over_white).collect();
     RgbImage::new(w, h, data)
 }
 

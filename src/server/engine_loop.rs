@@ -39,7 +39,7 @@ pub enum SeqEventKind {
 pub enum Command {
     Add {
         index: usize,
-        request: Request,
+        request: Box<Request>,
         /// Preprocessed images whose tokens the prompt holds (vision-language models).
         images: Vec<ImageInput>,
         events: UnboundedSender<SeqEvent>,
@@ -138,7 +138,7 @@ impl EngineHandle {
         let (tx, rx) = unbounded_channel();
         for (index, request) in requests.into_iter().enumerate() {
             self.commands
-                .send(Command::Add { index, request, images: images.clone(), events: tx.clone() })
+                .send(Command::Add { index, request: Box::new(request), images: images.clone(), events: tx.clone() })
                 .map_err(|_| SubmitError::EngineGone)?;
         }
         Ok(Submission { events: rx, _slots: slots })
@@ -294,7 +294,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             if events.is_closed() {
                 return; // gone before it started
             }
-            match engine.add_request_with_images(request, images) {
+            match engine.add_request_with_images(*request, images) {
                 Ok(id) => {
                     entries.insert(id, Entry { index, events, last_token: None, arrival: Instant::now() });
                 }

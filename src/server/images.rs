@@ -162,38 +162,6 @@ fn base64_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn base64_round_trips() {
-        assert_eq!(base64_decode("aGVsbG8=").unwrap(), b"hello");
-        assert_eq!(base64_decode("aGVsbG8").unwrap(), b"hello");
-        assert_eq!(base64_decode("aGVs\nbG8h").unwrap(), b"hell\x6f!");
-        assert!(base64_decode("a").is_none());
-        assert!(base64_decode("a*==").is_none());
-    }
-
-    #[test]
-    fn sources_and_policy() {
-        let part = serde_json::json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}});
-        assert!(matches!(openai_image(&part, "m").unwrap().source, Source::Base64(ref d) if d == "AAAA"));
-        let block = serde_json::json!({"type": "image", "source": {"type": "base64", "media_type": "image/png"}});
-        assert!(anthropic_image(&block, "m").is_err());
-        let at = |source| ImageRef { item: "i".into(), item_type: "image_url", path: "p".into(), source };
-        let remote = at(Source::Url("http://127.0.0.1/x.png".into()));
-        assert_eq!(load(&remote, &MediaPolicy::default()).unwrap_err().status.as_u16(), 400);
-        let local = at(Source::Url("file:///etc/passwd".into()));
-        let err = load(&local, &MediaPolicy::default()).unwrap_err();
-        assert!(err.message.contains("--allowed-local-media-path"), "{}", err.message);
-        let dir = std::env::temp_dir().canonicalize().unwrap();
-        let policy = MediaPolicy { allowed_local_media_path: Some(dir.join("iris-none")), ..Default::default() };
-        let outside = at(Source::Url(format!("file://{}/../etc/passwd", dir.display())));
-        assert!(load(&outside, &policy).unwrap_err().message.contains("outside"));
-    }
-}
-
 /// Refuses images for a model without a vision tower (before its template sees them).
 pub fn check_accepted(engine: &super::EngineHandle, refs: &[ImageRef]) -> Result<(), ApiError> {
     match (refs.first(), &engine.vision) {
@@ -240,4 +208,36 @@ pub async fn prepare(
     .await
     .map_err(|e| ApiError::internal(format!("image preprocessing failed: {e}")))??;
     Ok((prompt, images))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_round_trips() {
+        assert_eq!(base64_decode("aGVsbG8=").unwrap(), b"hello");
+        assert_eq!(base64_decode("aGVsbG8").unwrap(), b"hello");
+        assert_eq!(base64_decode("aGVs\nbG8h").unwrap(), b"hell\x6f!");
+        assert!(base64_decode("a").is_none());
+        assert!(base64_decode("a*==").is_none());
+    }
+
+    #[test]
+    fn sources_and_policy() {
+        let part = serde_json::json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}});
+        assert!(matches!(openai_image(&part, "m").unwrap().source, Source::Base64(ref d) if d == "AAAA"));
+        let block = serde_json::json!({"type": "image", "source": {"type": "base64", "media_type": "image/png"}});
+        assert!(anthropic_image(&block, "m").is_err());
+        let at = |source| ImageRef { item: "i".into(), item_type: "image_url", path: "p".into(), source };
+        let remote = at(Source::Url("http://127.0.0.1/x.png".into()));
+        assert_eq!(load(&remote, &MediaPolicy::default()).unwrap_err().status.as_u16(), 400);
+        let local = at(Source::Url("file:///etc/passwd".into()));
+        let err = load(&local, &MediaPolicy::default()).unwrap_err();
+        assert!(err.message.contains("--allowed-local-media-path"), "{}", err.message);
+        let dir = std::env::temp_dir().canonicalize().unwrap();
+        let policy = MediaPolicy { allowed_local_media_path: Some(dir.join("iris-none")), ..Default::default() };
+        let outside = at(Source::Url(format!("file://{}/../etc/passwd", dir.display())));
+        assert!(load(&outside, &policy).unwrap_err().message.contains("outside"));
+    }
 }
