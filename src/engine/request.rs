@@ -23,6 +23,9 @@ pub enum RequestError {
     BadToken { id: u32, vocab: usize },
     #[error("{0}")]
     BadParams(String),
+    /// Images given to a model without a vision tower, or not matching the prompt's image tokens.
+    #[error("{0}")]
+    BadImages(String),
 }
 
 /// What one step produced for one sequence.

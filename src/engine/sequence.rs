@@ -2,6 +2,7 @@
 
 use super::finish::FinishReason;
 use super::sampler::{Sampled, SequenceSampler};
+use super::multimodal::MultiModalState;
 use super::sampling_params::SamplingParams;
 use crate::kv::BlockTable;
 
@@ -38,6 +39,8 @@ pub struct Sequence {
     /// With `params.prompt_logprobs`: entry `i` is prompt token `i + 1` given the ones before
     /// it, filled as prefill chunks are computed (and kept across preemption).
     pub prompt_logprobs: Vec<Sampled>,
+    /// Images, M-RoPE positions and image embeddings of a vision-language prompt.
+    pub mm: Option<Box<MultiModalState>>,
 }
 
 impl Sequence {
@@ -55,6 +58,7 @@ impl Sequence {
             finish: None,
             preemptions: 0,
             prompt_logprobs: Vec::new(),
+            mm: None,
         }
     }
 

@@ -254,7 +254,17 @@ pub fn request_error(e: RequestError) -> ApiError {
 }
 
 pub fn submit(state: &AppState, engine: &EngineHandle, requests: Vec<Request>) -> Result<Submission, ApiError> {
-    engine.submit(requests).map_err(|e| match e {
+    submit_with_images(state, engine, requests, Vec::new())
+}
+
+/// [`submit`] for requests that share the same images (their prompts hold the image tokens).
+pub fn submit_with_images(
+    state: &AppState,
+    engine: &EngineHandle,
+    requests: Vec<Request>,
+    images: Vec<crate::engine::ImageInput>,
+) -> Result<Submission, ApiError> {
+    engine.submit_with_images(requests, images).map_err(|e| match e {
         SubmitError::QueueFull { limit } => {
             state.metrics.rejected_queue_full.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             ApiError::new(

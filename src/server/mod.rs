@@ -11,6 +11,7 @@ mod content;
 pub mod engine_loop;
 pub mod errors;
 pub mod generate;
+pub mod images;
 pub mod metrics;
 pub mod openai;
 pub mod openai_choices;
@@ -43,6 +44,8 @@ pub struct ServeConfig {
     /// After SIGINT/SIGTERM, in-flight requests get this long to finish before they are
     /// cancelled.
     pub shutdown_timeout: Duration,
+    /// Where images may come from, and how large they may be.
+    pub media: images::MediaPolicy,
 }
 
 pub struct AppState {

@@ -12,9 +12,10 @@ use serde_json::{json, Value};
 
 use super::errors::ApiError;
 use super::generate::{
-    check_request, collect, now_unix, parse_json, random_id, seeded, submit, typed, Collected, MaxTokens,
-    SamplingFields,
+    check_request, collect, now_unix, parse_json, random_id, seeded, submit, submit_with_images, typed, Collected,
+    MaxTokens, SamplingFields,
 };
+use super::images::ImageRef;
 use super::openai_choices::{chat_logprob_entry, usage, ChatFormat, CompletionFormat, LegacyLogprobs, OpenAiStream};
 use super::sse::sse_response;
 use super::AppState;
@@ -53,13 +54,15 @@ struct ChatRequest {
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
-/// OpenAI messages -> chat template messages (text only). Roles: system, developer (rendered
-/// as system, which is what chat templates know), user, assistant.
-pub fn parse_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
+/// OpenAI messages -> chat template messages, and the images of their `image_url` parts in
+/// order. Roles: system, developer (rendered as system, which is what chat templates know),
+/// user, assistant.
+pub fn parse_messages(messages: &[Value]) -> Result<(Vec<ChatMessage>, Vec<ImageRef>), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid_param("messages", "`messages` must contain at least one message"));
     }
     let mut out = Vec::with_capacity(messages.len());
+    let mut images = Vec::new();
     for (i, m) in messages.iter().enumerate() {
         let Some(obj) = m.as_object() else {
             return Err(ApiError::invalid_param(
@@ -93,10 +96,18 @@ pub fn parse_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> 
                 ))
             }
         };
-        let content = content_text(obj.get("content"), &format!("messages[{i}].content"), role == "assistant")?;
-        out.push(ChatMessage::text(role, content));
+        let path = format!("messages[{i}].content");
+        match obj.get("content") {
+            Some(Value::Array(items)) if items.iter().any(|p| p.get("type") == Some(&json!("image_url"))) => {
+                let (parts, refs) =
+                    super::content::mixed_items(items, &path, "part", "image_url", super::images::openai_image)?;
+                images.extend(refs);
+                out.push(ChatMessage::parts(role, parts));
+            }
+            content => out.push(ChatMessage::text(role, content_text(content, &path, role == "assistant")?)),
+        }
     }
-    Ok(out)
+    Ok((out, images))
 }
 
 /// A string, or a list of `{"type": "text", "text": ...}` parts (joined with newlines).
@@ -151,7 +162,8 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let req: ChatRequest = typed(&v)?;
     let fields: SamplingFields = typed(&v)?;
     let model = app.check_model(req.model.as_deref())?;
-    let messages = parse_messages(&req.messages)?;
+    let (messages, images) = parse_messages(&req.messages)?;
+    super::images::check_accepted(&engine, &images)?;
     let tok = engine.tokenizer.clone();
     let prompt = encode_chat(
         &tok,
@@ -159,6 +171,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
         req.add_generation_prompt.unwrap_or(true),
         req.chat_template_kwargs.clone().unwrap_or_default(),
     )?;
+    let (prompt, images) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
     let n = fields.n()?;
     let mut params = fields.params()?;
     params.logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
@@ -166,7 +179,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let max_tokens = MaxTokens { requested: fields.max_tokens()?, default: None };
     check_request(&engine, &prompt, &mut params, max_tokens, "messages")?;
     let requests = (0..n).map(|i| Request { prompt_tokens: prompt.clone(), params: seeded(&params, i) }).collect();
-    let sub = submit(&app, &engine, requests)?;
+    let sub = submit_with_images(&app, &engine, requests, images)?;
     let id = random_id("chatcmpl-");
     let created = now_unix();
     if req.stream.unwrap_or(false) {
@@ -398,7 +411,10 @@ pub async fn tokenize(State(app): AppRef, body: Result<Bytes, BytesRejection>) -
                 .encode(p, req.add_special_tokens.unwrap_or(true))
                 .map_err(|e| ApiError::bad_request(e.to_string()))?,
             (None, Some(m)) => {
-                let messages = parse_messages(m)?;
+                let (messages, images) = parse_messages(m)?;
+                if let Some(img) = images.first() {
+                    return Err(ApiError::invalid_param(img.path.clone(), "/tokenize does not take images"));
+                }
                 encode_chat(tok, &messages, req.add_generation_prompt.unwrap_or(true), Default::default())?
             }
             _ => return Err(ApiError::bad_request("give exactly one of `prompt` and `messages`")),
