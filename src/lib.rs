@@ -11,6 +11,7 @@ pub mod fetch;
 pub mod kv;
 pub mod layers;
 pub mod loader;
+pub mod media;
 pub mod models;
 pub mod ops;
 pub mod server;

@@ -5,6 +5,7 @@ mod bench;
 mod chat;
 mod generate;
 mod inspect;
+mod load_bench;
 mod serve;
 mod session;
 
@@ -32,7 +33,8 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Serve the OpenAI and Anthropic HTTP APIs.
     Serve(serve::ServeArgs),
-    /// Measure prefill and decode throughput and time to first token.
+    /// Measure prefill and decode throughput and time to first token (in-process), or load a
+    /// running server with concurrent streams (--url).
     Bench(bench::BenchArgs),
 }
 

@@ -87,6 +87,10 @@ impl DecodeGraphs {
         sample_rows: &[u32],
         argmax_ok: bool,
     ) -> Result<Option<StepOutput>> {
+        // Graphs replay text steps with 1-D positions (the rotary table's); others run op by op.
+        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() {
+            return Ok(None);
+        }
         let meta = &batch.attn;
         let t = meta.num_rows();
         let decode = t > 0
@@ -100,7 +104,6 @@ impl DecodeGraphs {
         if matches!(self.graphs.get(&bucket), Some(None)) {
             return Ok(None);
         }
-        let Positions::Flat(_) = &batch.positions;
         let layout = MetaLayout::new(bucket, bucket, 0);
         if self.buffers.is_none() {
             self.buffers = Some(self.make_buffers(model)?);
@@ -163,7 +166,7 @@ impl DecodeGraphs {
         let mut attn = AttentionMeta::new(meta.block_size, pads.collect());
         attn.device = Some(DeviceAttentionMeta { data: bufs.meta.clone(), layout });
         let positions = attn.seqs.iter().map(|s| s.first_position() as u32).collect();
-        let batch = Batch { token_ids: bufs.tokens.narrow(0, 0, bucket)?, positions: Positions::Flat(positions), attn };
+        let batch = Batch { token_ids: bufs.tokens.narrow(0, 0, bucket)?, positions: Positions::Flat(positions), attn, images: None };
         let pass = || -> Result<()> {
             let logits = model.logits(&model.forward(&batch, kv, None)?)?;
             bufs.ids.slice_set(&Argmax::forward(&logits)?, 0, 0)?;

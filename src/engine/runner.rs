@@ -44,17 +44,13 @@ impl StepRunner {
         &mut self,
         model: &dyn TextModel,
         kv: &KvCache,
-        mut batch: Batch,
+        batch: Batch,
         sample_rows: &[u32],
         argmax_ok: bool,
     ) -> Result<StepOutput> {
         if self.device.is_cpu() {
             let hidden = model.forward(&batch, kv, None)?;
-            if sample_rows.is_empty() {
-                return Ok(StepOutput::Logits(Vec::new()));
-            }
-            let rows = Tensor::new(sample_rows, &self.device)?;
-            return Ok(StepOutput::Logits(model.logits(&hidden.index_select(&rows, 0)?)?.to_vec2()?));
+            return self.logits(model, &hidden, sample_rows);
         }
         #[cfg(feature = "cuda")]
         if let Some(graphs) = &mut self.graphs {
@@ -62,14 +58,29 @@ impl StepRunner {
                 return Ok(out);
             }
         }
-        batch.to_device(&self.device)?;
-        let hidden = model.forward(&batch, kv, None)?;
+        let hidden = self.forward(model, kv, batch)?;
         if sample_rows.is_empty() {
             return Ok(StepOutput::Logits(Vec::new()));
         }
         let all_rows = sample_rows.len() == hidden.dim(0)? && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
         let hidden = if all_rows { hidden } else { hidden.index_select(&Tensor::new(sample_rows, &self.device)?, 0)? };
         self.pick(model, &hidden, argmax_ok)
+    }
+
+    /// The model's plain forward pass over `batch` (built on the host) on the device: hidden
+    /// states of every row.
+    pub fn forward(&self, model: &dyn TextModel, kv: &KvCache, mut batch: Batch) -> Result<Tensor> {
+        batch.to_device(&self.device)?;
+        model.forward(&batch, kv, None)
+    }
+
+    /// The logits of `sample_rows` of `hidden`, copied to the host.
+    pub fn logits(&self, model: &dyn TextModel, hidden: &Tensor, sample_rows: &[u32]) -> Result<StepOutput> {
+        if sample_rows.is_empty() {
+            return Ok(StepOutput::Logits(Vec::new()));
+        }
+        let rows = Tensor::new(sample_rows, hidden.device())?;
+        Ok(StepOutput::Logits(model.logits(&hidden.index_select(&rows, 0)?)?.to_vec2()?))
     }
 
     fn pick(&self, model: &dyn TextModel, hidden: &Tensor, argmax_ok: bool) -> Result<StepOutput> {

@@ -1,29 +1,35 @@
 use std::sync::Arc;
 
-use candle_core::quantized::QTensor;
 use candle_core::{DType, Result, Tensor};
 
 use super::linear::Linear;
+use crate::ops::qmatmul::QMatrix;
 use crate::weights::{StoredTensor, Weights, WeightsError};
 
 /// Token embedding table `[vocab, hidden]`, dense or kept quantized (rows dequantized on lookup).
 pub enum Embedding {
     Dense(Tensor),
-    Quantized(Arc<QTensor>),
+    /// Shared with the output head when the embeddings are tied.
+    Quantized(Arc<QMatrix>),
 }
 
 impl Embedding {
     pub fn load(w: &Weights, name: &str, vocab: usize, hidden: usize) -> std::result::Result<Self, WeightsError> {
         Ok(match w.stored(name, &[vocab, hidden])? {
             StoredTensor::Dense(t) => Embedding::Dense(t.to_dtype(w.dtype())?),
-            StoredTensor::Quantized(q) => Embedding::Quantized(q),
+            StoredTensor::Quantized(q) => Embedding::Quantized(Arc::new(QMatrix::new(q)?)),
         })
     }
 
     pub fn forward(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {
         match self {
             Embedding::Dense(t) => t.index_select(ids, 0),
-            Embedding::Quantized(q) => q.embedding(ids)?.to_dtype(dtype),
+            Embedding::Quantized(q) => {
+                let device = ids.device().clone();
+                let ids = ids.to_vec1::<u32>()?;
+                let rows = q.dequantize_rows(&ids)?;
+                Tensor::from_vec(rows, (ids.len(), q.dims().1), &device)?.to_dtype(dtype)
+            }
         }
     }
 
@@ -47,7 +53,7 @@ impl Embedding {
     pub fn as_linear(&self) -> Result<Linear> {
         match self {
             Embedding::Dense(t) => Ok(Linear::from_dense(t.clone())),
-            Embedding::Quantized(q) => Linear::from_quantized(q.clone()),
+            Embedding::Quantized(q) => Ok(Linear::from_qmatrix(q.clone())),
         }
     }
 }

@@ -11,7 +11,7 @@ enum Matrix {
     /// `[out, in]` in the model dtype.
     Dense(Tensor),
     /// GGUF block-quantized `[out, in]`, dequantized on the fly against f32 activations.
-    Quantized(QMatrix),
+    Quantized(Arc<QMatrix>),
 }
 
 /// `y = x W^T + b` over rows of `x` (`[T, in]`).
@@ -31,7 +31,7 @@ impl Linear {
         let name = format!("{prefix}.weight");
         let m = match w.stored(&name, &[out_dim, in_dim])? {
             StoredTensor::Dense(t) => Matrix::Dense(t.to_dtype(w.dtype())?),
-            StoredTensor::Quantized(q) => Matrix::Quantized(QMatrix::new(q)?),
+            StoredTensor::Quantized(q) => Matrix::Quantized(Arc::new(QMatrix::new(q)?)),
         };
         let bias = if bias { Some(w.dense(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
         Ok(Linear { w: m, bias })
@@ -42,8 +42,9 @@ impl Linear {
         Linear { w: Matrix::Dense(t), bias: None }
     }
 
-    pub fn from_quantized(q: Arc<QTensor>) -> Result<Self> {
-        Ok(Linear { w: Matrix::Quantized(QMatrix::new(q)?), bias: None })
+    /// Shares a quantized embedding table as an output projection (tied weights).
+    pub fn from_qmatrix(q: Arc<QMatrix>) -> Self {
+        Linear { w: Matrix::Quantized(q), bias: None }
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -116,7 +117,7 @@ impl StackedLinear {
                 })
                 .collect();
             match stack_quantized(&qs)? {
-                Some(q) if qs.len() == stored.len() => Some(Matrix::Quantized(QMatrix::new(Arc::new(q))?)),
+                Some(q) if qs.len() == stored.len() => Some(Matrix::Quantized(Arc::new(QMatrix::new(Arc::new(q))?))),
                 _ => None,
             }
         };

@@ -22,33 +22,46 @@ impl GatedMlp {
         inter: usize,
         act: Activation,
     ) -> std::result::Result<Self, WeightsError> {
+        Self::load_with_bias(w, prefix, hidden, inter, act, false)
+    }
+
+    /// With biases on all three projections (Qwen2.5-VL's vision MLP).
+    pub fn load_with_bias(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        act: Activation,
+        bias: bool,
+    ) -> std::result::Result<Self, WeightsError> {
         Ok(GatedMlp {
             gate_up: StackedLinear::load(
                 w,
                 &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
                 hidden,
                 &[inter, inter],
-                false,
+                bias,
             )?,
-            down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, false)?,
-            inter: inter,
+            down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, bias)?,
+            inter,
             act,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // The fused kernel has SiLU and tanh-GELU only.
+        let gelu = match self.act {
+            Activation::Silu => Some(false),
+            Activation::GeluTanh => Some(true),
+            Activation::Gelu | Activation::QuickGelu => None,
+        };
         let fused = x.device().is_cuda() && GatedAct::supports(self.inter);
-        if let Some(gate_up) = self.gate_up.merged().filter(|_| fused) {
+        if let (Some(gate_up), Some(gelu)) = (self.gate_up.merged().filter(|_| fused), gelu) {
             // One pass instead of act, mul and their strided reads.
-            let gelu = self.act == Activation::GeluTanh;
             return self.down.forward(&GatedAct { gelu }.forward(&gate_up.forward(x)?)?);
         }
         let [g, up]: [Tensor; 2] =
             self.gate_up.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("gate/up: 2 parts".into()))?;
-        let g = match self.act {
-            Activation::Silu => candle_nn::ops::silu(&g)?,
-            Activation::GeluTanh => g.gelu()?,
-        };
-        self.down.forward(&(g * up)?)
+        self.down.forward(&(self.act.apply(&g)? * up)?)
     }
 }

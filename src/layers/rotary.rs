@@ -1,8 +1,9 @@
-//! Rotary position embeddings with per-token positions.
+//! Rotary position embeddings with per-token positions: 1-D, and M-RoPE (Qwen2-VL), where
+//! each token has a temporal, height and width position and each frequency follows one of them.
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::batch::AttentionMeta;
+use crate::batch::{AttentionMeta, Positions};
 use crate::models::config::{RopeConfig, RopeLayout, RopeScaling};
 
 /// Most positions a device table holds (a longer context rotates op by op, with uploaded angles).
@@ -13,8 +14,11 @@ pub const MAX_TABLE_POSITIONS: usize = 1 << 20;
 pub struct Rotary {
     inv_freq: Vec<f32>,
     layout: RopeLayout,
-    /// cos/sin of every position up to a limit, `[positions, head_dim / 2]`, kept on a GPU: a
-    /// step looks its rows up there instead of uploading angles (which a CUDA graph cannot replay).
+    /// M-RoPE: the position axis (0 = t, 1 = h, 2 = w) of each frequency.
+    axis_of_freq: Option<Vec<usize>>,
+    /// cos/sin of every 1-D position up to a limit, `[positions, head_dim / 2]`, kept on a GPU:
+    /// a step looks its rows up there instead of uploading angles (which a CUDA graph cannot
+    /// replay).
     table: Option<(Tensor, Tensor)>,
 }
 
@@ -43,7 +47,12 @@ impl Rotary {
                 }
             }
         }
-        Rotary { inv_freq, layout, table: None }
+        // Frequency j follows axis a while j is inside section a (sections laid end to end).
+        let axis_of_freq = cfg
+            .mrope_section
+            .as_ref()
+            .map(|sections| sections.iter().enumerate().flat_map(|(axis, &n)| std::iter::repeat_n(axis, n)).collect());
+        Rotary { inv_freq, layout, axis_of_freq, table: None }
     }
 
     /// On a GPU, precomputes the angles of positions `[0, max_positions)` there (the same f32
@@ -59,42 +68,48 @@ impl Rotary {
         Ok(self)
     }
 
-    /// The angles of a step's rows: looked up on the device when the step's positions are
-    /// there and inside the table, else computed here and uploaded.
-    pub fn angles_for(&self, positions: &[u32], meta: &AttentionMeta, device: &Device, dtype: DType) -> Result<RotaryAngles> {
-        if let (Some((cos, sin)), Some(dm)) = (&self.table, &meta.device) {
-            let limit = cos.dim(0)?;
-            if dm.layout.rows == positions.len() && positions.iter().all(|&p| (p as usize) < limit) {
-                let idx = dm.positions()?;
-                let (t, half) = (positions.len(), self.inv_freq.len());
-                return Ok(RotaryAngles {
-                    cos: cos.index_select(&idx, 0)?.reshape((t, 1, half))?,
-                    sin: sin.index_select(&idx, 0)?.reshape((t, 1, half))?,
-                    layout: self.layout,
-                });
-            }
-        }
-        self.angles(positions, device, dtype)
-    }
-
     /// cos/sin for the given positions, `[T, 1, head_dim / 2]` each.
     pub fn angles(&self, positions: &[u32], device: &Device, dtype: DType) -> Result<RotaryAngles> {
-        let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(positions.len() * half);
-        let mut sin = Vec::with_capacity(positions.len() * half);
+        let mut angles = Vec::with_capacity(positions.len() * self.inv_freq.len());
         for &p in positions {
-            for &f in &self.inv_freq {
-                let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
+            angles.extend(self.inv_freq.iter().map(|&f| p as f32 * f));
+        }
+        RotaryAngles::from_angles(&angles, positions.len(), self.layout, device, dtype)
+    }
+
+    /// cos/sin for a batch's positions. Three-axis positions need M-RoPE sections; with equal
+    /// axes (text tokens) M-RoPE is plain 1-D rotary, so 1-D positions work either way.
+    /// 1-D positions are looked up in the device table when the step's metadata is on the
+    /// device and every position is inside the table; otherwise angles are computed here and
+    /// uploaded.
+    pub fn angles_for(&self, positions: &Positions, meta: &AttentionMeta, device: &Device, dtype: DType) -> Result<RotaryAngles> {
+        match positions {
+            Positions::Flat(p) => {
+                if let (Some((cos, sin)), Some(dm)) = (&self.table, &meta.device) {
+                    let limit = cos.dim(0)?;
+                    if dm.layout.rows == p.len() && p.iter().all(|&p| (p as usize) < limit) {
+                        let idx = dm.positions()?;
+                        let (t, half) = (p.len(), self.inv_freq.len());
+                        return Ok(RotaryAngles {
+                            cos: cos.index_select(&idx, 0)?.reshape((t, 1, half))?,
+                            sin: sin.index_select(&idx, 0)?.reshape((t, 1, half))?,
+                            layout: self.layout,
+                        });
+                    }
+                }
+                self.angles(p, device, dtype)
+            }
+            Positions::MRope(p) => {
+                let Some(axes) = &self.axis_of_freq else {
+                    candle_core::bail!("three-axis positions given to a model without M-RoPE sections")
+                };
+                let mut angles = Vec::with_capacity(p.len() * self.inv_freq.len());
+                for pos in p {
+                    angles.extend(self.inv_freq.iter().zip(axes).map(|(&f, &a)| pos[a] as f32 * f));
+                }
+                RotaryAngles::from_angles(&angles, p.len(), self.layout, device, dtype)
             }
         }
-        let shape = (positions.len(), 1, half);
-        Ok(RotaryAngles {
-            cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
-            sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
-            layout: self.layout,
-        })
     }
 }
 
@@ -106,6 +121,19 @@ pub struct RotaryAngles {
 }
 
 impl RotaryAngles {
+    /// From rotation angles `[rows, half]` (row-major), each the angle of one rotary pair.
+    pub fn from_angles(angles: &[f32], rows: usize, layout: RopeLayout, device: &Device, dtype: DType) -> Result<Self> {
+        let half = angles.len().checked_div(rows).unwrap_or(0);
+        let shape = (rows, 1, half);
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+        Ok(RotaryAngles {
+            cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
+            layout,
+        })
+    }
+
     /// cos and sin, `[T, 1, head_dim / 2]` each, and the pairing of the rotated elements.
     pub fn parts(&self) -> (&Tensor, &Tensor, RopeLayout) {
         (&self.cos, &self.sin, self.layout)

@@ -12,3 +12,4 @@ pub mod paged_attention;
 pub mod qkv_rope;
 pub mod qmatmul;
 pub mod simd;
+pub mod team;

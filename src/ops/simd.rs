@@ -56,6 +56,40 @@ unsafe fn dot_f32_avx512(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// `y += a * x` over equal-length slices.
+#[inline]
+pub fn axpy_f32(y: &mut [f32], a: f32, x: &[f32]) {
+    debug_assert_eq!(y.len(), x.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked above).
+            return unsafe { axpy_f32_avx512(y, a, x) };
+        }
+    }
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn axpy_f32_avx512(y: &mut [f32], a: f32, x: &[f32]) {
+    use std::arch::x86_64::*;
+    let n = y.len().min(x.len());
+    let (py, px) = (y.as_mut_ptr(), x.as_ptr());
+    let av = _mm512_set1_ps(a);
+    let mut i = 0;
+    while i + 16 <= n {
+        _mm512_storeu_ps(py.add(i), _mm512_fmadd_ps(av, _mm512_loadu_ps(px.add(i)), _mm512_loadu_ps(py.add(i))));
+        i += 16;
+    }
+    while i < n {
+        *py.add(i) += a * *px.add(i);
+        i += 1;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -68,6 +102,17 @@ mod tests {
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             assert!((dot_f32(&a, &b) as f64 - want).abs() < 1e-4, "n={n}");
             assert!((dot_f32_portable(&a, &b) as f64 - want).abs() < 1e-4, "n={n}");
+        }
+    }
+
+    #[test]
+    fn axpy_matches_scalar_for_all_tail_lengths() {
+        for n in [0, 1, 15, 16, 17, 33, 64] {
+            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let mut y: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: Vec<f64> = y.iter().zip(&x).map(|(y, x)| *y as f64 + 0.7 * *x as f64).collect();
+            axpy_f32(&mut y, 0.7, &x);
+            assert!(y.iter().zip(&want).all(|(a, b)| (*a as f64 - b).abs() < 1e-6), "n={n}");
         }
     }
 }

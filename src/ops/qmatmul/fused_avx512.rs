@@ -1,20 +1,15 @@
 //! Fused dequantize-and-dot kernels for the 32-element GGUF block formats (Q4_0, Q4_1,
-//! Q5_0, Q8_0) with AVX-512: each weight block is decoded once into two f32 vectors,
-//! exactly as the scalar dequantizer computes it (`q * d`, then `+ m`, two roundings), and
-//! multiplied with up to `M` activation rows. Decode is memory-bound; this reads each weight
-//! byte once per step for all of a small batch's rows.
+//! Q5_0, Q8_0) with AVX-512, on rows packed by `packed.rs`: each weight block is decoded
+//! once into two f32 vectors, exactly as the scalar dequantizer computes it (`q * d`, then
+//! `+ m`, two roundings), and multiplied with up to `M` activation rows, so each weight byte
+//! is read once per step for all of a small batch's rows. The decoding costs about as much as
+//! streaming the bytes from memory does (~4 cycles per block from L2), hence the table
+//! lookups below.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// The block formats with a fused kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BlockFormat {
-    Q4_0,
-    Q4_1,
-    Q5_0,
-    Q8_0,
-}
+pub use super::packed::BlockFormat;
 
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -27,46 +22,78 @@ pub fn available() -> bool {
     }
 }
 
-/// Bytes ahead of the current block to prefetch (rows are contiguous, so this runs into the
-/// next rows of the same task).
+/// Bytes ahead of the current codes to prefetch (rows are contiguous, so this runs into the
+/// next rows of the same task). Weights that come from DRAM need it far ahead: on a
+/// 70 MB matrix, 2 KiB ahead decoded ~20% faster than 512 B (4 KiB and 8 KiB: no better).
 #[cfg(target_arch = "x86_64")]
-const PREFETCH_AHEAD: usize = 768;
+const PREFETCH_AHEAD: usize = 2048;
 
+/// `[0, 1, .., 15]`: the 4-bit codes as floats, to build a block's 16-entry value table.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn f16_at(p: *const u8) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([*p, *p.add(1)])).to_f32()
+unsafe fn codes16() -> __m512 {
+    _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.)
 }
 
-/// One block format's decoder: the 32 weights of the block at `p` as two vectors
-/// (elements 0..16 and 16..32). A type per format, so each kernel is compiled for one
-/// format with no per-block dispatch.
+/// A packed row (see `packed.rs`): `nb` blocks, `F::WORDS` arrays of per-block 32-bit words,
+/// then the codes.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Row {
+    p: *const u8,
+    nb: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Row {
+    /// Word array `i`, block `b`, in every lane.
+    #[inline(always)]
+    unsafe fn splat(self, i: usize, b: usize) -> __m512 {
+        _mm512_set1_ps((self.p.add(4 * (i * self.nb + b)) as *const f32).read_unaligned())
+    }
+
+    #[inline(always)]
+    unsafe fn word(self, i: usize, b: usize) -> u32 {
+        (self.p.add(4 * (i * self.nb + b)) as *const u32).read_unaligned()
+    }
+
+    #[inline(always)]
+    unsafe fn codes<F: Decode>(self, b: usize) -> *const u8 {
+        self.p.add(4 * F::FORMAT.words() * self.nb + b * F::FORMAT.code_bytes())
+    }
+}
+
+/// One block format's decoder: the 32 weights of block `b` as two vectors (elements 0..16
+/// and 16..32). A type per format, so each kernel is compiled for one format with no
+/// per-block dispatch.
+///
+/// The 4- and 5-bit formats have only 16 or 32 distinct values per block: the decoders build
+/// that table (each entry computed exactly as the scalar dequantizer computes it: `q * d`,
+/// then `+ m`) and look the codes up with a permute, instead of converting 32 integers.
 #[cfg(target_arch = "x86_64")]
 trait Decode {
-    const BYTES: usize;
-    unsafe fn decode(p: *const u8) -> (__m512, __m512);
+    const FORMAT: BlockFormat;
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512);
 }
 
+/// The 16 code bytes at `p` widened to 32-bit lanes: lane j holds byte j, whose low nibble
+/// is element j and high nibble element j + 16. Permutes read only the low bits of an index.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn nibbles(qs: __m128i) -> (__m512i, __m512i) {
-    let mask = _mm_set1_epi8(0x0F);
-    (_mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)), _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)))
+unsafe fn code_bytes(p: *const u8) -> __m512i {
+    _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
 }
 
 #[cfg(target_arch = "x86_64")]
 struct Q4_0;
 #[cfg(target_arch = "x86_64")]
 impl Decode for Q4_0 {
-    const BYTES: usize = 18;
+    const FORMAT: BlockFormat = BlockFormat::Q4_0;
     #[inline(always)]
-    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(f16_at(p));
-        let (lo, hi) = nibbles(_mm_loadu_si128(p.add(2) as *const __m128i));
-        let eight = _mm512_set1_epi32(8);
-        let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight));
-        let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight));
-        (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let table = _mm512_mul_ps(_mm512_sub_ps(codes16(), _mm512_set1_ps(8.0)), row.splat(0, b));
+        let e = code_bytes(row.codes::<Self>(b));
+        (_mm512_permutexvar_ps(e, table), _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), table))
     }
 }
 
@@ -74,14 +101,12 @@ impl Decode for Q4_0 {
 struct Q4_1;
 #[cfg(target_arch = "x86_64")]
 impl Decode for Q4_1 {
-    const BYTES: usize = 20;
+    const FORMAT: BlockFormat = BlockFormat::Q4_1;
     #[inline(always)]
-    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(f16_at(p));
-        let m = _mm512_set1_ps(f16_at(p.add(2)));
-        let (lo, hi) = nibbles(_mm_loadu_si128(p.add(4) as *const __m128i));
-        let (q0, q1) = (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi));
-        (_mm512_add_ps(_mm512_mul_ps(q0, d), m), _mm512_add_ps(_mm512_mul_ps(q1, d), m))
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let table = _mm512_add_ps(_mm512_mul_ps(codes16(), row.splat(0, b)), row.splat(1, b));
+        let e = code_bytes(row.codes::<Self>(b));
+        (_mm512_permutexvar_ps(e, table), _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), table))
     }
 }
 
@@ -89,19 +114,22 @@ impl Decode for Q4_1 {
 struct Q5_0;
 #[cfg(target_arch = "x86_64")]
 impl Decode for Q5_0 {
-    const BYTES: usize = 22;
+    const FORMAT: BlockFormat = BlockFormat::Q5_0;
     #[inline(always)]
-    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(f16_at(p));
-        let qh = u32::from_le_bytes([*p.add(2), *p.add(3), *p.add(4), *p.add(5)]);
-        let (lo, hi) = nibbles(_mm_loadu_si128(p.add(6) as *const __m128i));
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let d = row.splat(0, b);
+        // Codes 0..16 are the values -16..0, codes 16..32 the values 0..16.
+        let low = _mm512_mul_ps(_mm512_sub_ps(codes16(), _mm512_set1_ps(16.0)), d);
+        let high = _mm512_mul_ps(codes16(), d);
+        let qh = row.word(1, b);
+        let e = code_bytes(row.codes::<Self>(b));
         let sixteen = _mm512_set1_epi32(16);
         // Bit j of qh is the fifth bit of element j (and bit 16 + j of element 16 + j).
+        let lo = _mm512_and_si512(e, _mm512_set1_epi32(15));
         let i0 = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
+        let hi = _mm512_srli_epi32(e, 4);
         let i1 = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
-        let q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i0, sixteen));
-        let q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(i1, sixteen));
-        (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+        (_mm512_permutex2var_ps(low, i0, high), _mm512_permutex2var_ps(low, i1, high))
     }
 }
 
@@ -109,12 +137,13 @@ impl Decode for Q5_0 {
 struct Q8_0;
 #[cfg(target_arch = "x86_64")]
 impl Decode for Q8_0 {
-    const BYTES: usize = 34;
+    const FORMAT: BlockFormat = BlockFormat::Q8_0;
     #[inline(always)]
-    unsafe fn decode(p: *const u8) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(f16_at(p));
-        let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i)));
-        let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i)));
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let d = row.splat(0, b);
+        let c = row.codes::<Self>(b);
+        let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c as *const __m128i)));
+        let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c.add(16) as *const __m128i)));
         (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
     }
 }
@@ -124,15 +153,15 @@ impl Decode for Q8_0 {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn dot_rows_of<F: Decode, const M: usize>(row: &[u8], x: &[f32], k: usize, out: &mut [f32]) {
-    debug_assert!(x.len() >= M * k && row.len() >= k / 32 * F::BYTES && out.len() >= M);
+    debug_assert!(x.len() >= M * k && row.len() >= k / 32 * F::FORMAT.packed_bytes() && out.len() >= M);
     let mut acc0 = [_mm512_setzero_ps(); M];
     let mut acc1 = [_mm512_setzero_ps(); M];
     let xp = x.as_ptr();
-    let rp = row.as_ptr();
+    let rp = Row { p: row.as_ptr(), nb: k / 32 };
     for b in 0..k / 32 {
         // Weights stream from L3 or memory once per step: ask for them well ahead.
-        _mm_prefetch(rp.add(b * F::BYTES + PREFETCH_AHEAD) as *const i8, _MM_HINT_T0);
-        let (w0, w1) = F::decode(rp.add(b * F::BYTES));
+        _mm_prefetch(rp.codes::<F>(b).add(PREFETCH_AHEAD) as *const i8, _MM_HINT_T0);
+        let (w0, w1) = F::decode(rp, b);
         for i in 0..M {
             let xi = xp.add(i * k + b * 32);
             acc0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc0[i]);
@@ -147,7 +176,7 @@ unsafe fn dot_rows_of<F: Decode, const M: usize>(row: &[u8], x: &[f32], k: usize
 /// `out[i] = dot(dequant(row), x[i * k..(i + 1) * k])` for `i < M`.
 ///
 /// # Safety
-/// The CPU must have AVX-512F/BW; `row` must hold `k / 32` blocks of `fmt`, `x` `M * k` values.
+/// The CPU must have AVX-512F/BW; `row` must be one packed row of `k / 32` blocks of `fmt`, `x` `M * k` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], k: usize, out: &mut [f32]) {
@@ -162,9 +191,9 @@ pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], 
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn dequant_row_of<F: Decode>(row: &[u8], out: &mut [f32]) {
-    let (rp, op) = (row.as_ptr(), out.as_mut_ptr());
+    let (rp, op) = (Row { p: row.as_ptr(), nb: out.len() / 32 }, out.as_mut_ptr());
     for b in 0..out.len() / 32 {
-        let (w0, w1) = F::decode(rp.add(b * F::BYTES));
+        let (w0, w1) = F::decode(rp, b);
         _mm512_storeu_ps(op.add(b * 32), w0);
         _mm512_storeu_ps(op.add(b * 32 + 16), w1);
     }

@@ -12,14 +12,15 @@ use candle_core::quantized::k_quants::{
 };
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 use super::kv_elem::f32_slice;
 use super::simd::dot_f32;
+use super::team::{team, OutPtr};
 
 mod fused_avx512;
+mod packed;
 
-use fused_avx512::BlockFormat;
+use packed::{BlockFormat, PackedRows};
 
 /// Batches up to this many rows use the fused kernels; larger ones dequantize tiles of the
 /// matrix and run a GEMM on them (the dequantization is then amortised over many rows).
@@ -30,12 +31,16 @@ const TILE_BYTES: usize = 1 << 20;
 
 /// A quantized `[rows, cols]` weight matrix (rows = output features).
 pub struct QMatrix {
-    q: Arc<QTensor>,
+    storage: Storage,
     rows: usize,
     cols: usize,
-    row_bytes: usize,
-    dequant_row: fn(&[u8], &mut [f32]),
-    fused: Option<BlockFormat>,
+}
+
+enum Storage {
+    /// Formats with fused kernels, on a CPU that runs them: repacked at load.
+    Packed(PackedRows),
+    /// Anything else, in the file's layout, dequantized row by row with candle's code.
+    Ggml { q: Arc<QTensor>, row_bytes: usize, dequant_row: fn(&[u8], &mut [f32]) },
 }
 
 fn dequant_as<T: GgmlType>(bytes: &[u8], out: &mut [f32]) {
@@ -44,21 +49,6 @@ fn dequant_as<T: GgmlType>(bytes: &[u8], out: &mut [f32]) {
     // so it is aligned for and fully initialised as `T`.
     let blocks = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, n) };
     T::to_float(blocks, out);
-}
-
-/// A pointer that rayon tasks share to write disjoint parts of one output buffer.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of elements, and the buffer outlives the tasks.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    // A method, so closures capture the whole (Send) wrapper rather than its raw field.
-    fn at(self, i: usize) -> *mut f32 {
-        // SAFETY: callers stay within the buffer.
-        unsafe { self.0.add(i) }
-    }
 }
 
 impl QMatrix {
@@ -89,7 +79,36 @@ impl QMatrix {
             _ => None,
         }
         .filter(|_| fused_avx512::available());
-        Ok(QMatrix { row_bytes: cols / dt.block_size() * dt.type_size(), q, rows, cols, dequant_row, fused })
+        let storage = match fused {
+            Some(format) => Storage::Packed(PackedRows::from_ggml(format, &q.data()?, rows, cols)),
+            None => Storage::Ggml { row_bytes: cols / dt.block_size() * dt.type_size(), q, dequant_row },
+        };
+        Ok(QMatrix { storage, rows, cols })
+    }
+
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Rows `ids` dequantized, `[ids.len(), cols]` f32 (embedding lookups).
+    pub fn dequantize_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let data = self.bytes()?;
+        let mut out = vec![0f32; ids.len() * self.cols];
+        for (&id, o) in ids.iter().zip(out.chunks_exact_mut(self.cols.max(1))) {
+            if id as usize >= self.rows {
+                candle_core::bail!("row {id} is outside the {}-row matrix", self.rows);
+            }
+            self.dequant(&data, id as usize, o);
+        }
+        Ok(out)
+    }
+
+    /// The packed rows, or the file's bytes.
+    fn bytes(&self) -> Result<std::borrow::Cow<'_, [u8]>> {
+        match &self.storage {
+            Storage::Packed(p) => Ok(std::borrow::Cow::Borrowed(p.data())),
+            Storage::Ggml { q, .. } => q.data(),
+        }
     }
 
     /// `x` `[m, cols]` -> `[m, rows]` (f32).
@@ -98,42 +117,60 @@ impl QMatrix {
         x.apply_op1_no_bwd(self)
     }
 
+    fn row_bytes(&self) -> usize {
+        match &self.storage {
+            Storage::Packed(p) => p.row_bytes,
+            Storage::Ggml { row_bytes, .. } => *row_bytes,
+        }
+    }
+
     fn dequant(&self, data: &[u8], r: usize, out: &mut [f32]) {
-        let bytes = &data[r * self.row_bytes..(r + 1) * self.row_bytes];
-        match self.fused {
-            // SAFETY: `fused` is only set when the CPU has AVX-512; `bytes` is one whole row.
+        let rb = self.row_bytes();
+        let bytes = &data[r * rb..(r + 1) * rb];
+        match &self.storage {
+            // SAFETY: packed storage exists only where the CPU has AVX-512; `bytes` is one row.
             #[cfg(target_arch = "x86_64")]
-            Some(fmt) => unsafe { fused_avx512::dequant_row(fmt, bytes, out) },
-            _ => (self.dequant_row)(bytes, out),
+            Storage::Packed(p) => unsafe { fused_avx512::dequant_row(p.format, bytes, out) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Storage::Packed(_) => unreachable!("packed storage needs AVX-512"),
+            Storage::Ggml { dequant_row, .. } => dequant_row(bytes, out),
+        }
+    }
+
+    fn fused(&self) -> Option<BlockFormat> {
+        match &self.storage {
+            Storage::Packed(p) => Some(p.format),
+            Storage::Ggml { .. } => None,
         }
     }
 
     fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
-        let data = self.q.data()?;
+        let data = self.bytes()?;
         let (n, k) = (self.rows, self.cols);
+        let (row_bytes, fused) = (self.row_bytes(), self.fused());
         let mut out = vec![0f32; m * n];
         let dst = OutPtr(out.as_mut_ptr());
         if m > FUSED_MAX_ROWS {
             self.matmul_tiled(&data, x, m, dst);
         } else {
-            let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(1, 64);
-            (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|c| {
+            let rows_per_task = (n / (team().threads() * 8)).clamp(1, 64);
+            team().for_each(n.div_ceil(rows_per_task), |c| {
                 let (r0, r1) = (c * rows_per_task, ((c + 1) * rows_per_task).min(n));
-                let mut w = vec![0f32; if self.fused.is_some() { 0 } else { k }];
+                let mut w = vec![0f32; if fused.is_some() { 0 } else { k }];
                 let mut res = [0f32; 8];
                 for r in r0..r1 {
-                    let row = &data[r * self.row_bytes..(r + 1) * self.row_bytes];
+                    let row = &data[r * row_bytes..(r + 1) * row_bytes];
                     let mut i0 = 0;
                     while i0 < m {
                         let g = (m - i0).min(8);
                         let xs = &x[i0 * k..(i0 + g) * k];
-                        match self.fused {
+                        match fused {
                             // SAFETY: AVX-512 is present when `fused` is set; sizes as documented.
                             #[cfg(target_arch = "x86_64")]
                             Some(fmt) => unsafe { fused_rows(fmt, g, row, xs, k, &mut res) },
                             _ => {
                                 if i0 == 0 {
-                                    (self.dequant_row)(row, &mut w);
+                                    self.dequant(&data, r, &mut w);
                                 }
                                 for (i, o) in res.iter_mut().enumerate().take(g) {
                                     *o = dot_f32(&w, &xs[i * k..(i + 1) * k]);
@@ -158,9 +195,9 @@ impl QMatrix {
         let (n, k) = (self.rows, self.cols);
         // Wide tiles, but at least two per thread so that both cores stay busy.
         let by_cache = (TILE_BYTES / (4 * k)).max(16);
-        let by_balance = n.div_ceil(rayon::current_num_threads() * 2).max(16);
+        let by_balance = n.div_ceil(team().threads() * 2).max(16);
         let tile_rows = by_cache.min(by_balance).next_multiple_of(16);
-        (0..n.div_ceil(tile_rows)).into_par_iter().for_each(|t| {
+        team().for_each(n.div_ceil(tile_rows), |t| {
             let (r0, r1) = (t * tile_rows, ((t + 1) * tile_rows).min(n));
             let mut tile = vec![0f32; (r1 - r0) * k];
             for r in r0..r1 {
@@ -259,10 +296,37 @@ mod tests {
         }
     }
 
+    /// The fused decoders compute each weight exactly as candle's scalar dequantizer does.
+    #[test]
+    fn fused_decoders_equal_the_scalar_dequantizer_bit_for_bit() {
+        if !fused_avx512::available() {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let dev = Device::Cpu;
+        // 8 and 25 blocks per row: a partial group of 16 scales, and a full one plus a partial.
+        for (dt, cols) in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0]
+            .into_iter()
+            .flat_map(|dt| [(dt, 256), (dt, 800)])
+        {
+            let w = Tensor::randn(0f32, 1.0, (8, cols), &dev).unwrap();
+            let q = Arc::new(QTensor::quantize(&w, dt).unwrap());
+            let want: Vec<Vec<f32>> = q.dequantize(&dev).unwrap().to_vec2().unwrap();
+            let qm = QMatrix::new(q).unwrap();
+            let data = qm.bytes().unwrap();
+            for (r, want) in want.iter().enumerate() {
+                let mut got = vec![0f32; cols];
+                qm.dequant(&data, r, &mut got);
+                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dt:?} row {r}");
+            }
+        }
+    }
+
     #[test]
     fn every_path_matches_dequantize_then_matmul() {
         for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
             check(dt, 70, 512);
+            check(dt, 9, if dt.block_size() == 32 { 800 } else { 768 });
         }
     }
 }
