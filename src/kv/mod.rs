@@ -4,6 +4,7 @@
 pub mod block_allocator;
 pub mod block_table;
 pub mod cache;
+pub mod turboquant;
 
 pub use block_allocator::{BlockAllocator, BlockId};
 pub use block_table::BlockTable;
