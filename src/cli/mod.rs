@@ -3,6 +3,7 @@
 mod args;
 mod bench;
 mod chat;
+mod eval_kv;
 mod generate;
 mod inspect;
 mod serve;
@@ -34,6 +35,8 @@ pub enum Command {
     Serve(serve::ServeArgs),
     /// Measure prefill and decode throughput and time to first token.
     Bench(bench::BenchArgs),
+    /// Score a text with quantized KV caches against a bf16 one: perplexity, top-1 agreement.
+    EvalKv(eval_kv::EvalKvArgs),
 }
 
 pub fn init_logging(verbose: u8) {
@@ -55,5 +58,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::EvalKv(a) => eval_kv::run(a),
     }
 }

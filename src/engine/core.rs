@@ -202,7 +202,13 @@ impl Engine {
                 sample_rows.push((id, q_start + n - 1));
             }
         }
-        let batch = Batch::from_tokens(&self.device, self.scheduler.config().block_size, slices, &tokens)?;
+        let mut batch = Batch::from_tokens(&self.device, self.scheduler.config().block_size, slices, &tokens)?;
+        batch.attn.window_rings = plan
+            .items
+            .iter()
+            .map(|&(id, _)| self.scheduler.get(id).and_then(|s| s.window_ring))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no window ring".into()))?;
         Ok((batch, sample_rows))
     }
 
