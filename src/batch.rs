@@ -35,6 +35,8 @@ pub struct AttentionMeta {
     pub slot_mapping: Vec<u32>,
     /// Index into `seqs` for each row.
     pub row_seq: Vec<u32>,
+    /// Per sequence, its float-window ring in a TurboQuant cache (empty when there is none).
+    pub window_rings: Vec<u32>,
 }
 
 impl AttentionMeta {
@@ -49,7 +51,7 @@ impl AttentionMeta {
                 row_seq.push(i as u32);
             }
         }
-        AttentionMeta { block_size, seqs, slot_mapping, row_seq }
+        AttentionMeta { block_size, seqs, slot_mapping, row_seq, window_rings: Vec::new() }
     }
 
     pub fn num_rows(&self) -> usize {

@@ -315,7 +315,13 @@ impl Engine {
         } else {
             Some(ImageRows::new(&image_rows, Tensor::cat(&image_embeds, 0)?, tokens.len())?)
         };
-        let batch = Batch::new(&self.device, self.scheduler.config().block_size, slices, &tokens, positions, images)?;
+        let mut batch = Batch::new(&self.device, self.scheduler.config().block_size, slices, &tokens, positions, images)?;
+        batch.attn.window_rings = plan
+            .items
+            .iter()
+            .map(|&(id, _)| self.scheduler.get(id).and_then(|s| s.window_ring))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no window ring".into()))?;
         Ok((batch, sample_rows))
     }
 

@@ -11,6 +11,7 @@ use crate::kv::LayerCache;
 use crate::models::config::TextConfig;
 use crate::ops::kv_write::KvWrite;
 use crate::ops::paged_attention::PagedAttention;
+use crate::ops::tq_attention;
 use crate::weights::{Weights, WeightsError};
 
 pub struct SelfAttention {
@@ -78,26 +79,31 @@ impl SelfAttention {
         let q = rot.apply(&q)?;
         let k = rot.apply(&k)?;
         let dtype = x.dtype();
-        // Our ops take f32 inputs; the cache stores its own dtype.
+        // Our ops take f32 inputs; the cache stores its own type.
         let as_f32 = |t: Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
+        let (k, v) = (as_f32(k)?, as_f32(v)?);
         let out = match cache {
             LayerCache::Dense { k: kc, v: vc } => {
                 let write = KvWrite { slot_mapping: &meta.slot_mapping };
-                kc.inplace_op2(&as_f32(k)?, &write)?;
-                vc.inplace_op2(&as_f32(v)?, &write)?;
-                let op = PagedAttention {
-                    meta,
-                    num_heads: self.num_heads,
-                    num_kv_heads: self.num_kv_heads,
-                    head_dim: self.head_dim,
-                    scale: self.scale,
-                    window: self.window,
-                    softcap: self.softcap,
-                };
-                op.forward(&as_f32(q)?, kc, vc)?
+                kc.inplace_op2(&k, &write)?;
+                vc.inplace_op2(&v, &write)?;
+                self.paged(meta).forward(&as_f32(q)?, kc, vc)?
             }
+            LayerCache::TurboQuant(c) => tq_attention::write_and_attend(self.paged(meta), c, &as_f32(q)?, &k, &v)?,
         };
         let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
         self.o_proj.forward(&out)
+    }
+
+    fn paged<'m>(&self, meta: &'m AttentionMeta) -> PagedAttention<'m> {
+        PagedAttention {
+            meta,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            scale: self.scale,
+            window: self.window,
+            softcap: self.softcap,
+        }
     }
 }

@@ -5,8 +5,11 @@ use candle_core::{CpuStorage, InplaceOp2, Layout, Result};
 
 use super::kv_elem::{f32_slice, KvElem};
 
-/// `cache[slot_mapping[t]] = new[t]` for every row t. The cache is `[slots, kv_heads, head_dim]`,
-/// `new` is `[T, kv_heads, head_dim]` f32.
+/// A slot that means "do not store this row".
+pub const SKIP_SLOT: u32 = u32::MAX;
+
+/// `cache[slot_mapping[t]] = new[t]` for every row t whose slot is not `SKIP_SLOT`. The cache
+/// is `[slots, kv_heads, head_dim]`, `new` is `[T, kv_heads, head_dim]` f32.
 pub struct KvWrite<'a> {
     pub slot_mapping: &'a [u32],
 }
@@ -28,6 +31,9 @@ impl InplaceOp2 for KvWrite<'_> {
         }
         fn write<T: KvElem>(cache: &mut [T], new: &[f32], slots: &[u32], n_slots: usize, row: usize) -> Result<()> {
             for (t, &slot) in slots.iter().enumerate() {
+                if slot == SKIP_SLOT {
+                    continue;
+                }
                 let slot = slot as usize;
                 if slot >= n_slots {
                     candle_core::bail!("kv-write: slot {slot} out of range ({n_slots} slots)");

@@ -7,3 +7,5 @@ pub mod paged_attention;
 pub mod qmatmul;
 pub mod simd;
 pub mod team;
+pub mod tq_attention;
+pub mod tq_write;
