@@ -35,12 +35,15 @@ pub struct AttentionMeta {
     pub slot_mapping: Vec<u32>,
     /// Index into `seqs` for each row.
     pub row_seq: Vec<u32>,
+    /// Per sequence, its float-window ring in a TurboQuant cache (empty when there is none).
+    pub window_rings: Vec<u32>,
     /// The same metadata in device memory, for kernels that run there (`upload`); None on CPU.
     pub device: Option<DeviceAttentionMeta>,
 }
 
-/// Slot of a padding row (CUDA graphs run fixed batch sizes): its key and value are not stored.
-pub const PAD_SLOT: u32 = u32::MAX;
+/// A slot that means "do not store this row": padding rows (CUDA graphs run fixed batch sizes),
+/// rows that leave a float window.
+pub const NO_SLOT: u32 = u32::MAX;
 
 /// Sequences computing at least this many rows in a step are prompt chunks: on a GPU their
 /// attention runs in tiles of rows (`MetaLayout::tiles`) with tensor cores.
@@ -104,7 +107,14 @@ impl AttentionMeta {
                 row_seq.push(i as u32);
             }
         }
-        AttentionMeta { block_size, seqs, slot_mapping, row_seq, device: None }
+        AttentionMeta {
+            block_size,
+            seqs,
+            slot_mapping,
+            row_seq,
+            window_rings: Vec::new(),
+            device: None,
+        }
     }
 
     /// Copies the metadata to `device` for the kernels there; nothing to do on the CPU.
@@ -119,7 +129,7 @@ impl AttentionMeta {
     }
 
     /// The metadata laid out as `layout`, which may have more rows and sequences than this
-    /// step: those are padding (slot PAD_SLOT, position 0, each its own sequence with a context
+    /// step: those are padding (slot NO_SLOT, position 0, each its own sequence with a context
     /// of one token in block 0, whose table entry follows the real tables).
     pub fn packed(&self, layout: &MetaLayout) -> Vec<u32> {
         let t = self.num_rows();
@@ -127,7 +137,7 @@ impl AttentionMeta {
         let tables: usize = self.seqs.iter().map(|s| s.block_table.len()).sum();
         let mut data = Vec::with_capacity(layout.block_tables + tables + 1);
         data.extend_from_slice(&self.slot_mapping);
-        data.resize(layout.row_seq, PAD_SLOT);
+        data.resize(layout.row_seq, NO_SLOT);
         data.extend_from_slice(&self.row_seq);
         data.extend((0..layout.rows - t).map(|p| (self.seqs.len() + p) as u32));
         for s in &self.seqs {

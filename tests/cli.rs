@@ -497,6 +497,12 @@ fn bad_flags() {
     let m = m.to_str().unwrap();
     expect_error(&generate_args(m, &["--dtype", "f8"]), &["--dtype", "f8"]);
     expect_error(&generate_args(m, &["--kv-cache-dtype", "int4"]), &["--kv-cache-dtype", "int4"]);
+    expect_error(&generate_args(m, &["--kv-cache-dtype", "tq-k1v4"]), &["--kv-cache-dtype", "tq-k1v4", "2..=4"]);
+    expect_error(&generate_args(m, &["--kv-float-window", "8"]), &["--kv-float-window", "tq-kXvY"]);
+    expect_error(&generate_args(m, &["--kv-skip-layers", "0"]), &["--kv-skip-layers"]);
+    let tq = ["--kv-cache-dtype", "tq-k3v4"];
+    expect_error(&generate_args(m, &[&tq[..], &["--kv-skip-layers", "5"]].concat()), &["layer 5", "2 layers"]);
+    expect_error(&generate_args(m, &[&tq[..], &["--kv-skip-layers", "x"]].concat()), &["--kv-skip-layers", "x"]);
     let line = expect_error(&generate_args(m, &["--kv-cache-memory", "lots"]), &["--kv-cache-memory", "lots"]);
     assert!(line.contains("not a size"), "{line}");
     expect_error(&generate_args(m, &["--kv-cache-memory", "0"]), &["--kv-cache-memory"]);
@@ -660,6 +666,41 @@ fn inspect_reports_architecture_parameters_and_kv() {
         let count: u64 = p.split_whitespace().nth(1).unwrap().parse().unwrap();
         assert_eq!(count, expected, "{name}:\n{out}");
     }
+}
+
+/// A TurboQuant cache with a float window and a float layer generates, and `eval-kv`
+/// prints its table.
+#[test]
+fn turboquant_cache_generates_and_evaluates() {
+    let m = fixture("tiny-llama");
+    let m = m.to_str().unwrap();
+    let args = ["--kv-cache-dtype", "tq-k3v4", "--kv-float-window", "4", "--kv-skip-layers", "-1"];
+    let out = iris(&generate_args(m, &args));
+    assert_no_panic(&out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let text_file = std::env::temp_dir().join(format!("iris-eval-kv-{}.txt", std::process::id()));
+    std::fs::write(&text_file, "The quick brown fox jumps over the lazy dog. ".repeat(8)).unwrap();
+    let table = stdout_of(&[
+        "eval-kv",
+        "--model",
+        m,
+        "--text",
+        text_file.to_str().unwrap(),
+        "--chunk",
+        "7",
+        "--variant",
+        "tq-k4v4",
+        "--variant",
+        "tq-k2v3/w8/s0",
+    ]);
+    let rows: Vec<&str> = table.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| KV")).collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    assert!(rows[0].starts_with("| bf16 | 256 | 1.00x |"), "{table}");
+    assert!(rows[1].starts_with("| tq-k4v4 | 96 | 2.67x |"), "{table}");
+    expect_error(&["eval-kv", "--model", m, "--text", "/nonexistent"], &["--text", "/nonexistent"]);
+    let bad = ["eval-kv", "--model", m, "--text", text_file.to_str().unwrap(), "--variant", "bf16/w4"];
+    expect_error(&bad, &["bf16/w4"]);
+    std::fs::remove_file(&text_file).ok();
 }
 
 #[test]

@@ -66,10 +66,10 @@ fn kv_write_matches_cpu() {
         // Poisoned (non-zero) caches: every written slot must be overwritten, the rest kept.
         let init = random(&mut rng, &[slots, hkv, d]).to_dtype(cache_dt).unwrap();
         let cpu = init.copy().unwrap();
-        cpu.inplace_op2(&new.to_dtype(DType::F32).unwrap(), &KvWrite { meta: &m }).unwrap();
+        cpu.inplace_op2(&new.to_dtype(DType::F32).unwrap(), &KvWrite::step(&m)).unwrap();
         m.upload(&dev).unwrap();
         let gpu = init.to_device(&dev).unwrap();
-        gpu.inplace_op2(&new.to_device(&dev).unwrap(), &KvWrite { meta: &m }).unwrap();
+        gpu.inplace_op2(&new.to_device(&dev).unwrap(), &KvWrite::step(&m)).unwrap();
         let e = max_rel_err(&gpu, &cpu);
         assert_eq!(e, 0.0, "kv-write cache {cache_dt:?} new {new_dt:?}: rel err {e}");
     }

@@ -8,7 +8,8 @@ use clap::Args;
 
 use crate::engine::build::EngineOptions;
 use crate::engine::SamplingParams;
-use crate::kv::KvDtype;
+use crate::kv::format::parse_layer_list;
+use crate::kv::KvCacheDtype;
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArg {
@@ -41,9 +42,21 @@ pub struct EngineArgs {
     /// --features cuda and one is present, else cpu).
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// KV cache element type: auto (the compute dtype), f32, bf16 or f16.
+    /// KV cache storage: auto (the compute dtype), f32, bf16 or f16; or TurboQuant codes,
+    /// tq-kXvY, with X bits per coordinate for keys and Y for values (2, 3 or 4 each, e.g.
+    /// tq-k3v4: about a quarter of bf16's memory). A TurboQuant cache keeps its unquantized
+    /// parts (--kv-float-window, --kv-skip-layers) in the compute dtype.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
+    /// With a TurboQuant cache: every query reads the N most recent tokens (itself included)
+    /// unquantized. Costs N tokens of float keys and values per sequence slot
+    /// (--max-num-seqs), reserved at start from --kv-cache-memory.
+    #[arg(long, default_value_t = 0)]
+    pub kv_float_window: usize,
+    /// With a TurboQuant cache: layers that keep a float cache, as indices (negative ones
+    /// count from the end), e.g. 0,-1 for the first and the last.
+    #[arg(long, allow_hyphen_values = true)]
+    pub kv_skip_layers: Option<String>,
     /// Memory for the KV cache, e.g. 2GiB, 512MiB, 1e9. Default: a quarter of RAM (on a GPU: its
     /// free memory less a tenth of its total), capped at
     /// what max-num-seqs sequences of max-model-len tokens can use.
@@ -70,12 +83,16 @@ impl EngineArgs {
 
     pub fn options(&self) -> anyhow::Result<EngineOptions> {
         let dtype = parse_dtype(&self.dtype).with_context(|| format!("--dtype {}", self.dtype))?;
-        let kv_dtype = match self.kv_cache_dtype.as_str() {
-            "auto" => None,
-            s => Some(
-                KvDtype::from_dtype(parse_dtype(s).with_context(|| format!("--kv-cache-dtype {s}"))?)
-                    .context("--kv-cache-dtype")?,
-            ),
+        let kv_cache: KvCacheDtype =
+            self.kv_cache_dtype.parse().with_context(|| format!("--kv-cache-dtype {}", self.kv_cache_dtype))?;
+        let (kv_dtype, kv_quant) = match kv_cache {
+            KvCacheDtype::Auto => (None, None),
+            KvCacheDtype::Float(d) => (Some(d), None),
+            KvCacheDtype::TurboQuant(bits) => (None, Some(bits)),
+        };
+        let kv_skip_layers = match &self.kv_skip_layers {
+            Some(s) => parse_layer_list(s).with_context(|| format!("--kv-skip-layers {s}"))?,
+            None => Vec::new(),
         };
         let kv_memory = match &self.kv_cache_memory {
             Some(s) => Some(parse_bytes(s).with_context(|| format!("--kv-cache-memory {s}"))?),
@@ -84,6 +101,9 @@ impl EngineArgs {
         Ok(EngineOptions {
             dtype,
             kv_dtype,
+            kv_quant,
+            kv_float_window: self.kv_float_window,
+            kv_skip_layers,
             kv_memory,
             block_size: self.block_size,
             max_num_batched_tokens: self.max_num_batched_tokens,

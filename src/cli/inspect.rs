@@ -1,7 +1,7 @@
 use clap::Args;
 
 use super::args::ModelArg;
-use crate::kv::{KvCacheSpec, KvDtype};
+use crate::kv::{KvCacheSpec, KvDtype, TqBits, TqSpec};
 use crate::loader::read_config;
 use crate::models::config::LayerKind;
 use crate::weights::{GgufFile, ModelLocation, SafetensorsDir};
@@ -57,6 +57,10 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     println!("format:           {format}");
     for dt in [KvDtype::F32, KvDtype::Bf16] {
         println!("KV bytes/token:   {} ({dt})", KvCacheSpec::bytes_per_token(&cfg, dt));
+    }
+    for (key, value) in [(4, 4), (3, 4), (2, 3)] {
+        let tq = TqSpec::new(TqBits { key, value });
+        println!("KV bytes/token:   {} ({})", tq.bytes_per_token(&cfg, KvDtype::Bf16), tq.bits);
     }
     Ok(())
 }

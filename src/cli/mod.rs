@@ -3,6 +3,7 @@
 mod args;
 mod bench;
 mod chat;
+mod eval_kv;
 mod generate;
 mod inspect;
 mod load_bench;
@@ -36,6 +37,8 @@ pub enum Command {
     /// Measure prefill and decode throughput and time to first token (in-process), or load a
     /// running server with concurrent streams (--url).
     Bench(bench::BenchArgs),
+    /// Score a text with quantized KV caches against a bf16 one: perplexity, top-1 agreement.
+    EvalKv(eval_kv::EvalKvArgs),
 }
 
 pub fn init_logging(verbose: u8) {
@@ -57,5 +60,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::EvalKv(a) => eval_kv::run(a),
     }
 }

@@ -121,13 +121,10 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
                         report.weight_bytes as f64 / 1e6
                     );
                     tracing::info!(
-                        "KV cache {}: {} blocks of {} tokens = {} tokens ({:.0} MiB, {} bytes/token); max model len {}",
-                        report.kv_dtype,
+                        "{} ({} blocks of {} tokens); max model len {}",
+                        report.kv_summary(),
                         engine.scheduler().allocator.num_blocks(),
                         engine.config().scheduler.block_size,
-                        report.kv_capacity_tokens,
-                        report.kv_allocated_bytes as f64 / (1 << 20) as f64,
-                        report.kv_bytes_per_token,
                         report.max_model_len
                     );
                     Ok(engine)

@@ -32,15 +32,12 @@ pub fn open_engine(args: &EngineArgs) -> anyhow::Result<(Engine, StartupReport)>
     let cfg = engine.model().config();
     // Debug level (`-v`): stderr stays free for the statistics line and errors.
     tracing::debug!(
-        "loaded {} ({}, {} layers, {:.0} MB of weights); KV cache {}: {} bytes/token, {} tokens ({:.0} MiB), max model len {}",
+        "loaded {} ({}, {} layers, {:.0} MB of weights); {}, max model len {}",
         path.display(),
         cfg.arch.name(),
         cfg.num_layers,
         report.weight_bytes as f64 / 1e6,
-        report.kv_dtype,
-        report.kv_bytes_per_token,
-        report.kv_capacity_tokens,
-        report.kv_allocated_bytes as f64 / (1 << 20) as f64,
+        report.kv_summary(),
         report.max_model_len
     );
     Ok((engine, report))

@@ -6,14 +6,21 @@ use candle_core::{DType, Device};
 
 use super::core::{Engine, EngineConfig};
 use super::scheduler::SchedulerConfig;
-use crate::kv::{KvCache, KvCacheSpec, KvDtype};
+use crate::kv::format::resolve_layers;
+use crate::kv::{KvCache, KvCacheSpec, KvDtype, KvFormatError, TqBits, TqSpec};
 use crate::loader::{self, LoadError};
 
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
     pub dtype: DType,
-    /// None: same as the model dtype.
+    /// None: same as the model dtype. In a TurboQuant cache, the type of its unquantized parts.
     pub kv_dtype: Option<KvDtype>,
+    /// Store keys and values as TurboQuant codes of these bits (None: floats).
+    pub kv_quant: Option<TqBits>,
+    /// With `kv_quant`: how many of the most recent tokens each query reads unquantized.
+    pub kv_float_window: usize,
+    /// With `kv_quant`: layers that keep a float cache (negative indices count from the end).
+    pub kv_skip_layers: Vec<i64>,
     /// None: a share of the device's memory (see `default_kv_budget`).
     pub kv_memory: Option<u64>,
     pub block_size: usize,
@@ -27,6 +34,9 @@ impl Default for EngineOptions {
         EngineOptions {
             dtype: DType::F32,
             kv_dtype: None,
+            kv_quant: None,
+            kv_float_window: 0,
+            kv_skip_layers: Vec::new(),
             kv_memory: None,
             block_size: 16,
             max_num_batched_tokens: 2048,
@@ -42,6 +52,8 @@ pub enum BuildError {
     Load(#[from] LoadError),
     #[error("KV cache: {0}")]
     Kv(String),
+    #[error(transparent)]
+    KvFormat(#[from] KvFormatError),
     #[error("invalid setting: {0}")]
     Setting(String),
 }
@@ -49,12 +61,44 @@ pub enum BuildError {
 /// What the engine was built with, for the startup log.
 #[derive(Debug, Clone)]
 pub struct StartupReport {
+    /// Bytes one token occupies in the paged blocks.
     pub kv_bytes_per_token: usize,
     pub kv_capacity_tokens: usize,
     pub kv_allocated_bytes: usize,
+    /// The float type (of the whole cache, or of a TurboQuant cache's unquantized parts).
     pub kv_dtype: KvDtype,
+    /// The TurboQuant layout, for a quantized cache.
+    pub kv_quant: Option<TqSpec>,
+    /// Tokens a bf16 cache would hold in the same memory.
+    pub kv_bf16_capacity_tokens: usize,
     pub max_model_len: usize,
     pub weight_bytes: u64,
+}
+
+impl StartupReport {
+    /// One line about the KV cache for the startup log.
+    pub fn kv_summary(&self) -> String {
+        let mib = self.kv_allocated_bytes as f64 / (1 << 20) as f64;
+        let base =
+            format!("{} bytes/token, {} tokens in {mib:.0} MiB", self.kv_bytes_per_token, self.kv_capacity_tokens);
+        match &self.kv_quant {
+            None => format!("KV cache {}: {base}", self.kv_dtype),
+            Some(tq) => {
+                let mut extra = String::new();
+                if tq.float_window > 0 {
+                    extra += &format!(", last {} tokens in {}", tq.float_window, self.kv_dtype);
+                }
+                if !tq.skip_layers.is_empty() {
+                    extra += &format!(", layers {:?} in {}", tq.skip_layers, self.kv_dtype);
+                }
+                let ratio = self.kv_capacity_tokens as f64 / self.kv_bf16_capacity_tokens.max(1) as f64;
+                format!(
+                    "KV cache {}{extra}: {base} ({ratio:.2}x the {} tokens of a bf16 cache)",
+                    tq.bits, self.kv_bf16_capacity_tokens
+                )
+            }
+        }
+    }
 }
 
 /// On a GPU: its free memory (weights already loaded) less a tenth of its total (at least
@@ -81,14 +125,43 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     let loaded = loader::load(path, device, opts.dtype)?;
     let cfg = loaded.config().clone();
     let kv_dtype = opts.kv_dtype.or_else(|| KvDtype::from_dtype(opts.dtype)).unwrap_or(KvDtype::F32);
-    let per_token = KvCacheSpec::bytes_per_token(&cfg, kv_dtype);
+    let tq = match opts.kv_quant {
+        Some(_) if !device.is_cpu() => {
+            return Err(BuildError::Setting(
+                "TurboQuant KV caches (--kv-cache-dtype tq-*) run on the CPU only in this version; use --device cpu or a float --kv-cache-dtype".into(),
+            ))
+        }
+        Some(bits) => Some(TqSpec {
+            bits,
+            skip_layers: resolve_layers(&opts.kv_skip_layers, cfg.num_layers)?,
+            float_window: opts.kv_float_window,
+            window_rings: opts.max_num_seqs,
+        }),
+        None if opts.kv_float_window > 0 => return Err(KvFormatError::NeedsTurboQuant("--kv-float-window").into()),
+        None if !opts.kv_skip_layers.is_empty() => {
+            return Err(KvFormatError::NeedsTurboQuant("--kv-skip-layers").into())
+        }
+        None => None,
+    };
+    let per_token = match &tq {
+        Some(tq) => tq.bytes_per_token(&cfg, kv_dtype),
+        None => KvCacheSpec::bytes_per_token(&cfg, kv_dtype),
+    };
+    // The float window's rings are fixed at start, outside the blocks.
+    let window_bytes = tq.as_ref().map_or(0, |tq| tq.window_bytes(&cfg, kv_dtype)) as u64;
     let wanted_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
     // No need to reserve more than every sequence at full length could use.
     let useful = (per_token as u64) * (wanted_len as u64) * (opts.max_num_seqs as u64);
-    let budget = opts
-        .kv_memory
-        .unwrap_or_else(|| default_kv_budget(device).min(useful.max(per_token as u64 * opts.block_size as u64)));
-    let spec = KvCacheSpec::from_budget(&cfg, kv_dtype, opts.block_size, budget);
+    let budget = opts.kv_memory.unwrap_or_else(|| {
+        default_kv_budget(device).min(useful.max(per_token as u64 * opts.block_size as u64) + window_bytes)
+    });
+    if window_bytes >= budget {
+        return Err(BuildError::Kv(format!(
+            "the float window needs {window_bytes} bytes ({} sequences x {} tokens); raise --kv-cache-memory or lower --kv-float-window or --max-num-seqs",
+            opts.max_num_seqs, opts.kv_float_window
+        )));
+    }
+    let spec = KvCacheSpec::with_token_bytes(per_token, kv_dtype, opts.block_size, budget - window_bytes);
     if spec.num_blocks == 0 {
         return Err(BuildError::Kv(format!(
             "a budget of {budget} bytes holds no block of {} tokens ({per_token} bytes per token); raise --kv-cache-memory",
@@ -105,12 +178,15 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         Some(n) => n,
         None => wanted_len.min(capacity),
     };
-    let kv = KvCache::new(&cfg, spec, device).map_err(|e| BuildError::Kv(e.to_string()))?;
+    let kv = KvCache::build(&cfg, spec, tq.as_ref(), device).map_err(|e| BuildError::Kv(e.to_string()))?;
     let report = StartupReport {
         kv_bytes_per_token: per_token,
         kv_capacity_tokens: capacity,
         kv_allocated_bytes: kv.allocated_bytes(),
         kv_dtype,
+        kv_quant: tq,
+        kv_bf16_capacity_tokens: KvCacheSpec::from_budget(&cfg, KvDtype::Bf16, opts.block_size, budget)
+            .capacity_tokens(),
         max_model_len,
         weight_bytes: loaded.weight_bytes,
     };

@@ -338,7 +338,13 @@ impl Engine {
             Some(ImageRows::new(&image_rows, Tensor::cat(&image_embeds, 0)?, tokens.len())?)
         };
         let block_size = self.scheduler.config().block_size;
-        let batch = Batch::new(&Device::Cpu, block_size, slices, &tokens, positions, images)?;
+        let mut batch = Batch::new(&Device::Cpu, block_size, slices, &tokens, positions, images)?;
+        batch.attn.window_rings = plan
+            .items
+            .iter()
+            .map(|&(id, _)| self.scheduler.get(id).and_then(|s| s.window_ring))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no window ring".into()))?;
         Ok((batch, sample_rows))
     }
 

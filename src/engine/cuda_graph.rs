@@ -5,7 +5,7 @@
 //! instead padded to the next bucket size and run by replaying a graph captured for that size:
 //! the step's token ids and attention metadata are uploaded into buffers the graphs read, and
 //! the graph leaves the logits and their argmax in buffers the engine reads (only the ids, or
-//! the logits when some row samples, are copied back). Padding rows write no KV (slot PAD_SLOT)
+//! the logits when some row samples, are copied back). Padding rows write no KV (slot NO_SLOT)
 //! and attend to one token of block 0; their outputs are ignored.
 //!
 //! A bucket is captured the first time a step of its size comes: one real pass first (its

@@ -41,6 +41,8 @@ pub struct Scheduler {
     /// In admission order; the last one is preempted first.
     running: Vec<SeqId>,
     pub allocator: BlockAllocator,
+    /// Float-window rings not held by a running sequence (one per sequence slot).
+    free_rings: Vec<u32>,
     pub total_preemptions: u64,
 }
 
@@ -52,6 +54,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             allocator: BlockAllocator::new(num_blocks),
+            free_rings: (0..cfg.max_num_seqs as u32).rev().collect(),
             total_preemptions: 0,
         }
     }
@@ -91,6 +94,7 @@ impl Scheduler {
         self.waiting.retain(|s| *s != id);
         self.running.retain(|s| *s != id);
         seq.block_table.release_all(&mut self.allocator);
+        self.free_rings.extend(seq.window_ring.take());
         seq.status = SeqStatus::Finished;
         Some(seq)
     }
@@ -101,6 +105,7 @@ impl Scheduler {
         self.running.retain(|s| *s != id);
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.block_table.release_all(&mut self.allocator);
+            self.free_rings.extend(seq.window_ring.take());
             seq.num_computed = 0;
             seq.status = SeqStatus::Waiting;
             seq.preemptions += 1;
@@ -155,6 +160,8 @@ impl Scheduler {
                     break;
                 }
                 seq.status = SeqStatus::Running;
+                // There is a ring for every sequence slot, and a slot is free (checked above).
+                seq.window_ring = self.free_rings.pop();
                 self.waiting.pop_front();
                 self.running.push(id);
                 plan.items.push((id, n));

@@ -31,6 +31,8 @@ pub struct Sequence {
     /// the next scheduled chunk; prefill and decode are the same thing at different sizes.
     pub num_computed: usize,
     pub block_table: BlockTable,
+    /// Its float-window ring in a TurboQuant cache, while running.
+    pub window_ring: Option<u32>,
     pub params: SamplingParams,
     pub sampler: SequenceSampler,
     pub status: SeqStatus,
@@ -52,6 +54,7 @@ impl Sequence {
             output: Vec::new(),
             num_computed: 0,
             block_table: BlockTable::default(),
+            window_ring: None,
             params,
             sampler,
             status: SeqStatus::Waiting,

@@ -1,7 +1,10 @@
 use std::fmt;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
+use super::format::TqSpec;
+use super::turboquant::{Codebook, LayerCodecs};
 use crate::models::config::TextConfig;
 
 /// Element type of a dense KV cache.
@@ -45,7 +48,8 @@ impl fmt::Display for KvDtype {
     }
 }
 
-/// Shape of the pool: how many blocks of how many tokens, in which type.
+/// Shape of the pool: how many blocks of how many tokens, in which float type (that of every
+/// layer, or in a TurboQuant pool that of its unquantized parts).
 #[derive(Debug, Clone, Copy)]
 pub struct KvCacheSpec {
     pub block_size: usize,
@@ -54,14 +58,19 @@ pub struct KvCacheSpec {
 }
 
 impl KvCacheSpec {
-    /// Bytes one token occupies across all layers (keys and values).
+    /// Bytes one token occupies across all layers (keys and values) in a dense pool.
     pub fn bytes_per_token(cfg: &TextConfig, dtype: KvDtype) -> usize {
         cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.bytes()
     }
 
     /// As many blocks as `budget_bytes` holds.
     pub fn from_budget(cfg: &TextConfig, dtype: KvDtype, block_size: usize, budget_bytes: u64) -> Self {
-        let per_block = (Self::bytes_per_token(cfg, dtype) * block_size) as u64;
+        Self::with_token_bytes(Self::bytes_per_token(cfg, dtype), dtype, block_size, budget_bytes)
+    }
+
+    /// As many blocks of tokens of `bytes_per_token` as `budget_bytes` holds.
+    pub fn with_token_bytes(bytes_per_token: usize, dtype: KvDtype, block_size: usize, budget_bytes: u64) -> Self {
+        let per_block = (bytes_per_token * block_size) as u64;
         KvCacheSpec { block_size, num_blocks: (budget_bytes / per_block.max(1)) as usize, dtype }
     }
 
@@ -70,42 +79,100 @@ impl KvCacheSpec {
     }
 }
 
-/// One layer's block storage. Quantized storage (TurboQuant codes + norms) is a future variant.
+/// One layer's block storage.
 pub enum LayerCache {
     /// Keys and values as `[num_blocks * block_size, kv_heads, head_dim]`.
-    Dense { k: Tensor, v: Tensor },
+    Dense {
+        k: Tensor,
+        v: Tensor,
+    },
+    TurboQuant(Box<TqLayerCache>),
+}
+
+/// A layer's keys and values as TurboQuant codes.
+pub struct TqLayerCache {
+    /// `[num_blocks * block_size, kv_heads, row]` u8, a row being a head vector's packed
+    /// codes and f32 norm (`codecs.key.row_bytes()`, `codecs.value.row_bytes()`).
+    pub k: Tensor,
+    pub v: Tensor,
+    pub codecs: LayerCodecs,
+    pub window: Option<FloatWindow>,
+}
+
+/// The most recent `len` keys and values of each running sequence, unquantized: ring r holds
+/// position j of its sequence at row `r * len + j % len` of `[rings * len, kv_heads, head_dim]`.
+pub struct FloatWindow {
+    pub len: usize,
+    pub k: Tensor,
+    pub v: Tensor,
 }
 
 /// The whole pool: every layer's storage for the same set of blocks.
 pub struct KvCache {
     spec: KvCacheSpec,
+    turboquant: Option<TqSpec>,
     layers: Vec<LayerCache>,
     bytes: usize,
 }
 
 impl KvCache {
+    /// A dense pool of `spec.dtype`.
     pub fn new(cfg: &TextConfig, spec: KvCacheSpec, device: &Device) -> candle_core::Result<Self> {
+        Self::build(cfg, spec, None, device)
+    }
+
+    /// A pool whose layers store TurboQuant codes, except `tq.skip_layers`, which (like the
+    /// float window) store `spec.dtype`.
+    pub fn build(
+        cfg: &TextConfig,
+        spec: KvCacheSpec,
+        tq: Option<&TqSpec>,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
         let slots = spec.num_blocks * spec.block_size;
-        let shape = (slots, cfg.num_kv_heads, cfg.head_dim);
+        let (h, d) = (cfg.num_kv_heads, cfg.head_dim);
+        let float = spec.dtype.dtype();
+        let codebooks =
+            tq.map(|t| (Arc::new(Codebook::lloyd_max(d, t.bits.key)), Arc::new(Codebook::lloyd_max(d, t.bits.value))));
+        let floats = |rows: usize| -> candle_core::Result<(Tensor, Tensor)> {
+            Ok((Tensor::zeros((rows, h, d), float, device)?, Tensor::zeros((rows, h, d), float, device)?))
+        };
         let layers = (0..cfg.num_layers)
-            .map(|_| {
-                Ok(LayerCache::Dense {
-                    k: Tensor::zeros(shape, spec.dtype.dtype(), device)?,
-                    v: Tensor::zeros(shape, spec.dtype.dtype(), device)?,
-                })
+            .map(|layer| {
+                let (tq, (kb, vb)) = match (tq, &codebooks) {
+                    (Some(tq), Some(cb)) if tq.quantizes(layer) => (tq, cb),
+                    _ => {
+                        let (k, v) = floats(slots)?;
+                        return Ok(LayerCache::Dense { k, v });
+                    }
+                };
+                let codecs = LayerCodecs::for_layer(layer, d, kb, vb);
+                let window = if tq.float_window > 0 {
+                    let (k, v) = floats(tq.window_rings * tq.float_window)?;
+                    Some(FloatWindow { len: tq.float_window, k, v })
+                } else {
+                    None
+                };
+                Ok(LayerCache::TurboQuant(Box::new(TqLayerCache {
+                    k: Tensor::zeros((slots, h, codecs.key.row_bytes()), DType::U8, device)?,
+                    v: Tensor::zeros((slots, h, codecs.value.row_bytes()), DType::U8, device)?,
+                    codecs,
+                    window,
+                })))
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let bytes = layers
-            .iter()
-            .map(|l| match l {
-                LayerCache::Dense { k, v } => (k.elem_count() + v.elem_count()) * spec.dtype.bytes(),
-            })
-            .sum();
-        Ok(KvCache { spec, layers, bytes })
+        let bytes =
+            layers.iter().flat_map(LayerCache::tensors).map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+        Ok(KvCache { spec, turboquant: tq.cloned(), layers, bytes })
     }
 
     pub fn spec(&self) -> &KvCacheSpec {
         &self.spec
+    }
+
+    /// The TurboQuant layout, for a quantized pool.
+    pub fn turboquant(&self) -> Option<&TqSpec> {
+        self.turboquant.as_ref()
     }
 
     pub fn layer(&self, i: usize) -> &LayerCache {
@@ -115,5 +182,21 @@ impl KvCache {
     /// Bytes actually allocated for the pool.
     pub fn allocated_bytes(&self) -> usize {
         self.bytes
+    }
+}
+
+impl LayerCache {
+    /// Every tensor the layer allocated.
+    fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            LayerCache::Dense { k, v } => vec![k, v],
+            LayerCache::TurboQuant(t) => {
+                let mut all = vec![&t.k, &t.v];
+                if let Some(w) = &t.window {
+                    all.extend([&w.k, &w.v]);
+                }
+                all
+            }
+        }
     }
 }

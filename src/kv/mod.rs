@@ -1,10 +1,14 @@
 //! Paged KV memory: fixed-size blocks handed out by an allocator, one block table per
-//! sequence, and per-layer storage of the blocks' keys and values.
+//! sequence, and per-layer storage of the blocks' keys and values (dense floats or
+//! TurboQuant codes).
 
 pub mod block_allocator;
 pub mod block_table;
 pub mod cache;
+pub mod format;
+pub mod turboquant;
 
 pub use block_allocator::{BlockAllocator, BlockId};
 pub use block_table::BlockTable;
-pub use cache::{KvCache, KvCacheSpec, KvDtype, LayerCache};
+pub use cache::{FloatWindow, KvCache, KvCacheSpec, KvDtype, LayerCache, TqLayerCache};
+pub use format::{KvCacheDtype, KvFormatError, TqBits, TqSpec};

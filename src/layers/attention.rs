@@ -12,6 +12,7 @@ use crate::models::config::{RopeLayout, TextConfig};
 use crate::ops::kv_write::KvWrite;
 use crate::ops::paged_attention::PagedAttention;
 use crate::ops::qkv_rope::QkvRope;
+use crate::ops::tq_attention;
 use crate::weights::{Weights, WeightsError};
 
 pub struct SelfAttention {
@@ -86,29 +87,22 @@ impl SelfAttention {
         };
         let dtype = x.dtype();
         // The CPU ops take f32 inputs, the CUDA kernels the model's type; the cache stores its own.
-        let as_f32 = |t: Tensor| -> Result<Tensor> {
+        let op_input = |t: Tensor| -> Result<Tensor> {
             if t.device().is_cpu() {
                 t.to_dtype(DType::F32)?.contiguous()
             } else {
                 t.contiguous()
             }
         };
+        let (k, v) = (op_input(k)?, op_input(v)?);
         let out = match cache {
             LayerCache::Dense { k: kc, v: vc } => {
-                let write = KvWrite { meta };
-                kc.inplace_op2(&as_f32(k)?, &write)?;
-                vc.inplace_op2(&as_f32(v)?, &write)?;
-                let op = PagedAttention {
-                    meta,
-                    num_heads: self.num_heads,
-                    num_kv_heads: self.num_kv_heads,
-                    head_dim: self.head_dim,
-                    scale: self.scale,
-                    window: self.window,
-                    softcap: self.softcap,
-                };
-                op.forward(&as_f32(q)?, kc, vc)?
+                let write = KvWrite::step(meta);
+                kc.inplace_op2(&k, &write)?;
+                vc.inplace_op2(&v, &write)?;
+                self.paged(meta).forward(&op_input(q)?, kc, vc)?
             }
+            LayerCache::TurboQuant(c) => tq_attention::write_and_attend(self.paged(meta), c, &op_input(q)?, &k, &v)?,
         };
         let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
         self.o_proj.forward(&out)
@@ -128,5 +122,17 @@ impl SelfAttention {
             None => (q, k),
         };
         Ok((rot.apply(&q)?, rot.apply(&k)?, v))
+    }
+
+    fn paged<'m>(&self, meta: &'m AttentionMeta) -> PagedAttention<'m> {
+        PagedAttention {
+            meta,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            scale: self.scale,
+            window: self.window,
+            softcap: self.softcap,
+        }
     }
 }

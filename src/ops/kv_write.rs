@@ -4,16 +4,28 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result};
 
 use super::kv_elem::{f32_slice, KvElem};
-use crate::batch::{AttentionMeta, PAD_SLOT};
+use crate::batch::{AttentionMeta, DeviceAttentionMeta, NO_SLOT};
 
-/// `cache[slot_mapping[t]] = new[t]` for every row t (padding rows, slot PAD_SLOT, are skipped).
-/// The cache is `[slots, kv_heads, head_dim]`, `new` is `[T, kv_heads, head_dim]`: f32 on the
-/// CPU; f32 or the cache's type on CUDA.
+/// `cache[slot_mapping[t]] = new[t]` for every row t whose slot is not `NO_SLOT`. The cache
+/// is `[slots, kv_heads, head_dim]`, `new` is `[T, kv_heads, head_dim]`: f32 on the CPU; f32
+/// or the cache's type on CUDA.
 pub struct KvWrite<'a> {
-    pub meta: &'a AttentionMeta,
+    pub slot_mapping: &'a [u32],
+    /// On CUDA: the step's metadata on the device, whose first rows are `slot_mapping`.
+    pub device_meta: Option<&'a DeviceAttentionMeta>,
 }
 
-impl KvWrite<'_> {
+impl<'a> KvWrite<'a> {
+    /// Writes a step's rows to the slots its metadata assigns.
+    pub fn step(meta: &'a AttentionMeta) -> Self {
+        KvWrite { slot_mapping: &meta.slot_mapping, device_meta: meta.device.as_ref() }
+    }
+
+    /// Writes rows to slots given on the host (CPU caches only).
+    pub fn to_slots(slot_mapping: &'a [u32]) -> Self {
+        KvWrite { slot_mapping, device_meta: None }
+    }
+
     /// Checks the shapes and every slot; returns (slots in the cache, values per slot).
     fn check(&self, cache_l: &Layout, new_len: usize) -> Result<(usize, usize)> {
         let dims = cache_l.dims();
@@ -21,11 +33,11 @@ impl KvWrite<'_> {
             candle_core::bail!("kv-write: cache must be a whole contiguous [slots, heads, dim] tensor");
         }
         let (slots, row) = (dims[0], dims[1] * dims[2]);
-        let mapping = &self.meta.slot_mapping;
+        let mapping = self.slot_mapping;
         if new_len != mapping.len() * row {
             candle_core::bail!("kv-write: {new_len} values for {} slots of {row}", mapping.len());
         }
-        if let Some(&slot) = mapping.iter().find(|&&s| s as usize >= slots && s != PAD_SLOT) {
+        if let Some(&slot) = mapping.iter().find(|&&s| s as usize >= slots && s != NO_SLOT) {
             candle_core::bail!("kv-write: slot {slot} out of range ({slots} slots)");
         }
         Ok((slots, row))
@@ -41,7 +53,7 @@ impl InplaceOp2 for KvWrite<'_> {
         let new = f32_slice(new, new_l, "kv-write new")?;
         let (_, row) = self.check(cache_l, new.len())?;
         fn write<T: KvElem>(cache: &mut [T], new: &[f32], slots: &[u32], row: usize) {
-            for (t, &slot) in slots.iter().enumerate().filter(|(_, &s)| s != PAD_SLOT) {
+            for (t, &slot) in slots.iter().enumerate().filter(|(_, &s)| s != NO_SLOT) {
                 let slot = slot as usize;
                 let dst = &mut cache[slot * row..(slot + 1) * row];
                 for (d, s) in dst.iter_mut().zip(&new[t * row..(t + 1) * row]) {
@@ -49,7 +61,7 @@ impl InplaceOp2 for KvWrite<'_> {
                 }
             }
         }
-        let slots = &self.meta.slot_mapping;
+        let slots = self.slot_mapping;
         match cache {
             CpuStorage::F32(c) => write(c, new, slots, row),
             CpuStorage::BF16(c) => write(c, new, slots, row),
@@ -73,14 +85,14 @@ impl InplaceOp2 for KvWrite<'_> {
         use super::cuda::{dtype_name, with_u32_slice, KV_WRITE};
 
         let (_, row) = self.check(cache_l, new_l.shape().elem_count())?;
-        let rows = self.meta.num_rows();
+        let rows = self.slot_mapping.len();
         if rows == 0 {
             return Ok(());
         }
         let Some((a, b)) = new_l.contiguous_offsets() else {
             candle_core::bail!("kv-write: new values must be contiguous")
         };
-        let dm = self.meta.device.as_ref().ok_or_else(|| {
+        let dm = self.device_meta.ok_or_else(|| {
             candle_core::Error::Msg("kv-write: the step's metadata is not on the device (AttentionMeta::upload)".into())
         })?;
         let dev = cache.device().clone();

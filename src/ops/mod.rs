@@ -13,3 +13,5 @@ pub mod qkv_rope;
 pub mod qmatmul;
 pub mod simd;
 pub mod team;
+pub mod tq_attention;
+pub mod tq_write;

@@ -114,7 +114,7 @@ impl PagedAttention<'_> {
 impl PagedAttention<'_> {
     /// A raw dot product q.k as an attention logit.
     #[inline(always)]
-    fn score(&self, dot: f32) -> f32 {
+    pub(crate) fn score(&self, dot: f32) -> f32 {
         let s = dot * self.scale;
         match self.softcap {
             Some(cap) => (s / cap).tanh() * cap,
@@ -125,7 +125,7 @@ impl PagedAttention<'_> {
 
 /// In place: `x <- softmax(x)`.
 #[inline(always)]
-fn softmax(x: &mut [f32]) {
+pub(crate) fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
     for v in x.iter_mut() {

@@ -201,15 +201,21 @@ fn worker(s: &Shared) {
 }
 
 /// An output buffer that a loop's items write disjoint parts of.
-#[derive(Clone, Copy)]
-pub struct OutPtr(pub *mut f32);
+pub struct OutPtr<T = f32>(pub *mut T);
 // SAFETY: every item writes a disjoint set of elements, and the buffer outlives the loop.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+unsafe impl<T> Send for OutPtr<T> {}
+unsafe impl<T> Sync for OutPtr<T> {}
 
-impl OutPtr {
+impl<T> Clone for OutPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for OutPtr<T> {}
+
+impl<T> OutPtr<T> {
     // A method, so closures capture the whole (Sync) wrapper rather than its raw field.
-    pub fn at(self, i: usize) -> *mut f32 {
+    pub fn at(self, i: usize) -> *mut T {
         // SAFETY: callers stay within the buffer.
         unsafe { self.0.add(i) }
     }

@@ -6,7 +6,7 @@ template <typename TI, typename TC>
 __device__ void kv_write(TC* __restrict__ cache, const TI* __restrict__ src, const uint32_t* __restrict__ slots,
                          int row) {
     const size_t t = blockIdx.x;
-    if (slots[t] == 0xffffffffu) return;  // a padding row (PAD_SLOT)
+    if (slots[t] == 0xffffffffu) return;  // a padding row (NO_SLOT)
     TC* dst = cache + (size_t)slots[t] * row;
     const TI* s = src + t * row;
     for (int i = threadIdx.x; i < row; i += blockDim.x) dst[i] = from_f<TC>(to_f(s[i]));
