@@ -1,6 +1,8 @@
 //! Images through `iris serve` on the tiny Qwen2-VL fixture: OpenAI `image_url` data URLs and
-//! Anthropic base64 blocks give transformers' greedy continuation; `file://` URLs only under
-//! --allowed-local-media-path; every bad image input gets a 400.
+//! Anthropic base64 blocks give transformers' greedy continuation; `/tokenize` and
+//! `count_tokens` count image tokens as the engine runs them; `file://` URLs only under
+//! --allowed-local-media-path; http(s) URLs only with --allow-remote-media and never to a
+//! local address; every bad image input gets a 400.
 
 mod server_support;
 
@@ -78,13 +80,9 @@ fn openai_and_anthropic_images_give_the_reference_continuation() {
         assert_eq!(v["usage"]["prompt_tokens"], prompt_len, "{case}: prompt tokens after expanding the images");
     }
     // Anthropic: the same single-image request as a base64 block.
-    let block = |file: &str| {
-        let bytes = std::fs::read(fixture(MODEL).join(file)).unwrap();
-        json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(&bytes)}})
-    };
     let r = server.post(
         "/v1/messages",
-        &json!({"messages": messages("single", &block), "max_tokens": 10, "temperature": 0, "top_k": 1}),
+        &json!({"messages": messages("single", &anthropic_block), "max_tokens": 10, "temperature": 0, "top_k": 1}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
@@ -147,6 +145,87 @@ fn bad_images_are_400s() {
     assert!(r.text().contains("does not accept images"), "{}", r.text());
     // The server keeps serving after all of that.
     assert_eq!(chat(&server, json!([{"role": "user", "content": "hello"}])).status, 200);
+}
+
+fn anthropic_block(file: &str) -> Value {
+    let bytes = std::fs::read(fixture(MODEL).join(file)).unwrap();
+    json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(&bytes)}})
+}
+
+#[test]
+fn tokenize_and_count_tokens_count_the_image_tokens() {
+    let server = Server::start_model(MODEL, &[]);
+    let r = reference();
+    for case in ["single", "nonsquare", "multi"] {
+        // transformers' processor: the prompt with each image pad expanded to its grid.
+        let want: Vec<u64> =
+            r["cases"][case]["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let t = server.post("/tokenize", &json!({"messages": messages(case, &openai_part)}));
+        assert_eq!(t.status, 200, "{case}: {}", t.text());
+        let t = t.json();
+        let tokens: Vec<u64> = t["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        assert_eq!(tokens, want, "{case}: /tokenize vs the processor's input_ids");
+        assert_eq!(t["count"], want.len(), "{case}");
+        // The engine's own prompt for the same request.
+        let used = chat(&server, messages(case, &openai_part)).json()["usage"]["prompt_tokens"].clone();
+        assert_eq!(t["count"], used, "{case}: /tokenize vs the prompt the engine ran");
+
+        let c = server.post("/v1/messages/count_tokens", &json!({"messages": messages(case, &anthropic_block)}));
+        assert_eq!(c.status, 200, "{case}: {}", c.text());
+        assert_eq!(c.json()["input_tokens"], want.len(), "{case}: count_tokens");
+        let m = server.post(
+            "/v1/messages",
+            &json!({"messages": messages(case, &anthropic_block), "max_tokens": 1, "temperature": 0}),
+        );
+        assert_eq!(m.json()["usage"]["input_tokens"], want.len(), "{case}: /v1/messages");
+    }
+    // Bad images are 400s here too.
+    let bad =
+        json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]);
+    assert_eq!(server.post("/tokenize", &json!({"messages": bad})).status, 400);
+}
+
+#[test]
+fn remote_urls_need_the_flag_and_never_reach_local_addresses() {
+    let remote = |url: &str| json!({"type": "image_url", "image_url": {"url": url}});
+    let remote_block = |url: &str| json!({"type": "image", "source": {"type": "url", "url": url}});
+    let ask =
+        |part: Value| json!([{"role": "user", "content": [part, {"type": "text", "text": "Describe this image."}]}]);
+
+    let server = Server::start_model(MODEL, &[]);
+    let r = chat(&server, ask(remote("https://example.com/cat.png")));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("--allow-remote-media"), "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "messages[0].content[0].image_url.url");
+    let m = server
+        .post("/v1/messages", &json!({"messages": ask(remote_block("https://example.com/cat.png")), "max_tokens": 4}));
+    assert_eq!(m.status, 400, "{}", m.text());
+    assert!(m.text().contains("--allow-remote-media"), "{}", m.text());
+    drop(server);
+
+    // With the flag, a server on 127.0.0.1 is still out of reach, by address or by name.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = Server::start_model(MODEL, &["--allow-remote-media"]);
+    for url in [format!("http://127.0.0.1:{port}/cat.png"), format!("http://localhost:{port}/cat.png")] {
+        let r = chat(&server, ask(remote(&url)));
+        assert_eq!(r.status, 400, "{url}: {}", r.text());
+        let e = &r.json()["error"];
+        assert!(e["message"].as_str().unwrap().contains("loopback"), "{url}: {e}");
+        assert_eq!(e["param"], "messages[0].content[0].image_url.url");
+        let m = server.post("/v1/messages", &json!({"messages": ask(remote_block(&url)), "max_tokens": 4}));
+        assert_eq!(m.status, 400, "{url}: {}", m.text());
+        let t = server.post("/tokenize", &json!({"messages": ask(remote(&url))}));
+        assert_eq!(t.status, 400, "{url}: {}", t.text());
+    }
+    let r = chat(&server, ask(remote("http://169.254.169.254/latest/meta-data/")));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("link-local"), "{}", r.text());
+    assert!(
+        matches!(listener.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the server connected to the local listener"
+    );
 }
 
 fn openai_part_small() -> Value {

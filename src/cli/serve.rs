@@ -8,6 +8,7 @@ use clap::Args;
 
 use super::args::EngineArgs;
 use crate::engine::build::build_engine;
+use crate::media::remote::RemoteFetcher;
 use crate::media::DecodeLimits;
 use crate::server::images::MediaPolicy;
 use crate::server::{self, AppState, Metrics, ServeConfig};
@@ -43,7 +44,15 @@ pub struct ServeArgs {
     /// Allow `file://` image URLs, but only for files under this directory.
     #[arg(long)]
     pub allowed_local_media_path: Option<std::path::PathBuf>,
-    /// Largest encoded image accepted, in bytes (larger ones get 400).
+    /// Fetch http(s) image URLs (OpenAI `image_url`, Anthropic `source.type = "url"`). Only
+    /// public addresses are fetched: a URL or redirect whose host resolves to a loopback,
+    /// private, link-local or other internal address gets 400.
+    #[arg(long)]
+    pub allow_remote_media: bool,
+    /// With --allow-remote-media: seconds one image fetch may take, redirects included.
+    #[arg(long, default_value_t = 10.0)]
+    pub remote_media_timeout: f64,
+    /// Largest encoded image accepted, in bytes (larger ones get 400; a download stops there).
     #[arg(long, default_value_t = 20 << 20)]
     pub max_image_bytes: usize,
     /// Largest image accepted, in pixels (width x height, read before decoding; larger: 400).
@@ -71,6 +80,10 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     })
     .await??;
     let device = a.engine.device()?;
+    let fetch_timeout = Duration::try_from_secs_f64(a.remote_media_timeout)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .ok_or_else(|| anyhow::anyhow!("--remote-media-timeout must be a positive number of seconds"))?;
     let opts = a.engine.options()?;
     let name = a.served_model_name.clone().unwrap_or_else(|| default_name(&path));
     let cfg = ServeConfig {
@@ -91,6 +104,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 .as_ref()
                 .map(|d| d.canonicalize().with_context(|| format!("--allowed-local-media-path {}", d.display())))
                 .transpose()?,
+            remote: a.allow_remote_media.then(|| Arc::new(RemoteFetcher::new(fetch_timeout, a.max_image_bytes))),
             limits: DecodeLimits { max_bytes: a.max_image_bytes, max_pixels: a.max_image_pixels },
         },
     };

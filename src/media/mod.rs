@@ -2,6 +2,7 @@
 //! reference preprocessing (Pillow) does it. Model-specific patching lives with each model.
 
 pub mod decode;
+pub mod remote;
 pub mod resize;
 
 pub use decode::{decode_image, DecodeLimits, ImageError};

@@ -14,8 +14,7 @@ use serde_json::{json, Value};
 use super::engine_loop::{SeqEvent, SeqEventKind};
 use super::errors::ApiError;
 use super::generate::{
-    check_request, collect, matched_stop, parse_json, random_id, request_error, submit_with_images, typed,
-    MaxTokens,
+    check_request, collect, matched_stop, parse_json, random_id, request_error, submit_with_images, typed, MaxTokens,
 };
 use super::images::ImageRef;
 use super::openai::encode_chat;
@@ -295,28 +294,29 @@ struct CountTokensRequest {
 }
 
 pub async fn count_tokens(State(app): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let r = (|| {
-        let engine = app.engine()?;
-        let v = parse_json(body, app.cfg.max_body_bytes)?;
-        let req: CountTokensRequest = typed(&v)?;
-        app.check_model(req.model.as_deref())?;
-        let full = MessagesRequest {
-            model: None,
-            messages: req.messages,
-            system: req.system,
-            max_tokens: None,
-            stop_sequences: None,
-            temperature: None,
-            top_p: None,
-            top_k: None,
-            stream: None,
-        };
-        let (messages, images) = to_chat(&full)?;
-        if let Some(img) = images.first() {
-            return Err(ApiError::invalid_param(img.path.clone(), "count_tokens does not take images"));
-        }
-        let prompt = encode(&engine.tokenizer, &messages)?;
-        Ok::<_, ApiError>(Json(json!({ "input_tokens": prompt.len() })).into_response())
-    })();
-    r.unwrap_or_else(|e| e.anthropic().into_response())
+    count_tokens_inner(app, body).await.unwrap_or_else(|e| e.anthropic().into_response())
+}
+
+/// The length of the prompt `/v1/messages` would run (images expanded to their embeddings).
+async fn count_tokens_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let engine = app.engine()?.clone();
+    let v = parse_json(body, app.cfg.max_body_bytes)?;
+    let req: CountTokensRequest = typed(&v)?;
+    app.check_model(req.model.as_deref())?;
+    let full = MessagesRequest {
+        model: None,
+        messages: req.messages,
+        system: req.system,
+        max_tokens: None,
+        stop_sequences: None,
+        temperature: None,
+        top_p: None,
+        top_k: None,
+        stream: None,
+    };
+    let (messages, images) = to_chat(&full)?;
+    super::images::check_accepted(&engine, &images)?;
+    let prompt = encode(&engine.tokenizer, &messages)?;
+    let (prompt, _) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
+    Ok(Json(json!({ "input_tokens": prompt.len() })).into_response())
 }

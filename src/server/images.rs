@@ -3,10 +3,12 @@
 //! Every failure is the client's: a 400 naming the part at fault.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
 
 use super::errors::ApiError;
+use crate::media::remote::RemoteFetcher;
 use crate::media::{decode_image, DecodeLimits, RgbImage};
 
 /// What the server accepts as an image source.
@@ -14,6 +16,8 @@ use crate::media::{decode_image, DecodeLimits, RgbImage};
 pub struct MediaPolicy {
     /// `file://` URLs are read only from under this directory (canonical path).
     pub allowed_local_media_path: Option<PathBuf>,
+    /// http(s) URLs are fetched only with this (`--allow-remote-media`).
+    pub remote: Option<Arc<RemoteFetcher>>,
     pub limits: DecodeLimits,
 }
 
@@ -93,24 +97,49 @@ fn url_source(url: &str) -> Source {
     }
 }
 
-/// The decoded image a reference points to.
-pub fn load(r: &ImageRef, policy: &MediaPolicy) -> Result<RgbImage, ApiError> {
+fn is_remote(url: &str) -> bool {
+    let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
+    lower.starts_with("http://") || lower.starts_with("https://")
+}
+
+/// The bodies of the http(s) image URLs among `refs` (None for the others), fetched
+/// concurrently when the server allows remote media; without it `load` refuses them.
+async fn fetch_remote(refs: &[ImageRef], policy: &MediaPolicy) -> Result<Vec<Option<Vec<u8>>>, ApiError> {
+    let Some(fetcher) = &policy.remote else { return Ok(vec![None; refs.len()]) };
+    let fetches = refs.iter().map(|r| async move {
+        match &r.source {
+            Source::Url(url) if is_remote(url) => fetcher.fetch(url).await.map(Some).map_err(|e| {
+                ApiError::invalid_param(r.path.clone(), format!("cannot fetch the image at `{}`: {e}", r.path))
+            }),
+            _ => Ok(None),
+        }
+    });
+    futures_util::future::try_join_all(fetches).await
+}
+
+/// The decoded image a reference points to; `fetched` holds the body of an http(s) URL.
+pub fn load(r: &ImageRef, policy: &MediaPolicy, fetched: Option<Vec<u8>>) -> Result<RgbImage, ApiError> {
     let bad = |msg: String| ApiError::invalid_param(r.path.clone(), msg);
-    let bytes = match &r.source {
-        Source::Base64(data) => {
+    let bytes = match (&r.source, fetched) {
+        (_, Some(body)) => body,
+        (Source::Base64(data), None) => {
             // The encoded form is 4/3 of the bytes: refuse before decoding a huge payload.
             if data.len() / 4 * 3 > policy.limits.max_bytes + 3 {
                 return Err(bad(format!("the image is larger than the limit of {} bytes", policy.limits.max_bytes)));
             }
             base64_decode(data).ok_or_else(|| bad(format!("`{}` is not valid base64", r.path)))?
         }
-        Source::Url(url) if url.starts_with("file://") => read_local(&url["file://".len()..], policy).map_err(bad)?,
-        Source::Url(url) if url.starts_with("http://") || url.starts_with("https://") => {
-            return Err(bad("image URLs over the network are not supported by this server; send the image as a \
-                 `data:` URL (base64)"
+        (Source::Url(url), None) if url.starts_with("file://") => {
+            read_local(&url["file://".len()..], policy).map_err(bad)?
+        }
+        (Source::Url(url), None) if is_remote(url) => {
+            return Err(bad("image URLs over the network are disabled on this server (start it with \
+                 --allow-remote-media to fetch them); send the image as a `data:` URL (base64)"
                 .into()))
         }
-        Source::Url(_) => return Err(bad("the image must be a `data:` URL (base64) or a `file://` URL".into())),
+        (Source::Url(_), None) => {
+            return Err(bad("the image must be a `data:` URL (base64) or a `file://` URL".into()))
+        }
     };
     decode_image(&bytes, &policy.limits).map_err(|e| bad(format!("{}: {e}", r.path)))
 }
@@ -189,11 +218,12 @@ pub async fn prepare(
     }
     check_accepted(engine, &refs)?;
     let Some(vision) = engine.vision.clone() else { return Ok((prompt, Vec::new())) };
+    let fetched = fetch_remote(&refs, policy).await?;
     let policy = policy.clone();
     let (prompt, images) = tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
         let mut images = Vec::with_capacity(refs.len());
-        for r in &refs {
-            let img = load(r, &policy)?;
+        for (r, fetched) in refs.iter().zip(fetched) {
+            let img = load(r, &policy, fetched)?;
             let pixels = vision
                 .preprocess(&img)
                 .map_err(|e| ApiError::invalid_param(r.path.clone(), format!("{}: {e}", r.path)))?;
@@ -231,13 +261,15 @@ mod tests {
         assert!(anthropic_image(&block, "m").is_err());
         let at = |source| ImageRef { item: "i".into(), item_type: "image_url", path: "p".into(), source };
         let remote = at(Source::Url("http://127.0.0.1/x.png".into()));
-        assert_eq!(load(&remote, &MediaPolicy::default()).unwrap_err().status.as_u16(), 400);
+        let err = load(&remote, &MediaPolicy::default(), None).unwrap_err();
+        assert_eq!(err.status.as_u16(), 400);
+        assert!(err.message.contains("--allow-remote-media"), "{}", err.message);
         let local = at(Source::Url("file:///etc/passwd".into()));
-        let err = load(&local, &MediaPolicy::default()).unwrap_err();
+        let err = load(&local, &MediaPolicy::default(), None).unwrap_err();
         assert!(err.message.contains("--allowed-local-media-path"), "{}", err.message);
         let dir = std::env::temp_dir().canonicalize().unwrap();
         let policy = MediaPolicy { allowed_local_media_path: Some(dir.join("iris-none")), ..Default::default() };
         let outside = at(Source::Url(format!("file://{}/../etc/passwd", dir.display())));
-        assert!(load(&outside, &policy).unwrap_err().message.contains("outside"));
+        assert!(load(&outside, &policy, None).unwrap_err().message.contains("outside"));
     }
 }

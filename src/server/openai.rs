@@ -400,28 +400,31 @@ struct TokenizeRequest {
 }
 
 pub async fn tokenize(State(app): AppRef, body: Result<Bytes, BytesRejection>) -> Response {
-    respond((|| {
-        let engine = app.engine()?;
-        let v = parse_json(body, app.cfg.max_body_bytes)?;
-        let req: TokenizeRequest = typed(&v)?;
-        app.check_model(req.model.as_deref())?;
-        let tok = &engine.tokenizer;
-        let tokens = match (&req.prompt, &req.messages) {
-            (Some(p), None) => tok
-                .encode(p, req.add_special_tokens.unwrap_or(true))
-                .map_err(|e| ApiError::bad_request(e.to_string()))?,
-            (None, Some(m)) => {
-                let (messages, images) = parse_messages(m)?;
-                if let Some(img) = images.first() {
-                    return Err(ApiError::invalid_param(img.path.clone(), "/tokenize does not take images"));
-                }
-                encode_chat(tok, &messages, req.add_generation_prompt.unwrap_or(true), Default::default())?
-            }
-            _ => return Err(ApiError::bad_request("give exactly one of `prompt` and `messages`")),
-        };
-        Ok(Json(json!({ "count": tokens.len(), "max_model_len": engine.info.max_model_len, "tokens": tokens }))
-            .into_response())
-    })())
+    respond(tokenize_inner(app, body).await)
+}
+
+/// The prompt the engine would run: with images, each one's pad token repeated once per
+/// embedding (the images are fetched and preprocessed as for a chat request).
+async fn tokenize_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let engine = app.engine()?.clone();
+    let v = parse_json(body, app.cfg.max_body_bytes)?;
+    let req: TokenizeRequest = typed(&v)?;
+    app.check_model(req.model.as_deref())?;
+    let tok = &engine.tokenizer;
+    let tokens = match (&req.prompt, &req.messages) {
+        (Some(p), None) => {
+            tok.encode(p, req.add_special_tokens.unwrap_or(true)).map_err(|e| ApiError::bad_request(e.to_string()))?
+        }
+        (None, Some(m)) => {
+            let (messages, images) = parse_messages(m)?;
+            super::images::check_accepted(&engine, &images)?;
+            let prompt = encode_chat(tok, &messages, req.add_generation_prompt.unwrap_or(true), Default::default())?;
+            super::images::prepare(&app.cfg.media, &engine, prompt, images).await?.0
+        }
+        _ => return Err(ApiError::bad_request("give exactly one of `prompt` and `messages`")),
+    };
+    Ok(Json(json!({ "count": tokens.len(), "max_model_len": engine.info.max_model_len, "tokens": tokens }))
+        .into_response())
 }
 
 #[derive(Debug, Deserialize)]
