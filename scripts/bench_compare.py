@@ -310,7 +310,7 @@ def worker_iris(a) -> None:
            "--batch-sizes", ",".join(map(str, a.batch_sizes)), "--prompt-len", str(a.prompt_len),
            "--gen-len", str(a.gen_len), "--repeats", "1", "--json"]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
-    rows = json.loads(out[out.index("["):])
+    rows = json.loads(out[out.index("{"):])["rows"]
     emit({"rows": [{k: r[k] for k in ("batch", "ttft_ms", "prefill_tok_s", "decode_tok_s", "total_tok_s")}
                    for r in rows]})
 

@@ -53,7 +53,7 @@ for m in $MODELS; do
   if [ -n "${COMPARE_ENV:-}" ]; then
     env $COMPARE_ENV "$IRIS" bench "${common[@]}" --batch-sizes 1,8,64 --prompt-len 128 --gen-len 32 --repeats 1 \
       > "$RES/iris-compare-$m.json" 2> "$RES/iris-compare-$m.err"
-    python3 -c 'import json,sys; [print("   %s: batch" % sys.argv[2], r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))]' "$RES/iris-compare-$m.json" "$COMPARE_ENV" || tail -3 "$RES/iris-compare-$m.err"
+    python3 -c 'import json,sys; [print("   %s: batch" % sys.argv[2], r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))["rows"]]' "$RES/iris-compare-$m.json" "$COMPARE_ENV" || tail -3 "$RES/iris-compare-$m.err"
   fi
   echo "== $m: iris done at $(( $(date +%s) - t0 )) s"
   if [ "$HF" = 1 ]; then
@@ -65,8 +65,8 @@ import json, sys
 m, res, weights = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 out = {"model": m, "weights": weights, "prefill_len": 2048}
 try:
-    dec = json.load(open(f"{res}/iris-decode-{m}.json"))
-    pre = json.load(open(f"{res}/iris-prefill-{m}.json"))[0]
+    dec = json.load(open(f"{res}/iris-decode-{m}.json"))["rows"]
+    pre = json.load(open(f"{res}/iris-prefill-{m}.json"))["rows"][0]
     out["iris"] = {"decode": {str(r["batch"]): r["decode_tok_s"] for r in dec},
                    "prefill_tok_s": pre["prefill_tok_s"], "ttft_ms": pre["ttft_ms"], "rows": dec}
 except Exception as e:

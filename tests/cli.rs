@@ -740,8 +740,9 @@ fn bench_json() {
     ];
     let out = stdout_of(&args);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}):\n{out}"));
-    let rows = v.as_array().expect("an array of rows");
+    let rows = v["rows"].as_array().expect("an array of rows");
     assert_eq!(rows.len(), 2, "{out}");
+    assert!(v["image"].is_null(), "a text model has no image benchmark: {out}");
     for (row, batch) in rows.iter().zip([1, 2]) {
         assert_eq!(row["batch"], batch);
         assert_eq!(row["prompt_len"], 8);
@@ -756,6 +757,47 @@ fn bench_json() {
     let table = stdout_of(&args_table);
     assert!(table.starts_with("| batch"), "{table}");
     assert_eq!(table.lines().count(), 4, "{table}");
+    // --image needs a vision-language model.
+    let img = fixture("tiny-qwen2-vl").join("image_square.png");
+    expect_error(&["bench", "--model", m.to_str().unwrap(), "--image", img.to_str().unwrap()], &["images"]);
+}
+
+#[test]
+fn bench_reports_the_vision_tower_and_image_ttft() {
+    for model in ["tiny-qwen2-vl", "tiny-qwen2.5-vl"] {
+        let m = fixture(model);
+        let image = m.join("image_70x90.png");
+        let base = ["bench", "--model", m.to_str().unwrap(), "--batch-sizes", "1", "--prompt-len", "8"];
+        let base = [&base[..], &["--gen-len", "2", "--repeats", "2"]].concat();
+        // A generated image (the default size, 448x448), and a file.
+        for (extra, size, tokens) in [
+            (vec![], (448, 448), None),
+            (vec!["--image-size", "300x200"], (300, 200), None),
+            // 90 wide, 70 high; transformers' processor: grid [1, 4, 6] -> 24 / (2 x 2) tokens.
+            (vec!["--image", image.to_str().unwrap()], (90, 70), Some(6)),
+        ] {
+            let args = [&base[..], &extra[..], &["--json"]].concat();
+            let out = stdout_of(&args);
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}):\n{out}"));
+            let i = &v["image"];
+            assert_eq!((i["width"].as_u64(), i["height"].as_u64()), (Some(size.0), Some(size.1)), "{out}");
+            let n = i["image_tokens"].as_u64().expect("image_tokens");
+            if let Some(t) = tokens {
+                assert_eq!(n, t, "{model}: {out}");
+            }
+            assert!(n > 0 && i["prompt_len"].as_u64().unwrap() > n, "{out}");
+            for k in ["preprocess_ms", "vision_ms_per_image", "ttft_ms"] {
+                let x = i[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {out}"));
+                assert!(x.is_finite() && x > 0.0, "{model}: {k} = {x}: {out}");
+            }
+            assert_eq!(v["rows"].as_array().map(Vec::len), Some(1), "{out}");
+        }
+        let table = stdout_of(&base);
+        assert!(table.contains("| vision ms/image |") && table.contains("| 448x448 |"), "{table}");
+    }
+    let m = fixture("tiny-qwen2-vl");
+    expect_error(&["bench", "--model", m.to_str().unwrap(), "--image-size", "448"], &["--image-size"]);
+    expect_error(&["bench", "--model", m.to_str().unwrap(), "--image", "/nonexistent.png"], &["/nonexistent.png"]);
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! `iris bench`: prefill and decode throughput and time to first token, in-process; with
+//! `iris bench`: prefill and decode throughput and time to first token, in-process, plus the
+//! vision tower and an image prompt's TTFT on vision-language models (`image_bench.rs`); with
 //! `--url`, a load benchmark of a running server instead (`load_bench.rs`).
 
 use std::time::Instant;
@@ -8,6 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::args::EngineArgs;
+use super::image_bench::{self, ImageBench, ImageSource};
 use super::session::open_engine;
 use crate::engine::{Engine, Request, SamplingParams};
 
@@ -44,7 +46,16 @@ pub struct BenchArgs {
     /// Repetitions per measurement; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
-    /// Print JSON instead of a table.
+    /// Vision-language models: benchmark the image side with this image file (PNG, JPEG, WebP,
+    /// GIF) instead of a generated one.
+    #[arg(long, conflicts_with = "image_size")]
+    pub image: Option<std::path::PathBuf>,
+    /// Vision-language models: the generated benchmark image's size, WIDTHxHEIGHT (it is then
+    /// resized by the model's processor as any image is).
+    #[arg(long, value_parser = super::image_bench::parse_size, default_value = "448x448")]
+    pub image_size: (usize, usize),
+    /// Print JSON instead of tables: `{"rows": [one per batch size], "image": null or the
+    /// image benchmark}`.
     #[arg(long)]
     pub json: bool,
 }
@@ -168,8 +179,17 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         });
     }
     pb.finish_and_clear();
+    // The image side runs on every vision-language model; --image on a text model is an error.
+    let image = match (&a.image, engine.vision().is_some()) {
+        (None, false) => None,
+        (Some(p), _) => Some(image_bench::run(&mut engine, &ImageSource::File(p.clone()), a.repeats)?),
+        (None, true) => {
+            let (w, h) = a.image_size;
+            Some(image_bench::run(&mut engine, &ImageSource::Generated(w, h), a.repeats)?)
+        }
+    };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        println!("{}", serde_json::to_string_pretty(&BenchReport { rows, image })?);
     } else {
         println!("| batch | prompt | gen | prefill tok/s | TTFT ms | decode tok/s | total tok/s |");
         println!("|---|---|---|---|---|---|---|");
@@ -179,6 +199,21 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 r.batch, r.prompt_len, r.gen_len, r.prefill_tok_s, r.ttft_ms, r.decode_tok_s, r.total_tok_s
             );
         }
+        if let Some(i) = image {
+            println!();
+            println!("| image | image tokens | prompt | preprocess ms | vision ms/image | image prompt TTFT ms |");
+            println!("|---|---|---|---|---|---|");
+            println!(
+                "| {}x{} | {} | {} | {:.2} | {:.2} | {:.2} |",
+                i.width, i.height, i.image_tokens, i.prompt_len, i.preprocess_ms, i.vision_ms_per_image, i.ttft_ms
+            );
+        }
     }
     Ok(())
+}
+
+#[derive(Serialize)]
+struct BenchReport {
+    rows: Vec<BenchRow>,
+    image: Option<ImageBench>,
 }

@@ -5,6 +5,7 @@ mod bench;
 mod chat;
 mod eval_kv;
 mod generate;
+mod image_bench;
 mod inspect;
 mod load_bench;
 mod serve;
@@ -34,8 +35,9 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Serve the OpenAI and Anthropic HTTP APIs.
     Serve(serve::ServeArgs),
-    /// Measure prefill and decode throughput and time to first token (in-process), or load a
-    /// running server with concurrent streams (--url).
+    /// Measure prefill and decode throughput and time to first token (in-process; on
+    /// vision-language models also the vision tower per image and an image prompt's time to
+    /// first token), or load a running server with concurrent streams (--url).
     Bench(bench::BenchArgs),
     /// Score a text with quantized KV caches against a bf16 one: perplexity, top-1 agreement.
     EvalKv(eval_kv::EvalKvArgs),

@@ -108,6 +108,11 @@ impl Engine {
         &self.embed_cache
     }
 
+    /// Forgets every cached image embedding (benchmarks time the vision tower with it).
+    pub fn clear_embed_cache(&mut self) {
+        self.embed_cache.clear();
+    }
+
     pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
         &self.tokenizer
     }

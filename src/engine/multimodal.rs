@@ -105,6 +105,11 @@ impl EmbedCache {
         self.entries.len()
     }
 
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.bytes = 0;
+    }
+
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
@@ -150,5 +155,11 @@ mod tests {
         assert!(c.get(&[2; 32]).is_none());
         assert!(c.get(&[1; 32]).is_some() && c.get(&[3; 32]).is_some());
         assert_eq!((c.len(), c.hits, c.misses), (2, 3, 1));
+        // Cleared, the whole budget is free again: two entries fit without evicting.
+        c.clear();
+        assert!(c.is_empty() && c.get(&[1; 32]).is_none());
+        c.insert([4; 32], t(4.0));
+        c.insert([5; 32], t(5.0));
+        assert_eq!(c.len(), 2);
     }
 }
