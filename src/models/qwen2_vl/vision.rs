@@ -20,7 +20,7 @@ use crate::weights::{Weights, WeightsError};
 const NORM_EPS: f64 = 1e-6;
 /// Bound on one attention score block (heads x query rows x keys), in values: 16 MB of f32,
 /// small enough for the allocator to reuse one block's memory for the next (at 2^26 every
-/// block was a fresh mapping, and page faults took a quarter of an 896x896 image's time).
+/// block was a fresh mapping, and the kernel's page faults took a third of the time at 672x672).
 const MAX_SCORES: usize = 1 << 22;
 
 enum Norm {
