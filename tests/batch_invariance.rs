@@ -155,6 +155,7 @@ fn gemma3_is_batch_invariant_with_turboquant() {
 fn check_vl(name: &str) {
     use iris::engine::{ImageInput, Request};
     use iris::media::{decode_image, DecodeLimits};
+    let _gpu = gpu_lock();
 
     let path = fixture(name);
     let r = reference(name);

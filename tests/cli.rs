@@ -668,13 +668,14 @@ fn inspect_reports_architecture_parameters_and_kv() {
     }
 }
 
-/// A TurboQuant cache with a float window and a float layer generates, and `eval-kv`
+/// A TurboQuant cache with a float window and a float layer generates (on the CPU: the only
+/// device TurboQuant runs on so far), and `eval-kv`
 /// prints its table.
 #[test]
 fn turboquant_cache_generates_and_evaluates() {
     let m = fixture("tiny-llama");
     let m = m.to_str().unwrap();
-    let args = ["--kv-cache-dtype", "tq-k3v4", "--kv-float-window", "4", "--kv-skip-layers", "-1"];
+    let args = ["--device", "cpu", "--kv-cache-dtype", "tq-k3v4", "--kv-float-window", "4", "--kv-skip-layers", "-1"];
     let out = iris(&generate_args(m, &args));
     assert_no_panic(&out);
     assert!(out.status.success(), "{}", text(&out.stderr));
