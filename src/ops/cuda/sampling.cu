@@ -49,16 +49,27 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 // for the definitions). Every quantity that decides the token is computed with operations whose
 // IEEE results are the same here and in Rust (explicit fmaf, __fmul_rn, no fast-math), and masses
 // are summed as integers, so this kernel picks exactly the token the CPU reference picks.
+//
+// One block per row. Warp w owns the ids [w C, (w + 1) C) and reads them 32 at a time
+// (coalesced); passes that need id order scan inside a warp with shuffles and across warps once.
+// Histograms (radix select) add one value per distinct bin per warp, not per element: logits
+// share their top bits, so per-element atomics would all hit the same few bins.
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
+#define FULL 0xffffffffu
 // Masses are w * 2^40 rounded to integers (w <= 1, so a 262k vocabulary sums below 2^58).
 #define MASS_SCALE 1099511627776.0f
+
+typedef unsigned long long u64;
 
 // Orders floats as unsigned integers: a > b  <=>  key(a) > key(b) for finite a, b.
 __device__ __forceinline__ uint32_t order_key(float x) {
     const uint32_t u = __float_as_uint(x);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float from_key(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
 // exp(x) for x <= 0 by range reduction and a degree-7 polynomial, written so Rust computes the
@@ -83,30 +94,42 @@ __device__ __forceinline__ float exp_det(float x) {
 
 struct Row {
     const float* l;
-    int vocab;
+    int vocab, chunk;  // chunk: ids per warp, a multiple of 32
     float inv_t, m;
+    // The cut-off (ck, ci): an element is kept while at or before it in the order "larger
+    // logit first, then lower id". (0, ~0) keeps every finite logit.
+    uint32_t ck, ci;
+    float min_p;  // also required of the draw's elements (0 in the passes before it)
 };
 
 // w = exp(l / T - max / T) of a finite logit.
 __device__ __forceinline__ float weight(const Row& r, float l) { return exp_det(__fsub_rn(__fmul_rn(l, r.inv_t), r.m)); }
-__device__ __forceinline__ unsigned long long mass_of(float w) { return __float2ull_rn(__fmul_rn(w, MASS_SCALE)); }
-
-// Is (key, id) at or before the cut-off (ck, ci) in the order "larger logit first, then lower id"?
+__device__ __forceinline__ u64 mass_of(float w) { return __float2ull_rn(__fmul_rn(w, MASS_SCALE)); }
 __device__ __forceinline__ bool within(uint32_t key, uint32_t id, uint32_t ck, uint32_t ci) {
     return key > ck || (key == ck && id <= ci);
+}
+// Is id i (a finite logit l with key `key`) kept by the row's cut-off and min-p?
+__device__ __forceinline__ bool kept(const Row& r, uint32_t key, int i, float l) {
+    return within(key, (uint32_t)i, r.ck, r.ci) && (r.min_p == 0.0f || weight(r, l) >= r.min_p);
+}
+
+__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
 }
 
 template <typename T> __device__ T block_sum(T v, T* scratch) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        v = lane < SAMPLE_WARPS ? scratch[lane] : (T)0;
+        v = scratch[lane];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
         if (lane == 0) scratch[0] = v;
     }
     __syncthreads();
@@ -115,60 +138,136 @@ template <typename T> __device__ T block_sum(T v, T* scratch) {
     return out;
 }
 
-// Exclusive prefix sum of one value per thread, in thread order; `total` gets the sum.
-__device__ unsigned long long block_exclusive_scan(unsigned long long v, unsigned long long* scratch,
-                                                   unsigned long long* total) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    unsigned long long inc = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned long long n = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += n;
-    }
-    __syncthreads();
-    if (lane == 31) scratch[warp] = inc;
-    __syncthreads();
-    if (warp == 0) {
-        unsigned long long w = lane < SAMPLE_WARPS ? scratch[lane] : 0ull;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const unsigned long long n = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += n;
-        }
-        scratch[lane] = w;  // inclusive totals of warps 0..lane
-    }
-    __syncthreads();
-    const unsigned long long before = (warp > 0 ? scratch[warp - 1] : 0ull) + inc - v;
-    *total = scratch[SAMPLE_WARPS - 1];
-    __syncthreads();
-    return before;
+// What a pass in id order adds up per element.
+enum Count { TIED, MASS };
+
+__device__ __forceinline__ u64 value_of(const Row& r, Count what, uint32_t tk, uint32_t tci, int i) {
+    if (i >= r.vocab) return 0;
+    const float l = r.l[i];
+    if (!isfinite(l)) return 0;
+    const uint32_t key = order_key(l);
+    if (what == TIED) return key == tk && (uint32_t)i <= tci;
+    if (!kept(r, key, i, l)) return 0;
+    return mass_of(weight(r, l));
 }
 
-// The id of the `r`-th (1-based) element, in id order, among ids whose logit has key `ck` and
-// id <= ci. Each thread walks a contiguous segment so the order is the ids'.
-__device__ uint32_t nth_tied(const Row& row, uint32_t ck, uint32_t ci, unsigned long long r,
-                             unsigned long long* scan) {
-    const int seg = (row.vocab + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
-    const int lo = threadIdx.x * seg, hi = min(row.vocab, lo + seg);
-    unsigned long long c = 0;
-    for (int i = lo; i < hi; ++i) {
-        const float l = row.l[i];
-        c += (isfinite(l) && order_key(l) == ck && (uint32_t)i <= ci);
-    }
-    unsigned long long total;
-    const unsigned long long before = block_exclusive_scan(c, scan, &total);
-    __shared__ uint32_t found;
-    if (threadIdx.x == 0) found = ci;
+// The id, in id order, at which the running sum of `what` first exceeds x (x < the total):
+// TIED counts ids whose logit has key tk and id <= tci; MASS adds the kept elements' masses.
+// `total` (if not null) gets the sum over the row. Warp sums, one scan across warps, then the
+// warp that holds the crossing walks its ids again.
+__device__ uint32_t find_in_id_order(const Row& r, Count what, uint32_t tk, uint32_t tci, u64 x, bool x_is_fraction,
+                                     float u, u64* total, u64* wsum) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int lo = warp * r.chunk, hi = min(r.vocab, lo + r.chunk);
+    u64 acc = 0;
+    for (int i = lo + lane; i < hi; i += 32) acc += value_of(r, what, tk, tci, i);
+    acc = warp_sum_u64(acc);
     __syncthreads();
-    if (before < r && r <= before + c) {
-        unsigned long long k = before;
-        for (int i = lo; i < hi; ++i) {
-            const float l = row.l[i];
-            if (isfinite(l) && order_key(l) == ck && (uint32_t)i <= ci && ++k == r) { found = (uint32_t)i; break; }
+    if (lane == 0) wsum[warp] = acc;
+    __syncthreads();
+    __shared__ u64 target, before_s;
+    __shared__ int owner;
+    if (threadIdx.x == 0) {
+        u64 t = 0;
+        for (int w = 0; w < SAMPLE_WARPS; ++w) t += wsum[w];
+        if (total) *total = t;
+        u64 want = x;
+        if (x_is_fraction) {
+            want = t == 0 ? 0 : (u64)floor((double)u * (double)t);
+            if (want >= t && t > 0) want = t - 1;
+        }
+        target = want;
+        u64 b = 0;
+        int w = 0;
+        for (; w < SAMPLE_WARPS - 1 && b + wsum[w] <= want; ++w) b += wsum[w];
+        owner = w;
+        before_s = b;
+    }
+    __syncthreads();
+    __shared__ uint32_t found;
+    if (threadIdx.x == 0) found = 0xffffffffu;
+    __syncthreads();
+    if (warp == owner) {
+        u64 b = before_s;
+        const u64 want = target;
+        for (int base = lo; base < hi; base += 32) {
+            const u64 v = value_of(r, what, tk, tci, base + lane);
+            u64 inc = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u64 n = __shfl_up_sync(FULL, inc, o);
+                if (lane >= o) inc += n;
+            }
+            const bool hit = v > 0 && b + inc > want && b + inc - v <= want;
+            const unsigned m = __ballot_sync(FULL, hit);
+            if (m) {
+                if (lane == __ffs(m) - 1) found = (uint32_t)(base + lane);
+                break;
+            }
+            b += __shfl_sync(FULL, inc, 31);
         }
     }
     __syncthreads();
-    return found;
+    const uint32_t out = found;
+    __syncthreads();
+    return out;
+}
+
+// Radix select, 8 bits at a time from the top, over the keys of kept elements with a key
+// matching the prefix so far: the digit where the running count (MASS: mass) from the largest
+// reaches `need`. Returns the full key; `*above` gets the count (mass) of keys above it.
+__device__ uint32_t radix_select(const Row& r, Count what, u64 need, u64* above, u64* hist) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int lo = warp * r.chunk, hi = min(r.vocab, lo + r.chunk);
+    uint32_t prefix = 0, mask = 0;
+    u64 before = 0;
+    __shared__ uint32_t digit_s;
+    __shared__ u64 acc_s;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int d = threadIdx.x; d < 256; d += SAMPLE_THREADS) hist[d] = 0;
+        __syncthreads();
+        for (int base = lo; base < hi; base += 32) {
+            const int i = base + lane;
+            bool valid = false;
+            uint32_t bin = 0;
+            u64 v = 0;
+            if (i < hi) {
+                const float l = r.l[i];
+                if (isfinite(l)) {
+                    const uint32_t key = order_key(l);
+                    if ((key & mask) == prefix && within(key, (uint32_t)i, r.ck, r.ci)) {
+                        valid = true;
+                        bin = (key >> shift) & 255u;
+                        v = what == MASS ? mass_of(weight(r, l)) : 1;
+                    }
+                }
+            }
+            unsigned active = __ballot_sync(FULL, valid);
+            while (active) {
+                const int leader = __ffs(active) - 1;
+                const uint32_t b = __shfl_sync(FULL, bin, leader);
+                const bool mine = valid && bin == b;
+                const u64 sum = warp_sum_u64(mine ? v : 0);
+                if (lane == leader) atomicAdd(&hist[b], sum);
+                active &= ~__ballot_sync(FULL, mine);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 acc = before;
+            int d = 255;
+            for (; d > 0 && acc + hist[d] < need; --d) acc += hist[d];
+            digit_s = (uint32_t)d;
+            acc_s = acc;
+        }
+        __syncthreads();
+        prefix |= digit_s << shift;
+        mask |= 255u << shift;
+        before = acc_s;
+        __syncthreads();
+    }
+    *above = before;
+    return prefix;
 }
 
 // One block per row of `[rows, vocab]` f32 logits. `params` is `[rows, 5]`: 1/temperature
@@ -176,14 +275,14 @@ __device__ uint32_t nth_tied(const Row& row, uint32_t ck, uint32_t ci, unsigned 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f32(const float* __restrict__ logits, const float* __restrict__ params, uint32_t* __restrict__ out,
                int vocab) {
-    __shared__ unsigned long long hist[256];
-    __shared__ unsigned long long scan[SAMPLE_WARPS];
-    __shared__ float fscratch[SAMPLE_WARPS];
+    __shared__ u64 hist[256];
+    __shared__ u64 scratch[SAMPLE_WARPS];
     __shared__ unsigned int uscratch[SAMPLE_WARPS];
     const float* p = params + (size_t)blockIdx.x * 5;
     const float inv_t = p[0], top_p = p[2], min_p = p[3], u = p[4];
     const unsigned int top_k = (unsigned int)p[1];
-    Row row{logits + (size_t)blockIdx.x * vocab, vocab, inv_t, 0.0f};
+    const int chunk = ((vocab + SAMPLE_WARPS - 1) / SAMPLE_WARPS + 31) / 32 * 32;
+    Row row{logits + (size_t)blockIdx.x * vocab, vocab, chunk, inv_t, 0.0f, 0u, 0xffffffffu, 0.0f};
 
     // Largest finite logit (its key) and how many are finite.
     uint32_t kmax = 0;
@@ -193,138 +292,56 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         if (isfinite(l)) { kmax = max(kmax, order_key(l)); ++n; }
     }
     n = block_sum<unsigned int>(n, uscratch);
-    {
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, o));
-        if (threadIdx.x % 32 == 0) uscratch[threadIdx.x / 32] = kmax;
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            uint32_t v = uscratch[threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1) kmax = max(kmax, __shfl_xor_sync(FULL, kmax, o));
+    if (threadIdx.x % 32 == 0) uscratch[threadIdx.x / 32] = kmax;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        uint32_t v = uscratch[threadIdx.x];
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-            if (threadIdx.x == 0) uscratch[0] = v;
-        }
-        __syncthreads();
-        kmax = uscratch[0];
-        __syncthreads();
+        for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL, v, o));
+        if (threadIdx.x == 0) uscratch[0] = v;
     }
+    __syncthreads();
+    kmax = uscratch[0];
+    __syncthreads();
     if (n == 0) {
         if (threadIdx.x == 0) out[blockIdx.x] = 0u;
         return;
     }
     if (inv_t == 0.0f) {  // greedy: the largest logit, lowest id on ties
-        const uint32_t id = nth_tied(row, kmax, 0xffffffffu, 1, scan);
+        const uint32_t id = find_in_id_order(row, TIED, kmax, 0xffffffffu, 0, false, 0.f, nullptr, scratch);
         if (threadIdx.x == 0) out[blockIdx.x] = id;
         return;
     }
-    const uint32_t umax = (kmax & 0x80000000u) ? (kmax & 0x7fffffffu) : ~kmax;
-    row.m = __fmul_rn(__uint_as_float(umax), inv_t);
+    row.m = __fmul_rn(from_key(kmax), inv_t);
 
-    // The cut-off (ck, ci): an element is kept while at or before it in the order.
-    uint32_t ck = 0, ci = 0xffffffffu;
     if (top_k > 0 && top_k < n) {
-        // Radix select of the top_k-th largest key, 8 bits at a time.
-        uint32_t prefix = 0, mask = 0;
-        unsigned long long need = top_k;
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int d = threadIdx.x; d < 256; d += SAMPLE_THREADS) hist[d] = 0;
-            __syncthreads();
-            for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-                const float l = row.l[i];
-                if (!isfinite(l)) continue;
-                const uint32_t key = order_key(l);
-                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1ull);
-            }
-            __syncthreads();
-            __shared__ uint32_t digit;
-            __shared__ unsigned long long above;
-            if (threadIdx.x == 0) {
-                unsigned long long acc = 0;
-                int d = 255;
-                for (; d > 0 && acc + hist[d] < need; --d) acc += hist[d];
-                digit = (uint32_t)d;
-                above = acc;
-            }
-            __syncthreads();
-            prefix |= digit << shift;
-            mask |= 255u << shift;
-            need -= above;
-            __syncthreads();
-        }
-        ck = prefix;
-        ci = nth_tied(row, ck, 0xffffffffu, need, scan);
+        u64 above;
+        const uint32_t ck = radix_select(row, TIED, top_k, &above, hist);
+        // The (top_k - above)-th of the ids tied at ck closes the kept set.
+        row.ci = find_in_id_order(row, TIED, ck, 0xffffffffu, top_k - above - 1, false, 0.f, nullptr, scratch);
+        row.ck = ck;
     }
     if (top_p < 1.0f) {
-        unsigned long long mk = 0;
+        u64 mk = 0;
         for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
             const float l = row.l[i];
-            if (isfinite(l) && within(order_key(l), (uint32_t)i, ck, ci)) mk += mass_of(weight(row, l));
+            if (isfinite(l) && within(order_key(l), (uint32_t)i, row.ck, row.ci)) mk += mass_of(weight(row, l));
         }
-        mk = block_sum<unsigned long long>(mk, scan);
-        const unsigned long long target = (unsigned long long)ceil((double)top_p * (double)mk);
-        // Radix select on mass: the first element (in order) where the running mass reaches target.
-        uint32_t prefix = 0, mask = 0;
-        unsigned long long before = 0;
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int d = threadIdx.x; d < 256; d += SAMPLE_THREADS) hist[d] = 0;
-            __syncthreads();
-            for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-                const float l = row.l[i];
-                if (!isfinite(l)) continue;
-                const uint32_t key = order_key(l);
-                if ((key & mask) == prefix && within(key, (uint32_t)i, ck, ci))
-                    atomicAdd(&hist[(key >> shift) & 255u], mass_of(weight(row, l)));
-            }
-            __syncthreads();
-            __shared__ uint32_t digit;
-            __shared__ unsigned long long acc_s;
-            if (threadIdx.x == 0) {
-                unsigned long long acc = before;
-                int d = 255;
-                for (; d > 0 && acc + hist[d] < target; --d) acc += hist[d];
-                digit = (uint32_t)d;
-                acc_s = acc;
-            }
-            __syncthreads();
-            prefix |= digit << shift;
-            mask |= 255u << shift;
-            before = acc_s;
-            __syncthreads();
-        }
+        mk = block_sum<u64>(mk, scratch);
+        const u64 target = (u64)ceil((double)top_p * (double)mk);
+        u64 before;
+        const uint32_t ck = radix_select(row, MASS, target, &before, hist);
         // Ties at the cut-off key all weigh the same: take as many (in id order) as reach target.
-        const uint32_t uk = (prefix & 0x80000000u) ? (prefix & 0x7fffffffu) : ~prefix;
-        const unsigned long long q = mass_of(weight(row, __uint_as_float(uk)));
-        const unsigned long long r = q == 0 ? 1ull : (target - before + q - 1) / q;
-        const uint32_t cut_id = nth_tied(row, prefix, prefix == ck ? ci : 0xffffffffu, r, scan);
-        ck = prefix;
-        ci = cut_id;
+        const u64 q = mass_of(weight(row, from_key(ck)));
+        const u64 r = q == 0 ? 1ull : (target - before + q - 1) / q;
+        row.ci = find_in_id_order(row, TIED, ck, ck == row.ck ? row.ci : 0xffffffffu, r - 1, false, 0.f, nullptr, scratch);
+        row.ck = ck;
     }
-
     // The draw: x = floor(u * M) over the kept masses, the first id whose running mass passes x.
     // M > 0: the largest logit weighs 1 and survives every filter (min_p <= 1).
-    if (threadIdx.x == 0) out[blockIdx.x] = 0u;
-    const int seg = (vocab + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
-    const int lo = threadIdx.x * seg, hi = min(vocab, lo + seg);
-    unsigned long long c = 0;
-    for (int i = lo; i < hi; ++i) {
-        const float l = row.l[i];
-        if (!isfinite(l) || !within(order_key(l), (uint32_t)i, ck, ci)) continue;
-        const float w = weight(row, l);
-        if (w >= min_p) c += mass_of(w);
-    }
-    unsigned long long total;
-    const unsigned long long before = block_exclusive_scan(c, scan, &total);
-    unsigned long long x = (unsigned long long)floor((double)u * (double)total);
-    if (x >= total) x = total - 1;
-    if (before <= x && x < before + c) {
-        unsigned long long acc = before;
-        for (int i = lo; i < hi; ++i) {
-            const float l = row.l[i];
-            if (!isfinite(l) || !within(order_key(l), (uint32_t)i, ck, ci)) continue;
-            const float w = weight(row, l);
-            if (w < min_p) continue;
-            acc += mass_of(w);
-            if (x < acc) { out[blockIdx.x] = (uint32_t)i; break; }
-        }
-    }
+    row.min_p = min_p;
+    const uint32_t id = find_in_id_order(row, MASS, 0, 0, 0, true, u, nullptr, scratch);
+    if (threadIdx.x == 0) out[blockIdx.x] = id == 0xffffffffu ? 0u : id;
 }
