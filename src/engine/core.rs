@@ -256,8 +256,9 @@ impl Engine {
     /// On a GPU, when every sampled row draws from its logits as they are, each row's draw, for
     /// the device to pick the tokens (only their ids are copied back); None otherwise (the
     /// logits come to the host). Takes from each row's generator what host sampling would.
+    /// `IRIS_DEVICE_SAMPLING=0` sends every step's logits to the host (for comparisons).
     fn device_draws(&mut self, sample_rows: &[(SeqId, usize)]) -> Option<Vec<Draw>> {
-        if self.runner.device().is_cpu() {
+        if self.runner.device().is_cpu() || std::env::var("IRIS_DEVICE_SAMPLING").is_ok_and(|v| v == "0") {
             return None;
         }
         let plain = |id: &SeqId| self.scheduler.get(*id).is_some_and(|s| draws_plainly(&s.params, s.output.len()));
