@@ -138,12 +138,32 @@ template <typename T> __device__ T block_sum(T v, T* scratch) {
     return out;
 }
 
+// Calls f(i, l) for the ids of this warp's range in groups of 32 (lane i), eight groups loaded
+// before any is processed so that eight loads per lane are in flight (a pass is bound by load
+// latency otherwise). l is NaN past the range. f returns true to stop early; the groups' order
+// is the ids' order, and every lane of the warp takes part in every call.
+template <typename F> __device__ __forceinline__ void for_each_group(const Row& r, F f) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int lo = warp * r.chunk, hi = min(r.vocab, lo + r.chunk);
+    for (int base = lo; base < hi; base += 256) {
+        float lv[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = base + 32 * j + lane;
+            lv[j] = i < hi ? r.l[i] : __int_as_float(0x7fc00000);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (base + 32 * j >= hi) return;
+            if (f(base + 32 * j + lane, lv[j])) return;
+        }
+    }
+}
+
 // What a pass in id order adds up per element.
 enum Count { TIED, MASS };
 
-__device__ __forceinline__ u64 value_of(const Row& r, Count what, uint32_t tk, uint32_t tci, int i) {
-    if (i >= r.vocab) return 0;
-    const float l = r.l[i];
+__device__ __forceinline__ u64 value_of(const Row& r, Count what, uint32_t tk, uint32_t tci, int i, float l) {
     if (!isfinite(l)) return 0;
     const uint32_t key = order_key(l);
     if (what == TIED) return key == tk && (uint32_t)i <= tci;
@@ -158,9 +178,11 @@ __device__ __forceinline__ u64 value_of(const Row& r, Count what, uint32_t tk, u
 __device__ uint32_t find_in_id_order(const Row& r, Count what, uint32_t tk, uint32_t tci, u64 x, bool x_is_fraction,
                                      float u, u64* total, u64* wsum) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int lo = warp * r.chunk, hi = min(r.vocab, lo + r.chunk);
     u64 acc = 0;
-    for (int i = lo + lane; i < hi; i += 32) acc += value_of(r, what, tk, tci, i);
+    for_each_group(r, [&](int i, float l) {
+        acc += value_of(r, what, tk, tci, i, l);
+        return false;
+    });
     acc = warp_sum_u64(acc);
     __syncthreads();
     if (lane == 0) wsum[warp] = acc;
@@ -190,8 +212,8 @@ __device__ uint32_t find_in_id_order(const Row& r, Count what, uint32_t tk, uint
     if (warp == owner) {
         u64 b = before_s;
         const u64 want = target;
-        for (int base = lo; base < hi; base += 32) {
-            const u64 v = value_of(r, what, tk, tci, base + lane);
+        for_each_group(r, [&](int i, float l) {
+            const u64 v = value_of(r, what, tk, tci, i, l);
             u64 inc = v;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -201,11 +223,12 @@ __device__ uint32_t find_in_id_order(const Row& r, Count what, uint32_t tk, uint
             const bool hit = v > 0 && b + inc > want && b + inc - v <= want;
             const unsigned m = __ballot_sync(FULL, hit);
             if (m) {
-                if (lane == __ffs(m) - 1) found = (uint32_t)(base + lane);
-                break;
+                if (lane == __ffs(m) - 1) found = (uint32_t)i;
+                return true;
             }
             b += __shfl_sync(FULL, inc, 31);
-        }
+            return false;
+        });
     }
     __syncthreads();
     const uint32_t out = found;
@@ -217,8 +240,7 @@ __device__ uint32_t find_in_id_order(const Row& r, Count what, uint32_t tk, uint
 // matching the prefix so far: the digit where the running count (MASS: mass) from the largest
 // reaches `need`. Returns the full key; `*above` gets the count (mass) of keys above it.
 __device__ uint32_t radix_select(const Row& r, Count what, u64 need, u64* above, u64* hist) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int lo = warp * r.chunk, hi = min(r.vocab, lo + r.chunk);
+    const int lane = threadIdx.x % 32;
     uint32_t prefix = 0, mask = 0;
     u64 before = 0;
     __shared__ uint32_t digit_s;
@@ -226,20 +248,16 @@ __device__ uint32_t radix_select(const Row& r, Count what, u64 need, u64* above,
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int d = threadIdx.x; d < 256; d += SAMPLE_THREADS) hist[d] = 0;
         __syncthreads();
-        for (int base = lo; base < hi; base += 32) {
-            const int i = base + lane;
+        for_each_group(r, [&](int i, float l) {
             bool valid = false;
             uint32_t bin = 0;
             u64 v = 0;
-            if (i < hi) {
-                const float l = r.l[i];
-                if (isfinite(l)) {
-                    const uint32_t key = order_key(l);
-                    if ((key & mask) == prefix && within(key, (uint32_t)i, r.ck, r.ci)) {
-                        valid = true;
-                        bin = (key >> shift) & 255u;
-                        v = what == MASS ? mass_of(weight(r, l)) : 1;
-                    }
+            if (isfinite(l)) {
+                const uint32_t key = order_key(l);
+                if ((key & mask) == prefix && within(key, (uint32_t)i, r.ck, r.ci)) {
+                    valid = true;
+                    bin = (key >> shift) & 255u;
+                    v = what == MASS ? mass_of(weight(r, l)) : 1;
                 }
             }
             unsigned active = __ballot_sync(FULL, valid);
@@ -251,7 +269,8 @@ __device__ uint32_t radix_select(const Row& r, Count what, u64 need, u64* above,
                 if (lane == leader) atomicAdd(&hist[b], sum);
                 active &= ~__ballot_sync(FULL, mine);
             }
-        }
+            return false;
+        });
         __syncthreads();
         if (threadIdx.x == 0) {
             u64 acc = before;
@@ -287,10 +306,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     // Largest finite logit (its key) and how many are finite.
     uint32_t kmax = 0;
     unsigned int n = 0;
-    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-        const float l = row.l[i];
+    for_each_group(row, [&](int, float l) {
         if (isfinite(l)) { kmax = max(kmax, order_key(l)); ++n; }
-    }
+        return false;
+    });
     n = block_sum<unsigned int>(n, uscratch);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) kmax = max(kmax, __shfl_xor_sync(FULL, kmax, o));
@@ -325,10 +344,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
     if (top_p < 1.0f) {
         u64 mk = 0;
-        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-            const float l = row.l[i];
+        for_each_group(row, [&](int i, float l) {
             if (isfinite(l) && within(order_key(l), (uint32_t)i, row.ck, row.ci)) mk += mass_of(weight(row, l));
-        }
+            return false;
+        });
         mk = block_sum<u64>(mk, scratch);
         const u64 target = (u64)ceil((double)top_p * (double)mk);
         u64 before;
