@@ -63,7 +63,7 @@ impl Llama {
             layers,
             norm: RmsNorm::load(w, "model.norm.weight", h, eps, NormStyle::Plain)?,
             lm_head,
-            rotary: Rotary::new(&cfg.rope, cfg.head_dim, cfg.rope_layout),
+            rotary: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout),
             dtype: w.dtype(),
             device: w.device().clone(),
             cfg,
