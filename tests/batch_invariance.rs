@@ -150,8 +150,9 @@ fn gemma3_is_batch_invariant_with_turboquant() {
 /// Image and text requests to a vision-language model: eight requests (image prompts of one
 /// and two images, text prompts, repeated images) arriving at different steps, image prompts
 /// prefilled in chunks of at most 16 tokens that cut through their image-token runs, next to
-/// other sequences' decodes, with preemption; each gives exactly the tokens it gives alone.
-fn check_vl(name: &str) {
+/// other sequences' decodes, with preemption (`blocks` of 4 tokens are too few for all of
+/// them); each gives exactly the tokens it gives alone.
+fn check_vl(name: &str, blocks: usize) {
     use iris::engine::{ImageInput, Request};
     use iris::media::{decode_image, DecodeLimits};
 
@@ -217,7 +218,7 @@ fn check_vl(name: &str) {
         iris::kv::KvCacheSpec::bytes_per_token(&cfg, iris::kv::KvDtype::F32) * 4
     };
     let opts = EngineOptions {
-        kv_memory: Some(60 * bytes_per_block as u64),
+        kv_memory: Some((blocks * bytes_per_block) as u64),
         block_size: 4,
         max_num_batched_tokens: 16,
         max_num_seqs: 6,
@@ -238,10 +239,157 @@ fn check_vl(name: &str) {
 
 #[test]
 fn qwen2_vl_is_batch_invariant() {
-    check_vl("tiny-qwen2-vl");
+    check_vl("tiny-qwen2-vl", 60);
 }
 
 #[test]
 fn qwen2_5_vl_is_batch_invariant() {
-    check_vl("tiny-qwen2.5-vl");
+    check_vl("tiny-qwen2.5-vl", 60);
+}
+
+#[test]
+fn glm4v_moe_is_batch_invariant() {
+    check_vl("tiny-glm4v-moe", 40);
+}
+
+#[test]
+fn glm4v_is_batch_invariant() {
+    check_vl("tiny-glm4v", 40);
+}
+
+/// The bug vllm-mlx patched in GLM-4.6V at run time: every layer's rotary positions came from
+/// one cache offset shared by the whole batch. Here sequences of different lengths (an image
+/// prompt and two text prompts) are prefilled alone and then decoded together, one row each
+/// per step, straight through the model: with each sequence's own positions they give exactly
+/// the tokens the engine gives each alone; with positions from a batch-wide offset (the helper
+/// below) they do not, so this test would catch that bug.
+#[test]
+fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
+    use candle_core::{DType, Device, Tensor};
+    use iris::batch::{Batch, ImageRows, Positions, SeqSlice};
+    use iris::engine::{ImageInput, Request};
+    use iris::kv::{KvCache, KvCacheSpec, KvDtype};
+    use iris::media::{decode_image, DecodeLimits};
+    use iris::models::PromptPositions;
+
+    const NAME: &str = "tiny-glm4v-moe";
+    const STEPS: usize = 8;
+    let path = fixture(NAME);
+    let m = iris::loader::load(&path, &Device::Cpu, DType::F32).unwrap();
+    let vision = m.vision.clone().unwrap();
+    let r = reference(NAME);
+    let j = reference_json(NAME);
+    let image_prompt = ids(&r["single.input_ids"]);
+    let file = j["cases"]["single"]["images"][0].as_str().unwrap();
+    let bytes = std::fs::read(path.join(file)).unwrap();
+    let pixels = vision.preprocess(&decode_image(&bytes, &DecodeLimits::default()).unwrap()).unwrap();
+    let text = prompts(m.config().vocab_size as u32 - 64);
+    // (prompt, its positions and image embeddings when it has an image)
+    struct Seq {
+        prompt: Vec<u32>,
+        mm: Option<(PromptPositions, Tensor)>,
+    }
+    let seqs = vec![
+        Seq {
+            mm: Some((vision.prompt_positions(&image_prompt, &[&pixels]).unwrap(), vision.encode(&pixels).unwrap())),
+            prompt: image_prompt.clone(),
+        },
+        Seq { prompt: text[1].clone(), mm: None },
+        Seq { prompt: text[3].clone(), mm: None },
+    ];
+    assert!(seqs[0].mm.as_ref().unwrap().0.delta < 0, "the image prompt's positions run behind its length");
+    // The correct rule: a sequence's own positions, later tokens at index + its own delta.
+    let own = |s: &Seq, index: usize, _batch_offset: usize| -> [u32; 3] {
+        match &s.mm {
+            Some((p, _)) => p.positions.get(index).copied().unwrap_or([(index as i64 + p.delta) as u32; 3]),
+            None => [index as u32; 3],
+        }
+    };
+    // The bug: one offset for the whole batch (its longest cache), each sequence's delta added.
+    let batch_wide = |s: &Seq, _index: usize, batch_offset: usize| -> [u32; 3] {
+        let delta = s.mm.as_ref().map_or(0, |(p, _)| p.delta);
+        [(batch_offset as i64 + delta) as u32; 3]
+    };
+
+    let decode_together = |position: &dyn Fn(&Seq, usize, usize) -> [u32; 3]| -> Vec<Vec<u32>> {
+        let bs = 4;
+        let per_seq = (seqs.iter().map(|s| s.prompt.len()).max().unwrap() + STEPS).div_ceil(bs);
+        let spec = KvCacheSpec { block_size: bs, num_blocks: per_seq * seqs.len(), dtype: KvDtype::F32 };
+        let kv = KvCache::new(m.config(), spec, &Device::Cpu).unwrap();
+        let tables: Vec<Vec<u32>> =
+            (0..seqs.len()).map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).rev().collect()).collect();
+        let argmax = |hidden: &Tensor| -> Vec<u32> {
+            let logits: Vec<Vec<f32>> = m.model.logits(hidden).unwrap().to_vec2().unwrap();
+            logits
+                .iter()
+                .map(|row| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32)
+                .collect()
+        };
+        // Prefill each prompt alone, with its own positions.
+        let mut tokens: Vec<Vec<u32>> = Vec::new();
+        for (s, table) in seqs.iter().zip(&tables) {
+            let n = s.prompt.len();
+            let slice = SeqSlice { q_start: 0, q_len: n, context_len: n, block_table: table.clone() };
+            let pos = Positions::MRope((0..n).map(|i| own(s, i, 0)).collect());
+            let images = s.mm.as_ref().map(|(_, e)| {
+                let image_token = vision.image_token_id();
+                let rows: Vec<u32> = (0..n as u32).filter(|&i| s.prompt[i as usize] == image_token).collect();
+                ImageRows::new(&rows, e.clone(), n).unwrap()
+            });
+            let batch = Batch::new(&Device::Cpu, bs, vec![slice], &s.prompt, pos, images).unwrap();
+            let hidden = m.model.forward(&batch, &kv, None).unwrap();
+            let mut t = s.prompt.clone();
+            t.extend(argmax(&hidden.narrow(0, n - 1, 1).unwrap()));
+            tokens.push(t);
+        }
+        // Then decode all of them in one batch per step.
+        for _ in 1..STEPS {
+            let offset = tokens.iter().map(|t| t.len() - 1).max().unwrap();
+            let slices: Vec<SeqSlice> = tokens
+                .iter()
+                .zip(&tables)
+                .enumerate()
+                .map(|(i, (t, table))| SeqSlice {
+                    q_start: i,
+                    q_len: 1,
+                    context_len: t.len(),
+                    block_table: table.clone(),
+                })
+                .collect();
+            let last: Vec<u32> = tokens.iter().map(|t| *t.last().unwrap()).collect();
+            let pos =
+                Positions::MRope(seqs.iter().zip(&tokens).map(|(s, t)| position(s, t.len() - 1, offset)).collect());
+            let batch = Batch::new(&Device::Cpu, bs, slices, &last, pos, None).unwrap();
+            let next = argmax(&m.model.forward(&batch, &kv, None).unwrap());
+            for (t, n) in tokens.iter_mut().zip(next) {
+                t.push(n);
+            }
+        }
+        tokens.iter().zip(&seqs).map(|(t, s)| t[s.prompt.len()..].to_vec()).collect()
+    };
+
+    let solo: Vec<Vec<u32>> = seqs
+        .iter()
+        .map(|s| {
+            let mut e =
+                engine_with(&path, EngineOptions { kv_memory: Some(1 << 20), block_size: 4, ..Default::default() });
+            let images = if s.mm.is_some() { vec![ImageInput::new(pixels.clone())] } else { vec![] };
+            let id = e
+                .add_request_with_images(Request { prompt_tokens: s.prompt.clone(), params: greedy(STEPS) }, images)
+                .unwrap();
+            let mut out = Vec::new();
+            while e.has_work() {
+                out.extend(
+                    e.step().unwrap().into_iter().filter(|u| u.id == id).filter_map(|u| u.token.map(|t| t.token)),
+                );
+            }
+            out
+        })
+        .collect();
+    assert_eq!(solo[0], ids(&r["single.generated_ids"])[..STEPS], "the engine alone gives transformers' tokens");
+    assert_eq!(decode_together(&own), solo, "per-sequence positions: each sequence gives its solo tokens");
+    let wrong = decode_together(&batch_wide);
+    assert_ne!(wrong, solo, "positions from a batch-wide offset must change some sequence's tokens");
+    // The longest sequence's positions are right either way; the others go wrong.
+    assert_eq!(wrong[2], solo[2], "the sequence whose cache sets the offset is unaffected");
 }
