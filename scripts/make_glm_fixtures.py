@@ -298,7 +298,9 @@ def build_one(name, out_root, seed, init_std, perturb):
     if name == "glm4v_moe":
         per_expert = 3 * tc.hidden_size * tc.moe_intermediate_size
         moe_layers = tc.num_hidden_layers - tc.first_k_dense_replace
-        info["n_active_params"] = info["n_params"] - moe_layers * (tc.n_routed_experts - tc.num_experts_per_tok) * per_expert
+        # the language model's parameters one token computes with (the vision tower runs per image)
+        info["n_active_text_params"] = (info["n_params"] - info["n_vision_params"]
+                                        - moe_layers * (tc.n_routed_experts - tc.num_experts_per_tok) * per_expert)
     with open(os.path.join(out_dir, "reference.json"), "w") as fh:
         json.dump(info, fh, indent=1, ensure_ascii=False)
         fh.write("\n")
