@@ -258,11 +258,12 @@ fn glm4v_is_batch_invariant() {
 }
 
 /// The bug vllm-mlx patched in GLM-4.6V at run time: every layer's rotary positions came from
-/// one cache offset shared by the whole batch. Here sequences of different lengths (an image
-/// prompt and two text prompts) are prefilled alone and then decoded together, one row each
-/// per step, straight through the model: with each sequence's own positions they give exactly
-/// the tokens the engine gives each alone; with positions from a batch-wide offset (the helper
-/// below) they do not, so this test would catch that bug.
+/// one cache offset shared by the whole batch. Here an image prompt and two text prompts of
+/// other lengths join at different steps and run straight through the model, each step one
+/// batch holding the joining prompts' prefill rows next to the running sequences' decode rows.
+/// With each sequence's own positions they give exactly the tokens the engine gives each alone;
+/// with decode positions from a batch-wide offset (the helper below) they do not, so this test
+/// would catch that bug.
 #[test]
 fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
     use candle_core::{DType, Device, Tensor};
@@ -284,18 +285,21 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
     let bytes = std::fs::read(path.join(file)).unwrap();
     let pixels = vision.preprocess(&decode_image(&bytes, &DecodeLimits::default()).unwrap()).unwrap();
     let text = prompts(m.config().vocab_size as u32 - 64);
-    // (prompt, its positions and image embeddings when it has an image)
     struct Seq {
         prompt: Vec<u32>,
+        /// Its positions and image embeddings, when it has an image.
         mm: Option<(PromptPositions, Tensor)>,
+        /// The step at which it joins.
+        joins: usize,
     }
     let seqs = vec![
         Seq {
             mm: Some((vision.prompt_positions(&image_prompt, &[&pixels]).unwrap(), vision.encode(&pixels).unwrap())),
             prompt: image_prompt.clone(),
+            joins: 0,
         },
-        Seq { prompt: text[1].clone(), mm: None },
-        Seq { prompt: text[3].clone(), mm: None },
+        Seq { prompt: text[1].clone(), mm: None, joins: 2 },
+        Seq { prompt: text[3].clone(), mm: None, joins: 3 },
     ];
     assert!(seqs[0].mm.as_ref().unwrap().0.delta < 0, "the image prompt's positions run behind its length");
     // The correct rule: a sequence's own positions, later tokens at index + its own delta.
@@ -311,59 +315,65 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
         [(batch_offset as i64 + delta) as u32; 3]
     };
 
-    let decode_together = |position: &dyn Fn(&Seq, usize, usize) -> [u32; 3]| -> Vec<Vec<u32>> {
+    // Runs all sequences to STEPS new tokens; `decode_position` places the decode rows (prefill
+    // rows always take their own positions: the bug was in decoding).
+    let run_together = |decode_position: &dyn Fn(&Seq, usize, usize) -> [u32; 3]| -> Vec<Vec<u32>> {
         let bs = 4;
         let per_seq = (seqs.iter().map(|s| s.prompt.len()).max().unwrap() + STEPS).div_ceil(bs);
         let spec = KvCacheSpec { block_size: bs, num_blocks: per_seq * seqs.len(), dtype: KvDtype::F32 };
         let kv = KvCache::new(m.config(), spec, &Device::Cpu).unwrap();
         let tables: Vec<Vec<u32>> =
             (0..seqs.len()).map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).rev().collect()).collect();
-        let argmax = |hidden: &Tensor| -> Vec<u32> {
-            let logits: Vec<Vec<f32>> = m.model.logits(hidden).unwrap().to_vec2().unwrap();
-            logits
-                .iter()
-                .map(|row| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32)
-                .collect()
-        };
-        // Prefill each prompt alone, with its own positions.
-        let mut tokens: Vec<Vec<u32>> = Vec::new();
-        for (s, table) in seqs.iter().zip(&tables) {
-            let n = s.prompt.len();
-            let slice = SeqSlice { q_start: 0, q_len: n, context_len: n, block_table: table.clone() };
-            let pos = Positions::MRope((0..n).map(|i| own(s, i, 0)).collect());
-            let images = s.mm.as_ref().map(|(_, e)| {
-                let image_token = vision.image_token_id();
-                let rows: Vec<u32> = (0..n as u32).filter(|&i| s.prompt[i as usize] == image_token).collect();
-                ImageRows::new(&rows, e.clone(), n).unwrap()
-            });
-            let batch = Batch::new(&Device::Cpu, bs, vec![slice], &s.prompt, pos, images).unwrap();
-            let hidden = m.model.forward(&batch, &kv, None).unwrap();
-            let mut t = s.prompt.clone();
-            t.extend(argmax(&hidden.narrow(0, n - 1, 1).unwrap()));
-            tokens.push(t);
-        }
-        // Then decode all of them in one batch per step.
-        for _ in 1..STEPS {
-            let offset = tokens.iter().map(|t| t.len() - 1).max().unwrap();
-            let slices: Vec<SeqSlice> = tokens
-                .iter()
-                .zip(&tables)
-                .enumerate()
-                .map(|(i, (t, table))| SeqSlice {
-                    q_start: i,
-                    q_len: 1,
-                    context_len: t.len(),
-                    block_table: table.clone(),
-                })
-                .collect();
-            let last: Vec<u32> = tokens.iter().map(|t| *t.last().unwrap()).collect();
-            let pos =
-                Positions::MRope(seqs.iter().zip(&tokens).map(|(s, t)| position(s, t.len() - 1, offset)).collect());
-            let batch = Batch::new(&Device::Cpu, bs, slices, &last, pos, None).unwrap();
-            let next = argmax(&m.model.forward(&batch, &kv, None).unwrap());
-            for (t, n) in tokens.iter_mut().zip(next) {
-                t.push(n);
+        let mut tokens: Vec<Vec<u32>> = seqs.iter().map(|s| s.prompt.clone()).collect();
+        let mut step = 0;
+        while tokens.iter().zip(&seqs).any(|(t, s)| t.len() < s.prompt.len() + STEPS) {
+            // This step's rows: whole prompts of the sequences joining now, one decode row of
+            // every other running, unfinished sequence.
+            let (mut rows, mut slices, mut positions, mut image_rows, mut embeds, mut sample) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let decoding = |i: usize| seqs[i].joins < step && tokens[i].len() < seqs[i].prompt.len() + STEPS;
+            let offset = (0..seqs.len()).filter(|&i| decoding(i)).map(|i| tokens[i].len() - 1).max().unwrap_or(0);
+            for (i, s) in seqs.iter().enumerate() {
+                let range = if s.joins == step {
+                    0..s.prompt.len()
+                } else if decoding(i) {
+                    tokens[i].len() - 1..tokens[i].len()
+                } else {
+                    continue;
+                };
+                let q_start = rows.len();
+                for index in range.clone() {
+                    rows.push(tokens[i][index]);
+                    positions.push(if s.joins == step {
+                        own(s, index, offset)
+                    } else {
+                        decode_position(s, index, offset)
+                    });
+                    if let Some((_, e)) = s.mm.as_ref().filter(|_| s.joins == step) {
+                        let image_token = vision.image_token_id();
+                        if tokens[i][index] == image_token {
+                            // the k-th image token of the prompt takes embedding row k
+                            let k = tokens[i][..index].iter().filter(|&&t| t == image_token).count();
+                            image_rows.push(rows.len() as u32 - 1);
+                            embeds.push(e.narrow(0, k, 1).unwrap());
+                        }
+                    }
+                }
+                let slice =
+                    SeqSlice { q_start, q_len: range.len(), context_len: range.end, block_table: tables[i].clone() };
+                slices.push(slice);
+                sample.push((i, rows.len() - 1));
             }
+            let images = (!image_rows.is_empty())
+                .then(|| ImageRows::new(&image_rows, Tensor::cat(&embeds, 0).unwrap(), rows.len()).unwrap());
+            let batch = Batch::new(&Device::Cpu, bs, slices, &rows, Positions::MRope(positions), images).unwrap();
+            let hidden = m.model.forward(&batch, &kv, None).unwrap();
+            for (i, row) in sample {
+                let logits: Vec<f32> =
+                    m.model.logits(&hidden.narrow(0, row, 1).unwrap()).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+                tokens[i].push(logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32);
+            }
+            step += 1;
         }
         tokens.iter().zip(&seqs).map(|(t, s)| t[s.prompt.len()..].to_vec()).collect()
     };
@@ -387,9 +397,7 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
         })
         .collect();
     assert_eq!(solo[0], ids(&r["single.generated_ids"])[..STEPS], "the engine alone gives transformers' tokens");
-    assert_eq!(decode_together(&own), solo, "per-sequence positions: each sequence gives its solo tokens");
-    let wrong = decode_together(&batch_wide);
+    assert_eq!(run_together(&own), solo, "per-sequence positions: each sequence gives its solo tokens");
+    let wrong = run_together(&batch_wide);
     assert_ne!(wrong, solo, "positions from a batch-wide offset must change some sequence's tokens");
-    // The longest sequence's positions are right either way; the others go wrong.
-    assert_eq!(wrong[2], solo[2], "the sequence whose cache sets the offset is unaffected");
 }
