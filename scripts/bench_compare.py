@@ -393,9 +393,9 @@ def machine_info(a) -> dict:
             flags = set(line.split(":", 1)[1].split())
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    bin_dir = Path(a.iris_bin).resolve().parent
-    commit = sh(["git", "rev-parse", "--short", "HEAD"], cwd=bin_dir)
-    dirty = sh(["git", "status", "--porcelain", "--untracked-files=no"], cwd=bin_dir)
+    # The binary may live in any CARGO_TARGET_DIR; the source it was built from is this checkout.
+    commit = sh(["git", "rev-parse", "--short", "HEAD"], cwd=REPO)
+    dirty = sh(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO)
     sysinfo = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     return {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),

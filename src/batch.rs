@@ -37,6 +37,62 @@ pub struct AttentionMeta {
     pub row_seq: Vec<u32>,
     /// Per sequence, its float-window ring in a TurboQuant cache (empty when there is none).
     pub window_rings: Vec<u32>,
+    /// The same metadata in device memory, for kernels that run there (`upload`); None on CPU.
+    pub device: Option<DeviceAttentionMeta>,
+}
+
+/// A slot that means "do not store this row": padding rows (CUDA graphs run fixed batch sizes),
+/// rows that leave a float window.
+pub const NO_SLOT: u32 = u32::MAX;
+
+/// Sequences computing at least this many rows in a step are prompt chunks: on a GPU their
+/// attention runs in tiles of rows (`MetaLayout::tiles`) with tensor cores.
+pub const PREFILL_MIN_ROWS: usize = 16;
+/// Rows per prompt-chunk tile.
+pub const PREFILL_TILE_ROWS: usize = 64;
+
+/// Where each part of a step's metadata sits in its device copy (u32 offsets): `slot_mapping
+/// [rows]` at 0, `row_seq [rows]`, `positions [rows]`, per sequence `(q_start, q_len,
+/// context_len, offset of its block table)` `[4 seqs]`, the prompt-chunk tiles `(sequence,
+/// first row)` `[2 num_tiles]`, then the block tables end to end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetaLayout {
+    pub rows: usize,
+    pub row_seq: usize,
+    pub positions: usize,
+    pub seq_info: usize,
+    pub tiles: usize,
+    pub num_tiles: usize,
+    pub block_tables: usize,
+}
+
+impl MetaLayout {
+    pub fn new(rows: usize, seqs: usize, num_tiles: usize) -> Self {
+        let tiles = 3 * rows + 4 * seqs;
+        MetaLayout {
+            rows,
+            row_seq: rows,
+            positions: 2 * rows,
+            seq_info: 3 * rows,
+            tiles,
+            num_tiles,
+            block_tables: tiles + 2 * num_tiles,
+        }
+    }
+}
+
+/// A step's attention metadata in device memory (one u32 tensor laid out as `layout` says).
+#[derive(Debug, Clone)]
+pub struct DeviceAttentionMeta {
+    pub data: Tensor,
+    pub layout: MetaLayout,
+}
+
+impl DeviceAttentionMeta {
+    /// Each row's position, `[rows]` u32 on the device.
+    pub fn positions(&self) -> candle_core::Result<Tensor> {
+        self.data.narrow(0, self.layout.positions, self.layout.rows)
+    }
 }
 
 impl AttentionMeta {
@@ -51,11 +107,68 @@ impl AttentionMeta {
                 row_seq.push(i as u32);
             }
         }
-        AttentionMeta { block_size, seqs, slot_mapping, row_seq, window_rings: Vec::new() }
+        AttentionMeta {
+            block_size,
+            seqs,
+            slot_mapping,
+            row_seq,
+            window_rings: Vec::new(),
+            device: None,
+        }
+    }
+
+    /// Copies the metadata to `device` for the kernels there; nothing to do on the CPU.
+    pub fn upload(&mut self, device: &Device) -> candle_core::Result<()> {
+        if device.is_cpu() {
+            return Ok(());
+        }
+        let layout = MetaLayout::new(self.num_rows(), self.seqs.len(), self.prefill_tiles().count());
+        let data = Tensor::new(self.packed(&layout).as_slice(), device)?;
+        self.device = Some(DeviceAttentionMeta { data, layout });
+        Ok(())
+    }
+
+    /// The metadata laid out as `layout`, which may have more rows and sequences than this
+    /// step: those are padding (slot NO_SLOT, position 0, each its own sequence with a context
+    /// of one token in block 0, whose table entry follows the real tables).
+    pub fn packed(&self, layout: &MetaLayout) -> Vec<u32> {
+        let t = self.num_rows();
+        let pad_seqs = (layout.tiles - layout.seq_info) / 4 - self.seqs.len();
+        let tables: usize = self.seqs.iter().map(|s| s.block_table.len()).sum();
+        let mut data = Vec::with_capacity(layout.block_tables + tables + 1);
+        data.extend_from_slice(&self.slot_mapping);
+        data.resize(layout.row_seq, NO_SLOT);
+        data.extend_from_slice(&self.row_seq);
+        data.extend((0..layout.rows - t).map(|p| (self.seqs.len() + p) as u32));
+        for s in &self.seqs {
+            data.extend((s.first_position()..s.context_len).map(|p| p as u32));
+        }
+        data.resize(layout.seq_info, 0);
+        let mut offset = 0;
+        for s in &self.seqs {
+            data.extend([s.q_start, s.q_len, s.context_len, offset].map(|v| v as u32));
+            offset += s.block_table.len();
+        }
+        for p in 0..pad_seqs {
+            data.extend([(t + p) as u32, 1, 1, tables as u32]);
+        }
+        data.extend(self.prefill_tiles().take(layout.num_tiles).flat_map(|(s, r)| [s as u32, r as u32]));
+        for s in &self.seqs {
+            data.extend_from_slice(&s.block_table);
+        }
+        data.push(0);
+        data
     }
 
     pub fn num_rows(&self) -> usize {
         self.slot_mapping.len()
+    }
+
+    /// `(sequence, first row)` of every tile of PREFILL_TILE_ROWS rows of the prompt chunks.
+    pub fn prefill_tiles(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.seqs.iter().enumerate().filter(|(_, s)| s.q_len >= PREFILL_MIN_ROWS).flat_map(|(i, s)| {
+            (s.q_start..s.q_start + s.q_len).step_by(PREFILL_TILE_ROWS).map(move |r| (i, r))
+        })
     }
 }
 
@@ -105,6 +218,12 @@ impl ImageRows {
         Ok(ImageRows { source, embeds })
     }
 
+    fn to_device(&mut self, device: &Device) -> candle_core::Result<()> {
+        self.source = self.source.to_device(device)?;
+        self.embeds = self.embeds.to_device(device)?;
+        Ok(())
+    }
+
     /// Token embeddings `[T, hidden]` with the image rows replaced.
     pub fn merge(&self, token_embeds: &Tensor) -> candle_core::Result<Tensor> {
         let embeds = self.embeds.to_dtype(token_embeds.dtype())?;
@@ -130,7 +249,8 @@ impl Batch {
         seqs: Vec<SeqSlice>,
         tokens: &[u32],
     ) -> candle_core::Result<Self> {
-        let attn = AttentionMeta::new(block_size, seqs);
+        let mut attn = AttentionMeta::new(block_size, seqs);
+        attn.upload(device)?;
         if tokens.len() != attn.num_rows() {
             candle_core::bail!("batch has {} tokens for {} scheduled rows", tokens.len(), attn.num_rows());
         }
@@ -147,7 +267,8 @@ impl Batch {
         positions: Positions,
         images: Option<ImageRows>,
     ) -> candle_core::Result<Self> {
-        let attn = AttentionMeta::new(block_size, seqs);
+        let mut attn = AttentionMeta::new(block_size, seqs);
+        attn.upload(device)?;
         if tokens.len() != attn.num_rows() || positions.len() != attn.num_rows() {
             candle_core::bail!(
                 "batch has {} tokens and {} positions for {} scheduled rows",
@@ -169,5 +290,15 @@ impl Batch {
 
     pub fn num_rows(&self) -> usize {
         self.attn.num_rows()
+    }
+
+    /// Moves a batch built on the host to `device`: the token ids, any image rows and the
+    /// attention metadata.
+    pub fn to_device(&mut self, device: &Device) -> candle_core::Result<()> {
+        self.token_ids = self.token_ids.to_device(device)?;
+        if let Some(img) = &mut self.images {
+            img.to_device(device)?;
+        }
+        self.attn.upload(device)
     }
 }

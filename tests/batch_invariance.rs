@@ -43,6 +43,7 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
 }
 
 fn check(name: &str, quant: Quant) {
+    let _gpu = gpu_lock();
     let path = fixture(name);
     let vocab = iris::loader::read_config(&path).unwrap().1.vocab_size as u32;
     let ps = prompts(vocab);

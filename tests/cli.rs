@@ -540,7 +540,9 @@ fn bad_flags() {
         &generate_args(m, &["--kv-cache-memory", "1MiB", "--max-model-len", "100000"]),
         &["--max-model-len", "100000"],
     );
-    expect_error(&generate_args(m, &["--device", "cuda"]), &["--device", "cuda"]);
+    // No GPU 99 anywhere; without --features cuda any cuda device is refused the same way.
+    expect_error(&generate_args(m, &["--device", "cuda:99"]), &["--device", "cuda:99"]);
+    expect_error(&generate_args(m, &["--device", "cuda:x"]), &["--device", "cuda:x"]);
     expect_error(&generate_args(m, &["--device", "tpu"]), &["--device", "tpu"]);
     expect_error(&generate_args(m, &["--block-size", "0"]), &["block"]);
     expect_error(&generate_args(m, &["--max-num-seqs", "0"]), &["max-num-seqs"]);

@@ -4,7 +4,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use common::*;
 use iris::batch::{Batch, SeqSlice};
 use iris::engine::build::EngineOptions;
@@ -16,11 +16,12 @@ const TOL: f32 = 1e-4;
 /// Runs `tokens` through the model in chunks of `chunk` tokens (one sequence), returning
 /// the concatenated final hidden states and, for a single chunk, the taps.
 fn forward_chunked(name: &str, tokens: &[u32], chunk: usize) -> (Tensor, Tensor, Taps) {
-    let loaded = iris::loader::load(&fixture(name), &Device::Cpu, DType::F32).unwrap();
+    let dev = device();
+    let loaded = iris::loader::load(&fixture(name), &dev, DType::F32).unwrap();
     let cfg = loaded.config().clone();
     let bs = 4;
     let spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs) + 2, dtype: KvDtype::F32 };
-    let kv = KvCache::new(&cfg, spec, &Device::Cpu).unwrap();
+    let kv = KvCache::new(&cfg, spec, &dev).unwrap();
     // Deliberately non-contiguous, reversed block order: paging must not assume adjacency.
     let table: Vec<u32> = (0..spec.num_blocks as u32).rev().collect();
     let mut taps = Taps::default();
@@ -29,7 +30,7 @@ fn forward_chunked(name: &str, tokens: &[u32], chunk: usize) -> (Tensor, Tensor,
     while start < tokens.len() {
         let n = chunk.min(tokens.len() - start);
         let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
-        let batch = Batch::from_tokens(&Device::Cpu, bs, vec![seq], &tokens[start..start + n]).unwrap();
+        let batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
         let t = if chunk >= tokens.len() { Some(&mut taps) } else { None };
         hidden.push(loaded.model.forward(&batch, &kv, t).unwrap());
         start += n;
@@ -40,6 +41,7 @@ fn forward_chunked(name: &str, tokens: &[u32], chunk: usize) -> (Tensor, Tensor,
 }
 
 fn check_layers(name: &str) {
+    let _gpu = gpu_lock();
     let r = reference(name);
     let tokens = ids(&r["text.input_ids"]);
     let (hidden, logits, taps) = forward_chunked(name, &tokens, usize::MAX);
@@ -67,6 +69,7 @@ fn check_layers(name: &str) {
 }
 
 fn check_greedy(name: &str) {
+    let _gpu = gpu_lock();
     let r = reference(name);
     let mut engine = engine_with(&fixture(name), EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
     for key in ["text", "chat"] {

@@ -38,8 +38,9 @@ pub struct EngineArgs {
     /// weights stay quantized whatever this says.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
-    /// Device: cpu (this build has no GPU support compiled in unless built with --features cuda).
-    #[arg(long, default_value = "cpu")]
+    /// Device: cpu, cuda, cuda:N, or auto (the first CUDA GPU when this binary was built with
+    /// --features cuda and one is present, else cpu).
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// KV cache storage: auto (the compute dtype), f32, bf16 or f16; or TurboQuant codes,
     /// tq-kXvY, with X bits per coordinate for keys and Y for values (2, 3 or 4 each, e.g.
@@ -56,7 +57,8 @@ pub struct EngineArgs {
     /// count from the end), e.g. 0,-1 for the first and the last.
     #[arg(long, allow_hyphen_values = true)]
     pub kv_skip_layers: Option<String>,
-    /// Memory for the KV cache, e.g. 2GiB, 512MiB, 1e9. Default: a quarter of RAM, capped at
+    /// Memory for the KV cache, e.g. 2GiB, 512MiB, 1e9. Default: a quarter of RAM (on a GPU: its
+    /// free memory less a tenth of its total), capped at
     /// what max-num-seqs sequences of max-model-len tokens can use.
     #[arg(long)]
     pub kv_cache_memory: Option<String>,
@@ -76,13 +78,7 @@ pub struct EngineArgs {
 
 impl EngineArgs {
     pub fn device(&self) -> anyhow::Result<Device> {
-        match self.device.as_str() {
-            "cpu" => Ok(Device::Cpu),
-            d if d.starts_with("cuda") => {
-                bail!("--device {d}: this iris binary was built without CUDA support (build with --features cuda)")
-            }
-            d => bail!("--device {d}: unknown device (use cpu)"),
-        }
+        Ok(crate::device::open(&self.device)?)
     }
 
     pub fn options(&self) -> anyhow::Result<EngineOptions> {

@@ -21,7 +21,7 @@ pub struct EngineOptions {
     pub kv_float_window: usize,
     /// With `kv_quant`: layers that keep a float cache (negative indices count from the end).
     pub kv_skip_layers: Vec<i64>,
-    /// None: a share of RAM (see `default_kv_budget`).
+    /// None: a share of the device's memory (see `default_kv_budget`).
     pub kv_memory: Option<u64>,
     pub block_size: usize,
     pub max_num_batched_tokens: usize,
@@ -101,8 +101,13 @@ impl StartupReport {
     }
 }
 
-/// A quarter of physical memory, or 4 GiB if that cannot be read.
-pub fn default_kv_budget() -> u64 {
+/// On a GPU: its free memory (weights already loaded) less a tenth of its total (at least
+/// 2 GiB) for a step's activations. On the CPU: a quarter of physical memory, or 4 GiB if that
+/// cannot be read.
+pub fn default_kv_budget(device: &Device) -> u64 {
+    if let Some((free, total)) = crate::device::memory_info(device) {
+        return free.saturating_sub((total / 10).max(2 << 30));
+    }
     let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
         s.lines()
             .find(|l| l.starts_with("MemTotal:"))
@@ -121,6 +126,11 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     let cfg = loaded.config().clone();
     let kv_dtype = opts.kv_dtype.or_else(|| KvDtype::from_dtype(opts.dtype)).unwrap_or(KvDtype::F32);
     let tq = match opts.kv_quant {
+        Some(_) if !device.is_cpu() => {
+            return Err(BuildError::Setting(
+                "TurboQuant KV caches (--kv-cache-dtype tq-*) run on the CPU only in this version; use --device cpu or a float --kv-cache-dtype".into(),
+            ))
+        }
         Some(bits) => Some(TqSpec {
             bits,
             skip_layers: resolve_layers(&opts.kv_skip_layers, cfg.num_layers)?,
@@ -143,7 +153,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     // No need to reserve more than every sequence at full length could use.
     let useful = (per_token as u64) * (wanted_len as u64) * (opts.max_num_seqs as u64);
     let budget = opts.kv_memory.unwrap_or_else(|| {
-        default_kv_budget().min(useful.max(per_token as u64 * opts.block_size as u64) + window_bytes)
+        default_kv_budget(device).min(useful.max(per_token as u64 * opts.block_size as u64) + window_bytes)
     });
     if window_bytes >= budget {
         return Err(BuildError::Kv(format!(

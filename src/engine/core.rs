@@ -9,7 +9,8 @@ use super::detokenizer::IncrementalDetokenizer;
 use super::finish::FinishReason;
 use super::multimodal::{EmbedCache, ImageInput, MultiModalState};
 use super::request::{Request, RequestError, SeqUpdate};
-use super::sampler::{logprobs, Sampled};
+use super::runner::{StepOutput, StepRunner};
+use super::sampler::{logprobs, picks_raw_argmax, Sampled};
 use super::scheduler::{Plan, Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
 use super::stop::StopChecker;
@@ -49,11 +50,11 @@ pub struct Engine {
     vision: Option<Arc<dyn VisionModel>>,
     embed_cache: EmbedCache,
     kv: KvCache,
+    runner: StepRunner,
     scheduler: Scheduler,
     tokenizer: Arc<TextTokenizer>,
     text: HashMap<SeqId, TextState>,
     cfg: EngineConfig,
-    device: Device,
     next_id: u64,
     eos: Vec<u32>,
     pub stats: EngineStats,
@@ -74,16 +75,19 @@ impl Engine {
                 eos.push(id);
             }
         }
+        let max_blocks = cfg.max_model_len.div_ceil(cfg.scheduler.block_size);
+        let max_positions = model.config().max_position_embeddings.min(crate::layers::rotary::MAX_TABLE_POSITIONS);
+        let runner = StepRunner::new(device, cfg.scheduler.max_num_seqs, max_blocks, max_positions);
         Engine {
             model,
             vision: None,
             embed_cache: EmbedCache::new(EMBED_CACHE_BYTES),
             kv,
+            runner,
             scheduler,
             tokenizer,
             text: HashMap::new(),
             cfg,
-            device,
             next_id: 0,
             eos,
             stats: EngineStats::default(),
@@ -216,8 +220,17 @@ impl Engine {
         self.stats.steps += 1;
         self.encode_images(&plan)?;
         let (batch, sample_rows) = self.build_batch(&plan)?;
-        let hidden = self.model.forward(&batch, &self.kv, None)?;
-        self.record_prompt_logprobs(&plan, &hidden)?;
+        let rows: Vec<u32> = sample_rows.iter().map(|(_, r)| *r as u32).collect();
+        let out = if self.needs_plain_forward(&plan, &batch) {
+            let hidden = self.runner.forward(self.model.as_ref(), &self.kv, batch)?;
+            self.record_prompt_logprobs(&plan, &hidden)?;
+            self.runner.logits(self.model.as_ref(), &hidden, &rows)?
+        } else {
+            let argmax_ok = sample_rows.iter().all(|(id, _)| {
+                self.scheduler.get(*id).is_some_and(|s| picks_raw_argmax(&s.params, s.output.len()))
+            });
+            self.runner.run(self.model.as_ref(), &self.kv, batch, &rows, argmax_ok)?
+        };
         let mut updates = Vec::new();
         // Advance what was computed before sampling, whatever happens next.
         for &(id, n) in &plan.items {
@@ -231,11 +244,10 @@ impl Engine {
         if sample_rows.is_empty() {
             return Ok(updates);
         }
-        let rows: Vec<u32> = sample_rows.iter().map(|(_, r)| *r as u32).collect();
-        let rows = Tensor::new(rows.as_slice(), &self.device)?;
-        let logits = self.model.logits(&hidden.index_select(&rows, 0)?)?;
-        let mut logits: Vec<Vec<f32>> = logits.to_vec2()?;
-        let sampled = self.sample(&sample_rows, &mut logits);
+        let sampled = match out {
+            StepOutput::Logits(mut logits) => self.sample(&sample_rows, &mut logits),
+            StepOutput::Tokens(tokens) => tokens.into_iter().map(Sampled::greedy).collect(),
+        };
         for ((id, _), tok) in sample_rows.iter().zip(sampled) {
             updates.push(self.append_token(*id, tok));
         }
@@ -271,7 +283,17 @@ impl Engine {
         Ok(())
     }
 
-    /// Flattens the plan into one batch; returns which rows need next-token logits.
+    /// Steps the runner's fast paths (CUDA graphs, argmax on the device) do not cover go through
+    /// the model's plain forward pass: those with images or three-axis positions, and those in
+    /// which a sequence asks for prompt logprobs (which read the prefill rows' hidden states).
+    fn needs_plain_forward(&self, plan: &Plan, batch: &Batch) -> bool {
+        batch.images.is_some()
+            || matches!(batch.positions, Positions::MRope(_))
+            || plan.items.iter().any(|(id, _)| self.scheduler.get(*id).is_some_and(|s| s.params.prompt_logprobs.is_some()))
+    }
+
+    /// Flattens the plan into one batch on the host (the runner moves it to the device);
+    /// returns which rows need next-token logits.
     fn build_batch(&self, plan: &Plan) -> candle_core::Result<(Batch, Vec<(SeqId, usize)>)> {
         let mut tokens = Vec::with_capacity(plan.num_tokens());
         let mut slices = Vec::with_capacity(plan.items.len());
@@ -315,7 +337,8 @@ impl Engine {
         } else {
             Some(ImageRows::new(&image_rows, Tensor::cat(&image_embeds, 0)?, tokens.len())?)
         };
-        let mut batch = Batch::new(&self.device, self.scheduler.config().block_size, slices, &tokens, positions, images)?;
+        let block_size = self.scheduler.config().block_size;
+        let mut batch = Batch::new(&Device::Cpu, block_size, slices, &tokens, positions, images)?;
         batch.attn.window_rings = plan
             .items
             .iter()
@@ -349,7 +372,7 @@ impl Engine {
         }
         for chunk in rows.chunks(ROWS_AT_ONCE) {
             let idx: Vec<u32> = chunk.iter().map(|r| r.1).collect();
-            let idx = Tensor::new(idx.as_slice(), &self.device)?;
+            let idx = Tensor::new(idx.as_slice(), hidden.device())?;
             let logits: Vec<Vec<f32>> = self.model.logits(&hidden.index_select(&idx, 0)?)?.to_vec2()?;
             for (&(id, _, next), l) in chunk.iter().zip(&logits) {
                 let seq = self.scheduler.get_mut(id).expect("scheduled sequence exists");

@@ -3,10 +3,13 @@
 
 pub mod build;
 pub mod core;
+#[cfg(feature = "cuda")]
+mod cuda_graph;
 pub mod detokenizer;
 pub mod finish;
 pub mod multimodal;
 pub mod request;
+pub mod runner;
 pub mod sampler;
 pub mod sampling_params;
 pub mod scheduler;

@@ -17,6 +17,7 @@
 //! batch of hundreds of sequences over a 256k vocabulary does not pin hundreds of MB.
 
 use crate::engine::sampling_params::SamplingParams;
+use crate::ops::argmax::argmax_row as argmax;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -33,6 +34,13 @@ pub struct Sampled {
     pub logprob: f32,
     /// The `params.logprobs` most likely tokens, most likely first (ties: lower id).
     pub top_logprobs: Vec<(u32, f32)>,
+}
+
+impl Sampled {
+    /// A token picked by plain argmax, without logprobs.
+    pub fn greedy(token: u32) -> Self {
+        Sampled { token, logprob: f32::NAN, top_logprobs: Vec::new() }
+    }
 }
 
 /// Sampling state that lives as long as one sequence.
@@ -150,6 +158,18 @@ impl SequenceSampler {
     }
 }
 
+/// Whether `sample` would pick the plain argmax of the model's logits for a sequence with
+/// `n_output` tokens so far: greedy, no bias or penalty edits them, no logprobs. A device can
+/// then pick the token itself and copy back only its id.
+pub fn picks_raw_argmax(params: &SamplingParams, n_output: usize) -> bool {
+    params.is_greedy()
+        && params.logprobs.is_none()
+        && params.logit_bias.is_empty()
+        && params.repetition_penalty == 1.0
+        && ((params.frequency_penalty == 0.0 && params.presence_penalty == 0.0) || n_output == 0)
+        && n_output >= params.min_tokens
+}
+
 /// One row of a batch for [`sample_batch`].
 pub struct SampleRow<'a> {
     pub logits: &'a mut [f32],
@@ -241,16 +261,6 @@ fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
 }
 
-/// Argmax over finite logits; ties go to the lowest id.
-fn argmax(logits: &[f32]) -> Option<u32> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l.is_finite() && best.is_none_or(|(_, b)| l > b) {
-            best = Some((i, l));
-        }
-    }
-    best.map(|(i, _)| i as u32)
-}
 
 /// Keep the smallest most-likely prefix whose mass reaches `top_p` (at least one).
 /// `cand` holds (token, unnormalised probability).

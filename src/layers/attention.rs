@@ -8,9 +8,10 @@ use super::norm::{NormStyle, RmsNorm};
 use super::rotary::RotaryAngles;
 use crate::batch::AttentionMeta;
 use crate::kv::LayerCache;
-use crate::models::config::TextConfig;
+use crate::models::config::{RopeLayout, TextConfig};
 use crate::ops::kv_write::KvWrite;
 use crate::ops::paged_attention::PagedAttention;
+use crate::ops::qkv_rope::QkvRope;
 use crate::ops::tq_attention;
 use crate::weights::{Weights, WeightsError};
 
@@ -67,6 +68,52 @@ impl SelfAttention {
     /// `x`: `[T, hidden]` -> `[T, hidden]`.
     pub fn forward(&self, x: &Tensor, rot: &RotaryAngles, cache: &LayerCache, meta: &AttentionMeta) -> Result<Tensor> {
         let t = x.dim(0)?;
+        // The fused kernel rotates whole heads; partial rotary goes op by op.
+        let fused = x.device().is_cuda() && rot.rotated_dims()? == self.head_dim;
+        let (q, k, v) = match self.qkv_proj.merged().filter(|_| fused) {
+            Some(qkv) => {
+                let (cos, sin, layout) = rot.parts();
+                QkvRope {
+                    num_heads: self.num_heads,
+                    num_kv_heads: self.num_kv_heads,
+                    head_dim: self.head_dim,
+                    bias: qkv.bias(),
+                    cos,
+                    sin,
+                    qk_norm: self.qk_norm.as_ref().map(|(q, k)| (q.weight(), k.weight(), q.eps())),
+                    interleaved: layout == RopeLayout::Interleaved,
+                }
+                .forward(&qkv.forward_unbiased(x)?)?
+            }
+            None => self.project_and_rotate(x, rot)?,
+        };
+        let dtype = x.dtype();
+        // The CPU ops take f32 inputs, the CUDA kernels the model's type; the cache stores its own.
+        let op_input = |t: Tensor| -> Result<Tensor> {
+            if t.device().is_cpu() {
+                t.to_dtype(DType::F32)?.contiguous()
+            } else {
+                t.contiguous()
+            }
+        };
+        let (k, v) = (op_input(k)?, op_input(v)?);
+        let out = match cache {
+            LayerCache::Dense { k: kc, v: vc } => {
+                let write = KvWrite::step(meta);
+                kc.inplace_op2(&k, &write)?;
+                vc.inplace_op2(&v, &write)?;
+                self.paged(meta).forward(&op_input(q)?, kc, vc)?
+            }
+            LayerCache::TurboQuant(c) => tq_attention::write_and_attend(self.paged(meta), c, &op_input(q)?, &k, &v)?,
+        };
+        let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
+        self.o_proj.forward(&out)
+    }
+
+    /// Op by op what `QkvRope` does in one pass on CUDA: `[T, hidden]` -> q, k and v heads,
+    /// q and k normed (where the model has it) and rotated.
+    fn project_and_rotate(&self, x: &Tensor, rot: &RotaryAngles) -> Result<(Tensor, Tensor, Tensor)> {
+        let t = x.dim(0)?;
         let [q, k, v]: [Tensor; 3] =
             self.qkv_proj.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("qkv: 3 parts".into()))?;
         let q = q.contiguous()?.reshape((t, self.num_heads, self.head_dim))?;
@@ -76,23 +123,7 @@ impl SelfAttention {
             Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             None => (q, k),
         };
-        let q = rot.apply(&q)?;
-        let k = rot.apply(&k)?;
-        let dtype = x.dtype();
-        // Our ops take f32 inputs; the cache stores its own type.
-        let as_f32 = |t: Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
-        let (k, v) = (as_f32(k)?, as_f32(v)?);
-        let out = match cache {
-            LayerCache::Dense { k: kc, v: vc } => {
-                let write = KvWrite { slot_mapping: &meta.slot_mapping };
-                kc.inplace_op2(&k, &write)?;
-                vc.inplace_op2(&v, &write)?;
-                self.paged(meta).forward(&as_f32(q)?, kc, vc)?
-            }
-            LayerCache::TurboQuant(c) => tq_attention::write_and_attend(self.paged(meta), c, &as_f32(q)?, &k, &v)?,
-        };
-        let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
-        self.o_proj.forward(&out)
+        Ok((rot.apply(&q)?, rot.apply(&k)?, v))
     }
 
     fn paged<'m>(&self, meta: &'m AttentionMeta) -> PagedAttention<'m> {

@@ -53,14 +53,23 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match &self.w {
-            Matrix::Dense(w) => x.matmul(&w.t()?)?,
-            Matrix::Quantized(q) => q.forward(x)?.to_dtype(x.dtype())?,
-        };
+        let y = self.forward_unbiased(x)?;
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
+    }
+
+    /// `x W^T`, the bias left for the caller to fuse into what follows.
+    pub fn forward_unbiased(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.w {
+            Matrix::Dense(w) => x.matmul(&w.t()?),
+            Matrix::Quantized(q) => q.forward(x)?.to_dtype(x.dtype()),
+        }
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
     }
 }
 
@@ -127,6 +136,14 @@ impl StackedLinear {
                     .collect::<std::result::Result<Vec<_>, _>>()?,
             ),
         })
+    }
+
+    /// The single product of all parts, when they are stacked.
+    pub fn merged(&self) -> Option<&Linear> {
+        match self {
+            StackedLinear::Merged { linear, .. } => Some(linear),
+            StackedLinear::Separate(_) => None,
+        }
     }
 
     /// One output per part, `[T, out_i]` each.

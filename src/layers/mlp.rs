@@ -2,12 +2,15 @@ use candle_core::{Result, Tensor};
 
 use super::linear::{Linear, StackedLinear};
 use crate::models::config::Activation;
+use crate::ops::gated_act::GatedAct;
 use crate::weights::{Weights, WeightsError};
 
 /// `down(act(gate(x)) * up(x))`
 pub struct GatedMlp {
     gate_up: StackedLinear,
     down: Linear,
+    /// The intermediate width.
+    inter: usize,
     act: Activation,
 }
 
@@ -45,10 +48,26 @@ impl GatedMlp {
                 bias,
             )?
         };
-        Ok(GatedMlp { gate_up, down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, bias)?, act })
+        Ok(GatedMlp {
+            gate_up,
+            down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, bias)?,
+            inter,
+            act,
+        })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // The fused kernel has SiLU and tanh-GELU only.
+        let gelu = match self.act {
+            Activation::Silu => Some(false),
+            Activation::GeluTanh => Some(true),
+            Activation::Gelu | Activation::QuickGelu => None,
+        };
+        let fused = x.device().is_cuda() && GatedAct::supports(self.inter);
+        if let (Some(gate_up), Some(gelu)) = (self.gate_up.merged().filter(|_| fused), gelu) {
+            // One pass instead of act, mul and their strided reads.
+            return self.down.forward(&GatedAct { gelu }.forward(&gate_up.forward(x)?)?);
+        }
         let [g, up]: [Tensor; 2] =
             self.gate_up.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("gate/up: 2 parts".into()))?;
         self.down.forward(&(self.act.apply(&g)? * up)?)

@@ -1,5 +1,6 @@
 use candle_core::{Result, Tensor};
 
+use crate::ops::add_rms_norm::{self, AddRmsNorm};
 use crate::weights::{Weights, WeightsError};
 
 /// Which RMSNorm convention the checkpoint uses.
@@ -29,6 +30,25 @@ impl RmsNorm {
             scale = (scale + 1.0)?;
         }
         Ok(RmsNorm { scale: scale.to_dtype(w.dtype())?, eps: eps as f32 })
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.scale
+    }
+
+    pub fn eps(&self) -> f32 {
+        self.eps
+    }
+
+    /// `(h, norm(h))` with `h = x + delta` (`[T, dim]` each): the residual add and the norm
+    /// that reads it, in one pass on CUDA.
+    pub fn forward_residual(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor)> {
+        if x.device().is_cuda() && x.rank() == 2 && add_rms_norm::supports(x.dim(1)?) {
+            return AddRmsNorm { eps: self.eps }.forward(x, delta, &self.scale);
+        }
+        let h = (x + delta)?;
+        let y = self.forward(&h)?;
+        Ok((h, y))
     }
 
     /// Normalises over the last dimension.

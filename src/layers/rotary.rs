@@ -4,8 +4,11 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::batch::Positions;
+use crate::batch::{AttentionMeta, Positions};
 use crate::models::config::{RopeConfig, RopeLayout, RopeScaling};
+
+/// Most positions a device table holds (a longer context rotates op by op, with uploaded angles).
+pub const MAX_TABLE_POSITIONS: usize = 1 << 20;
 
 /// Inverse frequencies of one rotary configuration, computed in f32 as transformers does.
 #[derive(Debug, Clone)]
@@ -14,6 +17,10 @@ pub struct Rotary {
     layout: RopeLayout,
     /// M-RoPE: the position axis (0 = t, 1 = h, 2 = w) of each frequency.
     axis_of_freq: Option<Vec<usize>>,
+    /// cos/sin of every 1-D position up to a limit, `[positions, head_dim / 2]`, kept on a GPU:
+    /// a step looks its rows up there instead of uploading angles (which a CUDA graph cannot
+    /// replay).
+    table: Option<(Tensor, Tensor)>,
 }
 
 impl Rotary {
@@ -47,7 +54,20 @@ impl Rotary {
             .mrope_section
             .as_ref()
             .map(|sections| sections.iter().enumerate().flat_map(|(axis, &n)| std::iter::repeat_n(axis, n)).collect());
-        Rotary { inv_freq, layout, axis_of_freq }
+        Rotary { inv_freq, layout, axis_of_freq, table: None }
+    }
+
+    /// On a GPU, precomputes the angles of positions `[0, max_positions)` there (the same f32
+    /// values `angles` computes). Nothing to do on the CPU.
+    pub fn on_device(mut self, device: &Device, dtype: DType, max_positions: usize) -> Result<Self> {
+        if device.is_cpu() {
+            return Ok(self);
+        }
+        let positions: Vec<u32> = (0..max_positions.min(MAX_TABLE_POSITIONS) as u32).collect();
+        let a = self.angles(&positions, device, dtype)?;
+        let half = self.inv_freq.len();
+        self.table = Some((a.cos.reshape((positions.len(), half))?, a.sin.reshape((positions.len(), half))?));
+        Ok(self)
     }
 
     /// cos/sin for the given positions, `[T, 1, rotary_dim / 2]` each.
@@ -61,9 +81,26 @@ impl Rotary {
 
     /// cos/sin for a batch's positions. Three-axis positions need M-RoPE sections; with equal
     /// axes (text tokens) M-RoPE is plain 1-D rotary, so 1-D positions work either way.
-    pub fn angles_for(&self, positions: &Positions, device: &Device, dtype: DType) -> Result<RotaryAngles> {
+    /// 1-D positions are looked up in the device table when the step's metadata is on the
+    /// device and every position is inside the table; otherwise angles are computed here and
+    /// uploaded.
+    pub fn angles_for(&self, positions: &Positions, meta: &AttentionMeta, device: &Device, dtype: DType) -> Result<RotaryAngles> {
         match positions {
-            Positions::Flat(p) => self.angles(p, device, dtype),
+            Positions::Flat(p) => {
+                if let (Some((cos, sin)), Some(dm)) = (&self.table, &meta.device) {
+                    let limit = cos.dim(0)?;
+                    if dm.layout.rows == p.len() && p.iter().all(|&p| (p as usize) < limit) {
+                        let idx = dm.positions()?;
+                        let (t, half) = (p.len(), self.inv_freq.len());
+                        return Ok(RotaryAngles {
+                            cos: cos.index_select(&idx, 0)?.reshape((t, 1, half))?,
+                            sin: sin.index_select(&idx, 0)?.reshape((t, 1, half))?,
+                            layout: self.layout,
+                        });
+                    }
+                }
+                self.angles(p, device, dtype)
+            }
             Positions::MRope(p) => {
                 let Some(axes) = &self.axis_of_freq else {
                     candle_core::bail!("three-axis positions given to a model without M-RoPE sections")
@@ -99,12 +136,22 @@ impl RotaryAngles {
         })
     }
 
+    /// cos and sin, `[T, 1, rotary_dim / 2]` each, and the pairing of the rotated elements.
+    pub fn parts(&self) -> (&Tensor, &Tensor, RopeLayout) {
+        (&self.cos, &self.sin, self.layout)
+    }
+
+    /// How many leading dimensions of each head these angles rotate.
+    pub fn rotated_dims(&self) -> Result<usize> {
+        Ok(2 * self.cos.dim(candle_core::D::Minus1)?)
+    }
+
     /// Rotates `x` (`[T, heads, head_dim]`): its leading `2 * angles per row` dimensions, the
     /// rest pass through (partial rotary). Each row is its own "batch" of one token, so every
     /// row gets its own position.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let (t, h, d) = x.dims3()?;
-        let r = 2 * self.cos.dim(2)?;
+        let r = self.rotated_dims()?;
         if r > d {
             candle_core::bail!("{r} rotary dimensions for heads of {d}");
         }

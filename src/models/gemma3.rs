@@ -66,8 +66,16 @@ impl Gemma3 {
             layers,
             norm: norm("model.norm.weight".into())?,
             lm_head,
-            rotary_global: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout),
-            rotary_local: Rotary::new(&local, cfg.rotary_dim, cfg.rope_layout),
+            rotary_global: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout).on_device(
+                w.device(),
+                w.dtype(),
+                cfg.max_position_embeddings,
+            )?,
+            rotary_local: Rotary::new(&local, cfg.rotary_dim, cfg.rope_layout).on_device(
+                w.device(),
+                w.dtype(),
+                cfg.max_position_embeddings,
+            )?,
             dtype: w.dtype(),
             device: w.device().clone(),
             cfg,
@@ -81,8 +89,8 @@ impl TextModel for Gemma3 {
     }
 
     fn forward(&self, batch: &Batch, kv: &KvCache, mut taps: Option<&mut Taps>) -> Result<Tensor> {
-        let rot_global = self.rotary_global.angles_for(&batch.positions, &self.device, self.dtype)?;
-        let rot_local = self.rotary_local.angles_for(&batch.positions, &self.device, self.dtype)?;
+        let rot_global = self.rotary_global.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
+        let rot_local = self.rotary_local.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
         // transformers rounds the scale to the embedding dtype before multiplying.
         let scale = Tensor::new(self.embed_scale as f32, &self.device)?.to_dtype(self.dtype)?;
         let mut x = self.embed.forward(&batch.token_ids, self.dtype)?.broadcast_mul(&scale)?;

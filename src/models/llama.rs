@@ -1,5 +1,5 @@
 //! Llama and its close relatives Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm):
-//!   h = x + Attn(RMSNorm(x));  x' = h + MLP(RMSNorm(h))
+//!   h = x + Attn(RMSNorm(x));  x' = h + MLP(RMSNorm(h));  output RMSNorm(x_last)
 //! Qwen2-VL's language model is Qwen2 with M-RoPE (three-axis positions) and image
 //! embeddings in place of image-pad tokens; both come in with the batch.
 
@@ -63,7 +63,11 @@ impl Llama {
             layers,
             norm: RmsNorm::load(w, "model.norm.weight", h, eps, NormStyle::Plain)?,
             lm_head,
-            rotary: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout),
+            rotary: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout).on_device(
+                w.device(),
+                w.dtype(),
+                cfg.max_position_embeddings,
+            )?,
             dtype: w.dtype(),
             device: w.device().clone(),
             cfg,
@@ -77,19 +81,24 @@ impl TextModel for Llama {
     }
 
     fn forward(&self, batch: &Batch, kv: &KvCache, mut taps: Option<&mut Taps>) -> Result<Tensor> {
-        let rot = self.rotary.angles_for(&batch.positions, &self.device, self.dtype)?;
+        let rot = self.rotary.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
         let mut x = batch.input_embeds(self.embed.forward(&batch.token_ids, self.dtype)?)?;
         if let Some(t) = taps.as_deref_mut() {
             t.embed = Some(x.clone());
         }
+        // Each residual add is computed together with the norm that reads its sum (the next
+        // sublayer's, or the final one), so `normed` is always RMSNorm(x).
+        let Some(first) = self.layers.first() else { return self.norm.forward(&x) };
+        let mut normed = first.attn_norm.forward(&x)?;
         for (i, l) in self.layers.iter().enumerate() {
-            let h = (&x + l.attn.forward(&l.attn_norm.forward(&x)?, &rot, kv.layer(i), &batch.attn)?)?;
-            x = (&h + l.mlp.forward(&l.mlp_norm.forward(&h)?)?)?;
+            let (h, h_normed) = l.mlp_norm.forward_residual(&x, &l.attn.forward(&normed, &rot, kv.layer(i), &batch.attn)?)?;
+            let next_norm = self.layers.get(i + 1).map_or(&self.norm, |n| &n.attn_norm);
+            (x, normed) = next_norm.forward_residual(&h, &l.mlp.forward(&h_normed)?)?;
             if let Some(t) = taps.as_deref_mut() {
                 t.layers.push(x.clone());
             }
         }
-        self.norm.forward(&x)
+        Ok(normed)
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {

@@ -1,9 +1,15 @@
 //! Tensor operations candle lacks. Each is a candle custom op whose CPU implementation is
 //! plain Rust and is the reference any device kernel is checked against.
 
+pub mod add_rms_norm;
+pub mod argmax;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod gated_act;
 pub mod kv_elem;
 pub mod kv_write;
 pub mod paged_attention;
+pub mod qkv_rope;
 pub mod qmatmul;
 pub mod simd;
 pub mod team;

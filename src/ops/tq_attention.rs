@@ -18,12 +18,12 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
-use super::kv_write::{KvWrite, SKIP_SLOT};
+use super::kv_write::KvWrite;
 use super::paged_attention::{softmax, PagedAttention};
 use super::simd::{axpy_f32, dot_f32};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
-use crate::batch::AttentionMeta;
+use crate::batch::{AttentionMeta, NO_SLOT};
 use crate::kv::turboquant::TqCodec;
 use crate::kv::TqLayerCache;
 
@@ -305,7 +305,7 @@ pub fn write_and_attend(
     // After the op: it reads the rings' older positions, which these writes may replace.
     if let Some(w) = &c.window {
         let slots = ring_slots(meta, w.len)?;
-        let write = KvWrite { slot_mapping: &slots };
+        let write = KvWrite::to_slots(&slots);
         w.k.inplace_op2(k, &write)?;
         w.v.inplace_op2(v, &write)?;
     }
@@ -313,7 +313,7 @@ pub fn write_and_attend(
 }
 
 /// The ring row of each batch row whose position stays among its sequence's last `len`
-/// after this step, `SKIP_SLOT` for the others.
+/// after this step, `NO_SLOT` for the others.
 fn ring_slots(meta: &AttentionMeta, len: usize) -> Result<Vec<u32>> {
     if meta.window_rings.len() != meta.seqs.len() {
         candle_core::bail!(
@@ -329,7 +329,7 @@ fn ring_slots(meta: &AttentionMeta, len: usize) -> Result<Vec<u32>> {
             if p >= keep {
                 (ring as usize * len + p % len) as u32
             } else {
-                SKIP_SLOT
+                NO_SLOT
             }
         }));
     }

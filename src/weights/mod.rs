@@ -94,7 +94,16 @@ impl Weights {
                     name: name.to_string(),
                     origin: g.path().to_path_buf(),
                 })?;
-                g.load(&gname, &self.device)?
+                if self.device.is_cpu() {
+                    g.load(&gname, &self.device)?
+                } else {
+                    // Quantized matrices stay quantized only where iris has kernels for them
+                    // (the CPU); for other devices they are dequantized once, at load.
+                    match g.load(&gname, &Device::Cpu)? {
+                        StoredTensor::Quantized(q) => StoredTensor::Dense(q.dequantize(&Device::Cpu)?.to_device(&self.device)?),
+                        StoredTensor::Dense(t) => StoredTensor::Dense(t.to_device(&self.device)?),
+                    }
+                }
             }
         };
         let actual = match &stored {

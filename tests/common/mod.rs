@@ -10,6 +10,22 @@ use iris::engine::{Engine, Request, SamplingParams};
 
 pub const TINY_MODELS: [&str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"];
 
+/// The device the model tests run on: `IRIS_TEST_DEVICE` (cpu, cuda, cuda:N; default cpu).
+/// scripts/gpu-check.sh runs the suite with `cuda` on the GPU machine.
+pub fn device() -> Device {
+    let spec = std::env::var("IRIS_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    iris::device::open(&spec).unwrap_or_else(|e| panic!("IRIS_TEST_DEVICE: {e}"))
+}
+
+/// Held by tests that run models when they run on a GPU, so they run one at a time: an engine
+/// captures CUDA graphs at its first decode steps, and a capture breaks when another thread of
+/// the process creates or drops a CUDA device meanwhile (a server runs one engine per process).
+pub fn gpu_lock() -> Option<std::sync::MutexGuard<'static, ()>> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let on_gpu = std::env::var("IRIS_TEST_DEVICE").is_ok_and(|d| d.starts_with("cuda"));
+    on_gpu.then(|| LOCK.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
@@ -31,8 +47,8 @@ pub fn ids(t: &Tensor) -> Vec<u32> {
 /// max |a - b| / max |b|: the relative error of `a` against the reference `b`, measured
 /// against the reference's scale so near-zero entries do not dominate.
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
     assert_eq!(a.dims(), b.dims(), "shape mismatch");
     let diff = (&a - &b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
     let scale = b.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
@@ -40,7 +56,9 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 pub fn engine_with(path: &Path, opts: EngineOptions) -> Engine {
-    build_engine(path, &Device::Cpu, &opts).expect("engine builds").0
+    // TurboQuant caches run on the CPU only so far: their tests stay there on a GPU run.
+    let device = if opts.kv_quant.is_some() { Device::Cpu } else { device() };
+    build_engine(path, &device, &opts).expect("engine builds").0
 }
 
 pub fn greedy(max_tokens: usize) -> SamplingParams {

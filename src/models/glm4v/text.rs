@@ -80,7 +80,11 @@ impl GlmText {
             layers,
             norm: norm("model.norm.weight".into())?,
             lm_head,
-            rotary: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout),
+            rotary: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout).on_device(
+                w.device(),
+                w.dtype(),
+                cfg.max_position_embeddings,
+            )?,
             dtype: w.dtype(),
             device: w.device().clone(),
             cfg,
@@ -94,7 +98,7 @@ impl TextModel for GlmText {
     }
 
     fn forward(&self, batch: &Batch, kv: &KvCache, mut taps: Option<&mut Taps>) -> Result<Tensor> {
-        let rot = self.rotary.angles_for(&batch.positions, &self.device, self.dtype)?;
+        let rot = self.rotary.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
         let mut x = batch.input_embeds(self.embed.forward(&batch.token_ids, self.dtype)?)?;
         if let Some(t) = taps.as_deref_mut() {
             t.embed = Some(x.clone());

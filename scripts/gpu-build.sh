@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds iris and its test binaries with --features cuda on a machine without a GPU (see
+# ../shared/cuda/README.md for the toolkit) and packs them into .gpu/ for the GPU machine,
+# which may have no Rust toolchain or crates:
+#   .gpu/iris.xz          the release binary (scripts/gpu-bench.sh)
+#   .gpu/tests.tar.xz     every test binary (scripts/gpu-check.sh)
+#   .gpu/paths            the build's repo and binary paths, which the tests have compiled in
+# Uses $CARGO_TARGET_DIR (default target/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TGT=${CARGO_TARGET_DIR:-$PWD/target}
+cargo build --release --features cuda
+cargo test --release --features cuda --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        t = m["target"]
+        # The library and the binary unit tests are both named after the crate.
+        print(t["name"] + ("-" + t["kind"][0] if t["kind"][0] in ("lib", "bin") else ""), m["executable"])
+' > /tmp/iris-gpu-tests.txt
+stage=$(mktemp -d)
+mkdir -p "$stage/tests" .gpu
+# Not shipped: tests that download real models or need the Python SDKs (absent there).
+while read -r name exe; do
+  case " real_models tokenizer_real server_sdk iris-bin " in *" $name "*) continue ;; esac
+  cp "$exe" "$stage/tests/$name"
+done < /tmp/iris-gpu-tests.txt
+strip "$stage"/tests/*
+strip -o "$stage/iris" "$TGT/release/iris"
+# One archive with a large window: the test binaries share most of their bytes (candle's kernels).
+tar -C "$stage" -cf - tests | xz -T1 --lzma2=preset=3,dict=512MiB > .gpu/tests.tar.xz
+xz -T2 -9 -c "$stage/iris" > .gpu/iris.xz
+printf 'MANIFEST_DIR=%s\nBIN_EXE=%s\n' "$PWD" "$TGT/release/iris" > .gpu/paths
+rm -rf "$stage"
+ls -la .gpu

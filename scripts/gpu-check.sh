@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Runs the test suite on a CUDA GPU: the model tests with IRIS_TEST_DEVICE=cuda (f32, the same
+# 1e-4 tolerances against transformers as on the CPU), the CUDA kernels against their CPU
+# reference ops (tests/cuda_ops.rs; bf16 tolerances where the kernel computes in bf16), the CLI
+# and server tests with iris picking the GPU (--device auto). A missing GPU fails the run.
+#
+#   scripts/gpu-check.sh [LOG_DIR]
+#
+# With .gpu/tests.tar.xz (scripts/gpu-build.sh) it runs those prebuilt binaries, so the GPU
+# machine needs no Rust toolchain; else `cargo test --release --features cuda`.
+# Skipped: tests that download real models (real_models, tokenizer_real: no network there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:-${OUT:-/tmp/iris-gpu-check}}
+mkdir -p "$LOG"
+export IRIS_TEST_DEVICE=${IRIS_TEST_DEVICE:-cuda} IRIS_REQUIRE_GPU=1
+SKIP="real_models tokenizer_real"
+if [ ! -f .gpu/tests.tar.xz ]; then
+  cargo test --release --features cuda 2>&1 | tee "$LOG/cargo-test.log"
+  exit "${PIPESTATUS[0]}"
+fi
+bin=$(mktemp -d)
+tar -C "$bin" -xJf .gpu/tests.tar.xz
+# The tests have the build machine's repo and iris paths compiled in (env! at build time).
+. .gpu/paths
+if [ "$MANIFEST_DIR" != "$PWD" ]; then
+  mkdir -p "$(dirname "$MANIFEST_DIR")" && ln -sfn "$PWD" "$MANIFEST_DIR"
+fi
+mkdir -p "$(dirname "$BIN_EXE")" && xz -dc .gpu/iris.xz > "$BIN_EXE" && chmod +x "$BIN_EXE"
+fails=0
+printf '| test binary | result | time s |\n|---|---|---|\n' > "$LOG/summary.md"
+for t in "$bin"/tests/*; do
+  name=$(basename "$t")
+  if [[ " $SKIP " == *" $name "* ]]; then
+    echo "| $name | skipped (needs network) | |" >> "$LOG/summary.md"
+    continue
+  fi
+  s=$(date +%s)
+  if (cd "$PWD" && "$t" > "$LOG/$name.log" 2>&1); then r=ok; else r=FAILED; fails=$((fails + 1)); fi
+  line=$(grep -E '^test result:' "$LOG/$name.log" | tail -1)
+  echo "| $name | $r: ${line#test result: } | $(( $(date +%s) - s )) |" >> "$LOG/summary.md"
+  [ "$r" = ok ] || grep -E -A15 '^---- |panicked' "$LOG/$name.log" | head -60
+done
+cat "$LOG/summary.md"
+exit $((fails > 0))

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""GPU benchmark helper for scripts/gpu-bench.sh (runs on the GPU machine, no network needed).
+
+    gpu_bench.py make DIR MODEL        random-weight checkpoint (seeded normal * 0.02, bf16) of
+                                       MODEL (qwen2.5-7b | smollm2-135m) + a word-level tokenizer
+                                       covering its whole vocabulary
+    gpu_bench.py bandwidth             device-to-device copy bandwidth (bytes read + written / s)
+    gpu_bench.py hf DIR                transformers generate on DIR: decode tok/s at --batches,
+                                       prefill tok/s and TTFT for a --prefill-len prompt
+    gpu_bench.py table RESULTS.json    the summary table
+
+Each subcommand prints one JSON object on its last stdout line.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+CONFIGS = {
+    # Qwen/Qwen2.5-7B-Instruct config.json (architecture numbers only).
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        hidden_act="silu", bos_token_id=151643, eos_token_id=151645, sliding_window=None,
+        use_sliding_window=False, torch_dtype="bfloat16",
+    ),
+    # HuggingFaceTB/SmolLM2-135M-Instruct config.json.
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+        max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        hidden_act="silu", bos_token_id=1, eos_token_id=2, head_dim=64, torch_dtype="bfloat16",
+    ),
+}
+
+# The text `iris bench` tokenizes (src/cli/bench.rs); its words get the first ids.
+BENCH_TEXT = ("The quick brown fox jumps over the lazy dog while the children watch from the window. "
+              "In the morning the market fills with people buying bread, fruit and fresh fish from the harbour. ")
+
+
+def make(out, name):
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = CONFIGS[name]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    words = list(dict.fromkeys(BENCH_TEXT.split()))
+    vocab = {w: i for i, w in enumerate(words)}
+    for i in range(len(words), cfg["vocab_size"]):
+        vocab[f"<t{i}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(out, "tokenizer.json"))
+
+    h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim", h // nh)
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+        if cfg["model_type"] == "qwen2":
+            shapes.update({p + "self_attn.q_proj.bias": (nh * d,), p + "self_attn.k_proj.bias": (nkv * d,),
+                           p + "self_attn.v_proj.bias": (nkv * d,)})
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    tensors = {}
+    for n, s in shapes.items():
+        if n.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(s, generator=g, device="cuda")
+        else:
+            t = 0.02 * torch.randn(s, generator=g, device="cuda")
+        tensors[n] = t.to(torch.bfloat16).cpu()
+    # Shards of about 4 GB, as checkpoints on the Hub come.
+    shards, cur, size = [], {}, 0
+    for n, t in tensors.items():
+        cur[n] = t
+        size += t.numel() * 2
+        if size > 4e9:
+            shards.append(cur)
+            cur, size = {}, 0
+    if cur:
+        shards.append(cur)
+    weight_map = {}
+    for i, sh in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, os.path.join(out, fn), metadata={"format": "pt"})
+        weight_map.update({n: fn for n in sh})
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    nbytes = sum(t.numel() * 2 for t in tensors.values())
+    emb = cfg["vocab_size"] * h * 2
+    print(json.dumps({"model": name, "weight_bytes": nbytes, "embedding_bytes": emb,
+                      "tied": cfg["tie_word_embeddings"]}))
+
+
+def bandwidth():
+    import torch
+    n = 2 << 30  # 2 GiB per buffer
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    bw = 2 * n / times[len(times) // 2]
+    print(json.dumps({"copy_bytes_per_s": bw, "device": torch.cuda.get_device_name()}))
+
+
+def gemv():
+    """cuBLAS (through torch) on Qwen2.5-7B's decode matrix products: achieved bandwidth."""
+    import torch
+    res = {}
+    shapes = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
+              "lm_head": (152064, 3584)}
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for w in ws:
+                x @ w.T
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for i in range(40):
+                x @ ws[i % 4].T
+            e.record()
+            e.synchronize()
+            t = s.elapsed_time(e) / 40 / 1e3
+            res[f"{name}_m{m}"] = {"us": t * 1e6, "tb_s": n * k * 2 / t / 1e12}
+    print("cuBLAS (torch) decode products: " + ", ".join(f"{k} {v['us']:.0f} us {v['tb_s']:.2f} TB/s" for k, v in res.items()))
+    print(json.dumps(res))
+
+
+def hf(path, batches, gen, prefill_len):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
+    model.eval()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    def run(b, plen, new):
+        ids = torch.randint(10, vocab - 10, (1, plen), generator=g).repeat(b, 1).cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                           min_new_tokens=new, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(1, 16, 4)  # warm-up
+    res = {"transformers": transformers.__version__, "torch": torch.__version__, "decode": {}}
+    for b in batches:
+        t1 = run(b, 128, 1)
+        tn = run(b, 128, gen)
+        res["decode"][str(b)] = b * (gen - 1) / max(tn - t1, 1e-9)
+    t = min(run(1, prefill_len, 1) for _ in range(2))
+    res["prefill_tok_s"] = prefill_len / t
+    res["ttft_ms"] = t * 1e3
+    print(json.dumps(res))
+
+
+def table(path):
+    r = json.load(open(path))
+    bw = r["bandwidth"]["copy_bytes_per_s"]
+    print(f"card: {r['bandwidth']['device']}; copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+    for m in r["models"]:
+        wb, eb = m["weights"]["weight_bytes"], m["weights"]["embedding_bytes"]
+        # Batch-1 bound: every weight byte read once per token; an untied embedding table is not
+        # read (its rows are looked up), a tied one is the output head.
+        bound = bw / (wb - (0 if m["weights"].get("tied") else eb))
+        print(f"\n## {m['model']} (bf16, {wb / 1e9:.2f} GB of weights; batch-1 bound {bound:.0f} tok/s)")
+        print(f"| engine | b1 tok/s | % of bound | b8 | b64 | b256 | prefill tok/s ({m['prefill_len']}) | TTFT ms |")
+        print("|---|---|---|---|---|---|---|---|")
+        for eng in ("iris", "transformers"):
+            e = m.get(eng)
+            if not e:
+                continue
+            d = e["decode"]
+            f = lambda b: f"{d[b]:.0f}" if b in d else "-"
+            pct = f"{100 * d['1'] / bound:.0f}%" if "1" in d else "-"
+            print(f"| {eng} | {f('1')} | {pct} | {f('8')} | {f('64')} | {f('256')} | "
+                  f"{e['prefill_tok_s']:.0f} | {e['ttft_ms']:.1f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("out")
+    m.add_argument("model", choices=sorted(CONFIGS))
+    sub.add_parser("bandwidth")
+    sub.add_parser("gemv")
+    h = sub.add_parser("hf")
+    h.add_argument("path")
+    h.add_argument("--batches", default="1,8,64,256")
+    h.add_argument("--gen", type=int, default=32)
+    h.add_argument("--prefill-len", type=int, default=2048)
+    t = sub.add_parser("table")
+    t.add_argument("results")
+    a = ap.parse_args()
+    if a.cmd == "make":
+        make(a.out, a.model)
+    elif a.cmd == "bandwidth":
+        bandwidth()
+    elif a.cmd == "gemv":
+        gemv()
+    elif a.cmd == "hf":
+        hf(a.path, [int(x) for x in a.batches.split(",")], a.gen, a.prefill_len)
+    else:
+        table(a.results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+//! Decode steps replayed as CUDA graphs, one graph per batch-size bucket.
+//!
+//! Launching a decode step kernel by kernel costs more host time than a small batch costs the
+//! GPU (hundreds of launches). A step in which every scheduled sequence decodes one token is
+//! instead padded to the next bucket size and run by replaying a graph captured for that size:
+//! the step's token ids and attention metadata are uploaded into buffers the graphs read, and
+//! the graph leaves the logits and their argmax in buffers the engine reads (only the ids, or
+//! the logits when some row samples, are copied back). Padding rows write no KV (slot NO_SLOT)
+//! and attend to one token of block 0; their outputs are ignored.
+//!
+//! A bucket is captured the first time a step of its size comes: one real pass first (its
+//! results are that step's output; it also fills candle's cache of the small layout uploads
+//! its ops make, which a capture may not do), then the same pass captured. A model whose pass
+//! cannot be captured keeps running op by op for that bucket.
+
+use std::collections::HashMap;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use candle_core::cuda_backend::cudarc::driver::CudaGraph;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor};
+
+use super::runner::StepOutput;
+use crate::batch::{AttentionMeta, Batch, DeviceAttentionMeta, MetaLayout, Positions, SeqSlice};
+use crate::kv::KvCache;
+use crate::models::TextModel;
+use crate::ops::argmax::Argmax;
+
+/// Batch sizes graphs are captured for; a step runs in the smallest that holds it.
+const BUCKETS: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
+
+pub struct DecodeGraphs {
+    device: Device,
+    buckets: Vec<usize>,
+    max_blocks_per_seq: usize,
+    max_positions: usize,
+    /// Shared by every bucket's graph (one runs at a time); made at the first capture.
+    buffers: Option<Buffers>,
+    graphs: HashMap<usize, Option<Graph>>,
+}
+
+/// What the graphs read (token ids, attention metadata) and write (logits, argmax ids), sized
+/// for the largest bucket; a bucket uses the first rows.
+struct Buffers {
+    tokens: Tensor,
+    meta: Tensor,
+    logits: Tensor,
+    ids: Tensor,
+}
+
+/// A captured graph, moved between threads with the engine that owns it.
+struct Graph(CudaGraph);
+
+// SAFETY: the graph is only ever used by the one thread running the engine at a time (cudarc
+// binds the device's context to the calling thread before each use); it is never shared.
+unsafe impl Send for Graph {}
+
+impl DecodeGraphs {
+    /// None when graphs are off: not a CUDA device, or `IRIS_CUDA_GRAPHS=0`.
+    pub fn new(device: &Device, max_num_seqs: usize, max_blocks_per_seq: usize, max_positions: usize) -> Option<Self> {
+        if !device.is_cuda() || std::env::var("IRIS_CUDA_GRAPHS").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        let buckets: Vec<usize> = BUCKETS.iter().copied().filter(|&b| b < max_num_seqs).chain([max_num_seqs]).collect();
+        Some(DecodeGraphs {
+            device: device.clone(),
+            buckets,
+            max_blocks_per_seq,
+            max_positions,
+            buffers: None,
+            graphs: HashMap::new(),
+        })
+    }
+
+    fn max_bucket(&self) -> usize {
+        self.buckets.last().copied().unwrap_or(1)
+    }
+
+    /// Runs a pure decode step (one row per sequence, every row sampled) through its bucket's
+    /// graph; None for any other step (or a bucket that cannot be captured).
+    pub fn run(
+        &mut self,
+        model: &dyn TextModel,
+        kv: &KvCache,
+        batch: &Batch,
+        sample_rows: &[u32],
+        argmax_ok: bool,
+    ) -> Result<Option<StepOutput>> {
+        // Graphs replay text steps with 1-D positions (the rotary table's); others run op by op.
+        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() {
+            return Ok(None);
+        }
+        let meta = &batch.attn;
+        let t = meta.num_rows();
+        let decode = t > 0
+            && meta.seqs.len() == t
+            && meta.seqs.iter().all(|s| {
+                s.q_len == 1 && s.block_table.len() <= self.max_blocks_per_seq && s.context_len <= self.max_positions
+            })
+            && sample_rows.len() == t
+            && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
+        let Some(&bucket) = self.buckets.iter().find(|&&b| b >= t).filter(|_| decode) else { return Ok(None) };
+        if matches!(self.graphs.get(&bucket), Some(None)) {
+            return Ok(None);
+        }
+        let layout = MetaLayout::new(bucket, bucket, 0);
+        if self.buffers.is_none() {
+            self.buffers = Some(self.make_buffers(model)?);
+        }
+        let bufs = self.buffers.as_ref().expect("made above");
+        let mut tokens: Vec<u32> = batch.token_ids.to_vec1()?;
+        tokens.resize(bucket, 0);
+        write_host(&bufs.tokens, &tokens)?;
+        write_host(&bufs.meta, &meta.packed(&layout))?;
+        match self.graphs.get(&bucket) {
+            Some(Some(g)) => g.0.launch().w()?,
+            _ => {
+                let graph = self.capture(model, kv, meta, bucket, layout)?;
+                self.graphs.insert(bucket, graph);
+            }
+        }
+        let bufs = self.buffers.as_ref().expect("made above");
+        Ok(Some(if argmax_ok {
+            StepOutput::Tokens(bufs.ids.narrow(0, 0, t)?.to_vec1()?)
+        } else {
+            StepOutput::Logits(bufs.logits.narrow(0, 0, t)?.to_vec2()?)
+        }))
+    }
+
+    fn make_buffers(&self, model: &dyn TextModel) -> Result<Buffers> {
+        let (dev, b) = (&self.device, self.max_bucket());
+        let meta_len = MetaLayout::new(b, b, 0).block_tables + b * self.max_blocks_per_seq + 1;
+        Ok(Buffers {
+            tokens: Tensor::zeros(b, DType::U32, dev)?,
+            meta: Tensor::zeros(meta_len, DType::U32, dev)?,
+            logits: Tensor::zeros((b, model.config().vocab_size), DType::F32, dev)?,
+            ids: Tensor::zeros(b, DType::U32, dev)?,
+        })
+    }
+
+    /// Runs the step once for real on the buffers (already holding its inputs), then captures
+    /// the same pass. Returns the graph, or None if the pass could not be captured.
+    fn capture(
+        &self,
+        model: &dyn TextModel,
+        kv: &KvCache,
+        meta: &AttentionMeta,
+        bucket: usize,
+        layout: MetaLayout,
+    ) -> Result<Option<Graph>> {
+        let _setup = crate::device::CUDA_SETUP.lock().unwrap_or_else(|p| p.into_inner());
+        let bufs = self.buffers.as_ref().expect("buffers exist before a capture");
+        let cuda = self.device.as_cuda_device()?;
+        // The host side of the captured batch: `bucket` one-token sequences. Only its shape
+        // matters (the ops check it while capturing); the kernels read the device buffers.
+        let pads = (0..bucket).map(|i| {
+            let real = meta.seqs.get(i);
+            SeqSlice {
+                q_start: i,
+                q_len: 1,
+                context_len: real.map_or(1, |s| s.context_len),
+                block_table: real.map_or_else(|| vec![0], |s| s.block_table.clone()),
+            }
+        });
+        let mut attn = AttentionMeta::new(meta.block_size, pads.collect());
+        attn.device = Some(DeviceAttentionMeta { data: bufs.meta.clone(), layout });
+        let positions = attn.seqs.iter().map(|s| s.first_position() as u32).collect();
+        let batch = Batch { token_ids: bufs.tokens.narrow(0, 0, bucket)?, positions: Positions::Flat(positions), attn, images: None };
+        let pass = || -> Result<()> {
+            let logits = model.logits(&model.forward(&batch, kv, None)?)?;
+            bufs.ids.slice_set(&Argmax::forward(&logits)?, 0, 0)?;
+            bufs.logits.slice_set(&logits, 0, 0)
+        };
+        let _cache = cuda.enable_cuda_graph_htod_cache();
+        pass()?;
+
+        let stream = cuda.cuda_stream();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).w()?;
+        let captured = pass();
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        Ok(match (captured, graph) {
+            (Ok(()), Ok(Some(graph))) => {
+                graph.upload().w()?;
+                Some(Graph(graph))
+            }
+            (captured, graph) => {
+                let why = captured.err().map(|e| e.to_string()).or_else(|| graph.err().map(|e| e.to_string()));
+                tracing::warn!("decode steps of {bucket} rows run op by op: capture failed ({})", why.unwrap_or_default());
+                None
+            }
+        })
+    }
+}
+
+/// Copies host values into the start of a device u32 tensor, in stream order.
+fn write_host(dst: &Tensor, values: &[u32]) -> Result<()> {
+    dst.inplace_op1(&WriteHost(values))
+}
+
+struct WriteHost<'a>(&'a [u32]);
+
+impl InplaceOp1 for WriteHost<'_> {
+    fn name(&self) -> &'static str {
+        "write-host"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
+        match s {
+            CpuStorage::U32(d) if l.start_offset() + self.0.len() <= d.len() => {
+                d[l.start_offset()..l.start_offset() + self.0.len()].copy_from_slice(self.0);
+                Ok(())
+            }
+            _ => candle_core::bail!("write-host: destination is not a large enough u32 tensor"),
+        }
+    }
+
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
+        let dev = s.device().clone();
+        let o = l.start_offset();
+        match &mut s.slice {
+            candle_core::cuda_backend::CudaStorageSlice::U32(d) if o + self.0.len() <= d.len() => {
+                let mut view = d.slice_mut(o..o + self.0.len());
+                dev.memcpy_htod(self.0, &mut view)
+            }
+            _ => candle_core::bail!("write-host: destination is not a large enough u32 tensor"),
+        }
+    }
+}

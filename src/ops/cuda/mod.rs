@@ -1,0 +1,77 @@
+//! Device code for the ops in `ops/`: the `.cu` files beside this one, compiled to PTX by
+//! build.rs (feature `cuda`) and loaded into candle's CUDA device on first use.
+
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Result, Storage, Tensor};
+
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/iris_ptx.rs"));
+}
+
+/// One compiled `.cu` file.
+pub struct Module {
+    name: &'static str,
+    ptx: &'static str,
+}
+
+pub const ADD_RMS_NORM: Module = Module { name: "iris_add_rms_norm", ptx: ptx::ADD_RMS_NORM };
+pub const GATED_ACT: Module = Module { name: "iris_gated_act", ptx: ptx::GATED_ACT };
+pub const KV_WRITE: Module = Module { name: "iris_kv_write", ptx: ptx::KV_WRITE };
+pub const PAGED_ATTENTION: Module = Module { name: "iris_paged_attention", ptx: ptx::PAGED_ATTENTION };
+pub const PREFILL_ATTENTION: Module = Module { name: "iris_prefill_attention", ptx: ptx::PREFILL_ATTENTION };
+pub const QKV_ROPE: Module = Module { name: "iris_qkv_rope", ptx: ptx::QKV_ROPE };
+pub const SAMPLING: Module = Module { name: "iris_sampling", ptx: ptx::SAMPLING };
+
+impl Module {
+    /// Kernel `name` of this module, loaded into `dev` on first use.
+    pub fn func(&self, dev: &CudaDevice, name: &str) -> Result<Kernel> {
+        let func = dev.get_or_load_custom_func(name, self.name, self.ptx)?.into_cuda_function();
+        Ok(Kernel { func, stream: dev.cuda_stream() })
+    }
+}
+
+/// A loaded kernel and the device's stream it runs on.
+pub struct Kernel {
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+impl Kernel {
+    pub fn builder(&self) -> LaunchArgs<'_> {
+        self.stream.launch_builder(&self.func)
+    }
+
+    /// Lets a launch ask for `bytes` of dynamic shared memory (past the default 48 KiB).
+    pub fn set_max_dynamic_shared(&self, bytes: u32) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+        use candle_core::cuda_backend::WrapErr;
+        self.func
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+            .w()
+    }
+}
+
+/// The kernels' name for an element type.
+pub fn dtype_name(d: DType) -> Result<&'static str> {
+    Ok(match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => candle_core::bail!("no CUDA kernel for {other:?}"),
+    })
+}
+
+/// Runs `f` on the device slice of a contiguous u32 tensor (step metadata uploaded once).
+pub fn with_u32_slice<R>(t: &Tensor, f: impl FnOnce(&CudaSlice<u32>) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    if !layout.is_contiguous() || layout.start_offset() != 0 {
+        candle_core::bail!("step metadata must be a whole contiguous tensor");
+    }
+    match &*storage {
+        Storage::Cuda(s) => f(s.as_cuda_slice::<u32>()?),
+        _ => candle_core::bail!("step metadata is not on the CUDA device"),
+    }
+}

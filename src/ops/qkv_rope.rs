@@ -1,0 +1,194 @@
+//! One pass from a fused q/k/v projection to the attention inputs: split into heads, add the
+//! bias, apply the optional per-head RMSNorm of q and k, rotate q and k.
+//!
+//! The layer computes the same thing op by op (the CPU path does); on CUDA this replaces about
+//! eight launches per layer with one.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+
+pub struct QkvRope<'a> {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// `[(heads + 2 kv_heads) * head_dim]`.
+    pub bias: Option<&'a Tensor>,
+    /// `[T, head_dim / 2]` (any shape of that many elements), the model's type.
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+    /// Per-head RMSNorm weights of q and k (`[head_dim]` each) and epsilon.
+    pub qk_norm: Option<(&'a Tensor, &'a Tensor, f32)>,
+    /// Rotary pairs (2i, 2i + 1) instead of (i, i + head_dim / 2).
+    pub interleaved: bool,
+}
+
+impl QkvRope<'_> {
+    /// `y`: `[T, (heads + 2 kv_heads) * head_dim]` -> q `[T, heads, d]`, k and v `[T, kv_heads, d]`.
+    pub fn forward(&self, y: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let t = y.dim(0)?;
+        let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let out = y.apply_op1_no_bwd(self)?;
+        let q = out.narrow(0, 0, t * hq * d)?.reshape((t, hq, d))?;
+        let k = out.narrow(0, t * hq * d, t * hkv * d)?.reshape((t, hkv, d))?;
+        let v = out.narrow(0, t * (hq + hkv) * d, t * hkv * d)?.reshape((t, hkv, d))?;
+        Ok((q, k, v))
+    }
+
+    fn width(&self) -> usize {
+        (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    }
+
+    fn check(&self, l: &Layout) -> Result<(usize, usize)> {
+        let (t, w) = l.shape().dims2()?;
+        if w != self.width() || l.stride()[1] != 1 {
+            candle_core::bail!("qkv-rope: expected [T, {}] rows with unit stride, got {:?}", self.width(), l.shape());
+        }
+        let half = self.head_dim / 2;
+        if self.cos.elem_count() != t * half || self.sin.elem_count() != t * half {
+            candle_core::bail!("qkv-rope: cos/sin must hold {t} x {half} values");
+        }
+        Ok((t, l.stride()[0]))
+    }
+}
+
+/// The values of a small f32 tensor (bias, angles, norm weights) as a host vector.
+fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()
+}
+
+impl CustomOp1 for QkvRope<'_> {
+    fn name(&self) -> &'static str {
+        "qkv-rope"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (t, stride) = self.check(l)?;
+        let y = match s {
+            CpuStorage::F32(d) => &d[l.start_offset()..],
+            other => candle_core::bail!("qkv-rope: the CPU reference takes f32, got {:?}", other.dtype()),
+        };
+        let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let half = d / 2;
+        let bias = self.bias.map(host_f32).transpose()?;
+        let (cos, sin) = (host_f32(self.cos)?, host_f32(self.sin)?);
+        let norms = match self.qk_norm {
+            Some((qn, kn, eps)) => Some((host_f32(qn)?, host_f32(kn)?, eps)),
+            None => None,
+        };
+        let mut out = vec![0f32; t * self.width()];
+        let mut x = vec![0f32; d];
+        for r in 0..t {
+            for h in 0..hq + 2 * hkv {
+                for (e, v) in x.iter_mut().enumerate() {
+                    *v = y[r * stride + h * d + e] + bias.as_ref().map_or(0.0, |b| b[h * d + e]);
+                }
+                let dst = if h < hq {
+                    (r * hq + h) * d
+                } else if h < hq + hkv {
+                    t * hq * d + (r * hkv + h - hq) * d
+                } else {
+                    out[t * (hq + hkv) * d + (r * hkv + h - hq - hkv) * d..][..d].copy_from_slice(&x);
+                    continue;
+                };
+                if let Some((qn, kn, eps)) = &norms {
+                    let w = if h < hq { qn } else { kn };
+                    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / d as f32 + eps).sqrt();
+                    x.iter_mut().zip(w).for_each(|(v, w)| *v = *v * inv * w);
+                }
+                let (c, s) = (&cos[r * half..(r + 1) * half], &sin[r * half..(r + 1) * half]);
+                let o = &mut out[dst..dst + d];
+                for i in 0..half {
+                    let (a, b) = if self.interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+                    o[a] = x[a] * c[i] - x[b] * s[i];
+                    o[b] = x[a] * s[i] + x[b] * c[i];
+                }
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from(t * self.width())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
+        use candle_core::Storage;
+
+        use super::cuda::{dtype_name, QKV_ROPE};
+
+        let (t, stride) = self.check(l)?;
+        let d = self.head_dim;
+        if ![16, 32, 64, 80, 96, 128, 256].contains(&d) {
+            candle_core::bail!("qkv-rope: no CUDA kernel for head_dim {d}");
+        }
+        let dev = s.device().clone();
+        let func = QKV_ROPE.func(&dev, &format!("qkv_rope_{}_{d}", dtype_name(s.dtype())?))?;
+        let heads = self.num_heads + 2 * self.num_kv_heads;
+        let cfg = LaunchConfig { grid_dim: (t as u32, heads.div_ceil(4) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+
+        // The small inputs, as device slices of y's type (None: a null pointer).
+        struct Guards<'g>(Vec<(candle_core::StorageRef<'g>, &'g Layout)>);
+        let mut small = vec![Some(self.cos), Some(self.sin), self.bias];
+        small.extend(match self.qk_norm {
+            Some((q, k, _)) => [Some(q), Some(k)],
+            None => [None, None],
+        });
+        let guards = Guards(small.iter().flatten().map(|t| t.storage_and_layout()).collect());
+        for (st, l) in &guards.0 {
+            if !l.is_contiguous() || st.dtype() != s.dtype() || !matches!(&**st, Storage::Cuda(_)) {
+                candle_core::bail!("qkv-rope: bias, angles and norms must be contiguous {:?} on the GPU", s.dtype());
+            }
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        fn launch<T: CudaDType + DeviceRepr>(
+            op: &QkvRope,
+            func: &super::cuda::Kernel,
+            cfg: LaunchConfig,
+            dev: &candle_core::cuda_backend::CudaDevice,
+            y: &CudaSlice<T>,
+            (off, t, stride): (usize, usize, usize),
+            small: &[Option<&Tensor>],
+            guards: &[(candle_core::StorageRef, &Layout)],
+        ) -> Result<CudaStorage> {
+            let null = 0u64;
+            let mut ptrs = Vec::new();
+            let mut g = guards.iter();
+            for present in small {
+                ptrs.push(match present {
+                    Some(_) => {
+                        let (st, l) = g.next().expect("one guard per present tensor");
+                        let Storage::Cuda(c) = &**st else { unreachable!("checked above") };
+                        Some(c.as_cuda_slice::<T>()?.slice(l.start_offset()..))
+                    }
+                    None => None,
+                });
+            }
+            // SAFETY: the kernel writes every element.
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(t * op.width())? };
+            let y = y.slice(off..);
+            let ints = [stride as i32, t as i32, op.num_heads as i32, op.num_kv_heads as i32, op.interleaved as i32];
+            let eps = op.qk_norm.map_or(0.0, |n| n.2);
+            let mut b = func.builder();
+            b.arg(&out).arg(&y).arg(&ints[0]);
+            // Order of the kernel's pointer arguments: bias, cos, sin, q norm, k norm.
+            for i in [2, 0, 1, 3, 4] {
+                match &ptrs[i] {
+                    Some(p) => b.arg(p),
+                    None => b.arg(&null),
+                };
+            }
+            b.arg(&eps).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]).arg(&ints[4]);
+            // SAFETY: argument types and counts match the kernel's signature; shapes were checked.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        let args = (l.start_offset(), t, stride);
+        let out = match &s.slice {
+            S::F32(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0)?,
+            S::BF16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0)?,
+            S::F16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0)?,
+            _ => candle_core::bail!("qkv-rope: unsupported dtype {:?}", s.dtype()),
+        };
+        Ok((out, Shape::from(t * self.width())))
+    }
+}

@@ -1,0 +1,304 @@
+//! Each CUDA kernel against its CPU reference op, on the same inputs. Compiled only with
+//! `--features cuda`; run on a GPU machine by scripts/gpu-check.sh (IRIS_REQUIRE_GPU=1 turns a
+//! missing GPU into a failure instead of a skip).
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Tensor};
+use iris::batch::{AttentionMeta, SeqSlice};
+use iris::ops::kv_write::KvWrite;
+use iris::ops::paged_attention::PagedAttention;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+fn gpu() -> Option<Device> {
+    match iris::device::open("cuda") {
+        Ok(d) => Some(d),
+        Err(e) if std::env::var_os("IRIS_REQUIRE_GPU").is_some() => panic!("{e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+fn random(rng: &mut StdRng, shape: &[usize]) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Sequences `(context_len, q_len)` over blocks handed out in shuffled order.
+fn meta(rng: &mut StdRng, seqs: &[(usize, usize)], block_size: usize) -> (AttentionMeta, usize) {
+    let n_blocks = seqs.iter().map(|s| s.0.div_ceil(block_size)).sum::<usize>() + 3;
+    let mut free: Vec<u32> = (0..n_blocks as u32).collect();
+    free.shuffle(rng);
+    let mut q_start = 0;
+    let slices = seqs
+        .iter()
+        .map(|&(context_len, q_len)| {
+            let table = free.split_off(free.len() - context_len.div_ceil(block_size));
+            let s = SeqSlice { q_start, q_len, context_len, block_table: table };
+            q_start += q_len;
+            s
+        })
+        .collect();
+    (AttentionMeta::new(block_size, slices), n_blocks * block_size)
+}
+
+fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let diff = (&a - &b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    let scale = b.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    assert!(diff.is_finite(), "non-finite output");
+    diff / scale.max(1e-12)
+}
+
+#[test]
+fn kv_write_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(1);
+    for (cache_dt, new_dt) in [(DType::F32, DType::F32), (DType::BF16, DType::F32), (DType::BF16, DType::BF16), (DType::F16, DType::F16)] {
+        let (hkv, d, bs) = (3, 80, 16);
+        let (mut m, slots) = meta(&mut rng, &[(40, 40), (300, 1), (17, 5)], bs);
+        let new = random(&mut rng, &[m.num_rows(), hkv, d]).to_dtype(new_dt).unwrap();
+        // Poisoned (non-zero) caches: every written slot must be overwritten, the rest kept.
+        let init = random(&mut rng, &[slots, hkv, d]).to_dtype(cache_dt).unwrap();
+        let cpu = init.copy().unwrap();
+        cpu.inplace_op2(&new.to_dtype(DType::F32).unwrap(), &KvWrite::step(&m)).unwrap();
+        m.upload(&dev).unwrap();
+        let gpu = init.to_device(&dev).unwrap();
+        gpu.inplace_op2(&new.to_device(&dev).unwrap(), &KvWrite::step(&m)).unwrap();
+        let e = max_rel_err(&gpu, &cpu);
+        assert_eq!(e, 0.0, "kv-write cache {cache_dt:?} new {new_dt:?}: rel err {e}");
+    }
+}
+
+struct Case {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    window: Option<usize>,
+    softcap: Option<f32>,
+}
+
+/// Decodes (one of them a first token, some past one chunk of 256 keys), a whole prompt, and
+/// prompt chunks over a cached prefix, all in one launch.
+const SEQS: [(usize, usize); 8] = [(1, 1), (17, 1), (256, 1), (257, 1), (700, 1), (40, 40), (300, 45), (33, 7)];
+
+fn check_attention(dev: &Device, c: &Case, q_dt: DType, cache_dt: DType, tol: f32) {
+    let mut rng = StdRng::seed_from_u64((c.heads * 1000 + c.head_dim) as u64);
+    let bs = 16;
+    let (mut m, slots) = meta(&mut rng, &SEQS, bs);
+    let d = c.head_dim;
+    let q = random(&mut rng, &[m.num_rows(), c.heads, d]).to_dtype(q_dt).unwrap();
+    let k = random(&mut rng, &[slots, c.kv_heads, d]).to_dtype(cache_dt).unwrap();
+    let v = random(&mut rng, &[slots, c.kv_heads, d]).to_dtype(cache_dt).unwrap();
+    let scale = 1.0 / (d as f32).sqrt();
+    let cpu = PagedAttention {
+        meta: &m,
+        num_heads: c.heads,
+        num_kv_heads: c.kv_heads,
+        head_dim: d,
+        scale,
+        window: c.window,
+        softcap: c.softcap,
+    }
+    .forward(&q.to_dtype(DType::F32).unwrap(), &k, &v)
+    .unwrap();
+    m.upload(dev).unwrap();
+    let op = PagedAttention {
+        meta: &m,
+        num_heads: c.heads,
+        num_kv_heads: c.kv_heads,
+        head_dim: d,
+        scale,
+        window: c.window,
+        softcap: c.softcap,
+    };
+    let gpu = op.forward(&q.to_device(dev).unwrap(), &k.to_device(dev).unwrap(), &v.to_device(dev).unwrap()).unwrap();
+    assert_eq!(gpu.dtype(), q_dt);
+    assert_eq!(gpu.dims(), cpu.dims());
+    let e = max_rel_err(&gpu, &cpu);
+    assert!(
+        e <= tol,
+        "paged attention {}x{}x{d} window {:?} softcap {:?}, q {q_dt:?} cache {cache_dt:?}: rel err {e}",
+        c.heads,
+        c.kv_heads,
+        c.window,
+        c.softcap
+    );
+}
+
+fn cases() -> Vec<Case> {
+    let c = |heads, kv_heads, head_dim| Case { heads, kv_heads, head_dim, window: None, softcap: None };
+    vec![
+        c(4, 4, 64),
+        c(8, 2, 80),
+        c(12, 4, 96),
+        c(28, 4, 128),
+        c(32, 2, 256),
+        c(9, 3, 64),
+        c(4, 2, 16),
+        Case { window: Some(7), softcap: Some(30.0), ..c(4, 1, 32) },
+        Case { window: Some(300), ..c(14, 2, 64) },
+    ]
+}
+
+#[test]
+fn paged_attention_f32_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for c in cases() {
+        check_attention(&dev, &c, DType::F32, DType::F32, 2e-5);
+        // The same bf16 / f16 cache values on both sides: only f32 rounding differs.
+        check_attention(&dev, &c, DType::F32, DType::BF16, 2e-5);
+        check_attention(&dev, &c, DType::F32, DType::F16, 2e-5);
+    }
+}
+
+#[test]
+fn paged_attention_bf16_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for c in cases() {
+        // The reference reads the same bf16 queries as f32; the kernel rounds its output to bf16.
+        check_attention(&dev, &c, DType::BF16, DType::BF16, 8e-3);
+        check_attention(&dev, &c, DType::F16, DType::F16, 2e-3);
+    }
+}
+
+#[test]
+fn paged_attention_rejects_short_block_tables() {
+    let Some(dev) = gpu() else { return };
+    let mut m =
+        AttentionMeta::new(4, vec![SeqSlice { q_start: 0, q_len: 1, context_len: 9, block_table: vec![0, 1, 2] }]);
+    m.seqs[0].block_table.pop();
+    m.upload(&dev).unwrap();
+    let q = Tensor::zeros((1, 2, 64), DType::F32, &dev).unwrap();
+    let kv = Tensor::zeros((16, 1, 64), DType::F32, &dev).unwrap();
+    let op = PagedAttention { meta: &m, num_heads: 2, num_kv_heads: 1, head_dim: 64, scale: 1.0, window: None, softcap: None };
+    let err = op.forward(&q, &kv, &kv).unwrap_err().to_string();
+    assert!(err.contains("block table does not cover 9 tokens"), "{err}");
+}
+
+#[test]
+fn argmax_matches_cpu_including_ties_and_non_finite_rows() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(3);
+    let (rows, vocab) = (5, 152_064);
+    let mut v: Vec<f32> = (0..rows * vocab).map(|_| (rng.random_range(-8.0f32..8.0) * 4.0).round() / 4.0).collect();
+    // Row 1: a tie between two ids far apart; row 2: NaN and +inf never win; row 3: nothing finite.
+    v[vocab + 100_000] = 50.0;
+    v[vocab + 7] = 50.0;
+    v[2 * vocab + 3] = f32::NAN;
+    v[2 * vocab + 4] = f32::INFINITY;
+    v[3 * vocab..4 * vocab].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+    let t = Tensor::from_vec(v, (rows, vocab), &Device::Cpu).unwrap();
+    let cpu: Vec<u32> = iris::ops::argmax::Argmax::forward(&t).unwrap().to_vec1().unwrap();
+    let gpu: Vec<u32> = iris::ops::argmax::Argmax::forward(&t.to_device(&dev).unwrap()).unwrap().to_vec1().unwrap();
+    assert_eq!(cpu[1], 7);
+    assert_eq!(cpu[3], 0);
+    assert_eq!(gpu, cpu);
+}
+
+/// The fused projection split against its CPU reference (tests/fused_ops.rs checks the reference
+/// against the op-by-op layer path).
+#[test]
+fn qkv_rope_matches_cpu() {
+    use iris::ops::qkv_rope::QkvRope;
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(4);
+    for (hq, hkv, d, bias, norm, interleaved) in
+        [(28, 4, 128, true, false, false), (8, 2, 80, false, true, true), (4, 1, 256, true, true, false), (4, 2, 16, false, false, true)]
+    {
+        let (t, half) = (37, d / 2);
+        let w = (hq + 2 * hkv) * d;
+        let y = random(&mut rng, &[t, w]);
+        let b = random(&mut rng, &[w]);
+        let cos = random(&mut rng, &[t, 1, half]);
+        let sin = random(&mut rng, &[t, 1, half]);
+        let (qn, kn) = (random(&mut rng, &[d]), random(&mut rng, &[d]));
+        let eps = 1e-6;
+        let run = |y: &Tensor, b: &Tensor, cos: &Tensor, sin: &Tensor, qn: &Tensor, kn: &Tensor| {
+            QkvRope {
+                num_heads: hq,
+                num_kv_heads: hkv,
+                head_dim: d,
+                bias: bias.then_some(b),
+                cos,
+                sin,
+                qk_norm: norm.then_some((qn, kn, eps)),
+                interleaved,
+            }
+            .forward(y)
+            .unwrap()
+        };
+        for dt in [DType::F32, DType::BF16] {
+            let g = |x: &Tensor| x.to_dtype(dt).unwrap().to_device(&dev).unwrap();
+            let gpu = run(&g(&y), &g(&b), &g(&cos), &g(&sin), &g(&qn), &g(&kn));
+            // In bf16 the reference reads the same rounded inputs; the kernel rounds where the ops do.
+            let tol = if dt == DType::F32 { 1e-5 } else { 2e-2 };
+            let cpu_in = |x: &Tensor| x.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
+            let cpu = run(&cpu_in(&y), &cpu_in(&b), &cpu_in(&cos), &cpu_in(&sin), &cpu_in(&qn), &cpu_in(&kn));
+            for (name, (got, want)) in ["q", "k", "v"].iter().zip([&gpu.0, &gpu.1, &gpu.2].into_iter().zip([&cpu.0, &cpu.1, &cpu.2])) {
+                let e = max_rel_err(got, want);
+                assert!(e <= tol, "qkv-rope {dt:?} {name} ({hq}x{hkv}x{d}): rel err {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn gated_act_and_add_rms_norm_match_cpu() {
+    use iris::ops::add_rms_norm::AddRmsNorm;
+    use iris::ops::gated_act::GatedAct;
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(5);
+    let (t, inter, dim) = (19, 1536, 3584);
+    let y = random(&mut rng, &[t, 2 * inter]);
+    let (x, delta, w) = (random(&mut rng, &[t, dim]), random(&mut rng, &[t, dim]), random(&mut rng, &[dim]));
+    for dt in [DType::F32, DType::BF16] {
+        let (tol, g) = (if dt == DType::F32 { 1e-5 } else { 1e-2 }, |x: &Tensor| x.to_dtype(dt).unwrap());
+        for gelu in [false, true] {
+            let op = GatedAct { gelu };
+            let cpu = op.forward(&g(&y).to_dtype(DType::F32).unwrap()).unwrap();
+            let gpu = op.forward(&g(&y).to_device(&dev).unwrap()).unwrap();
+            let e = max_rel_err(&gpu, &cpu);
+            assert!(e <= tol, "gated-act gelu={gelu} {dt:?}: rel err {e}");
+        }
+        let op = AddRmsNorm { eps: 1e-6 };
+        let f = |x: &Tensor| g(x).to_dtype(DType::F32).unwrap();
+        let cpu = op.forward(&f(&x), &f(&delta), &f(&w)).unwrap();
+        let d = |x: &Tensor| g(x).to_device(&dev).unwrap();
+        let gpu = op.forward(&d(&x), &d(&delta), &d(&w)).unwrap();
+        for (name, a, b) in [("h", &gpu.0, &cpu.0), ("y", &gpu.1, &cpu.1)] {
+            let e = max_rel_err(a, b);
+            assert!(e <= tol, "add-rms-norm {name} {dt:?}: rel err {e}");
+        }
+    }
+}
+
+/// The tiny models in bf16 on the GPU against transformers' f32 logits: bf16 tolerance.
+#[test]
+fn bf16_models_stay_close_to_the_f32_reference() {
+    use iris::batch::Batch;
+    use iris::kv::{KvCache, KvCacheSpec, KvDtype};
+    let Some(dev) = gpu() else { return };
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"] {
+        let r = candle_core::safetensors::load(root.join(name).join("reference.safetensors"), &Device::Cpu).unwrap();
+        let ids: Vec<u32> =
+            r["text.input_ids"].to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap().into_iter().map(|v| v as u32).collect();
+        let loaded = iris::loader::load(&root.join(name), &dev, DType::BF16).unwrap();
+        let cfg = loaded.config().clone();
+        let spec = KvCacheSpec { block_size: 4, num_blocks: ids.len().div_ceil(4) + 1, dtype: KvDtype::Bf16 };
+        let kv = KvCache::new(&cfg, spec, &dev).unwrap();
+        let seq = SeqSlice { q_start: 0, q_len: ids.len(), context_len: ids.len(), block_table: (0..spec.num_blocks as u32).collect() };
+        let mut batch = Batch::from_tokens(&Device::Cpu, 4, vec![seq], &ids).unwrap();
+        batch.to_device(&dev).unwrap();
+        let logits = loaded.model.logits(&loaded.model.forward(&batch, &kv, None).unwrap()).unwrap();
+        let e = max_rel_err(&logits, &r["text.logits"]);
+        eprintln!("{name} bf16 logits: rel err {e}");
+        assert!(e <= 5e-2, "{name} bf16 logits: rel err {e}");
+    }
+}
