@@ -134,4 +134,9 @@ impl TextModel for GlmText {
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         self.lm_head.forward(hidden)?.to_dtype(DType::F32)
     }
+
+    /// Routing picks each token's experts on the host, from the router's scores.
+    fn graph_capturable(&self) -> bool {
+        self.cfg.moe.is_none()
+    }
 }
