@@ -154,6 +154,7 @@ fn gemma3_is_batch_invariant_with_turboquant() {
 /// other sequences' decodes, with preemption (`blocks` of 4 tokens are too few for all of
 /// them); each gives exactly the tokens it gives alone.
 fn check_vl(name: &str, blocks: usize) {
+    let _gpu = gpu_lock();
     use iris::engine::{ImageInput, Request};
     use iris::media::{decode_image, DecodeLimits};
 
@@ -276,6 +277,7 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
 
     const NAME: &str = "tiny-glm4v-moe";
     const STEPS: usize = 8;
+    let _gpu = gpu_lock();
     let path = fixture(NAME);
     let m = iris::loader::load(&path, &Device::Cpu, DType::F32).unwrap();
     let vision = m.vision.clone().unwrap();
