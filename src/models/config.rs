@@ -33,7 +33,7 @@ impl Arch {
             "gemma3_text" | "gemma3" => Some(Arch::Gemma3),
             "qwen2_vl" | "qwen2_vl_text" => Some(Arch::Qwen2Vl),
             "qwen2_5_vl" | "qwen2_5_vl_text" => Some(Arch::Qwen25Vl),
-            "glm4v" | "glm4v_text" => Some(Arch::Glm4v),
+            "glm4v" | "glm4v_text" | "glm46v" => Some(Arch::Glm4v),
             "glm4v_moe" | "glm4v_moe_text" => Some(Arch::Glm4vMoe),
             _ => None,
         }
@@ -225,9 +225,12 @@ impl TextConfig {
         };
         // A VLM's top-level model_type names the whole model (text_config's may be e.g.
         // `qwen2_vl_text`); either maps to the same family.
+        // `glm46v` (GLM-4.6V's processor generation) wraps either GLM language model: its
+        // text_config says which.
         let model_type = root
             .get("model_type")
             .and_then(Value::as_str)
+            .filter(|&t| t != "glm46v")
             .filter(|t| Arch::from_model_type(t).is_some_and(Arch::is_vision_language))
             .or_else(|| get("model_type").and_then(Value::as_str))
             .ok_or("missing field `model_type`")?;
@@ -648,6 +651,14 @@ mod tests {
         let c = TextConfig::from_hf_json(&j).unwrap();
         assert_eq!((c.head_dim, c.rotary_dim, c.rope_layout, c.attention_bias), (16, 8, RopeLayout::Interleaved, true));
         assert!(c.moe.is_none());
+        // `glm46v` names the wrapper; its text_config names the language model.
+        let mut j46 = j.clone();
+        j46["model_type"] = "glm46v".into();
+        assert_eq!(TextConfig::from_hf_json(&j46).unwrap().arch, Arch::Glm4v);
+        j46["text_config"]["model_type"] = "glm4v_moe_text".into();
+        j46["text_config"]["num_hidden_layers"] = 2.into();
+        j46["text_config"]["head_dim"] = 16.into();
+        assert_eq!(TextConfig::from_hf_json(&j46).unwrap().arch, Arch::Glm4vMoe);
         // sections must cover the rotated frequencies only
         let mut bad = j.clone();
         bad["text_config"]["rope_parameters"]["mrope_section"] = serde_json::json!([2, 3, 3]);
