@@ -1,6 +1,7 @@
-//! Images through `iris serve` on the tiny Qwen2-VL fixture: OpenAI `image_url` data URLs and
-//! Anthropic base64 blocks give transformers' greedy continuation; `file://` URLs only under
-//! --allowed-local-media-path; every bad image input gets a 400.
+//! Images through `iris serve` on the tiny Qwen2-VL and GLM-4.6V-style (glm4v_moe) fixtures:
+//! OpenAI `image_url` data URLs and Anthropic base64 blocks give transformers' greedy
+//! continuation; `file://` URLs only under --allowed-local-media-path; every bad image input
+//! gets a 400.
 
 mod server_support;
 
@@ -21,17 +22,17 @@ fn b64(bytes: &[u8]) -> String {
     out
 }
 
-fn data_url(file: &str) -> String {
-    format!("data:image/png;base64,{}", b64(&std::fs::read(fixture(MODEL).join(file)).unwrap()))
+fn data_url(model: &str, file: &str) -> String {
+    format!("data:image/png;base64,{}", b64(&std::fs::read(fixture(model).join(file)).unwrap()))
 }
 
-fn reference() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture(MODEL).join("reference.json")).unwrap()).unwrap()
+fn reference(model: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(model).join("reference.json")).unwrap()).unwrap()
 }
 
 /// The case's messages with each `{"type": "image"}` part replaced by `image(file)`.
-fn messages(case: &str, image: &dyn Fn(&str) -> Value) -> Value {
-    let r = reference();
+fn messages(model: &str, case: &str, image: &dyn Fn(&str) -> Value) -> Value {
+    let r = reference(model);
     let files: Vec<String> =
         r["cases"][case]["images"].as_array().unwrap().iter().map(|f| f.as_str().unwrap().to_string()).collect();
     let mut next = files.iter();
@@ -47,16 +48,20 @@ fn messages(case: &str, image: &dyn Fn(&str) -> Value) -> Value {
 }
 
 /// transformers' greedy continuation as text, and the prompt length.
-fn expected(case: &str) -> (String, usize) {
-    let r = reference();
+fn expected(model: &str, case: &str) -> (String, usize) {
+    let r = reference(model);
     let ids: Vec<u32> =
         r["cases"][case]["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    let tok = iris::tokenizer::TextTokenizer::from_dir(fixture(MODEL)).unwrap();
+    let tok = iris::tokenizer::TextTokenizer::from_dir(fixture(model)).unwrap();
     (tok.decode(&ids, true).unwrap(), r["cases"][case]["input_ids"].as_array().unwrap().len())
 }
 
 fn openai_part(file: &str) -> Value {
-    json!({"type": "image_url", "image_url": {"url": data_url(file)}})
+    openai_part_of(MODEL, file)
+}
+
+fn openai_part_of(model: &str, file: &str) -> Value {
+    json!({"type": "image_url", "image_url": {"url": data_url(model, file)}})
 }
 
 fn chat(server: &Server, msgs: Value) -> server_support::Response {
@@ -66,33 +71,49 @@ fn chat(server: &Server, msgs: Value) -> server_support::Response {
     )
 }
 
-#[test]
-fn openai_and_anthropic_images_give_the_reference_continuation() {
-    let server = Server::start_model(MODEL, &[]);
+/// Every image case through the OpenAI API, and the single-image case through the Anthropic
+/// API, give transformers' greedy continuation.
+fn check_reference_continuations(model: &str) {
+    let server = Server::start_model(model, &[]);
     for case in ["single", "nonsquare", "multi"] {
-        let r = chat(&server, messages(case, &openai_part));
-        assert_eq!(r.status, 200, "{case}: {}", r.text());
+        let r = chat(&server, messages(model, case, &|f: &str| openai_part_of(model, f)));
+        assert_eq!(r.status, 200, "{model} {case}: {}", r.text());
         let v = r.json();
-        let (text, prompt_len) = expected(case);
-        assert_eq!(v["choices"][0]["message"]["content"], text, "{case}");
-        assert_eq!(v["usage"]["prompt_tokens"], prompt_len, "{case}: prompt tokens after expanding the images");
+        let (text, prompt_len) = expected(model, case);
+        assert_eq!(v["choices"][0]["message"]["content"], text, "{model} {case}");
+        assert_eq!(v["usage"]["prompt_tokens"], prompt_len, "{model} {case}: prompt tokens after expanding the images");
     }
-    // Anthropic: the same single-image request as a base64 block.
+    // Anthropic: the same single-image request as a base64 block; its system message goes in
+    // the `system` field.
     let block = |file: &str| {
-        let bytes = std::fs::read(fixture(MODEL).join(file)).unwrap();
+        let bytes = std::fs::read(fixture(model).join(file)).unwrap();
         json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(&bytes)}})
     };
-    let r = server.post(
-        "/v1/messages",
-        &json!({"messages": messages("single", &block), "max_tokens": 10, "temperature": 0, "top_k": 1}),
-    );
-    assert_eq!(r.status, 200, "{}", r.text());
+    let mut msgs = messages(model, "single", &block);
+    let mut body = json!({"max_tokens": 10, "temperature": 0, "top_k": 1});
+    if msgs[0]["role"] == "system" {
+        body["system"] = msgs[0]["content"].clone();
+        msgs.as_array_mut().unwrap().remove(0);
+    }
+    body["messages"] = msgs;
+    let r = server.post("/v1/messages", &body);
+    assert_eq!(r.status, 200, "{model}: {}", r.text());
     let v = r.json();
-    let (text, prompt_len) = expected("single");
+    let (text, prompt_len) = expected(model, "single");
     // Anthropic's API has no ignore_eos: compare up to where the reference stops.
     let got = v["content"][0]["text"].as_str().unwrap();
-    assert!(text.starts_with(got) && !got.is_empty(), "anthropic: {got:?} vs {text:?}");
-    assert_eq!(v["usage"]["input_tokens"], prompt_len);
+    assert!(text.starts_with(got) && !got.is_empty(), "{model} anthropic: {got:?} vs {text:?}");
+    assert_eq!(v["usage"]["input_tokens"], prompt_len, "{model}");
+}
+
+#[test]
+fn openai_and_anthropic_images_give_the_reference_continuation() {
+    check_reference_continuations(MODEL);
+}
+
+#[test]
+fn glm4v_moe_images_give_the_reference_continuation() {
+    check_reference_continuations("tiny-glm4v-moe");
 }
 
 #[test]
@@ -101,16 +122,16 @@ fn local_files_only_under_the_allowed_directory() {
     let server = Server::start_model(MODEL, &["--allowed-local-media-path", dir.to_str().unwrap()]);
     let file_part =
         |file: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}", dir.join(file).display())}});
-    let r = chat(&server, messages("single", &file_part));
+    let r = chat(&server, messages(MODEL, "single", &file_part));
     assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.json()["choices"][0]["message"]["content"], expected("single").0);
+    assert_eq!(r.json()["choices"][0]["message"]["content"], expected(MODEL, "single").0);
     // `..` out of the directory, and a file that is not an image.
     let outside = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}/../../../Cargo.toml", dir.display())}});
-    let r = chat(&server, messages("single", &outside));
+    let r = chat(&server, messages(MODEL, "single", &outside));
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("outside the allowed media directory"), "{}", r.text());
     let not_image = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}", dir.join("config.json").display())}});
-    let r = chat(&server, messages("single", &not_image));
+    let r = chat(&server, messages(MODEL, "single", &not_image));
     assert_eq!(r.status, 400, "{}", r.text());
 }
 
@@ -125,7 +146,7 @@ fn bad_images_are_400s() {
         ),
         (
             "truncated",
-            json!({"type": "image_url", "image_url": {"url": data_url("image_square.png")[..200].to_string()}}),
+            json!({"type": "image_url", "image_url": {"url": data_url(MODEL, "image_square.png")[..200].to_string()}}),
         ),
         ("too many pixels (120x72 > 3000)", openai_part("image_120x72.png")),
         ("remote", json!({"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}})),
@@ -166,7 +187,7 @@ fn official_python_sdks_send_images() {
         return;
     };
     let server = Server::start_model(MODEL, &["--served-model-name", "tiny-qwen2-vl"]);
-    let r = reference();
+    let r = reference(MODEL);
     let question = r["cases"]["single"]["messages"][0]["content"][1]["text"].as_str().unwrap().to_string();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk_vision.py");
     let out = std::process::Command::new(&py)
@@ -175,7 +196,7 @@ fn official_python_sdks_send_images() {
         .env("IRIS_BASE_URL", format!("http://{}", server.addr))
         .env("IRIS_IMAGE", fixture(MODEL).join("image_square.png"))
         .env("IRIS_QUESTION", question)
-        .env("IRIS_EXPECTED", expected("single").0)
+        .env("IRIS_EXPECTED", expected(MODEL, "single").0)
         .output()
         .expect("python runs");
     let stderr = String::from_utf8_lossy(&out.stderr);

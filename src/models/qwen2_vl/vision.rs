@@ -6,20 +6,19 @@
 //! `window_size` pixels except in `fullatt_block_indexes` (Qwen2.5-VL). Rotary embeddings
 //! are 2-D: half the frequencies follow the patch row, half its column.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 
 use super::config::{VisionConfig, VisionKind};
 use crate::layers::linear::Linear;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::norm::{LayerNorm, NormStyle, RmsNorm};
 use crate::layers::rotary::RotaryAngles;
+use crate::layers::vision::{patch_position, segment_attention, PatchRotary, Segments};
 use crate::media::PixelValues;
-use crate::models::config::{Activation, RopeLayout};
+use crate::models::config::Activation;
 use crate::weights::{Weights, WeightsError};
 
 const NORM_EPS: f64 = 1e-6;
-/// Bound on one attention score block (heads x query rows x keys), in values.
-const MAX_SCORES: usize = 1 << 26;
 
 enum Norm {
     Layer(LayerNorm),
@@ -75,13 +74,10 @@ pub struct VisionTower {
     merger_norm: Norm,
     merger_fc1: Linear,
     merger_fc2: Linear,
-    inv_freq: Vec<f32>,
+    rotary: PatchRotary,
     device: Device,
     dtype: DType,
 }
-
-/// Contiguous runs of rows that attend to each other.
-type Segments = Vec<(usize, usize)>;
 
 impl VisionTower {
     pub fn load(w: &Weights, cfg: VisionConfig) -> std::result::Result<Self, WeightsError> {
@@ -120,17 +116,13 @@ impl VisionTower {
             })
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
         let merged = h * cfg.spatial_merge_size * cfg.spatial_merge_size;
-        // Frequencies of one spatial axis: a quarter of the head's dimensions each.
-        let spatial = cfg.head_dim() / 2;
-        let theta = cfg.rope_theta as f32;
-        let inv_freq = (0..spatial / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / spatial as f32)).collect();
         Ok(VisionTower {
             patch_embed,
             blocks,
             merger_norm: Norm::load(w, kind, "visual.merger.ln_q", h)?,
             merger_fc1: Linear::load(w, "visual.merger.mlp.0", merged, merged, true)?,
             merger_fc2: Linear::load(w, "visual.merger.mlp.2", merged, cfg.out_hidden_size, true)?,
-            inv_freq,
+            rotary: PatchRotary::new(cfg.head_dim(), cfg.rope_theta),
             device: w.device().clone(),
             dtype: w.dtype(),
             cfg,
@@ -224,47 +216,14 @@ impl VisionTower {
     }
 
     /// 2-D rotary angles for the patches in `rows` order (indices into the processor's order).
-    fn rotary(&self, [_, gh, gw]: [usize; 3], rows: &[u32]) -> Result<RotaryAngles> {
+    fn rotary(&self, grid: [usize; 3], rows: &[u32]) -> Result<RotaryAngles> {
         let m = self.cfg.spatial_merge_size;
-        let per_frame = gh * gw;
-        let q = self.inv_freq.len();
-        let mut angles = Vec::with_capacity(rows.len() * 2 * q);
-        for &r in rows {
-            // Processor rows run over (block row, block col, row in block, col in block).
-            let r = r as usize % per_frame;
-            let (block, within) = (r / (m * m), r % (m * m));
-            let (hpos, wpos) = ((block / (gw / m)) * m + within / m, (block % (gw / m)) * m + within % m);
-            angles.extend(self.inv_freq.iter().map(|&f| hpos as f32 * f));
-            angles.extend(self.inv_freq.iter().map(|&f| wpos as f32 * f));
-        }
-        RotaryAngles::from_angles(&angles, rows.len(), RopeLayout::Half, &self.device, self.dtype)
+        let positions: Vec<(usize, usize)> = rows.iter().map(|&r| patch_position(r as usize, grid, m)).collect();
+        self.rotary.angles(&positions, &self.device, self.dtype)
     }
 
     fn attention(&self, b: &Block, x: &Tensor, rot: &RotaryAngles, segs: &Segments) -> Result<Tensor> {
-        let (n, heads, hd) = (x.dim(0)?, self.cfg.num_heads, self.cfg.head_dim());
-        let qkv = b.qkv.forward(x)?.reshape((n, 3, heads, hd))?;
-        let q = rot.apply(&qkv.narrow(1, 0, 1)?.squeeze(1)?)?;
-        let k = rot.apply(&qkv.narrow(1, 1, 1)?.squeeze(1)?)?;
-        let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
-        let scale = (hd as f64).powf(-0.5);
-        let mut outs = Vec::with_capacity(segs.len());
-        for &(start, len) in segs {
-            let heads_first = |t: &Tensor| t.narrow(0, start, len)?.transpose(0, 1)?.contiguous();
-            let (qs, ks, vs) = (heads_first(&q)?, heads_first(&k)?, heads_first(&v)?);
-            let kt = ks.t()?;
-            // Query rows in blocks so the score matrix stays bounded for large images.
-            let block = (MAX_SCORES / (heads * len)).max(1);
-            let mut start_q = 0;
-            while start_q < len {
-                let nq = block.min(len - start_q);
-                let scores = (qs.narrow(1, start_q, nq)?.matmul(&kt)? * scale)?;
-                let p = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(self.dtype)?;
-                outs.push(p.matmul(&vs)?.transpose(0, 1)?.reshape((nq, heads * hd))?);
-                start_q += nq;
-            }
-        }
-        let out = Tensor::cat(&outs, 0)?;
-        debug_assert_eq!(out.dim(D::Minus2)?, n);
+        let out = segment_attention(&b.qkv.forward(x)?, self.cfg.num_heads, self.cfg.head_dim(), rot, segs)?;
         b.proj.forward(&out)
     }
 }
