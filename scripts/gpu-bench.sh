@@ -11,6 +11,7 @@
 # - iris bench: decode at batch 1, 8, 64, 256 (128-token prompts, $GEN_LEN new tokens, median
 #   of 3); prefill and TTFT of one 2048-token prompt. transformers generate: the same batches
 #   (32 new tokens), the same prefill. Copy bandwidth measured with torch in the same run.
+# - SAMPLED=1 (default): the decode bench again with sampling (temperature 1, top-k 50, top-p 0.9).
 # Prints a summary table last; full logs and results.json go to RESULTS_DIR (default $OUT or
 # /tmp/iris-bench/results).
 set -uo pipefail
@@ -54,6 +55,17 @@ for m in $MODELS; do
     env $COMPARE_ENV "$IRIS" bench "${common[@]}" --batch-sizes 1,8,64 --prompt-len 128 --gen-len 32 --repeats 1 \
       > "$RES/iris-compare-$m.json" 2> "$RES/iris-compare-$m.err"
     python3 -c 'import json,sys; [print("   %s: batch" % sys.argv[2], r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))["rows"]]' "$RES/iris-compare-$m.json" "$COMPARE_ENV" || tail -3 "$RES/iris-compare-$m.err"
+  fi
+  # SAMPLED=1 (default): decode once more drawing tokens (temperature 1, top-k 50, top-p 0.9)
+  # instead of greedy: the draw runs on the device, only ids come back.
+  if [ "${SAMPLED:-1}" = 1 ]; then
+    "$IRIS" bench "${common[@]}" --batch-sizes 1,8,64,256 --prompt-len 128 --gen-len "$GEN_LEN" --repeats 1 \
+      --temperature 1 --top-k 50 --top-p 0.9 > "$RES/iris-sampled-$m.json" 2> "$RES/iris-sampled-$m.err"
+    python3 -c 'import json,sys; [print("   sampled (t=1, top-k 50, top-p 0.9): batch", r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))]' "$RES/iris-sampled-$m.json" || tail -3 "$RES/iris-sampled-$m.err"
+    # The same with the logits copied to the host and drawn there (how it ran before).
+    IRIS_DEVICE_SAMPLING=0 "$IRIS" bench "${common[@]}" --batch-sizes 1,8,64,256 --prompt-len 128 --gen-len 32 --repeats 1 \
+      --temperature 1 --top-k 50 --top-p 0.9 > "$RES/iris-hostsampled-$m.json" 2> "$RES/iris-hostsampled-$m.err"
+    python3 -c 'import json,sys; [print("   sampled on the host: batch", r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))]' "$RES/iris-hostsampled-$m.json" || tail -3 "$RES/iris-hostsampled-$m.err"
   fi
   echo "== $m: iris done at $(( $(date +%s) - t0 )) s"
   if [ "$HF" = 1 ]; then

@@ -120,7 +120,8 @@ def make_image(name: str, seed: int) -> Image.Image:
     return Image.fromarray(img, mode="RGB")
 
 
-def make_tokenizer():
+def make_tokenizer(specials=QWEN_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", template=QWEN_VL_CHAT_TEMPLATE):
+    """A byte-level BPE trained on make_fixtures.py's corpus, `specials` appended after it."""
     from transformers import Qwen2Tokenizer
     from tokenizers import Regex, normalizers, pre_tokenizers
 
@@ -131,11 +132,10 @@ def make_tokenizer():
     bpe = mf.train_bytelevel_bpe(pre, normalizers.NFC(), MODEL_VOCAB - 64, [])
     vocab, merges = mf.vocab_and_merges(bpe)
     n = len(vocab)
-    vocab = dict(vocab, **{t: n + i for i, t in enumerate(QWEN_SPECIALS)})
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, bos_token=None, eos_token="<|im_end|>",
-                         pad_token="<|endoftext|>", unk_token=None)
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS], special_tokens=True)
-    tok.chat_template = QWEN_VL_CHAT_TEMPLATE
+    vocab = dict(vocab, **{t: n + i for i, t in enumerate(specials)})
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, bos_token=None, eos_token=eos, pad_token=pad, unk_token=None)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    tok.chat_template = template
     return tok
 
 

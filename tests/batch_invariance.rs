@@ -151,10 +151,13 @@ fn gemma3_is_batch_invariant_with_turboquant() {
 /// Image and text requests to a vision-language model: eight requests (image prompts of one
 /// and two images, text prompts, repeated images) arriving at different steps, image prompts
 /// prefilled in chunks of at most 16 tokens that cut through their image-token runs, next to
-/// other sequences' decodes, with preemption; each gives exactly the tokens it gives alone.
-fn check_vl(name: &str) {
+/// other sequences' decodes, with preemption (`blocks` of 4 tokens are too few for all of
+/// them); each gives exactly the tokens it gives alone.
+fn check_vl(name: &str, blocks: usize) {
+    let _gpu = gpu_lock();
     use iris::engine::{ImageInput, Request};
     use iris::media::{decode_image, DecodeLimits};
+    let _gpu = gpu_lock();
 
     let path = fixture(name);
     let r = reference(name);
@@ -218,7 +221,7 @@ fn check_vl(name: &str) {
         iris::kv::KvCacheSpec::bytes_per_token(&cfg, iris::kv::KvDtype::F32) * 4
     };
     let opts = EngineOptions {
-        kv_memory: Some(60 * bytes_per_block as u64),
+        kv_memory: Some((blocks * bytes_per_block) as u64),
         block_size: 4,
         max_num_batched_tokens: 16,
         max_num_seqs: 6,
@@ -239,10 +242,166 @@ fn check_vl(name: &str) {
 
 #[test]
 fn qwen2_vl_is_batch_invariant() {
-    check_vl("tiny-qwen2-vl");
+    check_vl("tiny-qwen2-vl", 60);
 }
 
 #[test]
 fn qwen2_5_vl_is_batch_invariant() {
-    check_vl("tiny-qwen2.5-vl");
+    check_vl("tiny-qwen2.5-vl", 60);
+}
+
+#[test]
+fn glm4v_moe_is_batch_invariant() {
+    check_vl("tiny-glm4v-moe", 40);
+}
+
+#[test]
+fn glm4v_is_batch_invariant() {
+    check_vl("tiny-glm4v", 40);
+}
+
+/// The bug vllm-mlx patched in GLM-4.6V at run time: every layer's rotary positions came from
+/// one cache offset shared by the whole batch. Here an image prompt and two text prompts of
+/// other lengths join at different steps and run straight through the model, each step one
+/// batch holding the joining prompts' prefill rows next to the running sequences' decode rows.
+/// With each sequence's own positions they give exactly the tokens the engine gives each alone;
+/// with decode positions from a batch-wide offset (the helper below) they do not, so this test
+/// would catch that bug.
+#[test]
+fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
+    use candle_core::{DType, Device, Tensor};
+    use iris::batch::{Batch, ImageRows, Positions, SeqSlice};
+    use iris::engine::{ImageInput, Request};
+    use iris::kv::{KvCache, KvCacheSpec, KvDtype};
+    use iris::media::{decode_image, DecodeLimits};
+    use iris::models::PromptPositions;
+
+    const NAME: &str = "tiny-glm4v-moe";
+    const STEPS: usize = 8;
+    let _gpu = gpu_lock();
+    let path = fixture(NAME);
+    let m = iris::loader::load(&path, &Device::Cpu, DType::F32).unwrap();
+    let vision = m.vision.clone().unwrap();
+    let r = reference(NAME);
+    let j = reference_json(NAME);
+    let image_prompt = ids(&r["single.input_ids"]);
+    let file = j["cases"]["single"]["images"][0].as_str().unwrap();
+    let bytes = std::fs::read(path.join(file)).unwrap();
+    let pixels = vision.preprocess(&decode_image(&bytes, &DecodeLimits::default()).unwrap()).unwrap();
+    let text = prompts(m.config().vocab_size as u32 - 64);
+    struct Seq {
+        prompt: Vec<u32>,
+        /// Its positions and image embeddings, when it has an image.
+        mm: Option<(PromptPositions, Tensor)>,
+        /// The step at which it joins.
+        joins: usize,
+    }
+    let seqs = vec![
+        Seq {
+            mm: Some((vision.prompt_positions(&image_prompt, &[&pixels]).unwrap(), vision.encode(&pixels).unwrap())),
+            prompt: image_prompt.clone(),
+            joins: 0,
+        },
+        Seq { prompt: text[1].clone(), mm: None, joins: 2 },
+        Seq { prompt: text[3].clone(), mm: None, joins: 3 },
+    ];
+    assert!(seqs[0].mm.as_ref().unwrap().0.delta < 0, "the image prompt's positions run behind its length");
+    // The correct rule: a sequence's own positions, later tokens at index + its own delta.
+    let own = |s: &Seq, index: usize, _batch_offset: usize| -> [u32; 3] {
+        match &s.mm {
+            Some((p, _)) => p.positions.get(index).copied().unwrap_or([(index as i64 + p.delta) as u32; 3]),
+            None => [index as u32; 3],
+        }
+    };
+    // The bug: one offset for the whole batch (its longest cache), each sequence's delta added.
+    let batch_wide = |s: &Seq, _index: usize, batch_offset: usize| -> [u32; 3] {
+        let delta = s.mm.as_ref().map_or(0, |(p, _)| p.delta);
+        [(batch_offset as i64 + delta) as u32; 3]
+    };
+
+    // Runs all sequences to STEPS new tokens; `decode_position` places the decode rows (prefill
+    // rows always take their own positions: the bug was in decoding).
+    let run_together = |decode_position: &dyn Fn(&Seq, usize, usize) -> [u32; 3]| -> Vec<Vec<u32>> {
+        let bs = 4;
+        let per_seq = (seqs.iter().map(|s| s.prompt.len()).max().unwrap() + STEPS).div_ceil(bs);
+        let spec = KvCacheSpec { block_size: bs, num_blocks: per_seq * seqs.len(), dtype: KvDtype::F32 };
+        let kv = KvCache::new(m.config(), spec, &Device::Cpu).unwrap();
+        let tables: Vec<Vec<u32>> =
+            (0..seqs.len()).map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).rev().collect()).collect();
+        let mut tokens: Vec<Vec<u32>> = seqs.iter().map(|s| s.prompt.clone()).collect();
+        let mut step = 0;
+        while tokens.iter().zip(&seqs).any(|(t, s)| t.len() < s.prompt.len() + STEPS) {
+            // This step's rows: whole prompts of the sequences joining now, one decode row of
+            // every other running, unfinished sequence.
+            let (mut rows, mut slices, mut positions, mut image_rows, mut embeds, mut sample) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let decoding = |i: usize| seqs[i].joins < step && tokens[i].len() < seqs[i].prompt.len() + STEPS;
+            let offset = (0..seqs.len()).filter(|&i| decoding(i)).map(|i| tokens[i].len() - 1).max().unwrap_or(0);
+            for (i, s) in seqs.iter().enumerate() {
+                let range = if s.joins == step {
+                    0..s.prompt.len()
+                } else if decoding(i) {
+                    tokens[i].len() - 1..tokens[i].len()
+                } else {
+                    continue;
+                };
+                let q_start = rows.len();
+                for index in range.clone() {
+                    rows.push(tokens[i][index]);
+                    positions.push(if s.joins == step {
+                        own(s, index, offset)
+                    } else {
+                        decode_position(s, index, offset)
+                    });
+                    if let Some((_, e)) = s.mm.as_ref().filter(|_| s.joins == step) {
+                        let image_token = vision.image_token_id();
+                        if tokens[i][index] == image_token {
+                            // the k-th image token of the prompt takes embedding row k
+                            let k = tokens[i][..index].iter().filter(|&&t| t == image_token).count();
+                            image_rows.push(rows.len() as u32 - 1);
+                            embeds.push(e.narrow(0, k, 1).unwrap());
+                        }
+                    }
+                }
+                let slice =
+                    SeqSlice { q_start, q_len: range.len(), context_len: range.end, block_table: tables[i].clone() };
+                slices.push(slice);
+                sample.push((i, rows.len() - 1));
+            }
+            let images = (!image_rows.is_empty())
+                .then(|| ImageRows::new(&image_rows, Tensor::cat(&embeds, 0).unwrap(), rows.len()).unwrap());
+            let batch = Batch::new(&Device::Cpu, bs, slices, &rows, Positions::MRope(positions), images).unwrap();
+            let hidden = m.model.forward(&batch, &kv, None).unwrap();
+            for (i, row) in sample {
+                let logits: Vec<f32> =
+                    m.model.logits(&hidden.narrow(0, row, 1).unwrap()).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+                tokens[i].push(logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32);
+            }
+            step += 1;
+        }
+        tokens.iter().zip(&seqs).map(|(t, s)| t[s.prompt.len()..].to_vec()).collect()
+    };
+
+    let solo: Vec<Vec<u32>> = seqs
+        .iter()
+        .map(|s| {
+            let mut e =
+                engine_with(&path, EngineOptions { kv_memory: Some(1 << 20), block_size: 4, ..Default::default() });
+            let images = if s.mm.is_some() { vec![ImageInput::new(pixels.clone())] } else { vec![] };
+            let id = e
+                .add_request_with_images(Request { prompt_tokens: s.prompt.clone(), params: greedy(STEPS) }, images)
+                .unwrap();
+            let mut out = Vec::new();
+            while e.has_work() {
+                out.extend(
+                    e.step().unwrap().into_iter().filter(|u| u.id == id).filter_map(|u| u.token.map(|t| t.token)),
+                );
+            }
+            out
+        })
+        .collect();
+    assert_eq!(solo[0], ids(&r["single.generated_ids"])[..STEPS], "the engine alone gives transformers' tokens");
+    assert_eq!(run_together(&own), solo, "per-sequence positions: each sequence gives its solo tokens");
+    let wrong = run_together(&batch_wide);
+    assert_ne!(wrong, solo, "positions from a batch-wide offset must change some sequence's tokens");
 }

@@ -228,6 +228,35 @@ fn model_path_does_not_exist() {
 }
 
 #[test]
+fn inspect_reports_total_and_active_parameters_of_a_moe_vlm() {
+    // reference.json counts transformers' parameters (plus the router's correction bias) and
+    // the language model's active ones: all but the 6 of 8 routed experts a token skips in each
+    // MoE layer.
+    let dir = fixture("tiny-glm4v-moe");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let (total, vision, active) = (
+        r["n_params"].as_u64().unwrap(),
+        r["n_vision_params"].as_u64().unwrap(),
+        r["n_active_text_params"].as_u64().unwrap(),
+    );
+    let out = iris(&["inspect", "--model", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let line =
+        |key: &str| stdout.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("{stdout}")).to_string();
+    let params = line("parameters:");
+    assert!(params.contains(&format!(" {total} (")), "{params} vs {total}");
+    assert!(params.contains(&format!("language model {}, vision tower {vision}", total - vision)), "{params}");
+    let act = line("active per token:");
+    assert!(
+        act.contains(&format!(" {active} (")) && act.contains("2 of 8 routed experts, 1 shared"),
+        "{act} vs {active}"
+    );
+    assert!(line("architecture:").contains("glm4v_moe"));
+}
+
+#[test]
 fn directory_without_config_or_gguf() {
     let tmp = TempDir::new("empty");
     std::fs::write(tmp.join("README.md"), "nothing here").unwrap();
@@ -668,13 +697,14 @@ fn inspect_reports_architecture_parameters_and_kv() {
     }
 }
 
-/// A TurboQuant cache with a float window and a float layer generates, and `eval-kv`
+/// A TurboQuant cache with a float window and a float layer generates (on the CPU: the only
+/// device TurboQuant runs on so far), and `eval-kv`
 /// prints its table.
 #[test]
 fn turboquant_cache_generates_and_evaluates() {
     let m = fixture("tiny-llama");
     let m = m.to_str().unwrap();
-    let args = ["--kv-cache-dtype", "tq-k3v4", "--kv-float-window", "4", "--kv-skip-layers", "-1"];
+    let args = ["--device", "cpu", "--kv-cache-dtype", "tq-k3v4", "--kv-float-window", "4", "--kv-skip-layers", "-1"];
     let out = iris(&generate_args(m, &args));
     assert_no_panic(&out);
     assert!(out.status.success(), "{}", text(&out.stderr));

@@ -3,6 +3,8 @@
 //! missing GPU into a failure instead of a skip).
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use iris::batch::{AttentionMeta, SeqSlice};
 use iris::ops::kv_write::KvWrite;
@@ -199,6 +201,80 @@ fn argmax_matches_cpu_including_ties_and_non_finite_rows() {
     assert_eq!(cpu[1], 7);
     assert_eq!(cpu[3], 0);
     assert_eq!(gpu, cpu);
+}
+
+/// The device draw picks exactly the host reference's token (same u, same integer masses) for
+/// temperatures, top-k (with ties at the cut-off), top-p, min-p and their mixes, over a real
+/// vocabulary size and a small one, with coarse logits (many ties), masks and NaN.
+#[test]
+fn sample_matches_cpu_exactly() {
+    use iris::ops::sample::{Draw, Sample, PARAMS_PER_ROW};
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(11);
+    for (vocab, coarse) in [(152_064usize, false), (152_064, true), (1000, true), (49_152, false)] {
+        let mut draws = Vec::new();
+        for t in [0.0f32, 0.3, 1.0, 1.7] {
+            for k in [0u32, 1, 2, 40, 5000, vocab as u32 + 3] {
+                for p in [1.0f32, 0.95, 0.5, 0.05] {
+                    for mp in [0.0f32, 0.02] {
+                        let inv = if t == 0.0 { 0.0 } else { 1.0 / t };
+                        draws.push(Draw { inv_temperature: inv, top_k: k, top_p: p, min_p: mp, u: rng.random::<f32>() });
+                    }
+                }
+            }
+        }
+        let rows = draws.len();
+        let mut v: Vec<f32> = (0..rows * vocab)
+            .map(|_| {
+                let x = rng.random_range(-6.0f32..6.0);
+                if coarse { (x * 2.0).round() / 2.0 } else { x }
+            })
+            .collect();
+        // A masked vocabulary part, a NaN, an infinity.
+        v[..vocab / 3].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+        v[vocab + 5] = f32::NAN;
+        v[2 * vocab + 9] = f32::INFINITY;
+        let logits = Tensor::from_vec(v, (rows, vocab), &Device::Cpu).unwrap();
+        let params: Vec<f32> = draws.iter().flat_map(|d| d.to_params()).collect();
+        let params = Tensor::from_vec(params, (rows, PARAMS_PER_ROW), &Device::Cpu).unwrap();
+        let cpu: Vec<u32> = Sample::forward(&logits, &params).unwrap().to_vec1().unwrap();
+        let gpu: Vec<u32> = Sample::forward(&logits.to_device(&dev).unwrap(), &params.to_device(&dev).unwrap())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let differ: Vec<usize> = (0..rows).filter(|&r| cpu[r] != gpu[r]).collect();
+        assert!(differ.is_empty(), "vocab {vocab} coarse {coarse}: rows {differ:?} differ, e.g. {:?}", differ.first().map(|&r| (draws[r], cpu[r], gpu[r])));
+    }
+}
+
+/// Seeded sampling requests give the same tokens on the GPU (drawn there, graphs included) as
+/// on the CPU (drawn on the host), f32 models, several requests at once.
+#[test]
+fn seeded_sampling_gives_the_cpu_tokens() {
+    use iris::engine::build::{build_engine, EngineOptions};
+    let Some(dev) = gpu() else { return };
+    let _gpu = common::gpu_lock();
+    for name in common::TINY_MODELS {
+        let path = common::fixture(name);
+        let reqs: Vec<_> = (0..6u32)
+            .map(|i| {
+                let mut p = common::greedy(24);
+                p.temperature = [0.0, 0.7, 1.0, 1.3, 0.9, 0.5][i as usize];
+                p.top_k = [0, 0, 20, 0, 5, 0][i as usize];
+                p.top_p = [1.0, 0.9, 1.0, 0.8, 0.95, 1.0][i as usize];
+                p.min_p = [0.0, 0.0, 0.0, 0.05, 0.0, 0.1][i as usize];
+                p.seed = Some(77 + i as u64);
+                ((0..3 + 4 * i).map(|t| 5 + t * 3).collect::<Vec<u32>>(), p)
+            })
+            .collect();
+        let arrivals = [0, 0, 1, 2, 2, 5];
+        let run = |d: &Device| {
+            let mut e = build_engine(&path, d, &EngineOptions::default()).unwrap().0;
+            common::run_requests(&mut e, &reqs, &arrivals)
+        };
+        let (cpu, gpu) = (run(&Device::Cpu), run(&dev));
+        assert_eq!(gpu, cpu, "{name}");
+    }
 }
 
 /// The fused projection split against its CPU reference (tests/fused_ops.rs checks the reference

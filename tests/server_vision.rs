@@ -1,8 +1,8 @@
-//! Images through `iris serve` on the tiny Qwen2-VL fixture: OpenAI `image_url` data URLs and
-//! Anthropic base64 blocks give transformers' greedy continuation; `/tokenize` and
-//! `count_tokens` count image tokens as the engine runs them; `file://` URLs only under
-//! --allowed-local-media-path; http(s) URLs only with --allow-remote-media and never to a
-//! local address; every bad image input gets a 400.
+//! Images through `iris serve` on the tiny Qwen2-VL and GLM-4.6V-style (glm4v_moe) fixtures:
+//! OpenAI `image_url` data URLs and Anthropic base64 blocks give transformers' greedy
+//! continuation; `/tokenize` and `count_tokens` count image tokens as the engine runs them;
+//! `file://` URLs only under --allowed-local-media-path; http(s) URLs only with
+//! --allow-remote-media and never to a local address; every bad image input gets a 400.
 
 mod server_support;
 
@@ -23,17 +23,17 @@ fn b64(bytes: &[u8]) -> String {
     out
 }
 
-fn data_url(file: &str) -> String {
-    format!("data:image/png;base64,{}", b64(&std::fs::read(fixture(MODEL).join(file)).unwrap()))
+fn data_url(model: &str, file: &str) -> String {
+    format!("data:image/png;base64,{}", b64(&std::fs::read(fixture(model).join(file)).unwrap()))
 }
 
-fn reference() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture(MODEL).join("reference.json")).unwrap()).unwrap()
+fn reference(model: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(model).join("reference.json")).unwrap()).unwrap()
 }
 
 /// The case's messages with each `{"type": "image"}` part replaced by `image(file)`.
-fn messages(case: &str, image: &dyn Fn(&str) -> Value) -> Value {
-    let r = reference();
+fn messages(model: &str, case: &str, image: &dyn Fn(&str) -> Value) -> Value {
+    let r = reference(model);
     let files: Vec<String> =
         r["cases"][case]["images"].as_array().unwrap().iter().map(|f| f.as_str().unwrap().to_string()).collect();
     let mut next = files.iter();
@@ -49,16 +49,20 @@ fn messages(case: &str, image: &dyn Fn(&str) -> Value) -> Value {
 }
 
 /// transformers' greedy continuation as text, and the prompt length.
-fn expected(case: &str) -> (String, usize) {
-    let r = reference();
+fn expected(model: &str, case: &str) -> (String, usize) {
+    let r = reference(model);
     let ids: Vec<u32> =
         r["cases"][case]["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    let tok = iris::tokenizer::TextTokenizer::from_dir(fixture(MODEL)).unwrap();
+    let tok = iris::tokenizer::TextTokenizer::from_dir(fixture(model)).unwrap();
     (tok.decode(&ids, true).unwrap(), r["cases"][case]["input_ids"].as_array().unwrap().len())
 }
 
 fn openai_part(file: &str) -> Value {
-    json!({"type": "image_url", "image_url": {"url": data_url(file)}})
+    openai_part_of(MODEL, file)
+}
+
+fn openai_part_of(model: &str, file: &str) -> Value {
+    json!({"type": "image_url", "image_url": {"url": data_url(model, file)}})
 }
 
 fn chat(server: &Server, msgs: Value) -> server_support::Response {
@@ -68,29 +72,49 @@ fn chat(server: &Server, msgs: Value) -> server_support::Response {
     )
 }
 
-#[test]
-fn openai_and_anthropic_images_give_the_reference_continuation() {
-    let server = Server::start_model(MODEL, &[]);
+/// Every image case through the OpenAI API, and the single-image case through the Anthropic
+/// API, give transformers' greedy continuation.
+fn check_reference_continuations(model: &str) {
+    let server = Server::start_model(model, &[]);
     for case in ["single", "nonsquare", "multi"] {
-        let r = chat(&server, messages(case, &openai_part));
-        assert_eq!(r.status, 200, "{case}: {}", r.text());
+        let r = chat(&server, messages(model, case, &|f: &str| openai_part_of(model, f)));
+        assert_eq!(r.status, 200, "{model} {case}: {}", r.text());
         let v = r.json();
-        let (text, prompt_len) = expected(case);
-        assert_eq!(v["choices"][0]["message"]["content"], text, "{case}");
-        assert_eq!(v["usage"]["prompt_tokens"], prompt_len, "{case}: prompt tokens after expanding the images");
+        let (text, prompt_len) = expected(model, case);
+        assert_eq!(v["choices"][0]["message"]["content"], text, "{model} {case}");
+        assert_eq!(v["usage"]["prompt_tokens"], prompt_len, "{model} {case}: prompt tokens after expanding the images");
     }
-    // Anthropic: the same single-image request as a base64 block.
-    let r = server.post(
-        "/v1/messages",
-        &json!({"messages": messages("single", &anthropic_block), "max_tokens": 10, "temperature": 0, "top_k": 1}),
-    );
-    assert_eq!(r.status, 200, "{}", r.text());
+    // Anthropic: the same single-image request as a base64 block; its system message goes in
+    // the `system` field.
+    let block = |file: &str| {
+        let bytes = std::fs::read(fixture(model).join(file)).unwrap();
+        json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(&bytes)}})
+    };
+    let mut msgs = messages(model, "single", &block);
+    let mut body = json!({"max_tokens": 10, "temperature": 0, "top_k": 1});
+    if msgs[0]["role"] == "system" {
+        body["system"] = msgs[0]["content"].clone();
+        msgs.as_array_mut().unwrap().remove(0);
+    }
+    body["messages"] = msgs;
+    let r = server.post("/v1/messages", &body);
+    assert_eq!(r.status, 200, "{model}: {}", r.text());
     let v = r.json();
-    let (text, prompt_len) = expected("single");
+    let (text, prompt_len) = expected(model, "single");
     // Anthropic's API has no ignore_eos: compare up to where the reference stops.
     let got = v["content"][0]["text"].as_str().unwrap();
-    assert!(text.starts_with(got) && !got.is_empty(), "anthropic: {got:?} vs {text:?}");
-    assert_eq!(v["usage"]["input_tokens"], prompt_len);
+    assert!(text.starts_with(got) && !got.is_empty(), "{model} anthropic: {got:?} vs {text:?}");
+    assert_eq!(v["usage"]["input_tokens"], prompt_len, "{model}");
+}
+
+#[test]
+fn openai_and_anthropic_images_give_the_reference_continuation() {
+    check_reference_continuations(MODEL);
+}
+
+#[test]
+fn glm4v_moe_images_give_the_reference_continuation() {
+    check_reference_continuations("tiny-glm4v-moe");
 }
 
 #[test]
@@ -99,16 +123,16 @@ fn local_files_only_under_the_allowed_directory() {
     let server = Server::start_model(MODEL, &["--allowed-local-media-path", dir.to_str().unwrap()]);
     let file_part =
         |file: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}", dir.join(file).display())}});
-    let r = chat(&server, messages("single", &file_part));
+    let r = chat(&server, messages(MODEL, "single", &file_part));
     assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.json()["choices"][0]["message"]["content"], expected("single").0);
+    assert_eq!(r.json()["choices"][0]["message"]["content"], expected(MODEL, "single").0);
     // `..` out of the directory, and a file that is not an image.
     let outside = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}/../../../Cargo.toml", dir.display())}});
-    let r = chat(&server, messages("single", &outside));
+    let r = chat(&server, messages(MODEL, "single", &outside));
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("outside the allowed media directory"), "{}", r.text());
     let not_image = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}", dir.join("config.json").display())}});
-    let r = chat(&server, messages("single", &not_image));
+    let r = chat(&server, messages(MODEL, "single", &not_image));
     assert_eq!(r.status, 400, "{}", r.text());
 }
 
@@ -123,7 +147,7 @@ fn bad_images_are_400s() {
         ),
         (
             "truncated",
-            json!({"type": "image_url", "image_url": {"url": data_url("image_square.png")[..200].to_string()}}),
+            json!({"type": "image_url", "image_url": {"url": data_url(MODEL, "image_square.png")[..200].to_string()}}),
         ),
         ("too many pixels (120x72 > 3000)", openai_part("image_120x72.png")),
         ("remote", json!({"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}})),
@@ -147,42 +171,52 @@ fn bad_images_are_400s() {
     assert_eq!(chat(&server, json!([{"role": "user", "content": "hello"}])).status, 200);
 }
 
-fn anthropic_block(file: &str) -> Value {
-    let bytes = std::fs::read(fixture(MODEL).join(file)).unwrap();
+fn anthropic_block_of(model: &str, file: &str) -> Value {
+    let bytes = std::fs::read(fixture(model).join(file)).unwrap();
     json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(&bytes)}})
 }
 
 #[test]
 fn tokenize_and_count_tokens_count_the_image_tokens() {
-    let server = Server::start_model(MODEL, &[]);
-    let r = reference();
-    for case in ["single", "nonsquare", "multi"] {
-        // transformers' processor: the prompt with each image pad expanded to its grid.
-        let want: Vec<u64> =
-            r["cases"][case]["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
-        let t = server.post("/tokenize", &json!({"messages": messages(case, &openai_part)}));
-        assert_eq!(t.status, 200, "{case}: {}", t.text());
-        let t = t.json();
-        let tokens: Vec<u64> = t["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
-        assert_eq!(tokens, want, "{case}: /tokenize vs the processor's input_ids");
-        assert_eq!(t["count"], want.len(), "{case}");
-        // The engine's own prompt for the same request.
-        let used = chat(&server, messages(case, &openai_part)).json()["usage"]["prompt_tokens"].clone();
-        assert_eq!(t["count"], used, "{case}: /tokenize vs the prompt the engine ran");
+    for model in [MODEL, "tiny-glm4v-moe"] {
+        let server = Server::start_model(model, &[]);
+        let r = reference(model);
+        for case in ["single", "nonsquare", "multi"] {
+            // transformers' processor: the prompt with each image's tokens expanded to its grid.
+            let want: Vec<u64> =
+                r["cases"][case]["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+            let msgs = messages(model, case, &|f: &str| openai_part_of(model, f));
+            let t = server.post("/tokenize", &json!({ "messages": msgs }));
+            assert_eq!(t.status, 200, "{model} {case}: {}", t.text());
+            let t = t.json();
+            let tokens: Vec<u64> = t["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+            assert_eq!(tokens, want, "{model} {case}: /tokenize vs the processor's input_ids");
+            assert_eq!(t["count"], want.len(), "{model} {case}");
+            // The engine's own prompt for the same request.
+            let used = chat(&server, msgs).json()["usage"]["prompt_tokens"].clone();
+            assert_eq!(t["count"], used, "{model} {case}: /tokenize vs the prompt the engine ran");
 
-        let c = server.post("/v1/messages/count_tokens", &json!({"messages": messages(case, &anthropic_block)}));
-        assert_eq!(c.status, 200, "{case}: {}", c.text());
-        assert_eq!(c.json()["input_tokens"], want.len(), "{case}: count_tokens");
-        let m = server.post(
-            "/v1/messages",
-            &json!({"messages": messages(case, &anthropic_block), "max_tokens": 1, "temperature": 0}),
-        );
-        assert_eq!(m.json()["usage"]["input_tokens"], want.len(), "{case}: /v1/messages");
+            // Anthropic: the system message goes in `system`.
+            let mut msgs = messages(model, case, &|f: &str| anthropic_block_of(model, f));
+            let mut body = json!({});
+            if msgs[0]["role"] == "system" {
+                body["system"] = msgs[0]["content"].clone();
+                msgs.as_array_mut().unwrap().remove(0);
+            }
+            body["messages"] = msgs;
+            let c = server.post("/v1/messages/count_tokens", &body);
+            assert_eq!(c.status, 200, "{model} {case}: {}", c.text());
+            assert_eq!(c.json()["input_tokens"], want.len(), "{model} {case}: count_tokens");
+            body["max_tokens"] = json!(1);
+            let m = server.post("/v1/messages", &body);
+            assert_eq!(m.json()["usage"]["input_tokens"], want.len(), "{model} {case}: /v1/messages");
+        }
     }
     // Bad images are 400s here too.
+    let server = Server::start_model(MODEL, &[]);
     let bad =
         json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]);
-    assert_eq!(server.post("/tokenize", &json!({"messages": bad})).status, 400);
+    assert_eq!(server.post("/tokenize", &json!({ "messages": bad })).status, 400);
 }
 
 #[test]
@@ -245,7 +279,7 @@ fn official_python_sdks_send_images() {
         return;
     };
     let server = Server::start_model(MODEL, &["--served-model-name", "tiny-qwen2-vl"]);
-    let r = reference();
+    let r = reference(MODEL);
     let question = r["cases"]["single"]["messages"][0]["content"][1]["text"].as_str().unwrap().to_string();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk_vision.py");
     let out = std::process::Command::new(&py)
@@ -254,7 +288,7 @@ fn official_python_sdks_send_images() {
         .env("IRIS_BASE_URL", format!("http://{}", server.addr))
         .env("IRIS_IMAGE", fixture(MODEL).join("image_square.png"))
         .env("IRIS_QUESTION", question)
-        .env("IRIS_EXPECTED", expected("single").0)
+        .env("IRIS_EXPECTED", expected(MODEL, "single").0)
         .output()
         .expect("python runs");
     let stderr = String::from_utf8_lossy(&out.stderr);

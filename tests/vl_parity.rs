@@ -1,9 +1,11 @@
-//! Qwen2-VL and Qwen2.5-VL against transformers, on tiny random checkpoints: the image
-//! processor (PIL backend: the resize is Pillow's bicubic, bit for bit, so pixel values agree
-//! to f32 rounding, <= 1e-6), image_grid_thw, M-RoPE positions and delta (exact), image
-//! embeddings, every layer's hidden states and logits (f32, relative error <= 1e-4 of the
-//! reference's largest magnitude), greedy tokens, and the chat template's ids, for one
-//! square image, one non-square image, two images across two turns, and text only.
+//! Qwen2-VL, Qwen2.5-VL, GLM-4.5V/4.6V (`glm4v_moe`) and GLM-4.1V (`glm4v`) against
+//! transformers, on tiny random checkpoints: the image processor (PIL backend: the resize is
+//! Pillow's bicubic, bit for bit, so pixel values agree to f32 rounding, <= 1e-6),
+//! image_grid_thw, M-RoPE positions and delta (exact), image embeddings, every layer's hidden
+//! states and logits (f32, relative error <= 1e-4 of the reference's largest magnitude), the
+//! experts every MoE layer chooses for every token (exact), greedy tokens, and the chat
+//! template's ids, for one square image, one non-square image, two images across two turns,
+//! and text only.
 
 mod common;
 
@@ -165,6 +167,22 @@ fn check_layers(name: &str) {
             let e = rel_err(h, &r[&format!("{case}.layer.{i}")]);
             assert!(e <= TOL, "{name} {case} layer {i}: rel err {e}");
         }
+        // Router choices: one reference per MoE layer, each matched exactly.
+        let want_router = r.keys().filter(|k| k.starts_with(&format!("{case}.router."))).count();
+        assert_eq!(taps.router.len(), want_router, "{name} {case}: MoE layers");
+        for (layer, got) in &taps.router {
+            let want = &r[&format!("{case}.router.{layer}")];
+            let got: Vec<Vec<u32>> = got.to_vec2().unwrap();
+            let want: Vec<Vec<u32>> = want
+                .to_dtype(DType::I64)
+                .unwrap()
+                .to_vec2::<i64>()
+                .unwrap()
+                .iter()
+                .map(|r| r.iter().map(|&v| v as u32).collect())
+                .collect();
+            assert_eq!(got, want, "{name} {case} layer {layer}: chosen experts");
+        }
         let e = rel_err(&hidden, &r[&format!("{case}.final_norm")]);
         assert!(e <= TOL, "{name} {case} final norm: rel err {e}");
         let tail = r[&format!("{case}.logits_tail")].dim(0).unwrap();
@@ -246,4 +264,9 @@ macro_rules! parity_tests {
     )*};
 }
 
-parity_tests!(qwen2_vl => "tiny-qwen2-vl", qwen2_5_vl => "tiny-qwen2.5-vl");
+parity_tests!(
+    qwen2_vl => "tiny-qwen2-vl",
+    qwen2_5_vl => "tiny-qwen2.5-vl",
+    glm4v_moe => "tiny-glm4v-moe",
+    glm4v => "tiny-glm4v"
+);

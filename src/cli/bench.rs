@@ -58,6 +58,16 @@ pub struct BenchArgs {
     /// image benchmark}`.
     #[arg(long)]
     pub json: bool,
+    /// Sampling temperature of the generated tokens (0: greedy). Each sequence gets its own
+    /// seed, so a run repeats exactly.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// With --temperature: nucleus sampling (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// With --temperature: keep the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
 }
 
 #[derive(Debug, Serialize, Clone)]
@@ -85,11 +95,19 @@ fn prompt_tokens(engine: &Engine, len: usize) -> anyhow::Result<Vec<u32>> {
     Ok(unit.iter().copied().cycle().take(len).collect())
 }
 
-fn run_once(engine: &mut Engine, batch: usize, prompt: &[u32], gen_len: usize) -> anyhow::Result<BenchRow> {
-    let params = SamplingParams { max_tokens: gen_len, ignore_eos: true, ..SamplingParams::default() };
+fn run_once(engine: &mut Engine, batch: usize, prompt: &[u32], gen_len: usize, a: &BenchArgs) -> anyhow::Result<BenchRow> {
     let start = Instant::now();
-    for _ in 0..batch {
-        engine.add_request(Request { prompt_tokens: prompt.to_vec(), params: params.clone() })?;
+    for i in 0..batch {
+        let params = SamplingParams {
+            max_tokens: gen_len,
+            ignore_eos: true,
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k,
+            seed: Some(i as u64),
+            ..SamplingParams::default()
+        };
+        engine.add_request(Request { prompt_tokens: prompt.to_vec(), params })?;
     }
     let (mut first_token, mut all_started, mut tokens_at_all_started) = (None, None, 0usize);
     let mut started = std::collections::HashSet::new();
@@ -153,7 +171,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let (mut engine, _) = open_engine(&a.engine)?;
     let prompt = prompt_tokens(&engine, a.prompt_len)?;
     // Warm up caches and thread pools.
-    run_once(&mut engine, 1, &prompt, 4)?;
+    run_once(&mut engine, 1, &prompt, 4, &a)?;
     let pb = ProgressBar::new((a.batch_sizes.len() * a.repeats) as u64);
     pb.set_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} {msg}")
@@ -164,7 +182,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         pb.set_message(format!("batch {b}"));
         let mut runs = Vec::new();
         for _ in 0..a.repeats {
-            runs.push(run_once(&mut engine, b, &prompt, a.gen_len)?);
+            runs.push(run_once(&mut engine, b, &prompt, a.gen_len, &a)?);
             pb.inc(1);
         }
         let m = |f: fn(&BenchRow) -> f64| median(runs.iter().map(f).collect());

@@ -16,6 +16,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let path = a.model.resolve()?;
     let (loc, cfg) = read_config(&path)?;
     // Everything that can fail is read before anything is printed.
+    let mut vision_params = 0u64;
     let format = match &loc {
         ModelLocation::Gguf(file) => {
             let g = GgufFile::open(file)?;
@@ -24,8 +25,18 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         }
         ModelLocation::HfDir(dir) => {
             let st = SafetensorsDir::open(dir)?;
+            let summary = st.summary();
+            // The vision tower's size is read off its stored tensors (its shape varies too
+            // much between families to count from the config).
+            if cfg.arch.is_vision_language() {
+                vision_params = summary
+                    .iter()
+                    .filter(|(name, _, _)| name.starts_with("visual.") || name.starts_with("model.visual."))
+                    .map(|(_, _, shape)| shape.iter().product::<usize>() as u64)
+                    .sum();
+            }
             let mut types: Vec<(String, usize)> = Vec::new();
-            for (_, dt, _) in st.summary() {
+            for (_, dt, _) in summary {
                 match types.iter_mut().find(|(d, _)| *d == dt) {
                     Some((_, n)) => *n += 1,
                     None => types.push((dt, 1)),
@@ -37,7 +48,27 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     };
     println!("model:            {}", path.display());
     println!("architecture:     {}", cfg.arch.name());
-    println!("parameters:       {} ({:.1} M)", cfg.parameter_count(), cfg.parameter_count() as f64 / 1e6);
+    let millions = |n: u64| n as f64 / 1e6;
+    let text_params = cfg.parameter_count();
+    let total = text_params + vision_params;
+    if vision_params > 0 {
+        println!(
+            "parameters:       {total} ({:.1} M): language model {text_params}, vision tower {vision_params}",
+            millions(total)
+        );
+    } else {
+        println!("parameters:       {total} ({:.1} M)", millions(total));
+    }
+    if let Some(moe) = &cfg.moe {
+        let active = cfg.active_parameter_count();
+        println!(
+            "active per token: {active} ({:.1} M) of the language model: {} of {} routed experts, {} shared",
+            millions(active),
+            moe.top_k,
+            moe.num_experts,
+            moe.n_shared_experts
+        );
+    }
     println!(
         "layers:           {} (hidden {}, intermediate {}, {} heads, {} kv heads, head dim {})",
         cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -126,11 +126,6 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     let cfg = loaded.config().clone();
     let kv_dtype = opts.kv_dtype.or_else(|| KvDtype::from_dtype(opts.dtype)).unwrap_or(KvDtype::F32);
     let tq = match opts.kv_quant {
-        Some(_) if !device.is_cpu() => {
-            return Err(BuildError::Setting(
-                "TurboQuant KV caches (--kv-cache-dtype tq-*) run on the CPU only in this version; use --device cpu or a float --kv-cache-dtype".into(),
-            ))
-        }
         Some(bits) => Some(TqSpec {
             bits,
             skip_layers: resolve_layers(&opts.kv_skip_layers, cfg.num_layers)?,
@@ -143,6 +138,11 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         }
         None => None,
     };
+    if tq.is_some() && !device.is_cpu() {
+        return Err(BuildError::Setting(
+            "TurboQuant KV caches (--kv-cache-dtype tq-*) run on the CPU only in this version; use --device cpu or a float --kv-cache-dtype".into(),
+        ));
+    }
     let per_token = match &tq {
         Some(tq) => tq.bytes_per_token(&cfg, kv_dtype),
         None => KvCacheSpec::bytes_per_token(&cfg, kv_dtype),

@@ -10,13 +10,14 @@ use super::finish::FinishReason;
 use super::multimodal::{EmbedCache, ImageInput, MultiModalState};
 use super::request::{Request, RequestError, SeqUpdate};
 use super::runner::{StepOutput, StepRunner};
-use super::sampler::{logprobs, picks_raw_argmax, Sampled};
+use super::sampler::{draws_plainly, logprobs, Sampled};
 use super::scheduler::{Plan, Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
 use super::stop::StopChecker;
 use crate::batch::{Batch, ImageRows, Positions, SeqSlice};
 use crate::kv::KvCache;
 use crate::media::PixelValues;
+use crate::ops::sample::Draw;
 use crate::models::{TextModel, VisionModel};
 use crate::tokenizer::TextTokenizer;
 
@@ -231,10 +232,8 @@ impl Engine {
             self.record_prompt_logprobs(&plan, &hidden)?;
             self.runner.logits(self.model.as_ref(), &hidden, &rows)?
         } else {
-            let argmax_ok = sample_rows.iter().all(|(id, _)| {
-                self.scheduler.get(*id).is_some_and(|s| picks_raw_argmax(&s.params, s.output.len()))
-            });
-            self.runner.run(self.model.as_ref(), &self.kv, batch, &rows, argmax_ok)?
+            let draws = self.device_draws(&sample_rows);
+            self.runner.run(self.model.as_ref(), &self.kv, batch, &rows, draws.as_deref())?
         };
         let mut updates = Vec::new();
         // Advance what was computed before sampling, whatever happens next.
@@ -251,12 +250,30 @@ impl Engine {
         }
         let sampled = match out {
             StepOutput::Logits(mut logits) => self.sample(&sample_rows, &mut logits),
-            StepOutput::Tokens(tokens) => tokens.into_iter().map(Sampled::greedy).collect(),
+            StepOutput::Tokens(tokens) => tokens.into_iter().map(Sampled::token_only).collect(),
         };
         for ((id, _), tok) in sample_rows.iter().zip(sampled) {
             updates.push(self.append_token(*id, tok));
         }
         Ok(updates)
+    }
+
+    /// On a GPU, when every sampled row draws from its logits as they are, each row's draw, for
+    /// the device to pick the tokens (only their ids are copied back); None otherwise (the
+    /// logits come to the host). Takes from each row's generator what host sampling would.
+    /// `IRIS_DEVICE_SAMPLING=0` sends every step's logits to the host (for comparisons).
+    fn device_draws(&mut self, sample_rows: &[(SeqId, usize)]) -> Option<Vec<Draw>> {
+        if self.runner.device().is_cpu() || std::env::var("IRIS_DEVICE_SAMPLING").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        let plain = |id: &SeqId| self.scheduler.get(*id).is_some_and(|s| draws_plainly(&s.params, s.output.len()));
+        if !sample_rows.iter().all(|(id, _)| plain(id)) {
+            return None;
+        }
+        sample_rows
+            .iter()
+            .map(|(id, _)| self.scheduler.get_mut(*id).map(|s| s.sampler.device_draw(&s.params)))
+            .collect()
     }
 
     /// Runs the vision tower for scheduled sequences whose images have no embeddings yet

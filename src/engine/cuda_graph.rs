@@ -21,7 +21,8 @@ use candle_core::cuda_backend::cudarc::driver::CudaGraph;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor};
 
-use super::runner::StepOutput;
+use super::runner::{draw_on_device, StepOutput};
+use crate::ops::sample::Draw;
 use crate::batch::{AttentionMeta, Batch, DeviceAttentionMeta, MetaLayout, Positions, SeqSlice};
 use crate::kv::KvCache;
 use crate::models::TextModel;
@@ -85,10 +86,10 @@ impl DecodeGraphs {
         kv: &KvCache,
         batch: &Batch,
         sample_rows: &[u32],
-        argmax_ok: bool,
+        draws: Option<&[Draw]>,
     ) -> Result<Option<StepOutput>> {
         // Graphs replay text steps with 1-D positions (the rotary table's); others run op by op.
-        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() {
+        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() || !model.graph_capturable() {
             return Ok(None);
         }
         let meta = &batch.attn;
@@ -121,10 +122,10 @@ impl DecodeGraphs {
             }
         }
         let bufs = self.buffers.as_ref().expect("made above");
-        Ok(Some(if argmax_ok {
-            StepOutput::Tokens(bufs.ids.narrow(0, 0, t)?.to_vec1()?)
-        } else {
-            StepOutput::Logits(bufs.logits.narrow(0, 0, t)?.to_vec2()?)
+        let logits = bufs.logits.narrow(0, 0, t)?;
+        Ok(Some(match draws {
+            Some(draws) => StepOutput::Tokens(draw_on_device(&logits, Some(&bufs.ids.narrow(0, 0, t)?), draws)?),
+            None => StepOutput::Logits(logits.to_vec2()?),
         }))
     }
 

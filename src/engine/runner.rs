@@ -1,6 +1,6 @@
 //! Runs a step's batch through the model on the engine's device and returns what sampling
-//! needs: the logits of the rows that sample, copied to the host, or, when every such row picks
-//! the plain argmax, just the token ids, picked on a GPU (one small copy per step).
+//! needs: the logits of the rows that sample, copied to the host, or, when every such row draws
+//! from its logits as they are, just the token ids, drawn on a GPU (one small copy per step).
 
 use candle_core::{Device, Result, Tensor};
 
@@ -8,11 +8,12 @@ use crate::batch::Batch;
 use crate::kv::KvCache;
 use crate::models::TextModel;
 use crate::ops::argmax::Argmax;
+use crate::ops::sample::{Draw, Sample, PARAMS_PER_ROW};
 
 pub enum StepOutput {
     /// `[rows, vocab]` logits of the sampled rows, in order.
     Logits(Vec<Vec<f32>>),
-    /// The argmax token of each sampled row, in order.
+    /// The token drawn for each sampled row, in order.
     Tokens(Vec<u32>),
 }
 
@@ -38,15 +39,19 @@ impl StepRunner {
         }
     }
 
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Runs `batch` (built on the host) and returns the next-token data of `sample_rows`;
-    /// `argmax_ok` says every one of those rows picks the plain argmax.
+    /// `draws`, one per sampled row, let a GPU pick the tokens itself (None: logits to the host).
     pub fn run(
         &mut self,
         model: &dyn TextModel,
         kv: &KvCache,
         batch: Batch,
         sample_rows: &[u32],
-        argmax_ok: bool,
+        draws: Option<&[Draw]>,
     ) -> Result<StepOutput> {
         if self.device.is_cpu() {
             let hidden = model.forward(&batch, kv, None)?;
@@ -54,7 +59,7 @@ impl StepRunner {
         }
         #[cfg(feature = "cuda")]
         if let Some(graphs) = &mut self.graphs {
-            if let Some(out) = graphs.run(model, kv, &batch, sample_rows, argmax_ok)? {
+            if let Some(out) = graphs.run(model, kv, &batch, sample_rows, draws)? {
                 return Ok(out);
             }
         }
@@ -64,7 +69,7 @@ impl StepRunner {
         }
         let all_rows = sample_rows.len() == hidden.dim(0)? && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
         let hidden = if all_rows { hidden } else { hidden.index_select(&Tensor::new(sample_rows, &self.device)?, 0)? };
-        self.pick(model, &hidden, argmax_ok)
+        self.pick(model, &hidden, draws)
     }
 
     /// The model's plain forward pass over `batch` (built on the host) on the device: hidden
@@ -83,12 +88,26 @@ impl StepRunner {
         Ok(StepOutput::Logits(model.logits(&hidden.index_select(&rows, 0)?)?.to_vec2()?))
     }
 
-    fn pick(&self, model: &dyn TextModel, hidden: &Tensor, argmax_ok: bool) -> Result<StepOutput> {
+    fn pick(&self, model: &dyn TextModel, hidden: &Tensor, draws: Option<&[Draw]>) -> Result<StepOutput> {
         let logits = model.logits(hidden)?;
-        if argmax_ok {
-            Ok(StepOutput::Tokens(Argmax::forward(&logits)?.to_vec1()?))
-        } else {
-            Ok(StepOutput::Logits(logits.to_vec2()?))
+        match draws {
+            Some(draws) => Ok(StepOutput::Tokens(draw_on_device(&logits, None, draws)?)),
+            None => Ok(StepOutput::Logits(logits.to_vec2()?)),
         }
     }
+}
+
+/// Each row's token, drawn where `logits` (`[rows, vocab]` f32) are; `argmax` holds the rows'
+/// argmax when the caller has it already (used when every draw is greedy).
+pub fn draw_on_device(logits: &Tensor, argmax: Option<&Tensor>, draws: &[Draw]) -> Result<Vec<u32>> {
+    let ids = if draws.iter().all(|d| d.inv_temperature == 0.0) {
+        match argmax {
+            Some(ids) => ids.clone(),
+            None => Argmax::forward(logits)?,
+        }
+    } else {
+        let params: Vec<f32> = draws.iter().flat_map(|d| d.to_params()).collect();
+        Sample::forward(logits, &Tensor::from_vec(params, (draws.len(), PARAMS_PER_ROW), logits.device())?)?
+    };
+    ids.to_vec1()
 }

@@ -18,11 +18,11 @@
 
 use crate::engine::sampling_params::SamplingParams;
 use crate::ops::argmax::argmax_row as argmax;
+use crate::ops::sample::{draw_row, Draw};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 use std::cell::RefCell;
-use std::cmp::Ordering;
 
 /// The token chosen for one sequence at one step.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,8 +37,8 @@ pub struct Sampled {
 }
 
 impl Sampled {
-    /// A token picked by plain argmax, without logprobs.
-    pub fn greedy(token: u32) -> Self {
+    /// A token picked without logprobs (by a device, from the logits as they are).
+    pub fn token_only(token: u32) -> Self {
         Sampled { token, logprob: f32::NAN, top_logprobs: Vec::new() }
     }
 }
@@ -53,8 +53,8 @@ pub struct SequenceSampler {
 /// Per-thread reusable buffers.
 #[derive(Default)]
 struct Scratch {
-    /// (token, scaled logit) candidates for the random path.
-    cand: Vec<(u32, f32)>,
+    /// (order key, token) candidates for the random path.
+    cand: Vec<(u32, u32)>,
     /// One bit per vocabulary entry: "already penalised".
     seen: Vec<u64>,
     /// Sorted copy of the output tokens, to count occurrences.
@@ -114,56 +114,40 @@ impl SequenceSampler {
         })
     }
 
-    /// Temperature, top-k, top-p, min-p, then a draw. `None` if nothing is finite.
-    fn draw(&mut self, logits: &[f32], params: &SamplingParams, cand: &mut Vec<(u32, f32)>) -> Option<u32> {
-        let inv_t = 1.0 / params.temperature;
-        cand.clear();
-        cand.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (i as u32, l * inv_t)));
-        if cand.is_empty() {
-            return None;
-        }
-        let k = params.top_k;
-        if k > 0 && k < cand.len() {
-            // O(V) partition instead of a full sort; the kept k stay unordered.
-            cand.select_nth_unstable_by(k - 1, by_value_desc);
-            cand.truncate(k);
-        }
+    /// Temperature, top-k, top-p, min-p, then a draw (`ops::sample` defines them, for the
+    /// host and the device alike). `None` if nothing is finite.
+    fn draw(&mut self, logits: &[f32], params: &SamplingParams, cand: &mut Vec<(u32, u32)>) -> Option<u32> {
+        draw_row(logits, &self.next_draw(params), cand)
+    }
 
-        // From here on work with unnormalised probabilities w = exp(l - l_max), computed
-        // once: the order is the same as the logits', the most likely token has w = 1,
-        // and top-p / min-p / the draw need no further `exp`.
-        let max = cand.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.1));
-        for c in cand.iter_mut() {
-            c.1 = (c.1 - max).exp();
+    /// The draw of this step for a non-greedy row; takes one number from the generator.
+    fn next_draw(&mut self, params: &SamplingParams) -> Draw {
+        Draw {
+            inv_temperature: 1.0 / params.temperature,
+            top_k: params.top_k.min(u32::MAX as usize) as u32,
+            top_p: params.top_p,
+            min_p: params.min_p,
+            u: self.rng.random::<f32>(),
         }
-        if params.top_p < 1.0 {
-            top_p_filter(cand, params.top_p);
-        }
-        if params.min_p > 0.0 {
-            // p_i >= min_p * p_max  <=>  w_i >= min_p, since w_max = 1.
-            cand.retain(|&(_, w)| w >= params.min_p);
-        }
+    }
 
-        let total: f64 = cand.iter().map(|c| c.1 as f64).sum();
-        let mut u = self.rng.random::<f64>() * total;
-        for &(id, w) in cand.iter() {
-            let w = w as f64;
-            if u < w {
-                return Some(id);
-            }
-            u -= w;
+    /// The draw a device makes for this row, when nothing but the draw shapes it (no bias,
+    /// penalty, min_tokens or logprobs: see `draws_plainly`); takes from the generator exactly
+    /// what `sample` would, so host and device give a seeded sequence the same tokens.
+    pub fn device_draw(&mut self, params: &SamplingParams) -> Draw {
+        if params.is_greedy() {
+            Draw::greedy()
+        } else {
+            self.next_draw(params)
         }
-        // Only reachable through rounding in the running subtraction.
-        cand.iter().rev().find(|c| c.1 > 0.0).map(|c| c.0)
     }
 }
 
-/// Whether `sample` would pick the plain argmax of the model's logits for a sequence with
-/// `n_output` tokens so far: greedy, no bias or penalty edits them, no logprobs. A device can
-/// then pick the token itself and copy back only its id.
-pub fn picks_raw_argmax(params: &SamplingParams, n_output: usize) -> bool {
-    params.is_greedy()
-        && params.logprobs.is_none()
+/// Whether `sample` would draw from the model's logits as they are for a sequence with
+/// `n_output` tokens so far: no bias or penalty edits them, no logprobs. A device can then
+/// draw the token itself (`SequenceSampler::device_draw`) and copy back only its id.
+pub fn draws_plainly(params: &SamplingParams, n_output: usize) -> bool {
+    params.logprobs.is_none()
         && params.logit_bias.is_empty()
         && params.repetition_penalty == 1.0
         && ((params.frequency_penalty == 0.0 && params.presence_penalty == 0.0) || n_output == 0)
@@ -253,55 +237,6 @@ fn process_logits_with(
             }
         }
     }
-}
-
-/// Descending by value (logit or probability), then ascending id, so every selection
-/// is deterministic.
-fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
-    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
-}
-
-
-/// Keep the smallest most-likely prefix whose mass reaches `top_p` (at least one).
-/// `cand` holds (token, unnormalised probability).
-///
-/// Sorting a 256k vocabulary costs ~10 ms. Instead this is a quickselect on mass:
-/// partition around a split, sum the upper part, and continue in the part that holds
-/// the cut-off: O(V) expected, and only the last <= 64 candidates get sorted. The
-/// first split is small because real nuclei are usually a few dozen tokens.
-fn top_p_filter(cand: &mut Vec<(u32, f32)>, top_p: f32) {
-    const SORT_BELOW: usize = 64;
-    let mass = |c: &[(u32, f32)]| c.iter().map(|c| c.1 as f64).sum::<f64>();
-    let target = top_p as f64 * mass(cand);
-
-    // Invariant: cand[..lo] are the lo most likely candidates, with mass `before`
-    // short of the target, and the cut-off lies in cand[lo..hi].
-    let (mut lo, mut hi, mut before) = (0, cand.len(), 0.0f64);
-    let mut split = SORT_BELOW;
-    while hi - lo > SORT_BELOW {
-        // 1 <= split < hi - lo, so the range shrinks either way.
-        let mid = lo + split;
-        cand[lo..hi].select_nth_unstable_by(split - 1, by_value_desc);
-        let upper = mass(&cand[lo..mid]);
-        if before + upper >= target {
-            hi = mid;
-        } else {
-            before += upper;
-            lo = mid;
-        }
-        split = (hi - lo) / 2;
-    }
-    cand[lo..hi].sort_unstable_by(by_value_desc);
-    let mut cum = before;
-    for i in lo..hi {
-        cum += cand[i].1 as f64;
-        if cum >= target {
-            cand.truncate(i + 1);
-            return;
-        }
-    }
-    // Rounding left us just short of the target: keep everything up to `hi`.
-    cand.truncate(hi.max(1));
 }
 
 /// log_softmax of `logits` at `token`, and the `n` most likely tokens.
@@ -525,37 +460,6 @@ mod tests {
         assert!(out.top_logprobs.is_empty());
         assert!((out.logprob as f64 - want[1].ln()).abs() < 1e-5);
         assert!(s.sample(&mut l.clone(), &params(0.0), &[], &[]).logprob.is_nan());
-    }
-
-    #[test]
-    fn top_p_quickselect_matches_a_full_sort() {
-        let mut x = 12345u64;
-        let weights: Vec<f32> = (0..5000)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((x >> 40) as f32 / (1u64 << 24) as f32).powi(6) // skewed, like real logits
-            })
-            .collect();
-        let total: f64 = weights.iter().map(|&w| w as f64).sum();
-        let mut order: Vec<u32> = (0..weights.len() as u32).collect();
-        order.sort_by(|&a, &b| by_value_desc(&(a, weights[a as usize]), &(b, weights[b as usize])));
-        for top_p in [0.001f32, 0.1, 0.5, 0.9, 0.99, 0.999999] {
-            let mut cum = 0.0;
-            let n = order
-                .iter()
-                .position(|&id| {
-                    cum += weights[id as usize] as f64;
-                    cum >= top_p as f64 * total
-                })
-                .map_or(order.len(), |i| i + 1);
-            let mut cand: Vec<(u32, f32)> = weights.iter().enumerate().map(|(i, &w)| (i as u32, w)).collect();
-            top_p_filter(&mut cand, top_p);
-            let mut got: Vec<u32> = cand.iter().map(|c| c.0).collect();
-            got.sort_unstable();
-            let mut want = order[..n].to_vec();
-            want.sort_unstable();
-            assert_eq!(got, want, "top_p={top_p}");
-        }
     }
 
     #[test]

@@ -68,7 +68,9 @@ impl SelfAttention {
     /// `x`: `[T, hidden]` -> `[T, hidden]`.
     pub fn forward(&self, x: &Tensor, rot: &RotaryAngles, cache: &LayerCache, meta: &AttentionMeta) -> Result<Tensor> {
         let t = x.dim(0)?;
-        let (q, k, v) = match self.qkv_proj.merged().filter(|_| x.device().is_cuda()) {
+        // The fused kernel rotates whole heads; partial rotary goes op by op.
+        let fused = x.device().is_cuda() && rot.rotated_dims()? == self.head_dim;
+        let (q, k, v) = match self.qkv_proj.merged().filter(|_| fused) {
             Some(qkv) => {
                 let (cos, sin, layout) = rot.parts();
                 QkvRope {

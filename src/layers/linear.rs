@@ -42,6 +42,11 @@ impl Linear {
         Linear { w: Matrix::Dense(t), bias: None }
     }
 
+    /// A dense `[out, in]` matrix and bias `[out]` (convolutions applied as matrix products).
+    pub fn from_dense_with_bias(w: Tensor, bias: Tensor) -> Self {
+        Linear { w: Matrix::Dense(w), bias: Some(bias) }
+    }
+
     /// Shares a quantized embedding table as an output projection (tied weights).
     pub fn from_qmatrix(q: Arc<QMatrix>) -> Self {
         Linear { w: Matrix::Quantized(q), bias: None }

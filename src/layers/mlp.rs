@@ -25,7 +25,9 @@ impl GatedMlp {
         Self::load_with_bias(w, prefix, hidden, inter, act, false)
     }
 
-    /// With biases on all three projections (Qwen2.5-VL's vision MLP).
+    /// With biases on all three projections (Qwen2.5-VL's vision MLP). Gate and up are read
+    /// as `gate_proj` and `up_proj`, or as one `gate_up_proj` holding gate rows then up rows
+    /// (GLM-4.1V, Phi-3).
     pub fn load_with_bias(
         w: &Weights,
         prefix: &str,
@@ -34,14 +36,20 @@ impl GatedMlp {
         act: Activation,
         bias: bool,
     ) -> std::result::Result<Self, WeightsError> {
-        Ok(GatedMlp {
-            gate_up: StackedLinear::load(
+        let fused = format!("{prefix}.gate_up_proj");
+        let gate_up = if w.contains(&format!("{fused}.weight")) {
+            StackedLinear::Merged { linear: Linear::load(w, &fused, hidden, 2 * inter, bias)?, widths: vec![inter; 2] }
+        } else {
+            StackedLinear::load(
                 w,
                 &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
                 hidden,
                 &[inter, inter],
                 bias,
-            )?,
+            )?
+        };
+        Ok(GatedMlp {
+            gate_up,
             down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, bias)?,
             inter,
             act,

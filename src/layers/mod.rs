@@ -2,7 +2,10 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod grid_sample;
 pub mod linear;
 pub mod mlp;
+pub mod moe;
 pub mod norm;
 pub mod rotary;
+pub mod vision;

@@ -1,5 +1,6 @@
-//! Rotary position embeddings with per-token positions: 1-D, and M-RoPE (Qwen2-VL), where
-//! each token has a temporal, height and width position and each frequency follows one of them.
+//! Rotary position embeddings with per-token positions: 1-D, and M-RoPE (Qwen2-VL, GLM-4.xV),
+//! where each token has a temporal, height and width position and each frequency follows one
+//! of them. Partial rotary turns only a head's leading `rotary_dim` dimensions.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -23,10 +24,11 @@ pub struct Rotary {
 }
 
 impl Rotary {
-    pub fn new(cfg: &RopeConfig, head_dim: usize, layout: RopeLayout) -> Self {
+    /// `rotary_dim`: the head dimensions that rotate (the head dimension without partial rotary).
+    pub fn new(cfg: &RopeConfig, rotary_dim: usize, layout: RopeLayout) -> Self {
         let base = cfg.theta as f32;
         let mut inv_freq: Vec<f32> =
-            (0..head_dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32)).collect();
+            (0..rotary_dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / rotary_dim as f32)).collect();
         match cfg.scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor as f32),
@@ -68,7 +70,7 @@ impl Rotary {
         Ok(self)
     }
 
-    /// cos/sin for the given positions, `[T, 1, head_dim / 2]` each.
+    /// cos/sin for the given positions, `[T, 1, rotary_dim / 2]` each.
     pub fn angles(&self, positions: &[u32], device: &Device, dtype: DType) -> Result<RotaryAngles> {
         let mut angles = Vec::with_capacity(positions.len() * self.inv_freq.len());
         for &p in positions {
@@ -134,20 +136,62 @@ impl RotaryAngles {
         })
     }
 
-    /// cos and sin, `[T, 1, head_dim / 2]` each, and the pairing of the rotated elements.
+    /// cos and sin, `[T, 1, rotary_dim / 2]` each, and the pairing of the rotated elements.
     pub fn parts(&self) -> (&Tensor, &Tensor, RopeLayout) {
         (&self.cos, &self.sin, self.layout)
     }
 
-    /// Rotates `x` (`[T, heads, head_dim]`). Each row is its own "batch" of one token, so every
+    /// How many leading dimensions of each head these angles rotate.
+    pub fn rotated_dims(&self) -> Result<usize> {
+        Ok(2 * self.cos.dim(candle_core::D::Minus1)?)
+    }
+
+    /// Rotates `x` (`[T, heads, head_dim]`): its leading `2 * angles per row` dimensions, the
+    /// rest pass through (partial rotary). Each row is its own "batch" of one token, so every
     /// row gets its own position.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let (t, h, d) = x.dims3()?;
-        let x4 = x.contiguous()?.reshape((t, h, 1, d))?;
+        let r = self.rotated_dims()?;
+        if r > d {
+            candle_core::bail!("{r} rotary dimensions for heads of {d}");
+        }
+        let turned = if r == d { x.contiguous()? } else { x.narrow(2, 0, r)?.contiguous()? };
+        let x4 = turned.reshape((t, h, 1, r))?;
         let y = match self.layout {
             RopeLayout::Half => candle_nn::rotary_emb::rope(&x4, &self.cos, &self.sin)?,
             RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x4, &self.cos, &self.sin)?,
-        };
-        y.reshape((t, h, d))
+        }
+        .reshape((t, h, r))?;
+        if r == d {
+            return Ok(y);
+        }
+        Tensor::cat(&[&y, &x.narrow(2, r, d - r)?], 2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::config::RopeScaling;
+
+    #[test]
+    fn partial_rotary_turns_the_leading_dimensions_only() {
+        let cfg = RopeConfig { theta: 10_000.0, scaling: RopeScaling::None, mrope_section: None };
+        let dev = Device::Cpu;
+        let x = Tensor::arange(0f32, 2.0 * 3.0 * 8.0, &dev).unwrap().reshape((2, 3, 8)).unwrap();
+        for layout in [RopeLayout::Half, RopeLayout::Interleaved] {
+            let partial = Rotary::new(&cfg, 4, layout).angles(&[5, 9], &dev, DType::F32).unwrap().apply(&x).unwrap();
+            let full4 = Rotary::new(&cfg, 4, layout)
+                .angles(&[5, 9], &dev, DType::F32)
+                .unwrap()
+                .apply(&x.narrow(2, 0, 4).unwrap())
+                .unwrap();
+            let diff = |a: &Tensor, b: &Tensor| -> f32 {
+                (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
+            };
+            assert_eq!(diff(&partial.narrow(2, 0, 4).unwrap(), &full4), 0.0);
+            assert_eq!(diff(&partial.narrow(2, 4, 4).unwrap(), &x.narrow(2, 4, 4).unwrap()), 0.0);
+            assert!(diff(&full4, &x.narrow(2, 0, 4).unwrap()) > 0.1, "the rotation does something");
+        }
     }
 }

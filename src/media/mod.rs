@@ -1,7 +1,9 @@
-//! Images for vision-language models: decoding with limits, and resampling the way the
-//! reference preprocessing (Pillow) does it. Model-specific patching lives with each model.
+//! Images for vision-language models: decoding with limits, resampling the way the reference
+//! preprocessing (Pillow) does it, and the patch processor of the Qwen2-VL and GLM-4.xV
+//! families.
 
 pub mod decode;
+pub mod processor;
 pub mod remote;
 pub mod resize;
 

@@ -18,6 +18,10 @@ pub enum Arch {
     Qwen2Vl,
     /// Qwen2.5-VL: the same language model; the vision tower differs.
     Qwen25Vl,
+    /// GLM-4.1V: dense layers with four norms each, interleaved partial M-RoPE.
+    Glm4v,
+    /// GLM-4.5V / GLM-4.6V: dense then mixture-of-experts layers, rotate-half partial M-RoPE.
+    Glm4vMoe,
 }
 
 impl Arch {
@@ -29,6 +33,8 @@ impl Arch {
             "gemma3_text" | "gemma3" => Some(Arch::Gemma3),
             "qwen2_vl" | "qwen2_vl_text" => Some(Arch::Qwen2Vl),
             "qwen2_5_vl" | "qwen2_5_vl_text" => Some(Arch::Qwen25Vl),
+            "glm4v" | "glm4v_text" | "glm46v" => Some(Arch::Glm4v),
+            "glm4v_moe" | "glm4v_moe_text" => Some(Arch::Glm4vMoe),
             _ => None,
         }
     }
@@ -41,12 +47,14 @@ impl Arch {
             Arch::Gemma3 => "gemma3_text",
             Arch::Qwen2Vl => "qwen2_vl",
             Arch::Qwen25Vl => "qwen2_5_vl",
+            Arch::Glm4v => "glm4v",
+            Arch::Glm4vMoe => "glm4v_moe",
         }
     }
 
     /// Vision-language models, whose top-level `model_type` names the whole model.
     pub fn is_vision_language(self) -> bool {
-        matches!(self, Arch::Qwen2Vl | Arch::Qwen25Vl)
+        matches!(self, Arch::Qwen2Vl | Arch::Qwen25Vl | Arch::Glm4v | Arch::Glm4vMoe)
     }
 }
 
@@ -110,8 +118,35 @@ pub struct RopeConfig {
     pub theta: f64,
     pub scaling: RopeScaling,
     /// M-RoPE: how many rotary frequencies (from the first) follow the temporal, height and
-    /// width position of a token; their sum is `head_dim / 2`.
+    /// width position of a token; their sum is `rotary_dim / 2`.
     pub mrope_section: Option<Vec<usize>>,
+}
+
+/// A mixture-of-experts MLP (DeepSeek-V3 / GLM-4.5 routing): sigmoid scores, a per-expert
+/// correction bias that only steers the choice, experts chosen within the best groups.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts each token is sent to.
+    pub top_k: usize,
+    /// Experts split into this many equal groups; a token's experts come from `topk_group` of them.
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// Width of one routed expert's MLP.
+    pub intermediate_size: usize,
+    /// Always-on experts, run as one MLP `n_shared_experts` times as wide.
+    pub n_shared_experts: usize,
+    /// The chosen experts' weights are divided by their sum.
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f64,
+    /// Layers before this one use a dense MLP of `intermediate_size`.
+    pub first_k_dense_replace: usize,
+}
+
+impl MoeConfig {
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        layer >= self.first_k_dense_replace
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -124,6 +159,9 @@ pub struct TextConfig {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Leading dimensions of each head that rotary embeddings turn (`head_dim` unless the
+    /// model uses partial rotary, `partial_rotary_factor`).
+    pub rotary_dim: usize,
     pub rms_norm_eps: f64,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
@@ -142,6 +180,7 @@ pub struct TextConfig {
     pub attn_logit_softcapping: Option<f64>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    pub moe: Option<MoeConfig>,
 }
 
 impl TextConfig {
@@ -186,15 +225,18 @@ impl TextConfig {
         };
         // A VLM's top-level model_type names the whole model (text_config's may be e.g.
         // `qwen2_vl_text`); either maps to the same family.
+        // `glm46v` (GLM-4.6V's processor generation) wraps either GLM language model: its
+        // text_config says which.
         let model_type = root
             .get("model_type")
             .and_then(Value::as_str)
+            .filter(|&t| t != "glm46v")
             .filter(|t| Arch::from_model_type(t).is_some_and(Arch::is_vision_language))
             .or_else(|| get("model_type").and_then(Value::as_str))
             .ok_or("missing field `model_type`")?;
         let arch = Arch::from_model_type(model_type).ok_or_else(|| {
             format!(
-                "unsupported architecture `{model_type}` (iris supports llama, qwen2, qwen3, gemma3_text, qwen2_vl, qwen2_5_vl)"
+                "unsupported architecture `{model_type}` (iris supports llama, qwen2, qwen3, gemma3_text, qwen2_vl, qwen2_5_vl, glm4v, glm4v_moe)"
             )
         })?;
 
@@ -204,7 +246,22 @@ impl TextConfig {
             return Err("`num_attention_heads` must be positive".into());
         }
         let num_kv_heads = get("num_key_value_heads").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(num_heads);
-        let head_dim = get("head_dim").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(hidden_size / num_heads);
+        // GLM-4.1V's attention always splits the hidden size into the heads.
+        let head_dim = match get("head_dim").and_then(Value::as_u64) {
+            Some(d) if arch != Arch::Glm4v => d as usize,
+            _ => hidden_size / num_heads,
+        };
+        // transformers 5 keeps the factor in `rope_parameters`, the hub files next to it; GLM-4.5V's
+        // config class defaults it to 0.5.
+        let partial = get("rope_parameters")
+            .and_then(|r| r.get("partial_rotary_factor"))
+            .or_else(|| get("partial_rotary_factor"))
+            .and_then(Value::as_f64)
+            .unwrap_or(if arch == Arch::Glm4vMoe { 0.5 } else { 1.0 });
+        if !(partial > 0.0 && partial <= 1.0) {
+            return Err(format!("`partial_rotary_factor` must be in (0, 1], got {partial}"));
+        }
+        let rotary_dim = (head_dim as f64 * partial) as usize;
         let num_layers = usize_of("num_hidden_layers")?;
 
         let act = get("hidden_activation").or_else(|| get("hidden_act")).and_then(Value::as_str).unwrap_or("silu");
@@ -246,6 +303,7 @@ impl TextConfig {
             _ => None,
         };
 
+        let moe = if arch == Arch::Glm4vMoe { Some(parse_moe(&get)?) } else { None };
         let eos_token_ids = match get("eos_token_id") {
             Some(Value::Array(ids)) => ids.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
             Some(v) => v.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
@@ -260,16 +318,20 @@ impl TextConfig {
             num_heads,
             num_kv_heads,
             head_dim,
+            rotary_dim,
             rms_norm_eps: get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
             max_position_embeddings: get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(4096) as usize,
             tie_word_embeddings: get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(arch == Arch::Gemma3),
-            attention_bias: get("attention_bias")
-                .and_then(Value::as_bool)
-                .unwrap_or(matches!(arch, Arch::Qwen2 | Arch::Qwen2Vl | Arch::Qwen25Vl)),
+            // GLM-4.1V's q/k/v always have biases (its config has no switch).
+            attention_bias: arch == Arch::Glm4v
+                || get("attention_bias")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(matches!(arch, Arch::Qwen2 | Arch::Qwen2Vl | Arch::Qwen25Vl | Arch::Glm4vMoe)),
             activation,
             rope,
             rope_local,
-            rope_layout: RopeLayout::Half,
+            // GLM-4.1V rotates adjacent pairs (`rotate_half_llm`); GLM-4.5V the two halves.
+            rope_layout: if arch == Arch::Glm4v { RopeLayout::Interleaved } else { RopeLayout::Half },
             sliding_window,
             layer_kinds,
             query_pre_attn_scalar: if arch == Arch::Gemma3 {
@@ -281,6 +343,7 @@ impl TextConfig {
             attn_logit_softcapping: get("attn_logit_softcapping").and_then(Value::as_f64),
             bos_token_id: get("bos_token_id").and_then(Value::as_u64).map(|v| v as u32),
             eos_token_ids,
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -297,6 +360,7 @@ impl TextConfig {
             ("num_attention_heads", self.num_heads),
             ("num_key_value_heads", self.num_kv_heads),
             ("head_dim", self.head_dim),
+            ("rotary dimensions (head_dim x partial_rotary_factor)", self.rotary_dim),
             ("max_position_embeddings", self.max_position_embeddings),
         ] {
             if v == 0 {
@@ -320,13 +384,19 @@ impl TextConfig {
                 return Err(format!("`rope_theta` must be positive, got {}", rope.theta));
             }
             if let Some(sections) = &rope.mrope_section {
-                if sections.len() != 3 || sections.iter().sum::<usize>() != self.head_dim / 2 {
+                if sections.len() != 3 || sections.iter().sum::<usize>() != self.rotary_dim / 2 {
                     return Err(format!(
-                        "`mrope_section` {sections:?} must have 3 entries summing to head_dim / 2 = {}",
-                        self.head_dim / 2
+                        "`mrope_section` {sections:?} must have 3 entries summing to the rotary frequencies, {}",
+                        self.rotary_dim / 2
                     ));
                 }
             }
+        }
+        if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
+            return Err(format!("{} rotary dimensions do not fit heads of {}", self.rotary_dim, self.head_dim));
+        }
+        if let Some(m) = &self.moe {
+            m.validate(self.num_layers)?;
         }
         if self.arch.is_vision_language() && self.rope.mrope_section.is_none() {
             return Err("a vision-language model needs `mrope_section` in its rotary settings".into());
@@ -339,8 +409,17 @@ impl TextConfig {
 
     /// Parameters of the text model (embedding counted once when tied).
     pub fn parameter_count(&self) -> u64 {
-        let (h, i, l, v) =
-            (self.hidden_size as u64, self.intermediate_size as u64, self.num_layers as u64, self.vocab_size as u64);
+        self.parameter_counts().0
+    }
+
+    /// Parameters one token computes with: all of them but the routed experts it is not sent to.
+    pub fn active_parameter_count(&self) -> u64 {
+        self.parameter_counts().1
+    }
+
+    /// (total, active per token).
+    fn parameter_counts(&self) -> (u64, u64) {
+        let (h, i, v) = (self.hidden_size as u64, self.intermediate_size as u64, self.vocab_size as u64);
         let (q, kv) = ((self.num_heads * self.head_dim) as u64, (self.num_kv_heads * self.head_dim) as u64);
         let mut attn = h * q + 2 * h * kv + q * h;
         if self.attention_bias {
@@ -350,12 +429,90 @@ impl TextConfig {
         match self.arch {
             Arch::Qwen3 => norms += 2 * self.head_dim as u64,
             Arch::Gemma3 => norms += 2 * h + 2 * self.head_dim as u64,
+            // GLM-4.1V also normalises the attention and MLP outputs.
+            Arch::Glm4v => norms += 2 * h,
             _ => {}
         }
-        let per_layer = attn + 3 * h * i + norms;
+        let (mut total, mut active) = (0, 0);
+        for layer in 0..self.num_layers {
+            let (t, a) = match &self.moe {
+                Some(m) if m.is_moe_layer(layer) => {
+                    let (e, k, mi) = (m.num_experts as u64, m.top_k as u64, m.intermediate_size as u64);
+                    let always = e * h + e + 3 * h * mi * m.n_shared_experts as u64;
+                    (always + e * 3 * h * mi, always + k * 3 * h * mi)
+                }
+                _ => (3 * h * i, 3 * h * i),
+            };
+            total += attn + norms + t;
+            active += attn + norms + a;
+        }
         let embed = v * h * if self.tie_word_embeddings { 1 } else { 2 };
-        l * per_layer + embed + h
+        (total + embed + h, active + embed + h)
     }
+}
+
+impl MoeConfig {
+    fn validate(&self, num_layers: usize) -> Result<(), String> {
+        for (field, v) in [
+            ("n_routed_experts", self.num_experts),
+            ("num_experts_per_tok", self.top_k),
+            ("n_group", self.n_group),
+            ("topk_group", self.topk_group),
+            ("moe_intermediate_size", self.intermediate_size),
+        ] {
+            if v == 0 {
+                return Err(format!("`{field}` must be positive"));
+            }
+        }
+        if !self.num_experts.is_multiple_of(self.n_group) {
+            return Err(format!("{} experts do not split into `n_group` {} groups", self.num_experts, self.n_group));
+        }
+        if self.topk_group > self.n_group {
+            return Err(format!("`topk_group` {} is more than `n_group` {}", self.topk_group, self.n_group));
+        }
+        // A group's score is the sum of its two best experts.
+        if self.n_group > 1 && self.num_experts / self.n_group < 2 {
+            return Err("grouped routing needs at least 2 experts per group".into());
+        }
+        if self.top_k > self.topk_group * (self.num_experts / self.n_group) {
+            return Err(format!(
+                "`num_experts_per_tok` {} is more than the {} experts of `topk_group` groups",
+                self.top_k,
+                self.topk_group * (self.num_experts / self.n_group)
+            ));
+        }
+        if !self.routed_scaling_factor.is_finite() {
+            return Err("`routed_scaling_factor` must be a finite number".into());
+        }
+        if self.first_k_dense_replace > num_layers {
+            return Err(format!(
+                "`first_k_dense_replace` {} is more than the {num_layers} layers",
+                self.first_k_dense_replace
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// GLM-4.5V's MoE fields (transformers' `Glm4vMoeTextConfig` defaults where absent).
+fn parse_moe<'a>(get: &dyn Fn(&str) -> Option<&'a Value>) -> Result<MoeConfig, String> {
+    let int = |key: &str, default: usize| -> Result<usize, String> {
+        match get(key) {
+            None => Ok(default),
+            Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| format!("`{key}` must be a non-negative integer")),
+        }
+    };
+    Ok(MoeConfig {
+        num_experts: int("n_routed_experts", 128)?,
+        top_k: int("num_experts_per_tok", 8)?,
+        n_group: int("n_group", 1)?,
+        topk_group: int("topk_group", 1)?,
+        intermediate_size: int("moe_intermediate_size", 1408)?,
+        n_shared_experts: int("n_shared_experts", 1)?,
+        norm_topk_prob: get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(true),
+        routed_scaling_factor: get("routed_scaling_factor").and_then(Value::as_f64).unwrap_or(1.0),
+        first_k_dense_replace: int("first_k_dense_replace", 1)?,
+    })
 }
 
 /// Gemma 3 without `layer_types`: every `pattern`-th layer is global, the others slide.
@@ -450,6 +607,85 @@ mod tests {
         assert_eq!(c.window_for(0), Some(4));
         assert_eq!(c.window_for(2), None);
         assert!((c.attention_scale() - 2f64.powf(-0.5)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn glm4v_moe_hub_config_and_parameter_counts() {
+        // GLM-4.5V's hub layout: rotary settings next to the other text fields.
+        let j = serde_json::json!({
+            "model_type": "glm4v_moe",
+            "text_config": {
+                "model_type": "glm4v_moe_text", "vocab_size": 100, "hidden_size": 16, "intermediate_size": 40,
+                "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 12,
+                "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+                "rope_scaling": {"type": "default", "mrope_section": [1, 1, 1]},
+                "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                "moe_intermediate_size": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                "routed_scaling_factor": 2.5, "norm_topk_prob": true, "attention_bias": true
+            }
+        });
+        let c = TextConfig::from_hf_json(&j).unwrap();
+        assert_eq!((c.arch, c.head_dim, c.rotary_dim, c.rope_layout), (Arch::Glm4vMoe, 12, 6, RopeLayout::Half));
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.num_experts, m.top_k, m.n_group, m.topk_group, m.routed_scaling_factor), (8, 2, 2, 1, 2.5));
+        assert!(!m.is_moe_layer(0) && m.is_moe_layer(1));
+        // attention 16*24 + 2*16*12 + 24*16 + biases 24+24, norms 32; dense MLP 3*16*40;
+        // MoE: router 8*16 + bias 8, shared 3*16*4, experts 3*16*4 each
+        let (attn, norms) = (16 * 24 * 2 + 2 * 16 * 12 + 48, 32);
+        let (dense, always, expert) = (3 * 16 * 40, 8 * 16 + 8 + 3 * 16 * 4, 3 * 16 * 4);
+        let embed = 2 * 100 * 16 + 16;
+        assert_eq!(c.parameter_count(), (3 * (attn + norms) + dense + 2 * (always + 8 * expert) + embed) as u64);
+        assert_eq!(c.active_parameter_count(), (3 * (attn + norms) + dense + 2 * (always + 2 * expert) + embed) as u64);
+
+        // transformers 5's layout: the factor inside rope_parameters; GLM-4.1V ignores head_dim
+        // and rotates adjacent pairs.
+        let j = serde_json::json!({
+            "model_type": "glm4v",
+            "text_config": {
+                "vocab_size": 100, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 99,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                    "partial_rotary_factor": 0.5}
+            }
+        });
+        let c = TextConfig::from_hf_json(&j).unwrap();
+        assert_eq!((c.head_dim, c.rotary_dim, c.rope_layout, c.attention_bias), (16, 8, RopeLayout::Interleaved, true));
+        assert!(c.moe.is_none());
+        // `glm46v` names the wrapper; its text_config names the language model.
+        let mut j46 = j.clone();
+        j46["model_type"] = "glm46v".into();
+        assert_eq!(TextConfig::from_hf_json(&j46).unwrap().arch, Arch::Glm4v);
+        j46["text_config"]["model_type"] = "glm4v_moe_text".into();
+        j46["text_config"]["num_hidden_layers"] = 2.into();
+        j46["text_config"]["head_dim"] = 16.into();
+        assert_eq!(TextConfig::from_hf_json(&j46).unwrap().arch, Arch::Glm4vMoe);
+        // sections must cover the rotated frequencies only
+        let mut bad = j.clone();
+        bad["text_config"]["rope_parameters"]["mrope_section"] = serde_json::json!([2, 3, 3]);
+        assert!(TextConfig::from_hf_json(&bad).unwrap_err().contains("mrope_section"));
+    }
+
+    #[test]
+    fn bad_moe_settings_are_named() {
+        let base = serde_json::json!({
+            "model_type": "glm4v_moe", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "partial_rotary_factor": 1.0,
+            "rope_scaling": {"type": "default", "mrope_section": [1, 1, 0]},
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2
+        });
+        assert!(TextConfig::from_hf_json(&base).is_ok());
+        for (key, value, needle) in [
+            ("n_group", 3, "n_group"),
+            ("topk_group", 5, "topk_group"),
+            ("num_experts_per_tok", 5, "num_experts_per_tok"),
+            ("n_routed_experts", 0, "n_routed_experts"),
+            ("first_k_dense_replace", 3, "first_k_dense_replace"),
+        ] {
+            let mut j = base.clone();
+            j[key] = serde_json::json!(value);
+            let err = TextConfig::from_hf_json(&j).unwrap_err();
+            assert!(err.contains(needle), "{key}: {err}");
+        }
     }
 
     #[test]

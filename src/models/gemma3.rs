@@ -66,12 +66,12 @@ impl Gemma3 {
             layers,
             norm: norm("model.norm.weight".into())?,
             lm_head,
-            rotary_global: Rotary::new(&cfg.rope, cfg.head_dim, cfg.rope_layout).on_device(
+            rotary_global: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout).on_device(
                 w.device(),
                 w.dtype(),
                 cfg.max_position_embeddings,
             )?,
-            rotary_local: Rotary::new(&local, cfg.head_dim, cfg.rope_layout).on_device(
+            rotary_local: Rotary::new(&local, cfg.rotary_dim, cfg.rope_layout).on_device(
                 w.device(),
                 w.dtype(),
                 cfg.max_position_embeddings,

@@ -63,7 +63,7 @@ impl Llama {
             layers,
             norm: RmsNorm::load(w, "model.norm.weight", h, eps, NormStyle::Plain)?,
             lm_head,
-            rotary: Rotary::new(&cfg.rope, cfg.head_dim, cfg.rope_layout).on_device(
+            rotary: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout).on_device(
                 w.device(),
                 w.dtype(),
                 cfg.max_position_embeddings,

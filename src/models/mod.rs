@@ -3,7 +3,9 @@
 
 pub mod config;
 pub mod gemma3;
+pub mod glm4v;
 pub mod llama;
+pub mod mrope;
 pub mod qwen2_vl;
 
 use std::path::Path;
@@ -11,7 +13,7 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor};
 
-pub use qwen2_vl::mrope::{PositionError, PromptPositions};
+pub use mrope::{PositionError, PromptPositions};
 
 use crate::batch::Batch;
 use crate::kv::KvCache;
@@ -26,6 +28,8 @@ pub struct Taps {
     pub embed: Option<Tensor>,
     /// Output of each decoder layer.
     pub layers: Vec<Tensor>,
+    /// Mixture-of-experts layers' choices: (layer, `[T, top_k]` u32 experts, ascending).
+    pub router: Vec<(usize, Tensor)>,
 }
 
 pub trait TextModel: Send {
@@ -37,6 +41,12 @@ pub trait TextModel: Send {
 
     /// Next-token logits `[N, vocab]` (f32) for rows of final hidden states.
     fn logits(&self, hidden: &Tensor) -> Result<Tensor>;
+
+    /// Whether a decode step can be captured as a CUDA graph: its work must not depend on
+    /// values read back to the host (mixture-of-experts routing does).
+    fn graph_capturable(&self) -> bool {
+        true
+    }
 }
 
 pub fn load_text_model(w: &Weights, cfg: &TextConfig) -> std::result::Result<Box<dyn TextModel>, WeightsError> {
@@ -45,6 +55,7 @@ pub fn load_text_model(w: &Weights, cfg: &TextConfig) -> std::result::Result<Box
             Box::new(llama::Llama::load(w, cfg.clone())?)
         }
         Arch::Gemma3 => Box::new(gemma3::Gemma3::load(w, cfg.clone())?),
+        Arch::Glm4v | Arch::Glm4vMoe => Box::new(glm4v::text::GlmText::load(w, cfg.clone())?),
     })
 }
 
@@ -79,6 +90,7 @@ pub fn load_vision_model(
 ) -> std::result::Result<Option<Arc<dyn VisionModel>>, WeightsError> {
     Ok(match cfg.arch {
         Arch::Qwen2Vl | Arch::Qwen25Vl => Some(Arc::new(qwen2_vl::Qwen2Vl::load(w, dir, cfg)?)),
+        Arch::Glm4v | Arch::Glm4vMoe => Some(Arc::new(glm4v::Glm4v::load(w, dir, cfg)?)),
         _ => None,
     })
 }

@@ -11,6 +11,7 @@ pub mod kv_write;
 pub mod paged_attention;
 pub mod qkv_rope;
 pub mod qmatmul;
+pub mod sample;
 pub mod simd;
 pub mod team;
 pub mod tq_attention;

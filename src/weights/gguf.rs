@@ -173,6 +173,7 @@ impl GgufFile {
             num_heads,
             num_kv_heads,
             head_dim,
+            rotary_dim: head_dim,
             rms_norm_eps: self.f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
             max_position_embeddings: self.u("context_length").unwrap_or(4096),
             tie_word_embeddings: !self.contains("output.weight"),
@@ -189,6 +190,7 @@ impl GgufFile {
             attn_logit_softcapping: self.f("attn_logit_softcapping"),
             bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
             eos_token_ids,
+            moe: None,
         };
         cfg.validate().map_err(|msg| WeightsError::Config { path: self.path.clone(), msg })?;
         Ok(cfg)

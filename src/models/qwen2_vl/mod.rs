@@ -3,8 +3,6 @@
 //! the same weights serve text-only requests, which skip the vision tower).
 
 pub mod config;
-pub mod mrope;
-pub mod processor;
 pub mod vision;
 
 use std::path::Path;
@@ -12,12 +10,12 @@ use std::path::Path;
 use candle_core::Tensor;
 
 use super::config::TextConfig;
+use super::mrope::{self, PositionError, PromptPositions};
 use super::VisionModel;
+use crate::media::processor::{ImageProcessor, ResizeRule};
 use crate::media::{ImageError, PixelValues, RgbImage};
 use crate::weights::{Weights, WeightsError};
 use config::VisionConfig;
-use mrope::{PositionError, PromptPositions};
-use processor::ImageProcessor;
 use vision::VisionTower;
 
 pub struct Qwen2Vl {
@@ -30,7 +28,7 @@ impl Qwen2Vl {
     pub fn load(w: &Weights, dir: &Path, text: &TextConfig) -> Result<Self, WeightsError> {
         let cfg_path = dir.join("config.json");
         let cfg = VisionConfig::from_hf_file(&cfg_path, text.arch)?;
-        let processor = ImageProcessor::from_dir(dir)?;
+        let processor = ImageProcessor::from_dir(dir, ResizeRule::Qwen2Vl)?;
         if (processor.patch_size, processor.merge_size, processor.temporal_patch_size)
             != (cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size)
         {
@@ -80,24 +78,9 @@ impl VisionModel for Qwen2Vl {
 
     fn prompt_positions(&self, tokens: &[u32], images: &[&PixelValues]) -> Result<PromptPositions, PositionError> {
         let cfg = self.tower.config();
-        for (index, p) in images.iter().enumerate() {
-            let [t, h, w] = p.grid_thw;
-            let m = cfg.spatial_merge_size;
-            if p.cols != cfg.patch_dim() || p.rows != t * h * w || p.rows == 0 || h % m != 0 || w % m != 0 {
-                return Err(PositionError::BadPixels {
-                    index,
-                    reason: format!(
-                        "[{}, {}] pixel values with grid {:?} do not fit this model's patches",
-                        p.rows, p.cols, p.grid_thw
-                    ),
-                });
-            }
-            if p.data.len() != p.rows * p.cols {
-                return Err(PositionError::BadPixels { index, reason: "pixel data has the wrong length".into() });
-            }
-        }
+        mrope::check_pixels(images, cfg.patch_dim(), cfg.spatial_merge_size)?;
         let grids: Vec<[usize; 3]> = images.iter().map(|p| p.grid_thw).collect();
-        mrope::prompt_positions(tokens, self.image_token_id(), &grids, self.tower.config().spatial_merge_size)
+        mrope::prompt_positions(tokens, self.image_token_id(), &grids, cfg.spatial_merge_size)
     }
 
     fn encode(&self, pixels: &PixelValues) -> candle_core::Result<Tensor> {

@@ -6,22 +6,19 @@
 //! `window_size` pixels except in `fullatt_block_indexes` (Qwen2.5-VL). Rotary embeddings
 //! are 2-D: half the frequencies follow the patch row, half its column.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 
 use super::config::{VisionConfig, VisionKind};
 use crate::layers::linear::Linear;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::norm::{LayerNorm, NormStyle, RmsNorm};
 use crate::layers::rotary::RotaryAngles;
+use crate::layers::vision::{patch_position, segment_attention, PatchRotary, Segments};
 use crate::media::PixelValues;
-use crate::models::config::{Activation, RopeLayout};
+use crate::models::config::Activation;
 use crate::weights::{Weights, WeightsError};
 
 const NORM_EPS: f64 = 1e-6;
-/// Bound on one attention score block (heads x query rows x keys), in values: 16 MB of f32,
-/// small enough for the allocator to reuse one block's memory for the next (at 2^26 every
-/// block was a fresh mapping, and the kernel's page faults took a third of the time at 672x672).
-const MAX_SCORES: usize = 1 << 22;
 
 enum Norm {
     Layer(LayerNorm),
@@ -77,13 +74,10 @@ pub struct VisionTower {
     merger_norm: Norm,
     merger_fc1: Linear,
     merger_fc2: Linear,
-    inv_freq: Vec<f32>,
+    rotary: PatchRotary,
     device: Device,
     dtype: DType,
 }
-
-/// Contiguous runs of rows that attend to each other.
-type Segments = Vec<(usize, usize)>;
 
 impl VisionTower {
     pub fn load(w: &Weights, cfg: VisionConfig) -> std::result::Result<Self, WeightsError> {
@@ -122,17 +116,13 @@ impl VisionTower {
             })
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
         let merged = h * cfg.spatial_merge_size * cfg.spatial_merge_size;
-        // Frequencies of one spatial axis: a quarter of the head's dimensions each.
-        let spatial = cfg.head_dim() / 2;
-        let theta = cfg.rope_theta as f32;
-        let inv_freq = (0..spatial / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / spatial as f32)).collect();
         Ok(VisionTower {
             patch_embed,
             blocks,
             merger_norm: Norm::load(w, kind, "visual.merger.ln_q", h)?,
             merger_fc1: Linear::load(w, "visual.merger.mlp.0", merged, merged, true)?,
             merger_fc2: Linear::load(w, "visual.merger.mlp.2", merged, cfg.out_hidden_size, true)?,
-            inv_freq,
+            rotary: PatchRotary::new(cfg.head_dim(), cfg.rope_theta),
             device: w.device().clone(),
             dtype: w.dtype(),
             cfg,
@@ -226,93 +216,14 @@ impl VisionTower {
     }
 
     /// 2-D rotary angles for the patches in `rows` order (indices into the processor's order).
-    fn rotary(&self, [_, gh, gw]: [usize; 3], rows: &[u32]) -> Result<RotaryAngles> {
+    fn rotary(&self, grid: [usize; 3], rows: &[u32]) -> Result<RotaryAngles> {
         let m = self.cfg.spatial_merge_size;
-        let per_frame = gh * gw;
-        let q = self.inv_freq.len();
-        let mut angles = Vec::with_capacity(rows.len() * 2 * q);
-        for &r in rows {
-            // Processor rows run over (block row, block col, row in block, col in block).
-            let r = r as usize % per_frame;
-            let (block, within) = (r / (m * m), r % (m * m));
-            let (hpos, wpos) = ((block / (gw / m)) * m + within / m, (block % (gw / m)) * m + within % m);
-            angles.extend(self.inv_freq.iter().map(|&f| hpos as f32 * f));
-            angles.extend(self.inv_freq.iter().map(|&f| wpos as f32 * f));
-        }
-        RotaryAngles::from_angles(&angles, rows.len(), RopeLayout::Half, &self.device, self.dtype)
+        let positions: Vec<(usize, usize)> = rows.iter().map(|&r| patch_position(r as usize, grid, m)).collect();
+        self.rotary.angles(&positions, &self.device, self.dtype)
     }
 
     fn attention(&self, b: &Block, x: &Tensor, rot: &RotaryAngles, segs: &Segments) -> Result<Tensor> {
-        let (n, heads, hd) = (x.dim(0)?, self.cfg.num_heads, self.cfg.head_dim());
-        let qkv = b.qkv.forward(x)?.reshape((n, 3, heads, hd))?;
-        // The 1/sqrt(d) scale goes on the queries: n x d values rather than every score.
-        let q = (rot.apply(&qkv.narrow(1, 0, 1)?.squeeze(1)?)? * (hd as f64).powf(-0.5))?;
-        let k = rot.apply(&qkv.narrow(1, 1, 1)?.squeeze(1)?)?;
-        let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
-        let out = segment_attention(&q, &k, &v, segs, MAX_SCORES, self.dtype)?;
-        debug_assert_eq!(out.dim(D::Minus2)?, n);
+        let out = segment_attention(&b.qkv.forward(x)?, self.cfg.num_heads, self.cfg.head_dim(), rot, segs)?;
         b.proj.forward(&out)
-    }
-}
-
-/// softmax(q k^T) v within each segment, for `[n, heads, head_dim]` inputs (q already scaled)
-/// -> `[n, heads * head_dim]`. Query rows go in blocks of at most `max_scores` scores.
-fn segment_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    segs: &Segments,
-    max_scores: usize,
-    dtype: DType,
-) -> Result<Tensor> {
-    let (_, heads, hd) = q.dims3()?;
-    let mut outs = Vec::with_capacity(segs.len());
-    for &(start, len) in segs {
-        let heads_first = |t: &Tensor| t.narrow(0, start, len)?.transpose(0, 1)?.contiguous();
-        let (qs, ks, vs) = (heads_first(q)?, heads_first(k)?, heads_first(v)?);
-        let kt = ks.t()?;
-        let block = (max_scores / (heads * len)).max(1);
-        let mut start_q = 0;
-        while start_q < len {
-            let nq = block.min(len - start_q);
-            let scores = qs.narrow(1, start_q, nq)?.matmul(&kt)?;
-            let p = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
-            outs.push(p.matmul(&vs)?.transpose(0, 1)?.reshape((nq, heads * hd))?);
-            start_q += nq;
-        }
-    }
-    Tensor::cat(&outs, 0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn query_blocks_do_not_change_attention() {
-        let dev = Device::Cpu;
-        let (n, heads, hd) = (37, 3, 8);
-        let r = |seed: u64| {
-            let data: Vec<f32> = (0..n * heads * hd)
-                .map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0)
-                .collect();
-            Tensor::from_vec(data, (n, heads, hd), &dev).unwrap()
-        };
-        let (q, k, v) = (r(1), r(2), r(3));
-        let segs: Segments = vec![(0, 20), (20, 17)];
-        let whole = segment_attention(&q, &k, &v, &segs, usize::MAX / 2, DType::F32).unwrap();
-        // 120 scores: blocks of 2 query rows (3 heads x 20 or 17 keys each).
-        let blocked = segment_attention(&q, &k, &v, &segs, 120, DType::F32).unwrap();
-        assert_eq!(whole.dims(), &[n, heads * hd]);
-        let diff = (&whole - &blocked).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-        assert!(diff < 1e-6, "{diff}");
-        // Segments do not see each other: changing a key in the second leaves the first alone.
-        let k2 = k
-            .slice_assign(&[36..37, 0..heads, 0..hd], &Tensor::ones((1, heads, hd), DType::F32, &dev).unwrap())
-            .unwrap();
-        let other = segment_attention(&q, &k2, &v, &segs, 120, DType::F32).unwrap();
-        let first = |t: &Tensor| t.narrow(0, 0, 20).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert_eq!(first(&blocked), first(&other));
-        assert_ne!(blocked.to_vec2::<f32>().unwrap()[30], other.to_vec2::<f32>().unwrap()[30]);
     }
 }

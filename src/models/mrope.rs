@@ -1,7 +1,9 @@
-//! M-RoPE positions of a prompt (Qwen2-VL's `get_rope_index`): text tokens count up on all
-//! three axes; an image's tokens share one temporal position and take their row and column
-//! in the merged patch grid, offset by where the image starts; the text after an image
-//! continues from the largest position used so far, plus one.
+//! M-RoPE positions of a prompt (Qwen2-VL's `get_rope_index`; GLM-4.xV's gives the same for
+//! images): text tokens count up on all three axes; an image's tokens share one temporal
+//! position and take their row and column in the merged patch grid, offset by where the image
+//! starts; the text after an image continues from the largest position used so far, plus one.
+
+use crate::media::PixelValues;
 
 /// A prompt's three-axis positions, and the shift that continues them for later tokens:
 /// token `i >= prompt length` sits at `i + delta` on every axis.
@@ -21,6 +23,27 @@ pub enum PositionError {
     TooFewImageTokens { found: usize, images: usize },
     #[error("image {index}: {reason}")]
     BadPixels { index: usize, reason: String },
+}
+
+/// Checks that preprocessed images fit a vision tower's patches (`patch_dim` values per patch,
+/// grids that split into `merge` x `merge` blocks) before their positions are computed.
+pub fn check_pixels(images: &[&PixelValues], patch_dim: usize, merge: usize) -> Result<(), PositionError> {
+    for (index, p) in images.iter().enumerate() {
+        let [t, h, w] = p.grid_thw;
+        if p.cols != patch_dim || p.rows != t * h * w || p.rows == 0 || h % merge != 0 || w % merge != 0 {
+            return Err(PositionError::BadPixels {
+                index,
+                reason: format!(
+                    "[{}, {}] pixel values with grid {:?} do not fit this model's patches",
+                    p.rows, p.cols, p.grid_thw
+                ),
+            });
+        }
+        if p.data.len() != p.rows * p.cols {
+            return Err(PositionError::BadPixels { index, reason: "pixel data has the wrong length".into() });
+        }
+    }
+    Ok(())
 }
 
 /// `grids[k]` is image k's patch grid (t, h, w) before merging; each image's tokens are one

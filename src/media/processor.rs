@@ -1,21 +1,34 @@
-//! Qwen2-VL's image processor (`Qwen2VLImageProcessor`), equal to transformers' PIL backend:
-//! resize so both sides are multiples of patch * merge (28) and the area is within
-//! [min_pixels, max_pixels], bicubic; rescale to [0, 1]; normalize; cut into 14x14 patches
-//! grouped by 2x2 merge blocks, each repeated over the temporal patch of 2 frames.
+//! The patch image processor of Qwen2-VL (`Qwen2VLImageProcessor`) and GLM-4.xV
+//! (`Glm4vImageProcessor`), equal to transformers' PIL backend: resize so both sides are
+//! multiples of patch * merge (28) and the area is within [min_pixels, max_pixels] (the two
+//! models' `smart_resize` differ, see `ResizeRule`), bicubic; rescale to [0, 1]; normalize; cut
+//! into 14x14 patches grouped by 2x2 merge blocks, each repeated over the temporal patch of 2
+//! frames.
 
 use std::path::Path;
 
 use serde_json::Value;
 
-use crate::media::resize::resize_bicubic;
-use crate::media::{ImageError, PixelValues, RgbImage};
+use super::resize::resize_bicubic;
+use super::{ImageError, PixelValues, RgbImage};
 use crate::weights::WeightsError;
 
 const CLIP_MEAN: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];
 const CLIP_STD: [f64; 3] = [0.26862954, 0.26130258, 0.27577711];
 
+/// How the target size is chosen (each model's `smart_resize`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResizeRule {
+    /// Qwen2-VL: round each side to the factor, then scale the area into the pixel bounds.
+    Qwen2Vl,
+    /// GLM-4.xV: sides shorter than the factor are first scaled up (truncated to integers),
+    /// and the bounds count the pixels of both frames of the temporal patch.
+    Glm4v,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImageProcessor {
+    pub rule: ResizeRule,
     pub min_pixels: usize,
     pub max_pixels: usize,
     pub patch_size: usize,
@@ -32,6 +45,7 @@ pub struct ImageProcessor {
 impl Default for ImageProcessor {
     fn default() -> Self {
         ImageProcessor {
+            rule: ResizeRule::Qwen2Vl,
             min_pixels: 56 * 56,
             max_pixels: 28 * 28 * 1280,
             patch_size: 14,
@@ -48,21 +62,31 @@ impl Default for ImageProcessor {
 }
 
 impl ImageProcessor {
-    /// Reads `preprocessor_config.json` (the defaults above when the file is absent).
-    pub fn from_dir(dir: &Path) -> Result<Self, WeightsError> {
+    /// The model's defaults (transformers' processor class attributes).
+    pub fn defaults(rule: ResizeRule) -> Self {
+        match rule {
+            ResizeRule::Qwen2Vl => Self::default(),
+            ResizeRule::Glm4v => {
+                ImageProcessor { rule, min_pixels: 112 * 112, max_pixels: 28 * 28 * 15000, ..Self::default() }
+            }
+        }
+    }
+
+    /// Reads `preprocessor_config.json` (the model's defaults when the file is absent).
+    pub fn from_dir(dir: &Path, rule: ResizeRule) -> Result<Self, WeightsError> {
         let path = dir.join("preprocessor_config.json");
         let text = match std::fs::read_to_string(&path) {
             Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::default()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::defaults(rule)),
             Err(e) => return Err(WeightsError::io(&path, e)),
         };
         let json: Value = serde_json::from_str(&text)
             .map_err(|e| WeightsError::Config { path: path.clone(), msg: format!("not valid JSON: {e}") })?;
-        Self::from_json(&json).map_err(|msg| WeightsError::Config { path, msg })
+        Self::from_json(&json, rule).map_err(|msg| WeightsError::Config { path, msg })
     }
 
-    pub fn from_json(j: &Value) -> Result<Self, String> {
-        let d = Self::default();
+    pub fn from_json(j: &Value, rule: ResizeRule) -> Result<Self, String> {
+        let d = Self::defaults(rule);
         let uint = |v: Option<&Value>, name: &str, default: usize| -> Result<usize, String> {
             match v {
                 None | Some(Value::Null) => Ok(default),
@@ -102,6 +126,7 @@ impl ImageProcessor {
             Some(r) => return Err(format!("resample {r} is not supported (only 3, bicubic)")),
         }
         let p = ImageProcessor {
+            rule,
             min_pixels,
             max_pixels,
             patch_size: uint(j.get("patch_size"), "patch_size", d.patch_size)?,
@@ -121,28 +146,43 @@ impl ImageProcessor {
     }
 
     /// The (height, width) an image is resized to: multiples of patch * merge, area within
-    /// [min_pixels, max_pixels], aspect ratio kept as closely as possible.
+    /// [min_pixels, max_pixels], aspect ratio kept as closely as possible. The float steps are
+    /// Python's, in the same order, so the sizes match transformers' exactly.
     pub fn target_size(&self, height: usize, width: usize) -> Result<(usize, usize), ImageError> {
         if height == 0 || width == 0 {
             return Err(ImageError::Empty { width, height });
         }
-        let (h, w) = (height as f64, width as f64);
+        let factor = (self.patch_size * self.merge_size) as f64;
+        let (mut h, mut w) = (height as f64, width as f64);
+        // GLM scales a side shorter than the factor up first (and truncates, as `int()`).
+        if self.rule == ResizeRule::Glm4v && (h < factor || w < factor) {
+            let scale = (factor / h).max(factor / w);
+            h = (h * scale).trunc();
+            w = (w * scale).trunc();
+        }
         let ratio = h.max(w) / h.min(w);
-        if ratio > 200.0 {
+        if ratio.is_nan() || ratio > 200.0 {
             return Err(ImageError::AspectRatio { ratio });
         }
-        let factor = (self.patch_size * self.merge_size) as f64;
+        // GLM counts both frames of the temporal patch against the bounds.
+        let frames = match self.rule {
+            ResizeRule::Qwen2Vl => 1.0,
+            ResizeRule::Glm4v => self.temporal_patch_size as f64,
+        };
         // Python's round() rounds halves to even.
         let mut h_bar = (h / factor).round_ties_even() * factor;
         let mut w_bar = (w / factor).round_ties_even() * factor;
-        if h_bar * w_bar > self.max_pixels as f64 {
-            let beta = (h * w / self.max_pixels as f64).sqrt();
+        if frames * h_bar * w_bar > self.max_pixels as f64 {
+            let beta = (frames * h * w / self.max_pixels as f64).sqrt();
             h_bar = factor.max((h / beta / factor).floor() * factor);
             w_bar = factor.max((w / beta / factor).floor() * factor);
-        } else if h_bar * w_bar < self.min_pixels as f64 {
-            let beta = (self.min_pixels as f64 / (h * w)).sqrt();
+        } else if frames * h_bar * w_bar < self.min_pixels as f64 {
+            let beta = (self.min_pixels as f64 / (frames * h * w)).sqrt();
             h_bar = (h * beta / factor).ceil() * factor;
             w_bar = (w * beta / factor).ceil() * factor;
+        }
+        if h_bar < 1.0 || w_bar < 1.0 {
+            return Err(ImageError::Empty { width: w_bar as usize, height: h_bar as usize });
         }
         Ok((h_bar as usize, w_bar as usize))
     }
@@ -228,13 +268,35 @@ mod tests {
     }
 
     #[test]
+    fn glm_smart_resize_branches() {
+        // transformers' Glm4vImageProcessor sizes for these bounds and images.
+        let p = ImageProcessor {
+            min_pixels: 2 * 56 * 56,
+            max_pixels: 2 * 84 * 84,
+            ..ImageProcessor::defaults(ResizeRule::Glm4v)
+        };
+        assert_eq!(p.target_size(56, 56).unwrap(), (56, 56));
+        assert_eq!(p.target_size(70, 90).unwrap(), (56, 84));
+        assert_eq!(p.target_size(120, 72).unwrap(), (84, 56));
+        // 20x30 is first scaled to 28x42, then up to the minimum area
+        assert_eq!(p.target_size(20, 30).unwrap(), (56, 84));
+        // both sides below the factor: 5x27 -> 28x151 (151.2 truncated) -> 28x140
+        assert_eq!(p.target_size(5, 27).unwrap(), (28, 140));
+        assert!(matches!(p.target_size(1, 300), Err(ImageError::AspectRatio { .. })));
+        assert_eq!(ImageProcessor::defaults(ResizeRule::Glm4v).target_size(20, 30).unwrap(), (84, 112));
+    }
+
+    #[test]
     fn reads_both_config_forms() {
-        let a = ImageProcessor::from_json(&serde_json::json!({"size": {"shortest_edge": 100, "longest_edge": 200}}))
-            .unwrap();
+        let a = ImageProcessor::from_json(
+            &serde_json::json!({"size": {"shortest_edge": 100, "longest_edge": 200}}),
+            ResizeRule::Qwen2Vl,
+        )
+        .unwrap();
         assert_eq!((a.min_pixels, a.max_pixels), (100, 200));
-        let b = ImageProcessor::from_json(&serde_json::json!({"min_pixels": 10, "max_pixels": 20, "size": {"shortest_edge": 100, "longest_edge": 200}})).unwrap();
+        let b = ImageProcessor::from_json(&serde_json::json!({"min_pixels": 10, "max_pixels": 20, "size": {"shortest_edge": 100, "longest_edge": 200}}), ResizeRule::Qwen2Vl).unwrap();
         assert_eq!((b.min_pixels, b.max_pixels), (10, 20));
-        assert!(ImageProcessor::from_json(&serde_json::json!({"resample": 2})).is_err());
-        assert!(ImageProcessor::from_json(&serde_json::json!({"patch_size": 0})).is_err());
+        assert!(ImageProcessor::from_json(&serde_json::json!({"resample": 2}), ResizeRule::Qwen2Vl).is_err());
+        assert!(ImageProcessor::from_json(&serde_json::json!({"patch_size": 0}), ResizeRule::Glm4v).is_err());
     }
 }

@@ -1,0 +1,344 @@
+//! Drawing a token from a row of logits with temperature, top-k, top-p and min-p: the one
+//! definition the host sampler and the device kernel (`cuda/sampling.cu`) share.
+//!
+//! Order the finite logits by value, largest first, ties by lower id. Then
+//! - top-k keeps the first k in that order;
+//! - top-p keeps the shortest prefix (of what top-k kept) whose mass reaches top_p of its total;
+//! - min-p keeps weights >= min_p (the largest weighs 1);
+//! - the draw takes x = floor(u M) of the kept total mass M and returns the first id, in id
+//!   order, whose running mass exceeds x.
+//!
+//! A weight is w = exp(l / T - max / T) by [`exp_det`], and a mass is w 2^40 rounded to an
+//! integer. Every step is an IEEE operation that the kernel performs identically (explicit
+//! fused multiply-adds, no contraction) and masses add up as integers, so host and device pick
+//! the same token for the same u: a seeded request gives the same text on either. Weights below
+//! 2^-41 of the largest have no mass and are never drawn.
+
+use std::cmp::Ordering;
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+
+use super::kv_elem::f32_slice;
+
+/// How one row picks its token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Draw {
+    /// 1 / temperature; 0 picks the largest logit (lowest id on ties).
+    pub inv_temperature: f32,
+    /// 0: no top-k.
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// Uniform in [0, 1), from the sequence's own generator.
+    pub u: f32,
+}
+
+/// Floats per row in the parameter tensor of [`Sample`].
+pub const PARAMS_PER_ROW: usize = 5;
+
+impl Draw {
+    pub fn greedy() -> Self {
+        Draw { inv_temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0 }
+    }
+
+    /// The row's parameters as the kernel reads them (top_k is exact in f32 below 2^24).
+    pub fn to_params(&self) -> [f32; PARAMS_PER_ROW] {
+        [self.inv_temperature, self.top_k.min(1 << 24) as f32, self.top_p, self.min_p, self.u]
+    }
+
+    fn from_params(p: &[f32]) -> Self {
+        Draw { inv_temperature: p[0], top_k: p[1] as u32, top_p: p[2], min_p: p[3], u: p[4] }
+    }
+}
+
+/// exp(x) for x <= 0: range reduction by ln 2 and a degree-7 polynomial, each step one IEEE
+/// operation so the kernel's `exp_det` gives the same bits. Accurate to a few ulp.
+pub fn exp_det(x: f32) -> f32 {
+    if !(x > -87.0) {
+        return 0.0;
+    }
+    let n = (x * 1.442_695_04_f32).round_ties_even();
+    let r = (-n).mul_add(0.693_145_752_f32, x);
+    let r = (-n).mul_add(1.428_606_77e-6_f32, r);
+    let mut p = 1.984_126_98e-4_f32;
+    for c in [1.388_888_89e-3_f32, 8.333_333_33e-3, 4.166_666_67e-2, 1.666_666_67e-1, 0.5, 1.0, 1.0] {
+        p = p.mul_add(r, c);
+    }
+    let e = n as i32;
+    if e < -126 {
+        return 0.0;
+    }
+    p * f32::from_bits(((e + 127) as u32) << 23)
+}
+
+/// Orders floats as integers: a > b <=> key(a) > key(b), for finite a and b.
+fn order_key(x: f32) -> u32 {
+    let u = x.to_bits();
+    if u & 0x8000_0000 != 0 {
+        !u
+    } else {
+        u | 0x8000_0000
+    }
+}
+
+fn from_key(k: u32) -> f32 {
+    f32::from_bits(if k & 0x8000_0000 != 0 { k & 0x7fff_ffff } else { !k })
+}
+
+/// (key, id): larger logit first, then lower id.
+fn in_order(a: &(u32, u32), b: &(u32, u32)) -> Ordering {
+    b.0.cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+const MASS_SCALE: f32 = (1u64 << 40) as f32;
+
+/// The host reference: the token `d` draws from `logits`, None when no logit is finite.
+/// `cand` is scratch space (kept between calls to avoid a vocabulary-sized allocation).
+pub fn draw_row(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> Option<u32> {
+    cand.clear();
+    cand.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (order_key(l), i as u32)));
+    let &(kmax, first) = cand.iter().min_by(|a, b| in_order(a, b))?;
+    if d.inv_temperature == 0.0 {
+        return Some(first);
+    }
+    let m = from_key(kmax) * d.inv_temperature;
+    let weight = |key: u32| exp_det(from_key(key) * d.inv_temperature - m);
+    let mass = |key: u32| (weight(key) * MASS_SCALE).round_ties_even() as u64;
+    let sum = |c: &[(u32, u32)]| c.iter().map(|&(k, _)| mass(k)).sum::<u64>();
+
+    let k = d.top_k as usize;
+    if k > 0 && k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, in_order);
+        cand.truncate(k);
+    }
+    if d.top_p < 1.0 {
+        let target = (d.top_p as f64 * sum(cand) as f64).ceil() as u64;
+        // Quickselect on mass: cand[..lo] come first in order, with mass `before` < target,
+        // and the cut-off lies in cand[lo..hi].
+        let (mut lo, mut hi, mut before) = (0, cand.len(), 0u64);
+        while hi - lo > 64 {
+            let split = (hi - lo) / 2;
+            cand[lo..hi].select_nth_unstable_by(split - 1, in_order);
+            let upper = sum(&cand[lo..lo + split]);
+            if before + upper >= target {
+                hi = lo + split;
+            } else {
+                before += upper;
+                lo += split;
+            }
+        }
+        cand[lo..hi].sort_unstable_by(in_order);
+        let mut end = hi;
+        for i in lo..hi {
+            before += mass(cand[i].0);
+            if before >= target {
+                end = i + 1;
+                break;
+            }
+        }
+        cand.truncate(end);
+    }
+    if d.min_p > 0.0 {
+        cand.retain(|&(key, _)| weight(key) >= d.min_p);
+    }
+    cand.sort_unstable_by_key(|&(_, id)| id);
+    let total = sum(cand);
+    if total == 0 {
+        return None;
+    }
+    let x = ((d.u as f64 * total as f64).floor() as u64).min(total - 1);
+    let mut acc = 0u64;
+    cand.iter().find(|&&(key, _)| {
+        acc += mass(key);
+        x < acc
+    })
+    .map(|&(_, id)| id)
+}
+
+/// `[rows, vocab]` f32 logits and `[rows, PARAMS_PER_ROW]` f32 parameters (`Draw::to_params`)
+/// -> `[rows]` u32 token ids (0 for a row with nothing finite).
+pub struct Sample;
+
+impl Sample {
+    pub fn forward(logits: &Tensor, params: &Tensor) -> Result<Tensor> {
+        logits.apply_op2_no_bwd(params, &Sample)
+    }
+}
+
+impl CustomOp2 for Sample {
+    fn name(&self) -> &'static str {
+        "sample"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, ps: &CpuStorage, pl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (rows, vocab) = l.shape().dims2()?;
+        if pl.shape().dims2()? != (rows, PARAMS_PER_ROW) {
+            candle_core::bail!("sample: parameters {:?} for {rows} rows", pl.shape());
+        }
+        let x = f32_slice(s, l, "sample logits")?;
+        let p = f32_slice(ps, pl, "sample parameters")?;
+        let mut cand = Vec::new();
+        let out = (0..rows)
+            .map(|r| {
+                let d = Draw::from_params(&p[r * PARAMS_PER_ROW..(r + 1) * PARAMS_PER_ROW]);
+                draw_row(&x[r * vocab..(r + 1) * vocab], &d, &mut cand).unwrap_or(0)
+            })
+            .collect();
+        Ok((CpuStorage::U32(out), Shape::from(rows)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+        ps: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice as S, WrapErr};
+
+        let (rows, vocab) = l.shape().dims2()?;
+        if pl.shape().dims2()? != (rows, PARAMS_PER_ROW) {
+            candle_core::bail!("sample: parameters {:?} for {rows} rows", pl.shape());
+        }
+        let (S::F32(x), Some((a, b)), S::F32(p), Some((pa, pb))) =
+            (&s.slice, l.contiguous_offsets(), &ps.slice, pl.contiguous_offsets())
+        else {
+            candle_core::bail!("sample: expected contiguous f32 logits and parameters")
+        };
+        let dev = s.device().clone();
+        // SAFETY: the kernel writes one id per row.
+        let out = unsafe { dev.alloc::<u32>(rows)? };
+        if rows > 0 {
+            let func = super::cuda::SAMPLING.func(&dev, "sample_f32")?;
+            let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            let (x, p) = (x.slice(a..b), p.slice(pa..pb));
+            let vocab = vocab as i32;
+            let mut builder = func.builder();
+            builder.arg(&x).arg(&p).arg(&out).arg(&vocab);
+            // SAFETY: argument types and counts match the kernel's signature.
+            unsafe { builder.launch(cfg) }.w()?;
+        }
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32) / (1u64 << 24) as f32
+    }
+
+    fn logits(n: usize, seed: &mut u64) -> Vec<f32> {
+        (0..n).map(|_| (lcg(seed) - 0.5) * 12.0).collect()
+    }
+
+    #[test]
+    fn exp_det_is_exp_within_a_few_ulp() {
+        let mut x = 0.0f32;
+        while x > -87.0 {
+            let (a, b) = (exp_det(x), x.exp());
+            assert!((a - b).abs() <= 4.0 * f32::EPSILON * b.max(f32::MIN_POSITIVE), "exp({x}): {a} vs {b}");
+            x -= 0.0137;
+        }
+        assert_eq!(exp_det(0.0), 1.0);
+        // Below e^-87 (near f32's smallest normal) weights count as nothing.
+        assert_eq!(exp_det(-87.5), 0.0);
+    }
+
+    #[test]
+    fn greedy_and_top_k_1_pick_the_largest_lowest_id() {
+        let l = [0.5, 3.0, -1.0, 3.0, f32::NAN, f32::NEG_INFINITY];
+        let mut c = Vec::new();
+        assert_eq!(draw_row(&l, &Draw::greedy(), &mut c), Some(1));
+        for u in [0.0, 0.3, 0.999] {
+            let d = Draw { inv_temperature: 1.0, top_k: 1, top_p: 1.0, min_p: 0.0, u };
+            assert_eq!(draw_row(&l, &d, &mut c), Some(1));
+        }
+        assert_eq!(draw_row(&[f32::NAN, f32::INFINITY], &Draw::greedy(), &mut c), None);
+    }
+
+    /// The set of tokens drawn over a sweep of u equals the set the definitions keep, computed
+    /// by a plain sort in f64; and each token's share of the sweep is its probability.
+    #[test]
+    fn draws_follow_the_filtered_distribution() {
+        let mut seed = 7;
+        let mut c = Vec::new();
+        for (t, k, p, mp) in [(1.0, 0, 1.0, 0.0), (0.7, 20, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 50, 0.6, 0.05), (2.0, 0, 1.0, 0.1)] {
+            let l = logits(300, &mut seed);
+            let mut order: Vec<usize> = (0..l.len()).collect();
+            order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+            if k > 0 {
+                order.truncate(k);
+            }
+            let w: Vec<f64> = order.iter().map(|&i| ((l[i] as f64 - l[order[0]] as f64) / t).exp()).collect();
+            let total: f64 = w.iter().sum();
+            let mut keep = order.len();
+            let mut cum = 0.0;
+            for (j, wj) in w.iter().enumerate() {
+                cum += wj;
+                if cum >= p * total {
+                    keep = j + 1;
+                    break;
+                }
+            }
+            let kept: Vec<(usize, f64)> =
+                order.iter().zip(&w).take(keep).filter(|(_, &wj)| wj >= mp as f64).map(|(&i, &wj)| (i, wj)).collect();
+            let kept_total: f64 = kept.iter().map(|k| k.1).sum();
+            let n = 100_000;
+            let mut counts = vec![0usize; l.len()];
+            for s in 0..n {
+                let d = Draw { inv_temperature: 1.0 / t as f32, top_k: k as u32, top_p: p as f32, min_p: mp, u: (s as f32 + 0.5) / n as f32 };
+                counts[draw_row(&l, &d, &mut c).unwrap() as usize] += 1;
+            }
+            for (i, &cnt) in counts.iter().enumerate() {
+                let want = kept.iter().find(|k| k.0 == i).map_or(0.0, |k| k.1 / kept_total);
+                assert!((cnt as f64 / n as f64 - want).abs() < 2e-4, "t={t} k={k} p={p} token {i}: {cnt} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn ties_at_the_cut_off_go_by_id() {
+        // Five equal logits: top-k 3 keeps the three lowest ids; top-p 0.5 of five equal
+        // weights needs three of them (ceil(2.5)).
+        let l = [1.0f32; 5];
+        let mut c = Vec::new();
+        let drawn = |d: Draw, c: &mut Vec<(u32, u32)>| {
+            let mut s: Vec<u32> = (0..100).map(|i| draw_row(&l, &Draw { u: i as f32 / 100.0, ..d }, c).unwrap()).collect();
+            s.dedup();
+            s
+        };
+        let base = Draw { inv_temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0 };
+        assert_eq!(drawn(Draw { top_k: 3, ..base }, &mut c), vec![0, 1, 2]);
+        assert_eq!(drawn(Draw { top_p: 0.5, ..base }, &mut c), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn op_runs_each_row_with_its_parameters() {
+        let mut seed = 3;
+        let (rows, vocab) = (6, 97);
+        let l: Vec<f32> = logits(rows * vocab, &mut seed);
+        let draws: Vec<Draw> = (0..rows)
+            .map(|r| Draw { inv_temperature: if r == 0 { 0.0 } else { 1.0 / r as f32 }, top_k: r as u32 * 7, top_p: 0.9, min_p: 0.0, u: lcg(&mut seed) })
+            .collect();
+        let params: Vec<f32> = draws.iter().flat_map(|d| d.to_params()).collect();
+        let dev = candle_core::Device::Cpu;
+        let ids: Vec<u32> = Sample::forward(
+            &Tensor::from_vec(l.clone(), (rows, vocab), &dev).unwrap(),
+            &Tensor::from_vec(params, (rows, PARAMS_PER_ROW), &dev).unwrap(),
+        )
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+        let mut c = Vec::new();
+        for (r, d) in draws.iter().enumerate() {
+            assert_eq!(ids[r], draw_row(&l[r * vocab..(r + 1) * vocab], d, &mut c).unwrap());
+        }
+    }
+}
