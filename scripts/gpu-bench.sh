@@ -61,11 +61,11 @@ for m in $MODELS; do
   if [ "${SAMPLED:-1}" = 1 ]; then
     "$IRIS" bench "${common[@]}" --batch-sizes 1,8,64,256 --prompt-len 128 --gen-len "$GEN_LEN" --repeats 1 \
       --temperature 1 --top-k 50 --top-p 0.9 > "$RES/iris-sampled-$m.json" 2> "$RES/iris-sampled-$m.err"
-    python3 -c 'import json,sys; [print("   sampled (t=1, top-k 50, top-p 0.9): batch", r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))]' "$RES/iris-sampled-$m.json" || tail -3 "$RES/iris-sampled-$m.err"
+    python3 -c 'import json,sys; [print("   sampled (t=1, top-k 50, top-p 0.9): batch", r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))["rows"]]' "$RES/iris-sampled-$m.json" || tail -3 "$RES/iris-sampled-$m.err"
     # The same with the logits copied to the host and drawn there (how it ran before).
     IRIS_DEVICE_SAMPLING=0 "$IRIS" bench "${common[@]}" --batch-sizes 1,8,64,256 --prompt-len 128 --gen-len 32 --repeats 1 \
       --temperature 1 --top-k 50 --top-p 0.9 > "$RES/iris-hostsampled-$m.json" 2> "$RES/iris-hostsampled-$m.err"
-    python3 -c 'import json,sys; [print("   sampled on the host: batch", r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))]' "$RES/iris-hostsampled-$m.json" || tail -3 "$RES/iris-hostsampled-$m.err"
+    python3 -c 'import json,sys; [print("   sampled on the host: batch", r["batch"], "decode %.1f tok/s" % r["decode_tok_s"]) for r in json.load(open(sys.argv[1]))["rows"]]' "$RES/iris-hostsampled-$m.json" || tail -3 "$RES/iris-hostsampled-$m.err"
   fi
   echo "== $m: iris done at $(( $(date +%s) - t0 )) s"
   if [ "$HF" = 1 ]; then
