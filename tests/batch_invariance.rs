@@ -157,7 +157,6 @@ fn check_vl(name: &str, blocks: usize) {
     let _gpu = gpu_lock();
     use iris::engine::{ImageInput, Request};
     use iris::media::{decode_image, DecodeLimits};
-    let _gpu = gpu_lock();
 
     let path = fixture(name);
     let r = reference(name);
