@@ -107,14 +107,7 @@ impl AttentionMeta {
                 row_seq.push(i as u32);
             }
         }
-        AttentionMeta {
-            block_size,
-            seqs,
-            slot_mapping,
-            row_seq,
-            window_rings: Vec::new(),
-            device: None,
-        }
+        AttentionMeta { block_size, seqs, slot_mapping, row_seq, window_rings: Vec::new(), device: None }
     }
 
     /// Copies the metadata to `device` for the kernels there; nothing to do on the CPU.
@@ -166,9 +159,11 @@ impl AttentionMeta {
 
     /// `(sequence, first row)` of every tile of PREFILL_TILE_ROWS rows of the prompt chunks.
     pub fn prefill_tiles(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        self.seqs.iter().enumerate().filter(|(_, s)| s.q_len >= PREFILL_MIN_ROWS).flat_map(|(i, s)| {
-            (s.q_start..s.q_start + s.q_len).step_by(PREFILL_TILE_ROWS).map(move |r| (i, r))
-        })
+        self.seqs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.q_len >= PREFILL_MIN_ROWS)
+            .flat_map(|(i, s)| (s.q_start..s.q_start + s.q_len).step_by(PREFILL_TILE_ROWS).map(move |r| (i, r)))
     }
 }
 

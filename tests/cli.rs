@@ -333,6 +333,31 @@ fn edit_config(m: &TempDir, edit: impl FnOnce(&mut serde_json::Map<String, serde
     std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
 }
 
+/// A vision-language checkpoint whose parts disagree: the vision tower's output width against
+/// the language model's, the image processor's patches against the tower's. One error naming
+/// the file and both values, for every VLM family.
+#[test]
+fn vision_config_mismatches() {
+    for name in ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-glm4v", "tiny-glm4v-moe"] {
+        let m = copy_fixture(name);
+        let cfg = m.join("config.json");
+        // Qwen2-VL names the merger's output `hidden_size`; the others `out_hidden_size`.
+        let out_field = if name == "tiny-qwen2-vl" { "hidden_size" } else { "out_hidden_size" };
+        edit_config(&m, |c| {
+            c["vision_config"][out_field] = serde_json::json!(48);
+        });
+        let line = expect_error(&generate_args(m.arg(), &[]), &[cfg.to_str().unwrap(), "48"]);
+        assert!(line.contains("language model takes"), "{name}: {line}");
+
+        let m = copy_fixture(name);
+        let pre = m.join("preprocessor_config.json");
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&pre).unwrap()).unwrap();
+        v["patch_size"] = serde_json::json!(16);
+        std::fs::write(&pre, v.to_string()).unwrap();
+        expect_error(&generate_args(m.arg(), &[]), &[pre.to_str().unwrap(), "patch 16"]);
+    }
+}
+
 #[test]
 fn config_unknown_architecture() {
     let m = copy_fixture("tiny-llama");

@@ -61,7 +61,9 @@ fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
 fn kv_write_matches_cpu() {
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(1);
-    for (cache_dt, new_dt) in [(DType::F32, DType::F32), (DType::BF16, DType::F32), (DType::BF16, DType::BF16), (DType::F16, DType::F16)] {
+    for (cache_dt, new_dt) in
+        [(DType::F32, DType::F32), (DType::BF16, DType::F32), (DType::BF16, DType::BF16), (DType::F16, DType::F16)]
+    {
         let (hkv, d, bs) = (3, 80, 16);
         let (mut m, slots) = meta(&mut rng, &[(40, 40), (300, 1), (17, 5)], bs);
         let new = random(&mut rng, &[m.num_rows(), hkv, d]).to_dtype(new_dt).unwrap();
@@ -178,7 +180,15 @@ fn paged_attention_rejects_short_block_tables() {
     m.upload(&dev).unwrap();
     let q = Tensor::zeros((1, 2, 64), DType::F32, &dev).unwrap();
     let kv = Tensor::zeros((16, 1, 64), DType::F32, &dev).unwrap();
-    let op = PagedAttention { meta: &m, num_heads: 2, num_kv_heads: 1, head_dim: 64, scale: 1.0, window: None, softcap: None };
+    let op = PagedAttention {
+        meta: &m,
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 64,
+        scale: 1.0,
+        window: None,
+        softcap: None,
+    };
     let err = op.forward(&q, &kv, &kv).unwrap_err().to_string();
     assert!(err.contains("block table does not cover 9 tokens"), "{err}");
 }
@@ -218,7 +228,13 @@ fn sample_matches_cpu_exactly() {
                 for p in [1.0f32, 0.95, 0.5, 0.05] {
                     for mp in [0.0f32, 0.02] {
                         let inv = if t == 0.0 { 0.0 } else { 1.0 / t };
-                        draws.push(Draw { inv_temperature: inv, top_k: k, top_p: p, min_p: mp, u: rng.random::<f32>() });
+                        draws.push(Draw {
+                            inv_temperature: inv,
+                            top_k: k,
+                            top_p: p,
+                            min_p: mp,
+                            u: rng.random::<f32>(),
+                        });
                     }
                 }
             }
@@ -227,7 +243,11 @@ fn sample_matches_cpu_exactly() {
         let mut v: Vec<f32> = (0..rows * vocab)
             .map(|_| {
                 let x = rng.random_range(-6.0f32..6.0);
-                if coarse { (x * 2.0).round() / 2.0 } else { x }
+                if coarse {
+                    (x * 2.0).round() / 2.0
+                } else {
+                    x
+                }
             })
             .collect();
         // A masked vocabulary part, a NaN, an infinity.
@@ -243,7 +263,11 @@ fn sample_matches_cpu_exactly() {
             .to_vec1()
             .unwrap();
         let differ: Vec<usize> = (0..rows).filter(|&r| cpu[r] != gpu[r]).collect();
-        assert!(differ.is_empty(), "vocab {vocab} coarse {coarse}: rows {differ:?} differ, e.g. {:?}", differ.first().map(|&r| (draws[r], cpu[r], gpu[r])));
+        assert!(
+            differ.is_empty(),
+            "vocab {vocab} coarse {coarse}: rows {differ:?} differ, e.g. {:?}",
+            differ.first().map(|&r| (draws[r], cpu[r], gpu[r]))
+        );
     }
 }
 
@@ -284,9 +308,12 @@ fn qkv_rope_matches_cpu() {
     use iris::ops::qkv_rope::QkvRope;
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(4);
-    for (hq, hkv, d, bias, norm, interleaved) in
-        [(28, 4, 128, true, false, false), (8, 2, 80, false, true, true), (4, 1, 256, true, true, false), (4, 2, 16, false, false, true)]
-    {
+    for (hq, hkv, d, bias, norm, interleaved) in [
+        (28, 4, 128, true, false, false),
+        (8, 2, 80, false, true, true),
+        (4, 1, 256, true, true, false),
+        (4, 2, 16, false, false, true),
+    ] {
         let (t, half) = (37, d / 2);
         let w = (hq + 2 * hkv) * d;
         let y = random(&mut rng, &[t, w]);
@@ -316,7 +343,9 @@ fn qkv_rope_matches_cpu() {
             let tol = if dt == DType::F32 { 1e-5 } else { 2e-2 };
             let cpu_in = |x: &Tensor| x.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
             let cpu = run(&cpu_in(&y), &cpu_in(&b), &cpu_in(&cos), &cpu_in(&sin), &cpu_in(&qn), &cpu_in(&kn));
-            for (name, (got, want)) in ["q", "k", "v"].iter().zip([&gpu.0, &gpu.1, &gpu.2].into_iter().zip([&cpu.0, &cpu.1, &cpu.2])) {
+            for (name, (got, want)) in
+                ["q", "k", "v"].iter().zip([&gpu.0, &gpu.1, &gpu.2].into_iter().zip([&cpu.0, &cpu.1, &cpu.2]))
+            {
                 let e = max_rel_err(got, want);
                 assert!(e <= tol, "qkv-rope {dt:?} {name} ({hq}x{hkv}x{d}): rel err {e}");
             }
@@ -363,13 +392,24 @@ fn bf16_models_stay_close_to_the_f32_reference() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"] {
         let r = candle_core::safetensors::load(root.join(name).join("reference.safetensors"), &Device::Cpu).unwrap();
-        let ids: Vec<u32> =
-            r["text.input_ids"].to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap().into_iter().map(|v| v as u32).collect();
+        let ids: Vec<u32> = r["text.input_ids"]
+            .to_dtype(DType::I64)
+            .unwrap()
+            .to_vec1::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|v| v as u32)
+            .collect();
         let loaded = iris::loader::load(&root.join(name), &dev, DType::BF16).unwrap();
         let cfg = loaded.config().clone();
         let spec = KvCacheSpec { block_size: 4, num_blocks: ids.len().div_ceil(4) + 1, dtype: KvDtype::Bf16 };
         let kv = KvCache::new(&cfg, spec, &dev).unwrap();
-        let seq = SeqSlice { q_start: 0, q_len: ids.len(), context_len: ids.len(), block_table: (0..spec.num_blocks as u32).collect() };
+        let seq = SeqSlice {
+            q_start: 0,
+            q_len: ids.len(),
+            context_len: ids.len(),
+            block_table: (0..spec.num_blocks as u32).collect(),
+        };
         let mut batch = Batch::from_tokens(&Device::Cpu, 4, vec![seq], &ids).unwrap();
         batch.to_device(&dev).unwrap();
         let logits = loaded.model.logits(&loaded.model.forward(&batch, &kv, None).unwrap()).unwrap();

@@ -47,7 +47,9 @@ fn qkv_rope_reference_is_the_layer_path() {
         .unwrap();
         // As layers/attention.rs computes it op by op.
         let yb = if bias { y.broadcast_add(&b).unwrap() } else { y.clone() };
-        let head = |from: usize, n: usize| yb.narrow(1, from * d, n * d).unwrap().contiguous().unwrap().reshape((t, n, d)).unwrap();
+        let head = |from: usize, n: usize| {
+            yb.narrow(1, from * d, n * d).unwrap().contiguous().unwrap().reshape((t, n, d)).unwrap()
+        };
         let rope = |x: &Tensor, nw: &Tensor| {
             let x = if norm { candle_nn::ops::rms_norm(x, nw, eps).unwrap() } else { x.clone() };
             let x4 = x.reshape((t, x.dim(1).unwrap(), 1, d)).unwrap();
@@ -89,8 +91,11 @@ fn add_rms_norm_reference_is_add_then_norm() {
 
 #[test]
 fn argmax_takes_the_lowest_id_among_ties_and_skips_non_finite() {
-    let l = Tensor::new(&[[1.0f32, 3.0, 3.0, 2.0], [f32::NAN, f32::INFINITY, -1.0, -2.0], [f32::NEG_INFINITY; 4]], &Device::Cpu)
-        .unwrap();
+    let l = Tensor::new(
+        &[[1.0f32, 3.0, 3.0, 2.0], [f32::NAN, f32::INFINITY, -1.0, -2.0], [f32::NEG_INFINITY; 4]],
+        &Device::Cpu,
+    )
+    .unwrap();
     let ids: Vec<u32> = Argmax::forward(&l).unwrap().to_vec1().unwrap();
     assert_eq!(ids, [1, 2, 0]);
     assert_eq!(Argmax::forward(&l.to_dtype(DType::F32).unwrap()).unwrap().dims(), [3]);

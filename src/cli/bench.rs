@@ -95,7 +95,13 @@ fn prompt_tokens(engine: &Engine, len: usize) -> anyhow::Result<Vec<u32>> {
     Ok(unit.iter().copied().cycle().take(len).collect())
 }
 
-fn run_once(engine: &mut Engine, batch: usize, prompt: &[u32], gen_len: usize, a: &BenchArgs) -> anyhow::Result<BenchRow> {
+fn run_once(
+    engine: &mut Engine,
+    batch: usize,
+    prompt: &[u32],
+    gen_len: usize,
+    a: &BenchArgs,
+) -> anyhow::Result<BenchRow> {
     let start = Instant::now();
     for i in 0..batch {
         let params = SamplingParams {

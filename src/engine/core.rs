@@ -17,8 +17,8 @@ use super::stop::StopChecker;
 use crate::batch::{Batch, ImageRows, Positions, SeqSlice};
 use crate::kv::KvCache;
 use crate::media::PixelValues;
-use crate::ops::sample::Draw;
 use crate::models::{TextModel, VisionModel};
+use crate::ops::sample::Draw;
 use crate::tokenizer::TextTokenizer;
 
 #[derive(Debug, Clone, Copy)]
@@ -311,7 +311,10 @@ impl Engine {
     fn needs_plain_forward(&self, plan: &Plan, batch: &Batch) -> bool {
         batch.images.is_some()
             || matches!(batch.positions, Positions::MRope(_))
-            || plan.items.iter().any(|(id, _)| self.scheduler.get(*id).is_some_and(|s| s.params.prompt_logprobs.is_some()))
+            || plan
+                .items
+                .iter()
+                .any(|(id, _)| self.scheduler.get(*id).is_some_and(|s| s.params.prompt_logprobs.is_some()))
     }
 
     /// Flattens the plan into one batch on the host (the runner moves it to the device);

@@ -22,11 +22,11 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor};
 
 use super::runner::{draw_on_device, StepOutput};
-use crate::ops::sample::Draw;
 use crate::batch::{AttentionMeta, Batch, DeviceAttentionMeta, MetaLayout, Positions, SeqSlice};
 use crate::kv::KvCache;
 use crate::models::TextModel;
 use crate::ops::argmax::Argmax;
+use crate::ops::sample::Draw;
 
 /// Batch sizes graphs are captured for; a step runs in the smallest that holds it.
 const BUCKETS: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
@@ -167,7 +167,12 @@ impl DecodeGraphs {
         let mut attn = AttentionMeta::new(meta.block_size, pads.collect());
         attn.device = Some(DeviceAttentionMeta { data: bufs.meta.clone(), layout });
         let positions = attn.seqs.iter().map(|s| s.first_position() as u32).collect();
-        let batch = Batch { token_ids: bufs.tokens.narrow(0, 0, bucket)?, positions: Positions::Flat(positions), attn, images: None };
+        let batch = Batch {
+            token_ids: bufs.tokens.narrow(0, 0, bucket)?,
+            positions: Positions::Flat(positions),
+            attn,
+            images: None,
+        };
         let pass = || -> Result<()> {
             let logits = model.logits(&model.forward(&batch, kv, None)?)?;
             bufs.ids.slice_set(&Argmax::forward(&logits)?, 0, 0)?;
@@ -187,7 +192,10 @@ impl DecodeGraphs {
             }
             (captured, graph) => {
                 let why = captured.err().map(|e| e.to_string()).or_else(|| graph.err().map(|e| e.to_string()));
-                tracing::warn!("decode steps of {bucket} rows run op by op: capture failed ({})", why.unwrap_or_default());
+                tracing::warn!(
+                    "decode steps of {bucket} rows run op by op: capture failed ({})",
+                    why.unwrap_or_default()
+                );
                 None
             }
         })

@@ -67,8 +67,10 @@ impl StepRunner {
         if sample_rows.is_empty() {
             return Ok(StepOutput::Logits(Vec::new()));
         }
-        let all_rows = sample_rows.len() == hidden.dim(0)? && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
-        let hidden = if all_rows { hidden } else { hidden.index_select(&Tensor::new(sample_rows, &self.device)?, 0)? };
+        let all_rows =
+            sample_rows.len() == hidden.dim(0)? && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
+        let hidden =
+            if all_rows { hidden } else { hidden.index_select(&Tensor::new(sample_rows, &self.device)?, 0)? };
         self.pick(model, &hidden, draws)
     }
 

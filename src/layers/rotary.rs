@@ -84,7 +84,13 @@ impl Rotary {
     /// 1-D positions are looked up in the device table when the step's metadata is on the
     /// device and every position is inside the table; otherwise angles are computed here and
     /// uploaded.
-    pub fn angles_for(&self, positions: &Positions, meta: &AttentionMeta, device: &Device, dtype: DType) -> Result<RotaryAngles> {
+    pub fn angles_for(
+        &self,
+        positions: &Positions,
+        meta: &AttentionMeta,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<RotaryAngles> {
         match positions {
             Positions::Flat(p) => {
                 if let (Some((cos, sin)), Some(dm)) = (&self.table, &meta.device) {

@@ -16,6 +16,21 @@ const MAX_SCORES: usize = 1 << 22;
 /// Contiguous runs of rows `(start, len)` that attend to each other.
 pub type Segments = Vec<(usize, usize)>;
 
+/// Checks that `px` is a whole number of merge blocks of `patch_dim`-value patches, as a tower
+/// with this patch size and merge takes them.
+pub fn check_patches(px: &crate::media::PixelValues, patch_dim: usize, merge: usize) -> Result<()> {
+    let [t, gh, gw] = px.grid_thw;
+    if px.cols != patch_dim || px.rows != t * gh * gw || gh % merge != 0 || gw % merge != 0 || px.rows == 0 {
+        candle_core::bail!(
+            "pixel values [{}, {}] with grid {:?} do not fit this vision tower (patch dim {patch_dim}, merge {merge})",
+            px.rows,
+            px.cols,
+            px.grid_thw
+        );
+    }
+    Ok(())
+}
+
 /// The (row, column) in the patch grid of processor row `r`. The processors emit rows merge
 /// block by merge block (block row, block column, row in block, column in block), frame after
 /// frame.

@@ -91,7 +91,8 @@ impl TextModel for Llama {
         let Some(first) = self.layers.first() else { return self.norm.forward(&x) };
         let mut normed = first.attn_norm.forward(&x)?;
         for (i, l) in self.layers.iter().enumerate() {
-            let (h, h_normed) = l.mlp_norm.forward_residual(&x, &l.attn.forward(&normed, &rot, kv.layer(i), &batch.attn)?)?;
+            let (h, h_normed) =
+                l.mlp_norm.forward_residual(&x, &l.attn.forward(&normed, &rot, kv.layer(i), &batch.attn)?)?;
             let next_norm = self.layers.get(i + 1).map_or(&self.norm, |n| &n.attn_norm);
             (x, normed) = next_norm.forward_residual(&h, &l.mlp.forward(&h_normed)?)?;
             if let Some(t) = taps.as_deref_mut() {

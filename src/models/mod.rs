@@ -6,6 +6,7 @@ pub mod gemma3;
 pub mod glm4v;
 pub mod llama;
 pub mod mrope;
+pub mod patch_vlm;
 pub mod qwen2_vl;
 
 use std::path::Path;
@@ -89,8 +90,8 @@ pub fn load_vision_model(
     cfg: &TextConfig,
 ) -> std::result::Result<Option<Arc<dyn VisionModel>>, WeightsError> {
     Ok(match cfg.arch {
-        Arch::Qwen2Vl | Arch::Qwen25Vl => Some(Arc::new(qwen2_vl::Qwen2Vl::load(w, dir, cfg)?)),
-        Arch::Glm4v | Arch::Glm4vMoe => Some(Arc::new(glm4v::Glm4v::load(w, dir, cfg)?)),
+        Arch::Qwen2Vl | Arch::Qwen25Vl => Some(Arc::new(qwen2_vl::load(w, dir, cfg)?)),
+        Arch::Glm4v | Arch::Glm4vMoe => Some(Arc::new(glm4v::load(w, dir, cfg)?)),
         _ => None,
     })
 }

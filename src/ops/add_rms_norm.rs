@@ -45,7 +45,8 @@ impl CustomOp3 for AddRmsNorm {
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (t, dim) = Self::check(xl, dl, wl)?;
-        let (x, d, w) = (f32_slice(x, xl, "add-rms-norm")?, f32_slice(d, dl, "add-rms-norm")?, f32_slice(w, wl, "add-rms-norm")?);
+        let (x, d, w) =
+            (f32_slice(x, xl, "add-rms-norm")?, f32_slice(d, dl, "add-rms-norm")?, f32_slice(w, wl, "add-rms-norm")?);
         let mut out = vec![0f32; 2 * t * dim];
         let (h, y) = out.split_at_mut(t * dim);
         for r in 0..t {
@@ -71,16 +72,21 @@ impl CustomOp3 for AddRmsNorm {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::Kernel;
         use candle_core::backend::BackendStorage;
         use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
-        use super::cuda::Kernel;
 
         let (t, dim) = Self::check(xl, dl, wl)?;
         let dev = x.device().clone();
-        let func = super::cuda::ADD_RMS_NORM.func(&dev, &format!("add_rms_norm_{}", super::cuda::dtype_name(x.dtype())?))?;
+        let func =
+            super::cuda::ADD_RMS_NORM.func(&dev, &format!("add_rms_norm_{}", super::cuda::dtype_name(x.dtype())?))?;
         let vecs = dim / (16 / x.dtype().size_in_bytes());
-        let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (vecs.div_ceil(32).min(32) as u32 * 32, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, 1, 1),
+            block_dim: (vecs.div_ceil(32).min(32) as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let offs = [xl.start_offset(), dl.start_offset(), wl.start_offset()];
         if offs.iter().any(|o| o % 8 != 0) {
             candle_core::bail!("add-rms-norm: inputs must start on a 16-byte boundary");

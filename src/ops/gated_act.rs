@@ -29,7 +29,12 @@ impl GatedAct {
 
     fn check(l: &Layout) -> Result<(usize, usize, usize)> {
         let (t, w) = l.shape().dims2()?;
-        if w % 2 != 0 || !Self::supports(w / 2) || l.stride()[1] != 1 || l.stride()[0] % 8 != 0 || l.start_offset() % 8 != 0 {
+        if w % 2 != 0
+            || !Self::supports(w / 2)
+            || l.stride()[1] != 1
+            || l.stride()[0] % 8 != 0
+            || l.start_offset() % 8 != 0
+        {
             candle_core::bail!("gated-act: expected [T, 2 * inter] rows with unit stride, got {:?}", l.shape());
         }
         Ok((t, w / 2, l.stride()[0]))
@@ -56,17 +61,21 @@ impl CustomOp1 for GatedAct {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::Kernel;
         use candle_core::backend::BackendStorage;
         use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
-        use super::cuda::Kernel;
 
         let (t, inter, stride) = Self::check(l)?;
         let dev = s.device().clone();
         let func = super::cuda::GATED_ACT.func(&dev, &format!("gated_act_{}", super::cuda::dtype_name(s.dtype())?))?;
         let n = t * inter;
         let vecs = n / (16 / s.dtype().size_in_bytes());
-        let cfg = LaunchConfig { grid_dim: (vecs.div_ceil(256).clamp(1, 65535) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (vecs.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let args = [stride as i32, inter as i32, t as i32, self.gelu as i32];
         fn launch<T: CudaDType + DeviceRepr>(
             dev: &candle_core::cuda_backend::CudaDevice,

@@ -98,7 +98,8 @@ impl InplaceOp2 for KvWrite<'_> {
         let dev = cache.device().clone();
         let name = format!("kv_write_{}_{}", dtype_name(new.dtype())?, dtype_name(cache.dtype())?);
         let func = KV_WRITE.func(&dev, &name)?;
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (row.min(256) as u32, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (row.min(256) as u32, 1, 1), shared_mem_bytes: 0 };
         let row = row as i32;
         fn launch<C, N>(
             func: &super::cuda::Kernel,

@@ -245,9 +245,9 @@ impl CustomOp3 for PagedAttention<'_> {
         v: &candle_core::CudaStorage,
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::Kernel;
         use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
-        use super::cuda::Kernel;
 
         use super::cuda::{dtype_name, with_u32_slice, PAGED_ATTENTION, PREFILL_ATTENTION};
         use crate::batch::PREFILL_MIN_ROWS;
@@ -275,7 +275,9 @@ impl CustomOp3 for PagedAttention<'_> {
             candle_core::bail!("paged-attention: no CUDA kernel for head_dim {d}");
         }
         let dm = self.meta.device.as_ref().ok_or_else(|| {
-            candle_core::Error::Msg("paged-attention: the step's metadata is not on the device (AttentionMeta::upload)".into())
+            candle_core::Error::Msg(
+                "paged-attention: the step's metadata is not on the device (AttentionMeta::upload)".into(),
+            )
         })?;
         let group = hq / hkv;
         // Query heads per block: the largest divisor of the group the kernel holds at once, or
@@ -293,13 +295,21 @@ impl CustomOp3 for PagedAttention<'_> {
             let f = PREFILL_ATTENTION.func(&dev, &format!("prefill_attention_{qt}_{d}"))?;
             let smem = (640 * d + 30720) as u32;
             f.set_max_dynamic_shared(smem)?;
-            let cfg = LaunchConfig { grid_dim: (l.num_tiles as u32, hq as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem };
+            let cfg = LaunchConfig {
+                grid_dim: (l.num_tiles as u32, hq as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: smem,
+            };
             Some((f, cfg))
         } else {
             None
         };
         let p = Params {
-            decode: LaunchConfig { grid_dim: (rows as u32, (hkv * group / hb) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 },
+            decode: LaunchConfig {
+                grid_dim: (rows as u32, (hkv * group / hb) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
             ints: [hq as i32, hkv as i32, hb as i32, self.meta.block_size as i32],
             scale: self.scale,
             softcap: self.softcap.unwrap_or(0.0),

@@ -123,7 +123,11 @@ impl CustomOp1 for QkvRope<'_> {
         let dev = s.device().clone();
         let func = QKV_ROPE.func(&dev, &format!("qkv_rope_{}_{d}", dtype_name(s.dtype())?))?;
         let heads = self.num_heads + 2 * self.num_kv_heads;
-        let cfg = LaunchConfig { grid_dim: (t as u32, heads.div_ceil(4) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, heads.div_ceil(4) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
 
         // The small inputs, as device slices of y's type (None: a null pointer).
         struct Guards<'g>(Vec<(candle_core::StorageRef<'g>, &'g Layout)>);

@@ -148,11 +148,12 @@ pub fn draw_row(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> Option<
     }
     let x = ((d.u as f64 * total as f64).floor() as u64).min(total - 1);
     let mut acc = 0u64;
-    cand.iter().find(|&&(key, _)| {
-        acc += mass(key);
-        x < acc
-    })
-    .map(|&(_, id)| id)
+    cand.iter()
+        .find(|&&(key, _)| {
+            acc += mass(key);
+            x < acc
+        })
+        .map(|&(_, id)| id)
 }
 
 /// `[rows, vocab]` f32 logits and `[rows, PARAMS_PER_ROW]` f32 parameters (`Draw::to_params`)
@@ -269,7 +270,9 @@ mod tests {
     fn draws_follow_the_filtered_distribution() {
         let mut seed = 7;
         let mut c = Vec::new();
-        for (t, k, p, mp) in [(1.0, 0, 1.0, 0.0), (0.7, 20, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 50, 0.6, 0.05), (2.0, 0, 1.0, 0.1)] {
+        for (t, k, p, mp) in
+            [(1.0, 0, 1.0, 0.0), (0.7, 20, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 50, 0.6, 0.05), (2.0, 0, 1.0, 0.1)]
+        {
             let l = logits(300, &mut seed);
             let mut order: Vec<usize> = (0..l.len()).collect();
             order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
@@ -293,7 +296,13 @@ mod tests {
             let n = 100_000;
             let mut counts = vec![0usize; l.len()];
             for s in 0..n {
-                let d = Draw { inv_temperature: 1.0 / t as f32, top_k: k as u32, top_p: p as f32, min_p: mp, u: (s as f32 + 0.5) / n as f32 };
+                let d = Draw {
+                    inv_temperature: 1.0 / t as f32,
+                    top_k: k as u32,
+                    top_p: p as f32,
+                    min_p: mp,
+                    u: (s as f32 + 0.5) / n as f32,
+                };
                 counts[draw_row(&l, &d, &mut c).unwrap() as usize] += 1;
             }
             for (i, &cnt) in counts.iter().enumerate() {
@@ -310,7 +319,8 @@ mod tests {
         let l = [1.0f32; 5];
         let mut c = Vec::new();
         let drawn = |d: Draw, c: &mut Vec<(u32, u32)>| {
-            let mut s: Vec<u32> = (0..100).map(|i| draw_row(&l, &Draw { u: i as f32 / 100.0, ..d }, c).unwrap()).collect();
+            let mut s: Vec<u32> =
+                (0..100).map(|i| draw_row(&l, &Draw { u: i as f32 / 100.0, ..d }, c).unwrap()).collect();
             s.dedup();
             s
         };
@@ -325,7 +335,13 @@ mod tests {
         let (rows, vocab) = (6, 97);
         let l: Vec<f32> = logits(rows * vocab, &mut seed);
         let draws: Vec<Draw> = (0..rows)
-            .map(|r| Draw { inv_temperature: if r == 0 { 0.0 } else { 1.0 / r as f32 }, top_k: r as u32 * 7, top_p: 0.9, min_p: 0.0, u: lcg(&mut seed) })
+            .map(|r| Draw {
+                inv_temperature: if r == 0 { 0.0 } else { 1.0 / r as f32 },
+                top_k: r as u32 * 7,
+                top_p: 0.9,
+                min_p: 0.0,
+                u: lcg(&mut seed),
+            })
             .collect();
         let params: Vec<f32> = draws.iter().flat_map(|d| d.to_params()).collect();
         let dev = candle_core::Device::Cpu;

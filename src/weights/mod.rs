@@ -100,7 +100,9 @@ impl Weights {
                     // Quantized matrices stay quantized only where iris has kernels for them
                     // (the CPU); for other devices they are dequantized once, at load.
                     match g.load(&gname, &Device::Cpu)? {
-                        StoredTensor::Quantized(q) => StoredTensor::Dense(q.dequantize(&Device::Cpu)?.to_device(&self.device)?),
+                        StoredTensor::Quantized(q) => {
+                            StoredTensor::Dense(q.dequantize(&Device::Cpu)?.to_device(&self.device)?)
+                        }
                         StoredTensor::Dense(t) => StoredTensor::Dense(t.to_device(&self.device)?),
                     }
                 }

@@ -104,19 +104,6 @@ impl VisionConfig {
         if cfg.position_side() == 0 {
             return Err(format!("`image_size` {} is smaller than a patch", cfg.image_size));
         }
-        let text_hidden = root
-            .get("text_config")
-            .and_then(|t| t.get("hidden_size"))
-            .or_else(|| root.get("hidden_size"))
-            .and_then(Value::as_u64);
-        if let Some(t) = text_hidden {
-            if t as usize != cfg.out_hidden_size {
-                return Err(format!(
-                    "the vision tower outputs {} values per token but the language model's hidden size is {t}",
-                    cfg.out_hidden_size
-                ));
-            }
-        }
         Ok(cfg)
     }
 }

@@ -15,7 +15,7 @@ use crate::layers::linear::Linear;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::norm::{LayerNorm, NormStyle, RmsNorm};
 use crate::layers::rotary::RotaryAngles;
-use crate::layers::vision::{patch_position, segment_attention, PatchRotary};
+use crate::layers::vision::{check_patches, patch_position, segment_attention, PatchRotary};
 use crate::media::PixelValues;
 use crate::models::config::Activation;
 use crate::weights::{Weights, WeightsError};
@@ -109,15 +109,7 @@ impl VisionTower {
     pub fn forward(&self, px: &PixelValues) -> Result<Tensor> {
         let m = self.cfg.spatial_merge_size;
         let [t, gh, gw] = px.grid_thw;
-        if px.cols != self.cfg.patch_dim() || px.rows != t * gh * gw || gh % m != 0 || gw % m != 0 || px.rows == 0 {
-            candle_core::bail!(
-                "pixel values [{}, {}] with grid {:?} do not fit this vision tower (patch dim {}, merge {m})",
-                px.rows,
-                px.cols,
-                px.grid_thw,
-                self.cfg.patch_dim()
-            );
-        }
+        check_patches(px, self.cfg.patch_dim(), m)?;
         let places: Vec<(usize, usize)> = (0..px.rows).map(|r| patch_position(r, px.grid_thw, m)).collect();
         let pixels = Tensor::from_slice(&px.data, (px.rows, px.cols), &self.device)?.to_dtype(self.dtype)?;
         let x = self.post_conv_norm.forward(&self.patch_embed.forward(&pixels)?)?;

@@ -126,14 +126,6 @@ impl VisionConfig {
             video_token_id: top_id("video_token_id"),
             vision_start_token_id: top_id("vision_start_token_id"),
         };
-        if let Some(t) = text_hidden {
-            if t != cfg.out_hidden_size {
-                return Err(format!(
-                    "the vision merger outputs {} values per token but the language model's hidden size is {t}",
-                    cfg.out_hidden_size
-                ));
-            }
-        }
         if cfg.patch_size == 0 || cfg.spatial_merge_size == 0 || cfg.temporal_patch_size == 0 {
             return Err("vision patch sizes must be positive".into());
         }

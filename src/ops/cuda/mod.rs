@@ -48,9 +48,7 @@ impl Kernel {
     pub fn set_max_dynamic_shared(&self, bytes: u32) -> Result<()> {
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
         use candle_core::cuda_backend::WrapErr;
-        self.func
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
-            .w()
+        self.func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).w()
     }
 }
 

@@ -1,0 +1,111 @@
+//! What Qwen2-VL and the GLM-V family share around their vision towers: an image processor
+//! whose patches the tower takes, image tokens placed by the M-RoPE rule of `mrope`, and the
+//! embeddings of one image per call. Each family brings its tower (`PatchTower`) and its
+//! resize rule.
+
+use std::path::Path;
+
+use candle_core::Tensor;
+
+use super::config::TextConfig;
+use super::mrope::{self, PositionError, PromptPositions};
+use super::VisionModel;
+use crate::media::processor::{ImageProcessor, ResizeRule};
+use crate::media::{ImageError, PixelValues, RgbImage};
+use crate::weights::WeightsError;
+
+/// A vision tower over merged patches.
+pub trait PatchTower: Send + Sync {
+    fn image_token_id(&self) -> u32;
+    fn spatial_merge_size(&self) -> usize;
+    /// Values per patch: channels x temporal patch x patch x patch.
+    fn patch_dim(&self) -> usize;
+    /// One image's embeddings, in the order of its image tokens.
+    fn forward(&self, pixels: &PixelValues) -> candle_core::Result<Tensor>;
+}
+
+/// The sizes in `config.json`'s `vision_config` the processor and the language model must agree with.
+pub struct PatchGeometry {
+    pub patch_size: usize,
+    pub spatial_merge_size: usize,
+    pub temporal_patch_size: usize,
+    pub out_hidden_size: usize,
+}
+
+pub struct PatchVlm<T> {
+    processor: ImageProcessor,
+    tower: T,
+}
+
+impl<T: PatchTower> PatchVlm<T> {
+    /// Reads `preprocessor_config.json` in `dir`, checks it and the language model against the
+    /// tower's `geometry` (from `config.json`), then loads the tower.
+    pub fn load(
+        dir: &Path,
+        rule: ResizeRule,
+        geometry: PatchGeometry,
+        text: &TextConfig,
+        load_tower: impl FnOnce() -> Result<T, WeightsError>,
+    ) -> Result<Self, WeightsError> {
+        let g = geometry;
+        let processor = ImageProcessor::from_dir(dir, rule)?;
+        if (processor.patch_size, processor.merge_size, processor.temporal_patch_size)
+            != (g.patch_size, g.spatial_merge_size, g.temporal_patch_size)
+        {
+            return Err(WeightsError::Config {
+                path: dir.join("preprocessor_config.json"),
+                msg: format!(
+                    "patch {} / merge {} / temporal patch {} differ from config.json's vision_config ({} / {} / {})",
+                    processor.patch_size,
+                    processor.merge_size,
+                    processor.temporal_patch_size,
+                    g.patch_size,
+                    g.spatial_merge_size,
+                    g.temporal_patch_size
+                ),
+            });
+        }
+        if g.out_hidden_size != text.hidden_size {
+            return Err(WeightsError::Config {
+                path: dir.join("config.json"),
+                msg: format!(
+                    "the vision tower outputs {} values per token, the language model takes {}",
+                    g.out_hidden_size, text.hidden_size
+                ),
+            });
+        }
+        Ok(PatchVlm { processor, tower: load_tower()? })
+    }
+
+    pub fn processor(&self) -> &ImageProcessor {
+        &self.processor
+    }
+}
+
+impl<T: PatchTower> VisionModel for PatchVlm<T> {
+    fn image_token_id(&self) -> u32 {
+        self.tower.image_token_id()
+    }
+
+    fn preprocess(&self, image: &RgbImage) -> Result<PixelValues, ImageError> {
+        self.processor.preprocess(image)
+    }
+
+    fn num_image_tokens(&self, pixels: &PixelValues) -> usize {
+        let m = self.tower.spatial_merge_size();
+        pixels.grid_thw.iter().product::<usize>() / (m * m)
+    }
+
+    /// Both families place an image's tokens alike (one temporal position per frame, the
+    /// merged grid's rows and columns; the text after continues past the larger side).
+    fn prompt_positions(&self, tokens: &[u32], images: &[&PixelValues]) -> Result<PromptPositions, PositionError> {
+        let m = self.tower.spatial_merge_size();
+        mrope::check_pixels(images, self.tower.patch_dim(), m)?;
+        let grids: Vec<[usize; 3]> = images.iter().map(|p| p.grid_thw).collect();
+        mrope::prompt_positions(tokens, self.image_token_id(), &grids, m)
+    }
+
+    fn encode(&self, pixels: &PixelValues) -> candle_core::Result<Tensor> {
+        self.tower.forward(pixels)
+    }
+}
