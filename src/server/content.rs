@@ -19,12 +19,14 @@ pub fn text_items<'a>(items: &'a [Value], path: &str, noun: &str) -> Result<Vec<
                     ))
                 }
             },
-            Some(other) => return Err(ApiError::invalid_param(
-                format!("{path}[{j}].type"),
-                format!(
+            Some(other) => {
+                return Err(ApiError::invalid_param(
+                    format!("{path}[{j}].type"),
+                    format!(
                     "unsupported content {noun} type `{other}` in `{path}[{j}]`: this server accepts text {noun}s only"
                 ),
-            )),
+                ))
+            }
             None => {
                 return Err(ApiError::invalid_param(
                     format!("{path}[{j}].type"),

@@ -45,6 +45,11 @@ impl TqCodec {
         &self.rotation
     }
 
+    /// The centroids repeated to 16 entries (see `Codebook::table16`).
+    pub fn table16(&self) -> &[f32; 16] {
+        &self.table16
+    }
+
     /// Bytes of packed codes in a row.
     pub fn code_bytes(&self) -> usize {
         self.code_bytes
@@ -109,7 +114,7 @@ impl TqCodec {
 /// `out` holds `d` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn decode_rotated_avx512(row: *const u8, bits: u8, table: &[f32; 16], d: usize, out: *mut f32) {
+pub(crate) unsafe fn decode_rotated_avx512(row: *const u8, bits: u8, table: &[f32; 16], d: usize, out: *mut f32) {
     use std::arch::x86_64::*;
     let t = _mm512_loadu_ps(table.as_ptr());
     let b = bits as i64;
