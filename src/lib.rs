@@ -10,6 +10,7 @@ pub mod fetch;
 pub mod kv;
 pub mod layers;
 pub mod loader;
+pub mod media;
 pub mod models;
 pub mod ops;
 pub mod server;

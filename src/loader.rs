@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 
 use crate::models::config::TextConfig;
-use crate::models::{load_text_model, TextModel};
+use crate::models::{load_text_model, load_vision_model, TextModel, VisionModel};
 use crate::tokenizer::{TextTokenizer, TokenizerError};
 use crate::weights::{GgufFile, ModelLocation, SafetensorsDir, Weights, WeightsError};
 
@@ -23,6 +23,8 @@ pub enum LoadError {
 
 pub struct LoadedModel {
     pub model: Box<dyn TextModel>,
+    /// The vision tower of a vision-language model; it shares the weight store with `model`.
+    pub vision: Option<Arc<dyn VisionModel>>,
     pub tokenizer: Arc<TextTokenizer>,
     pub location: ModelLocation,
     /// Bytes of weights as stored in memory (quantized sizes for GGUF).
@@ -66,7 +68,11 @@ pub fn load(path: &Path, device: &Device, dtype: DType) -> Result<LoadedModel, L
         }
     };
     let model = load_text_model(&weights, &cfg)?;
-    Ok(LoadedModel { model, tokenizer: Arc::new(tokenizer), location: loc, weight_bytes })
+    let vision = match &loc {
+        ModelLocation::HfDir(dir) => load_vision_model(&weights, dir, &cfg)?,
+        ModelLocation::Gguf(_) => None,
+    };
+    Ok(LoadedModel { model, vision, tokenizer: Arc::new(tokenizer), location: loc, weight_bytes })
 }
 
 /// `generation_config.json` may list more end-of-sequence ids than config.json.

@@ -86,6 +86,62 @@ fn check_chat_template(name: &str) {
     assert_eq!(got, ids(&r["chat.input_ids"]), "{name}: chat template token ids differ from transformers");
 }
 
+/// vLLM's prompt_logprobs against transformers' teacher-forced logits: the prompt prefilled in
+/// chunks of 7 tokens next to another sequence's decode gives, for every prompt token after
+/// the first, log_softmax(reference logits of the previous position) at that token, and the
+/// same top alternatives; the sampled tokens stay those of transformers' greedy decode.
+fn check_prompt_logprobs(name: &str) {
+    let r = reference(name);
+    let prompt = ids(&r["text.input_ids"]);
+    let want_out = ids(&r["text.generated_ids"]);
+    let logits = r["text.logits"].to_dtype(DType::F32).unwrap();
+    let scale = logits.abs().unwrap().max_keepdim(1).unwrap().max(0).unwrap().to_vec1::<f32>().unwrap()[0];
+    let want_lp = candle_nn::ops::log_softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();
+    let opts =
+        EngineOptions { kv_memory: Some(1 << 20), max_num_batched_tokens: 7, block_size: 4, ..Default::default() };
+    let mut engine = engine_with(&fixture(name), opts);
+    let other = ids(&r["chat.input_ids"]);
+    engine.add_request(iris::engine::Request { prompt_tokens: other, params: greedy(6) }).unwrap();
+    engine.step().unwrap();
+    let params = iris::engine::SamplingParams { prompt_logprobs: Some(3), ..greedy(2) };
+    let id = engine.add_request(iris::engine::Request { prompt_tokens: prompt.clone(), params }).unwrap();
+    let (mut got, mut out) = (None, Vec::new());
+    while engine.has_work() {
+        for u in engine.step().unwrap().into_iter().filter(|u| u.id == id) {
+            out.push(u.token.as_ref().unwrap().token);
+            if let Some(p) = u.prompt_logprobs {
+                assert!(got.is_none(), "prompt logprobs come once");
+                got = Some(p);
+            }
+        }
+    }
+    assert_eq!(out, want_out[..2], "{name}: asking for prompt logprobs changed the sampled tokens");
+    let got = got.expect("the first token carries the prompt logprobs");
+    assert_eq!(got.len(), prompt.len() - 1);
+    // log_softmax moves by at most twice the largest logit error (<= 1e-4 of the scale each).
+    let tol = 2.5e-4 * scale;
+    for (k, e) in got.iter().enumerate() {
+        let row = &want_lp[k];
+        assert_eq!(e.token, prompt[k + 1]);
+        let want = row[prompt[k + 1] as usize];
+        assert!((e.logprob - want).abs() <= tol, "{name} prompt token {}: logprob {} vs {want}", k + 1, e.logprob);
+        assert_eq!(e.top_logprobs.len(), 3);
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        for (j, &(tid, lp)) in e.top_logprobs.iter().enumerate() {
+            assert!((lp - row[order[j]]).abs() <= tol, "{name} position {k} alternative {j}");
+            // Ids must agree unless the reference itself is within tolerance of a tie.
+            let tied = |a: usize, b: usize| (row[order[a]] - row[order[b]]).abs() <= 2.0 * tol;
+            let near_tie = (j > 0 && tied(j - 1, j)) || tied(j, j + 1);
+            assert!(
+                near_tie || tid as usize == order[j],
+                "{name} position {k}: alternative {j} is {tid}, not {}",
+                order[j]
+            );
+        }
+    }
+}
+
 macro_rules! parity_tests {
     ($($m:ident => $name:literal),*) => {$(
         mod $m {
@@ -96,6 +152,10 @@ macro_rules! parity_tests {
             #[test]
             fn greedy_tokens_match_transformers() {
                 super::check_greedy($name);
+            }
+            #[test]
+            fn prompt_logprobs_match_transformers() {
+                super::check_prompt_logprobs($name);
             }
             #[test]
             fn chat_template_ids_match_transformers() {

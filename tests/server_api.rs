@@ -194,6 +194,52 @@ fn seeded_n_choices_equal_single_requests_with_seed_plus_i() {
     }
 }
 
+/// `echo` with `logprobs`: every prompt token after the first has the logprob the model gives
+/// it after the tokens before it. Checked against generation: asking for one token after the
+/// prefix `P[..k]` gives, at the same context, the same top alternatives, and P[k]'s logprob
+/// there. Streaming sends the same prompt logprobs.
+#[test]
+fn completions_echo_logprobs_score_the_prompt() {
+    let s = Server::start(&[]);
+    let ids: Vec<u64> = s.post("/tokenize", &json!({ "prompt": "the cat sat on the mat" })).json()["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert!(ids.len() >= 4, "{ids:?}");
+    let body = json!({ "prompt": ids, "max_tokens": 2, "temperature": 0, "echo": true, "logprobs": 5 });
+    let v = s.post("/v1/completions", &body).json();
+    let lp = &v["choices"][0]["logprobs"];
+    let (tokens, token_lp, top) = (&lp["tokens"], &lp["token_logprobs"], &lp["top_logprobs"]);
+    assert_eq!(tokens.as_array().unwrap().len(), ids.len() + 2);
+    assert!(token_lp[0].is_null() && top[0].is_null(), "the first prompt token has no logprob: {lp}");
+    for k in 1..ids.len() {
+        let lpk = token_lp[k].as_f64().unwrap_or_else(|| panic!("prompt token {k} has no logprob: {lp}"));
+        let alone = s
+            .post("/v1/completions", &json!({ "prompt": ids[..k], "max_tokens": 1, "temperature": 0, "logprobs": 5 }))
+            .json();
+        let want = alone["choices"][0]["logprobs"]["top_logprobs"][0].as_object().unwrap().clone();
+        let got = top[k].as_object().unwrap();
+        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "position {k}");
+        for (t, w) in &want {
+            assert!((got[t].as_f64().unwrap() - w.as_f64().unwrap()).abs() < 1e-4, "position {k}, token {t}");
+        }
+        let text = tokens[k].as_str().unwrap();
+        match want.get(text) {
+            Some(w) => assert!((lpk - w.as_f64().unwrap()).abs() < 1e-4, "position {k}"),
+            None => assert!(want.values().all(|w| w.as_f64().unwrap() >= lpk), "position {k}"),
+        }
+    }
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let data = s.post("/v1/completions", &sb).sse_data();
+    let first: Value = serde_json::from_str(&data[0]).unwrap();
+    let echoed = &first["choices"][0]["logprobs"];
+    assert_eq!(echoed["token_logprobs"].as_array().unwrap()[..], token_lp.as_array().unwrap()[..ids.len()]);
+    assert_eq!(echoed["top_logprobs"].as_array().unwrap()[..], top.as_array().unwrap()[..ids.len()]);
+}
+
 #[test]
 fn chat_logprobs_shape() {
     let s = Server::start(&[]);

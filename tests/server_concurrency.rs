@@ -115,7 +115,7 @@ fn real_model_concurrent_streams_equal_each_request_alone() {
 fn client_disconnect_mid_stream_frees_blocks() {
     let s = Server::start(&[]);
     let total = s.metric("iris_kv_cache_blocks_total").unwrap();
-    let body = json!({ "prompt": "hello", "max_tokens": 100000, "ignore_eos": true, "stream": true, "temperature": 0 });
+    let body = json!({ "prompt": "hello", "max_tokens": 4000, "ignore_eos": true, "stream": true, "temperature": 0 });
     let mut st = OpenStream::open(&s.addr, "/v1/completions", &body);
     st.read_until("\"text\"");
     assert!(s.metric("iris_kv_cache_blocks_used").unwrap() > 0.0, "{}", s.get("/metrics").text());
@@ -138,7 +138,7 @@ fn client_disconnect_mid_stream_frees_blocks() {
 fn client_disconnect_before_first_token_frees_blocks() {
     // Non-streaming: the client gives up while the request is still generating.
     let s = Server::start(&[]);
-    let body = json!({ "prompt": "hello", "max_tokens": 100000, "ignore_eos": true, "temperature": 0, "n": 4 });
+    let body = json!({ "prompt": "hello", "max_tokens": 4000, "ignore_eos": true, "temperature": 0, "n": 4 });
     let st = OpenStream::open(&s.addr, "/v1/completions", &body);
     assert!(eventually(Duration::from_secs(10), || s.metric("iris_kv_cache_blocks_used").unwrap_or(0.0) > 0.0));
     drop(st);
@@ -172,7 +172,8 @@ fn sigterm_finishes_in_flight_requests_and_exits_zero() {
 #[test]
 fn sigterm_cancels_requests_past_the_deadline() {
     let mut s = Server::start(&["--shutdown-timeout", "0.5"]);
-    let body = json!({ "prompt": "hello", "max_tokens": 100000, "ignore_eos": true, "stream": true, "temperature": 0, "n": 8 });
+    let body =
+        json!({ "prompt": "hello", "max_tokens": 4000, "ignore_eos": true, "stream": true, "temperature": 0, "n": 8 });
     let mut st = OpenStream::open(&s.addr, "/v1/completions", &body);
     st.read_until("data:");
     let reader = std::thread::spawn(move || st.finish());
@@ -206,4 +207,53 @@ fn client_disconnect_mid_prefill_cancels_before_any_token() {
     let m = s.get("/metrics").text();
     assert!(m.contains("iris_request_success_total{finished_reason=\"abort\"} 1"), "{m}");
     assert_eq!(s.metric("iris_generation_tokens_total"), Some(0.0), "cancelled before its first token");
+}
+
+/// `iris bench --url` against a live server: every request of every level is counted, all
+/// ok, and the server's own counters agree on the tokens; when requests fail (here: the
+/// context is too short for them), the bench says why and exits non-zero.
+#[test]
+fn load_bench_counts_every_request_and_fails_on_errors() {
+    let s = Server::start(&["--max-model-len", "128"]);
+    let url = format!("http://{}", s.addr);
+    let bench = |extra: &[&str]| {
+        let mut args = vec!["bench", "--url", url.as_str(), "--json"];
+        args.extend(extra);
+        std::process::Command::new(env!("CARGO_BIN_EXE_iris")).args(&args).output().expect("iris runs")
+    };
+    let out = bench(&["--concurrency", "1,4", "--num-requests", "6", "--gen-len", "8"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["model"], "tiny-llama");
+    let levels = v["levels"].as_array().unwrap();
+    assert_eq!(levels.len(), 2);
+    for (l, c) in levels.iter().zip([1, 4]) {
+        assert_eq!(l["concurrency"], c);
+        assert_eq!((l["requests"].as_u64(), l["ok"].as_u64(), l["failed"].as_u64()), (Some(6), Some(6), Some(0)));
+        for k in ["output_tok_s", "requests_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"] {
+            assert!(l[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {l}");
+        }
+        assert!(l["ttft_ms_p50"].as_f64() <= l["ttft_ms_p99"].as_f64());
+    }
+    // Warm-up + 2 levels x 6 requests, 8 tokens each.
+    assert_eq!(s.metric("iris_generation_tokens_total"), Some(13.0 * 8.0));
+
+    // 120 tokens do not fit after the chat prompt: the warm-up request fails with the reason.
+    let out = bench(&["--concurrency", "2", "--num-requests", "2", "--gen-len", "120"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("HTTP 400") && err.contains("maximum context length is 128 tokens"), "{err}");
+
+    // Room for one sequence, no queue: the warm-up passes, then concurrent requests get 429.
+    let s = Server::start(&["--max-num-seqs", "1", "--max-queue", "0"]);
+    let url = format!("http://{}", s.addr);
+    let args = ["bench", "--url", &url, "--json", "--concurrency", "4", "--num-requests", "8", "--gen-len", "64"];
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_iris")).args(args).output().unwrap();
+    assert!(!out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let l = &v["levels"][0];
+    assert!(l["failed"].as_u64().unwrap() > 0, "{l}");
+    assert_eq!(l["ok"].as_u64().unwrap() + l["failed"].as_u64().unwrap(), 8);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("HTTP 429") && err.contains("requests failed"), "{err}");
 }

@@ -106,9 +106,86 @@ fn prompt_longer_than_context_names_both_lengths() {
     assert!(n > 64);
     let e = openai_error(&s, "/v1/completions", &json!({ "prompt": long }).to_string().into_bytes(), 400);
     let msg = e["message"].as_str().unwrap();
-    assert!(msg.contains("64") && msg.contains(&n.to_string()), "{msg}");
+    assert!(msg.contains("maximum context length is 64 tokens") && msg.contains(&format!("{n} tokens")), "{msg}");
+    assert_eq!(e["code"], "context_length_exceeded");
     let e = openai_error(&s, "/v1/chat/completions", &chat(user(&long), json!({})), 400);
-    assert!(e["message"].as_str().unwrap().contains("64"));
+    assert!(e["message"].as_str().unwrap().contains("maximum context length is 64 tokens"), "{e}");
+}
+
+fn prompt_len(s: &Server, text: &str) -> u64 {
+    s.post("/tokenize", &json!({ "prompt": text })).json()["count"].as_u64().unwrap()
+}
+
+/// "word word ...": the longest whose chat rendering has at most `max` tokens.
+fn words_in_messages(s: &Server, max: u64) -> String {
+    let len = |t: &str| s.post("/tokenize", &json!({ "messages": user(t) })).json()["count"].as_u64().unwrap();
+    let k = (1..).find(|&k| len(&"word ".repeat(k)) > max).unwrap() - 1;
+    assert!(k > 0, "even one word renders to more than {max} tokens");
+    "word ".repeat(k)
+}
+
+/// vLLM's rule: prompt + max_tokens must fit the context; the 400 names all the lengths.
+/// Exactly filling the context is fine.
+#[test]
+fn prompt_plus_max_tokens_over_the_context_is_400_naming_the_lengths() {
+    let s = Server::start(&["--max-model-len", "128"]);
+    let text = words_in_messages(&s, 100);
+    let p = s.post("/tokenize", &json!({ "prompt": text })).json()["count"].as_u64().unwrap();
+    let msgs = user(&text);
+    let pc = s.post("/tokenize", &json!({ "messages": msgs })).json()["count"].as_u64().unwrap();
+    let pm = s.post("/v1/messages/count_tokens", &json!({ "messages": msgs })).json()["input_tokens"].as_u64().unwrap();
+    assert!(p < 128 && pc < 128 && pm < 128);
+    let want = |prompt: u64, noun: &str| {
+        let m = 128 - prompt + 1;
+        format!(
+            "This model's maximum context length is 128 tokens. However, you requested {} tokens ({prompt} in the \
+             {noun}, {m} in the completion).",
+            prompt + m
+        )
+    };
+    let body = json!({ "prompt": text, "max_tokens": 128 - p + 1 }).to_string().into_bytes();
+    let e = openai_error(&s, "/v1/completions", &body, 400);
+    assert!(e["message"].as_str().unwrap().starts_with(&want(p, "prompt")), "{e}");
+    assert_eq!(e["code"], "context_length_exceeded");
+    for field in ["max_tokens", "max_completion_tokens"] {
+        let e = openai_error(&s, "/v1/chat/completions", &chat(msgs.clone(), json!({ field: 128 - pc + 1 })), 400);
+        assert!(e["message"].as_str().unwrap().starts_with(&want(pc, "messages")), "{e}");
+    }
+    let r = s.post("/v1/messages", &json!({ "max_tokens": 128 - pm + 1, "messages": msgs }));
+    assert_eq!(r.status, 400, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["type"], "error");
+    assert!(v["error"]["message"].as_str().unwrap().starts_with(&want(pm, "messages")), "{v}");
+
+    // Filling the context exactly is allowed and generates every requested token.
+    let r = s.post("/v1/completions", &json!({ "prompt": text, "max_tokens": 128 - p, "ignore_eos": true }));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 128 - p);
+    let r = s.post("/v1/messages", &json!({ "max_tokens": 128 - pm, "messages": msgs, "temperature": 0 }));
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// Without max_tokens, chat may use the rest of the context (vLLM's default) and completions
+/// 16 tokens (OpenAI's and vLLM's default), or the rest when less is left.
+#[test]
+fn omitted_max_tokens_defaults() {
+    let s = Server::start(&["--max-model-len", "128"]);
+    let text = words_in_messages(&s, 100);
+    let msgs = user(&text);
+    let pc = s.post("/tokenize", &json!({ "messages": msgs })).json()["count"].as_u64().unwrap();
+    let r = s.post("/v1/chat/completions", &json!({ "messages": msgs, "ignore_eos": true }));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], 128 - pc);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+    let r = s.post("/v1/completions", &json!({ "prompt": "word", "ignore_eos": true }));
+    assert_eq!(r.json()["usage"]["completion_tokens"], 16);
+    let long = (1..).map(|k| "word ".repeat(k)).find(|t| prompt_len(&s, t) > 112).unwrap();
+    let p = prompt_len(&s, &long);
+    assert!(p < 128, "{p}");
+    let r = s.post("/v1/completions", &json!({ "prompt": long, "ignore_eos": true }));
+    assert_eq!(r.json()["usage"]["completion_tokens"], 128 - p);
 }
 
 #[test]
@@ -210,7 +287,7 @@ fn queue_full_is_429_with_a_clear_message() {
     let s = Server::start(&["--max-num-seqs", "2", "--max-queue", "2"]);
     // One request holding all 4 slots (2 running, 2 queued) for thousands of steps.
     let long =
-        json!({ "prompt": "a", "n": 4, "max_tokens": 100000, "ignore_eos": true, "stream": true, "temperature": 0 });
+        json!({ "prompt": "a", "n": 4, "max_tokens": 4000, "ignore_eos": true, "stream": true, "temperature": 0 });
     let mut a = OpenStream::open(&s.addr, "/v1/completions", &long);
     a.read_until("data:");
     let e = openai_error(&s, "/v1/completions", json!({ "prompt": "a", "max_tokens": 2 }).to_string().as_bytes(), 429);

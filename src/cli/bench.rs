@@ -1,4 +1,5 @@
-//! `iris bench`: prefill and decode throughput and time to first token, in-process.
+//! `iris bench`: prefill and decode throughput and time to first token, in-process; with
+//! `--url`, a load benchmark of a running server instead (`load_bench.rs`).
 
 use std::time::Instant;
 
@@ -14,6 +15,23 @@ use crate::engine::{Engine, Request, SamplingParams};
 pub struct BenchArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Benchmark the server running at this URL (e.g. http://127.0.0.1:8000) with concurrent
+    /// streaming chat requests, instead of the engine in-process. The engine flags and
+    /// --batch-sizes, --prompt-len, --repeats do not apply then; --gen-len is max_tokens.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// With --url: concurrent streams, one level after another.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    pub concurrency: Vec<usize>,
+    /// With --url: requests per level (default: 4 per stream, at least 16).
+    #[arg(long)]
+    pub num_requests: Option<usize>,
+    /// With --url: API key to send (`Authorization: Bearer`).
+    #[arg(long, env = "IRIS_API_KEY")]
+    pub api_key: Option<String>,
+    /// With --url: seconds after which an unfinished request counts as failed.
+    #[arg(long, default_value_t = 600.0)]
+    pub request_timeout: f64,
     /// Batch sizes (concurrent sequences) to measure decode at.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub batch_sizes: Vec<usize>,
@@ -98,6 +116,21 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    if let Some(url) = a.url {
+        let timeout = std::time::Duration::try_from_secs_f64(a.request_timeout)
+            .ok()
+            .filter(|t| !t.is_zero())
+            .ok_or_else(|| anyhow::anyhow!("--request-timeout must be a positive number of seconds"))?;
+        return super::load_bench::run(super::load_bench::LoadBench {
+            url,
+            concurrency: a.concurrency,
+            num_requests: a.num_requests,
+            max_tokens: a.gen_len,
+            api_key: a.api_key.filter(|k| !k.is_empty()),
+            timeout,
+            json: a.json,
+        });
+    }
     anyhow::ensure!(
         a.repeats > 0 && a.gen_len > 1 && a.prompt_len > 0,
         "--repeats, --gen-len (> 1) and --prompt-len must be positive"

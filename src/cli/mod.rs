@@ -6,6 +6,7 @@ mod chat;
 mod eval_kv;
 mod generate;
 mod inspect;
+mod load_bench;
 mod serve;
 mod session;
 
@@ -33,7 +34,8 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Serve the OpenAI and Anthropic HTTP APIs.
     Serve(serve::ServeArgs),
-    /// Measure prefill and decode throughput and time to first token.
+    /// Measure prefill and decode throughput and time to first token (in-process), or load a
+    /// running server with concurrent streams (--url).
     Bench(bench::BenchArgs),
     /// Score a text with quantized KV caches against a bf16 one: perplexity, top-1 agreement.
     EvalKv(eval_kv::EvalKvArgs),

@@ -8,6 +8,8 @@ use clap::Args;
 
 use super::args::EngineArgs;
 use crate::engine::build::build_engine;
+use crate::media::DecodeLimits;
+use crate::server::images::MediaPolicy;
 use crate::server::{self, AppState, Metrics, ServeConfig};
 
 #[derive(Args, Debug)]
@@ -38,6 +40,15 @@ pub struct ServeArgs {
     /// Worker threads for HTTP handling (default: the number of cores, at least 2).
     #[arg(long)]
     pub http_threads: Option<usize>,
+    /// Allow `file://` image URLs, but only for files under this directory.
+    #[arg(long)]
+    pub allowed_local_media_path: Option<std::path::PathBuf>,
+    /// Largest encoded image accepted, in bytes (larger ones get 400).
+    #[arg(long, default_value_t = 20 << 20)]
+    pub max_image_bytes: usize,
+    /// Largest image accepted, in pixels (width x height, read before decoding; larger: 400).
+    #[arg(long, default_value_t = 8192 * 8192)]
+    pub max_image_pixels: u64,
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
@@ -74,6 +85,14 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: a.max_body_bytes,
         shutdown_timeout: Duration::from_secs_f64(a.shutdown_timeout.max(0.0)),
+        media: MediaPolicy {
+            allowed_local_media_path: a
+                .allowed_local_media_path
+                .as_ref()
+                .map(|d| d.canonicalize().with_context(|| format!("--allowed-local-media-path {}", d.display())))
+                .transpose()?,
+            limits: DecodeLimits { max_bytes: a.max_image_bytes, max_pixels: a.max_image_pixels },
+        },
     };
     let addr = format!("{}:{}", a.host, a.port);
     let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;

@@ -188,6 +188,6 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         },
         max_model_len,
     };
-    let engine = Engine::new(loaded.model, kv, loaded.tokenizer, engine_cfg, device.clone());
+    let engine = Engine::new(loaded.model, kv, loaded.tokenizer, engine_cfg, device.clone()).with_vision(loaded.vision);
     Ok((engine, report))
 }

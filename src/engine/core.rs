@@ -7,14 +7,16 @@ use candle_core::{Device, Tensor};
 
 use super::detokenizer::IncrementalDetokenizer;
 use super::finish::FinishReason;
+use super::multimodal::{EmbedCache, ImageInput, MultiModalState};
 use super::request::{Request, RequestError, SeqUpdate};
-use super::sampler::Sampled;
+use super::sampler::{logprobs, Sampled};
 use super::scheduler::{Plan, Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
 use super::stop::StopChecker;
-use crate::batch::{Batch, SeqSlice};
+use crate::batch::{Batch, ImageRows, Positions, SeqSlice};
 use crate::kv::KvCache;
-use crate::models::TextModel;
+use crate::media::PixelValues;
+use crate::models::{TextModel, VisionModel};
 use crate::tokenizer::TextTokenizer;
 
 #[derive(Debug, Clone, Copy)]
@@ -39,8 +41,13 @@ pub struct EngineStats {
     pub preemptions: u64,
 }
 
+/// Default byte budget of the image-embedding cache.
+const EMBED_CACHE_BYTES: usize = 256 << 20;
+
 pub struct Engine {
     model: Box<dyn TextModel>,
+    vision: Option<Arc<dyn VisionModel>>,
+    embed_cache: EmbedCache,
     kv: KvCache,
     scheduler: Scheduler,
     tokenizer: Arc<TextTokenizer>,
@@ -69,6 +76,8 @@ impl Engine {
         }
         Engine {
             model,
+            vision: None,
+            embed_cache: EmbedCache::new(EMBED_CACHE_BYTES),
             kv,
             scheduler,
             tokenizer,
@@ -79,6 +88,20 @@ impl Engine {
             eos,
             stats: EngineStats::default(),
         }
+    }
+
+    /// Adds the vision tower of a vision-language model: requests may then carry images.
+    pub fn with_vision(mut self, vision: Option<Arc<dyn VisionModel>>) -> Self {
+        self.vision = vision;
+        self
+    }
+
+    pub fn vision(&self) -> Option<&Arc<dyn VisionModel>> {
+        self.vision.as_ref()
+    }
+
+    pub fn embed_cache(&self) -> &EmbedCache {
+        &self.embed_cache
     }
 
     pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
@@ -107,6 +130,13 @@ impl Engine {
 
     /// Queues a request; it joins the running batch at the next step that has room.
     pub fn add_request(&mut self, req: Request) -> Result<SeqId, RequestError> {
+        self.add_request_with_images(req, Vec::new())
+    }
+
+    /// Queues a request with images. Its prompt holds, for each image in order, a run of the
+    /// model's image token as long as the image's embedding (`VisionModel::num_image_tokens`).
+    /// The sequence's three-axis positions are computed here, once.
+    pub fn add_request_with_images(&mut self, req: Request, images: Vec<ImageInput>) -> Result<SeqId, RequestError> {
         let vocab = self.model.config().vocab_size;
         if req.prompt_tokens.is_empty() {
             return Err(RequestError::EmptyPrompt);
@@ -118,6 +148,33 @@ impl Engine {
             return Err(RequestError::BadToken { id, vocab });
         }
         req.params.validate(vocab).map_err(|e| RequestError::BadParams(e.to_string()))?;
+        let mm = match (&self.vision, images.is_empty()) {
+            (None, true) => None,
+            (None, false) => return Err(RequestError::BadImages("this model does not take images".into())),
+            (Some(v), true) if req.prompt_tokens.contains(&v.image_token_id()) => {
+                return Err(RequestError::BadImages("the prompt has image tokens but the request has no images".into()))
+            }
+            (Some(_), true) => None,
+            (Some(v), false) => {
+                let pixels: Vec<&PixelValues> = images.iter().map(|i| i.pixels.as_ref()).collect();
+                let positions = v
+                    .prompt_positions(&req.prompt_tokens, &pixels)
+                    .map_err(|e| RequestError::BadImages(e.to_string()))?;
+                let image_token = v.image_token_id();
+                let image_rows: Vec<usize> =
+                    req.prompt_tokens.iter().enumerate().filter(|(_, &t)| t == image_token).map(|(i, _)| i).collect();
+                if image_rows.len() != pixels.iter().map(|p| v.num_image_tokens(p)).sum::<usize>() {
+                    return Err(RequestError::BadImages("the prompt's image tokens do not match its images".into()));
+                }
+                Some(Box::new(MultiModalState { images, positions, image_rows, embeds: None }))
+            }
+        };
+        let id = self.admit(req)?;
+        self.scheduler.get_mut(id).expect("admitted sequence exists").mm = mm;
+        Ok(id)
+    }
+
+    fn admit(&mut self, req: Request) -> Result<SeqId, RequestError> {
         let id = SeqId(self.next_id);
         self.next_id += 1;
         let detok = IncrementalDetokenizer::new(
@@ -157,8 +214,10 @@ impl Engine {
             return Ok(Vec::new());
         }
         self.stats.steps += 1;
+        self.encode_images(&plan)?;
         let (batch, sample_rows) = self.build_batch(&plan)?;
         let hidden = self.model.forward(&batch, &self.kv, None)?;
+        self.record_prompt_logprobs(&plan, &hidden)?;
         let mut updates = Vec::new();
         // Advance what was computed before sampling, whatever happens next.
         for &(id, n) in &plan.items {
@@ -183,15 +242,63 @@ impl Engine {
         Ok(updates)
     }
 
+    /// Runs the vision tower for scheduled sequences whose images have no embeddings yet
+    /// (each image on its own, so its embeddings do not depend on the batch).
+    fn encode_images(&mut self, plan: &Plan) -> candle_core::Result<()> {
+        let Some(vision) = self.vision.clone() else { return Ok(()) };
+        for &(id, _) in &plan.items {
+            let Some(seq) = self.scheduler.get_mut(id) else { continue };
+            let Some(mm) = seq.mm.as_mut() else { continue };
+            if mm.embeds.is_some() {
+                continue;
+            }
+            let mut parts = Vec::with_capacity(mm.images.len());
+            for img in &mm.images {
+                let e = match self.embed_cache.get(&img.key) {
+                    Some(e) => e,
+                    None => {
+                        let e = vision.encode(&img.pixels)?;
+                        self.embed_cache.insert(img.key, e.clone());
+                        e
+                    }
+                };
+                parts.push(e);
+            }
+            mm.embeds = Some(Tensor::cat(&parts, 0)?);
+            // The embeddings outlive preemption; the pixels are not needed any more.
+            mm.images.clear();
+        }
+        Ok(())
+    }
+
     /// Flattens the plan into one batch; returns which rows need next-token logits.
     fn build_batch(&self, plan: &Plan) -> candle_core::Result<(Batch, Vec<(SeqId, usize)>)> {
         let mut tokens = Vec::with_capacity(plan.num_tokens());
         let mut slices = Vec::with_capacity(plan.items.len());
         let mut sample_rows = Vec::new();
+        // Per-sequence positions: three-axis once any sequence in the step has images.
+        let mrope = plan.items.iter().any(|(id, _)| self.scheduler.get(*id).is_some_and(|s| s.mm.is_some()));
+        let mut flat = Vec::new();
+        let mut axes = Vec::new();
+        let (mut image_rows, mut image_embeds) = (Vec::new(), Vec::new());
         for &(id, n) in &plan.items {
             let seq = self.scheduler.get(id).expect("scheduled sequence exists");
             let q_start = tokens.len();
-            tokens.extend((seq.num_computed..seq.num_computed + n).map(|i| seq.token(i)));
+            let range = seq.num_computed..seq.num_computed + n;
+            tokens.extend(range.clone().map(|i| seq.token(i)));
+            match (&seq.mm, mrope) {
+                (Some(mm), _) => {
+                    axes.extend(range.clone().map(|i| mm.position(i)));
+                    let ks = mm.embed_rows_in(range.clone());
+                    if !ks.is_empty() {
+                        let embeds = mm.embeds.as_ref().expect("images encoded before the batch is built");
+                        image_rows.extend(ks.clone().map(|k| (q_start + mm.image_rows[k] - range.start) as u32));
+                        image_embeds.push(embeds.narrow(0, ks.start, ks.len())?);
+                    }
+                }
+                (None, true) => axes.extend(range.clone().map(|i| [i as u32; 3])),
+                (None, false) => flat.extend(range.clone().map(|i| i as u32)),
+            }
             slices.push(SeqSlice {
                 q_start,
                 q_len: n,
@@ -202,7 +309,13 @@ impl Engine {
                 sample_rows.push((id, q_start + n - 1));
             }
         }
-        let mut batch = Batch::from_tokens(&self.device, self.scheduler.config().block_size, slices, &tokens)?;
+        let positions = if mrope { Positions::MRope(axes) } else { Positions::Flat(flat) };
+        let images = if image_rows.is_empty() {
+            None
+        } else {
+            Some(ImageRows::new(&image_rows, Tensor::cat(&image_embeds, 0)?, tokens.len())?)
+        };
+        let mut batch = Batch::new(&self.device, self.scheduler.config().block_size, slices, &tokens, positions, images)?;
         batch.attn.window_rings = plan
             .items
             .iter()
@@ -210,6 +323,41 @@ impl Engine {
             .collect::<Option<Vec<u32>>>()
             .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no window ring".into()))?;
         Ok((batch, sample_rows))
+    }
+
+    /// vLLM's `prompt_logprobs`: for each sequence that asks, the rows of this step's chunk
+    /// whose next token is still a prompt token give that token's logprob under the raw model.
+    /// Their logits are computed apart from the sampled rows' (which stay exactly as without
+    /// this feature), a bounded number of rows at a time. A chunk recomputed after preemption
+    /// adds nothing: its entries are already there.
+    fn record_prompt_logprobs(&mut self, plan: &Plan, hidden: &Tensor) -> candle_core::Result<()> {
+        /// Most rows of vocabulary-wide logits held at once.
+        const ROWS_AT_ONCE: usize = 256;
+        let mut rows: Vec<(SeqId, u32, u32)> = Vec::new(); // (sequence, batch row, next prompt token)
+        let mut q_start = 0;
+        for &(id, n) in &plan.items {
+            let seq = self.scheduler.get(id).expect("scheduled sequence exists");
+            if seq.params.prompt_logprobs.is_some() {
+                // Position p predicts prompt token p + 1; entries before `done` exist already.
+                let done = seq.prompt_logprobs.len();
+                let end = (seq.num_computed + n).min(seq.prompt.len().saturating_sub(1));
+                for p in seq.num_computed.max(done)..end {
+                    rows.push((id, (q_start + p - seq.num_computed) as u32, seq.prompt[p + 1]));
+                }
+            }
+            q_start += n;
+        }
+        for chunk in rows.chunks(ROWS_AT_ONCE) {
+            let idx: Vec<u32> = chunk.iter().map(|r| r.1).collect();
+            let idx = Tensor::new(idx.as_slice(), &self.device)?;
+            let logits: Vec<Vec<f32>> = self.model.logits(&hidden.index_select(&idx, 0)?)?.to_vec2()?;
+            for (&(id, _, next), l) in chunk.iter().zip(&logits) {
+                let seq = self.scheduler.get_mut(id).expect("scheduled sequence exists");
+                let (logprob, top_logprobs) = logprobs(l, next, seq.params.prompt_logprobs.unwrap_or(0));
+                seq.prompt_logprobs.push(Sampled { token: next, logprob, top_logprobs });
+            }
+        }
+        Ok(())
     }
 
     fn sample(&mut self, rows: &[(SeqId, usize)], logits: &mut [Vec<f32>]) -> Vec<Sampled> {
@@ -230,6 +378,8 @@ impl Engine {
         self.stats.generated_tokens += 1;
         let p = &seq.params;
         let n_out = seq.output.len();
+        let prompt_logprobs =
+            (n_out == 1 && p.prompt_logprobs.is_some()).then(|| std::mem::take(&mut seq.prompt_logprobs));
         let state = self.text.get_mut(&id).expect("text state exists");
         // The sampler keeps EOS and stop ids out until min_tokens, so any here are final.
         let ends = (!p.ignore_eos && self.eos.contains(&tok.token)) || p.stop_token_ids.contains(&tok.token);
@@ -249,7 +399,7 @@ impl Engine {
             text = out.emit;
             if out.stopped.is_some() && n_out > p.min_tokens {
                 // Text after the stop string is dropped, as OpenAI does.
-                return self.finish(id, tok, text, FinishReason::Stop);
+                return self.finish(id, tok, text, FinishReason::Stop, prompt_logprobs);
             }
         }
         if finish.is_none() && (n_out >= p.max_tokens || seq.num_tokens() >= self.cfg.max_model_len) {
@@ -261,20 +411,28 @@ impl Engine {
                 let tail = state.detok.finish().unwrap_or_default();
                 text.push_str(&state.stop.push(&tail).emit);
                 text.push_str(&state.stop.flush());
-                self.finish(id, tok, text, reason)
+                self.finish(id, tok, text, reason, prompt_logprobs)
             }
             None => SeqUpdate {
                 id,
                 token: Some(tok),
                 text,
                 finish: None,
+                prompt_logprobs,
                 num_prompt_tokens: seq.prompt.len(),
                 num_output_tokens: n_out,
             },
         }
     }
 
-    fn finish(&mut self, id: SeqId, tok: Sampled, text: String, reason: FinishReason) -> SeqUpdate {
+    fn finish(
+        &mut self,
+        id: SeqId,
+        tok: Sampled,
+        text: String,
+        reason: FinishReason,
+        prompt_logprobs: Option<Vec<Sampled>>,
+    ) -> SeqUpdate {
         self.text.remove(&id);
         let seq = self.scheduler.remove(id).expect("finishing sequence exists");
         SeqUpdate {
@@ -282,6 +440,7 @@ impl Engine {
             token: Some(tok),
             text,
             finish: Some(reason),
+            prompt_logprobs,
             num_prompt_tokens: seq.prompt.len(),
             num_output_tokens: seq.output.len(),
         }

@@ -23,6 +23,9 @@ pub enum RequestError {
     BadToken { id: u32, vocab: usize },
     #[error("{0}")]
     BadParams(String),
+    /// Images given to a model without a vision tower, or not matching the prompt's image tokens.
+    #[error("{0}")]
+    BadImages(String),
 }
 
 /// What one step produced for one sequence.
@@ -34,6 +37,9 @@ pub struct SeqUpdate {
     /// New text, safe to show: complete characters, never a possible start of a stop string.
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// With the first token of a sequence whose params ask for `prompt_logprobs`: the
+    /// logprobs of its prompt tokens from the second on (the first has no context).
+    pub prompt_logprobs: Option<Vec<Sampled>>,
     /// Prompt tokens (for usage accounting); filled when the sequence finishes.
     pub num_prompt_tokens: usize,
     pub num_output_tokens: usize,

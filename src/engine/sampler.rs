@@ -295,7 +295,7 @@ fn top_p_filter(cand: &mut Vec<(u32, f32)>, top_p: f32) {
 }
 
 /// log_softmax of `logits` at `token`, and the `n` most likely tokens.
-fn logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
+pub(crate) fn logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
     let max = logits.iter().copied().filter(|l| l.is_finite()).fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         return (f32::NAN, Vec::new());

@@ -42,6 +42,10 @@ pub struct SamplingParams {
     /// Number of top alternatives to return with each token; `Some(0)` returns only
     /// the sampled token's logprob, `None` returns no logprobs.
     pub logprobs: Option<usize>,
+    /// vLLM's `prompt_logprobs`: the logprob of every prompt token after the first under the
+    /// raw model (no penalties, no temperature), with this many alternatives each. `None`
+    /// computes none.
+    pub prompt_logprobs: Option<usize>,
     /// Most tokens to generate.
     pub max_tokens: usize,
     /// EOS and stop token ids are suppressed until this many tokens were generated.
@@ -69,6 +73,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             seed: None,
             logprobs: None,
+            prompt_logprobs: None,
             // OpenAI's and vLLM's default for completions; the server usually
             // overrides it with the remaining context length.
             max_tokens: 16,
@@ -140,6 +145,11 @@ impl SamplingParams {
         if let Some(n) = self.logprobs {
             if n > MAX_LOGPROBS {
                 return invalid("logprobs", format!("must be at most {MAX_LOGPROBS}, got {n}"));
+            }
+        }
+        if let Some(n) = self.prompt_logprobs {
+            if n > MAX_LOGPROBS {
+                return invalid("prompt_logprobs", format!("must be at most {MAX_LOGPROBS}, got {n}"));
             }
         }
         if self.max_tokens == 0 {
@@ -243,6 +253,7 @@ mod tests {
             ("logit_bias", SamplingParams { logit_bias: vec![(100, 1.0)], ..Default::default() }),
             ("logit_bias", SamplingParams { logit_bias: vec![(1, f32::INFINITY)], ..Default::default() }),
             ("logprobs", SamplingParams { logprobs: Some(21), ..Default::default() }),
+            ("prompt_logprobs", SamplingParams { prompt_logprobs: Some(21), ..Default::default() }),
             ("max_tokens", SamplingParams { max_tokens: 0, ..Default::default() }),
             ("min_tokens", SamplingParams { min_tokens: 17, ..Default::default() }),
             ("stop", SamplingParams { stop: vec![String::new()], ..Default::default() }),

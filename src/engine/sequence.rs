@@ -1,7 +1,8 @@
 //! A request's life inside the engine.
 
 use super::finish::FinishReason;
-use super::sampler::SequenceSampler;
+use super::sampler::{Sampled, SequenceSampler};
+use super::multimodal::MultiModalState;
 use super::sampling_params::SamplingParams;
 use crate::kv::BlockTable;
 
@@ -37,6 +38,11 @@ pub struct Sequence {
     pub status: SeqStatus,
     pub finish: Option<FinishReason>,
     pub preemptions: u32,
+    /// With `params.prompt_logprobs`: entry `i` is prompt token `i + 1` given the ones before
+    /// it, filled as prefill chunks are computed (and kept across preemption).
+    pub prompt_logprobs: Vec<Sampled>,
+    /// Images, M-RoPE positions and image embeddings of a vision-language prompt.
+    pub mm: Option<Box<MultiModalState>>,
 }
 
 impl Sequence {
@@ -54,6 +60,8 @@ impl Sequence {
             status: SeqStatus::Waiting,
             finish: None,
             preemptions: 0,
+            prompt_logprobs: Vec::new(),
+            mm: None,
         }
     }
 

@@ -19,15 +19,27 @@ impl GatedMlp {
         inter: usize,
         act: Activation,
     ) -> std::result::Result<Self, WeightsError> {
+        Self::load_with_bias(w, prefix, hidden, inter, act, false)
+    }
+
+    /// With biases on all three projections (Qwen2.5-VL's vision MLP).
+    pub fn load_with_bias(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        act: Activation,
+        bias: bool,
+    ) -> std::result::Result<Self, WeightsError> {
         Ok(GatedMlp {
             gate_up: StackedLinear::load(
                 w,
                 &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
                 hidden,
                 &[inter, inter],
-                false,
+                bias,
             )?,
-            down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, false)?,
+            down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, bias)?,
             act,
         })
     }
@@ -35,10 +47,6 @@ impl GatedMlp {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [g, up]: [Tensor; 2] =
             self.gate_up.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("gate/up: 2 parts".into()))?;
-        let g = match self.act {
-            Activation::Silu => candle_nn::ops::silu(&g)?,
-            Activation::GeluTanh => g.gelu()?,
-        };
-        self.down.forward(&(g * up)?)
+        self.down.forward(&(self.act.apply(&g)? * up)?)
     }
 }

@@ -36,3 +36,24 @@ impl RmsNorm {
         candle_nn::ops::rms_norm(&x.contiguous()?, &self.scale, self.eps)
     }
 }
+
+/// `(x - mean(x)) / sqrt(var(x) + eps) * w + b` over the last dimension (vision towers).
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f32,
+}
+
+impl LayerNorm {
+    pub fn load(w: &Weights, prefix: &str, dim: usize, eps: f64) -> std::result::Result<Self, WeightsError> {
+        Ok(LayerNorm {
+            weight: w.dense(&format!("{prefix}.weight"), &[dim])?,
+            bias: w.dense(&format!("{prefix}.bias"), &[dim])?,
+            eps: eps as f32,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::layer_norm(&x.contiguous()?, &self.weight, &self.bias, self.eps)
+    }
+}

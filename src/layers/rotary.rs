@@ -1,7 +1,9 @@
-//! Rotary position embeddings with per-token positions.
+//! Rotary position embeddings with per-token positions: 1-D, and M-RoPE (Qwen2-VL), where
+//! each token has a temporal, height and width position and each frequency follows one of them.
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use crate::batch::Positions;
 use crate::models::config::{RopeConfig, RopeLayout, RopeScaling};
 
 /// Inverse frequencies of one rotary configuration, computed in f32 as transformers does.
@@ -9,6 +11,8 @@ use crate::models::config::{RopeConfig, RopeLayout, RopeScaling};
 pub struct Rotary {
     inv_freq: Vec<f32>,
     layout: RopeLayout,
+    /// M-RoPE: the position axis (0 = t, 1 = h, 2 = w) of each frequency.
+    axis_of_freq: Option<Vec<usize>>,
 }
 
 impl Rotary {
@@ -36,27 +40,39 @@ impl Rotary {
                 }
             }
         }
-        Rotary { inv_freq, layout }
+        // Frequency j follows axis a while j is inside section a (sections laid end to end).
+        let axis_of_freq = cfg
+            .mrope_section
+            .as_ref()
+            .map(|sections| sections.iter().enumerate().flat_map(|(axis, &n)| std::iter::repeat_n(axis, n)).collect());
+        Rotary { inv_freq, layout, axis_of_freq }
     }
 
     /// cos/sin for the given positions, `[T, 1, head_dim / 2]` each.
     pub fn angles(&self, positions: &[u32], device: &Device, dtype: DType) -> Result<RotaryAngles> {
-        let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(positions.len() * half);
-        let mut sin = Vec::with_capacity(positions.len() * half);
+        let mut angles = Vec::with_capacity(positions.len() * self.inv_freq.len());
         for &p in positions {
-            for &f in &self.inv_freq {
-                let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
+            angles.extend(self.inv_freq.iter().map(|&f| p as f32 * f));
+        }
+        RotaryAngles::from_angles(&angles, positions.len(), self.layout, device, dtype)
+    }
+
+    /// cos/sin for a batch's positions. Three-axis positions need M-RoPE sections; with equal
+    /// axes (text tokens) M-RoPE is plain 1-D rotary, so 1-D positions work either way.
+    pub fn angles_for(&self, positions: &Positions, device: &Device, dtype: DType) -> Result<RotaryAngles> {
+        match positions {
+            Positions::Flat(p) => self.angles(p, device, dtype),
+            Positions::MRope(p) => {
+                let Some(axes) = &self.axis_of_freq else {
+                    candle_core::bail!("three-axis positions given to a model without M-RoPE sections")
+                };
+                let mut angles = Vec::with_capacity(p.len() * self.inv_freq.len());
+                for pos in p {
+                    angles.extend(self.inv_freq.iter().zip(axes).map(|(&f, &a)| pos[a] as f32 * f));
+                }
+                RotaryAngles::from_angles(&angles, p.len(), self.layout, device, dtype)
             }
         }
-        let shape = (positions.len(), 1, half);
-        Ok(RotaryAngles {
-            cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
-            sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
-            layout: self.layout,
-        })
     }
 }
 
@@ -68,6 +84,19 @@ pub struct RotaryAngles {
 }
 
 impl RotaryAngles {
+    /// From rotation angles `[rows, half]` (row-major), each the angle of one rotary pair.
+    pub fn from_angles(angles: &[f32], rows: usize, layout: RopeLayout, device: &Device, dtype: DType) -> Result<Self> {
+        let half = angles.len().checked_div(rows).unwrap_or(0);
+        let shape = (rows, 1, half);
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+        Ok(RotaryAngles {
+            cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
+            layout,
+        })
+    }
+
     /// Rotates `x` (`[T, heads, head_dim]`). Each row is its own "batch" of one token, so every
     /// row gets its own position.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {

@@ -14,6 +14,10 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
+    /// Qwen2-VL's language model: Qwen2 with multimodal rotary embeddings (M-RoPE).
+    Qwen2Vl,
+    /// Qwen2.5-VL: the same language model; the vision tower differs.
+    Qwen25Vl,
 }
 
 impl Arch {
@@ -23,6 +27,8 @@ impl Arch {
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
             "gemma3_text" | "gemma3" => Some(Arch::Gemma3),
+            "qwen2_vl" | "qwen2_vl_text" => Some(Arch::Qwen2Vl),
+            "qwen2_5_vl" | "qwen2_5_vl_text" => Some(Arch::Qwen25Vl),
             _ => None,
         }
     }
@@ -33,7 +39,14 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3_text",
+            Arch::Qwen2Vl => "qwen2_vl",
+            Arch::Qwen25Vl => "qwen2_5_vl",
         }
+    }
+
+    /// Vision-language models, whose top-level `model_type` names the whole model.
+    pub fn is_vision_language(self) -> bool {
+        matches!(self, Arch::Qwen2Vl | Arch::Qwen25Vl)
     }
 }
 
@@ -41,6 +54,32 @@ impl Arch {
 pub enum Activation {
     Silu,
     GeluTanh,
+    /// Exact GELU, `x * Phi(x)` (PyTorch's `nn.GELU()`).
+    Gelu,
+    /// `x * sigmoid(1.702 x)` (CLIP-style vision towers).
+    QuickGelu,
+}
+
+impl Activation {
+    /// HF's `hidden_act` names.
+    pub fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Activation::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" => Some(Activation::GeluTanh),
+            "gelu" => Some(Activation::Gelu),
+            "quick_gelu" => Some(Activation::QuickGelu),
+            _ => None,
+        }
+    }
+
+    pub fn apply(self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        match self {
+            Activation::Silu => candle_nn::ops::silu(x),
+            Activation::GeluTanh => x.gelu(),
+            Activation::Gelu => x.gelu_erf(),
+            Activation::QuickGelu => x * candle_nn::ops::sigmoid(&(x * 1.702)?)?,
+        }
+    }
 }
 
 /// Whether a layer attends to the whole context or a sliding window of it.
@@ -70,6 +109,9 @@ pub enum RopeScaling {
 pub struct RopeConfig {
     pub theta: f64,
     pub scaling: RopeScaling,
+    /// M-RoPE: how many rotary frequencies (from the first) follow the temporal, height and
+    /// width position of a token; their sum is `head_dim / 2`.
+    pub mrope_section: Option<Vec<usize>>,
 }
 
 #[derive(Debug, Clone)]
@@ -142,9 +184,18 @@ impl TextConfig {
                 .map(|v| v as usize)
                 .ok_or_else(|| format!("missing or non-integer field `{key}`"))
         };
-        let model_type = get("model_type").and_then(Value::as_str).ok_or("missing field `model_type`")?;
+        // A VLM's top-level model_type names the whole model (text_config's may be e.g.
+        // `qwen2_vl_text`); either maps to the same family.
+        let model_type = root
+            .get("model_type")
+            .and_then(Value::as_str)
+            .filter(|t| Arch::from_model_type(t).is_some_and(Arch::is_vision_language))
+            .or_else(|| get("model_type").and_then(Value::as_str))
+            .ok_or("missing field `model_type`")?;
         let arch = Arch::from_model_type(model_type).ok_or_else(|| {
-            format!("unsupported architecture `{model_type}` (iris supports llama, qwen2, qwen3, gemma3_text)")
+            format!(
+                "unsupported architecture `{model_type}` (iris supports llama, qwen2, qwen3, gemma3_text, qwen2_vl, qwen2_5_vl)"
+            )
         })?;
 
         let hidden_size = usize_of("hidden_size")?;
@@ -212,7 +263,9 @@ impl TextConfig {
             rms_norm_eps: get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
             max_position_embeddings: get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(4096) as usize,
             tie_word_embeddings: get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(arch == Arch::Gemma3),
-            attention_bias: get("attention_bias").and_then(Value::as_bool).unwrap_or(arch == Arch::Qwen2),
+            attention_bias: get("attention_bias")
+                .and_then(Value::as_bool)
+                .unwrap_or(matches!(arch, Arch::Qwen2 | Arch::Qwen2Vl | Arch::Qwen25Vl)),
             activation,
             rope,
             rope_local,
@@ -266,6 +319,17 @@ impl TextConfig {
             if !(rope.theta.is_finite() && rope.theta > 0.0) {
                 return Err(format!("`rope_theta` must be positive, got {}", rope.theta));
             }
+            if let Some(sections) = &rope.mrope_section {
+                if sections.len() != 3 || sections.iter().sum::<usize>() != self.head_dim / 2 {
+                    return Err(format!(
+                        "`mrope_section` {sections:?} must have 3 entries summing to head_dim / 2 = {}",
+                        self.head_dim / 2
+                    ));
+                }
+            }
+        }
+        if self.arch.is_vision_language() && self.rope.mrope_section.is_none() {
+            return Err("a vision-language model needs `mrope_section` in its rotary settings".into());
         }
         if self.sliding_window == Some(0) {
             return Err("`sliding_window` must be positive".into());
@@ -319,7 +383,7 @@ fn parse_rope<'a>(
         let local_theta = get("rope_local_base_freq").and_then(Value::as_f64).unwrap_or(10_000.0);
         Some(match local_src {
             Some(src) => parse_one_rope(Some(src), local_theta)?,
-            None => RopeConfig { theta: local_theta, scaling: RopeScaling::None },
+            None => RopeConfig { theta: local_theta, scaling: RopeScaling::None, mrope_section: None },
         })
     } else {
         None
@@ -329,13 +393,23 @@ fn parse_rope<'a>(
 
 fn parse_one_rope(src: Option<&Value>, default_theta: f64) -> Result<RopeConfig, String> {
     let Some(src) = src.filter(|v| v.is_object()) else {
-        return Ok(RopeConfig { theta: default_theta, scaling: RopeScaling::None });
+        return Ok(RopeConfig { theta: default_theta, scaling: RopeScaling::None, mrope_section: None });
     };
     let theta = src.get("rope_theta").and_then(Value::as_f64).unwrap_or(default_theta);
     let kind = src.get("rope_type").or_else(|| src.get("type")).and_then(Value::as_str).unwrap_or("default");
     let f = |k: &str, d: f64| src.get(k).and_then(Value::as_f64).unwrap_or(d);
+    let mrope_section = match src.get("mrope_section") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(a)) => Some(
+            a.iter()
+                .map(|v| v.as_u64().map(|v| v as usize).ok_or("`mrope_section` must list integers"))
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        Some(_) => return Err("`mrope_section` must be a list of integers".into()),
+    };
     let scaling = match kind {
-        "default" => RopeScaling::None,
+        // Qwen2-VL's hub configs name M-RoPE as a rope type; the frequencies are the default ones.
+        "default" | "mrope" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: f("factor", 1.0) },
         "llama3" => RopeScaling::Llama3 {
             factor: f("factor", 8.0),
@@ -345,7 +419,7 @@ fn parse_one_rope(src: Option<&Value>, default_theta: f64) -> Result<RopeConfig,
         },
         other => return Err(format!("unsupported rope type `{other}`")),
     };
-    Ok(RopeConfig { theta, scaling })
+    Ok(RopeConfig { theta, scaling, mrope_section })
 }
 
 #[cfg(test)]

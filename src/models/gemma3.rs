@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use super::config::{LayerKind, TextConfig};
 use super::{Taps, TextModel};
-use crate::batch::{Batch, Positions};
+use crate::batch::Batch;
 use crate::kv::KvCache;
 use crate::layers::attention::SelfAttention;
 use crate::layers::embedding::Embedding;
@@ -81,9 +81,8 @@ impl TextModel for Gemma3 {
     }
 
     fn forward(&self, batch: &Batch, kv: &KvCache, mut taps: Option<&mut Taps>) -> Result<Tensor> {
-        let Positions::Flat(pos) = &batch.positions;
-        let rot_global = self.rotary_global.angles(pos, &self.device, self.dtype)?;
-        let rot_local = self.rotary_local.angles(pos, &self.device, self.dtype)?;
+        let rot_global = self.rotary_global.angles_for(&batch.positions, &self.device, self.dtype)?;
+        let rot_local = self.rotary_local.angles_for(&batch.positions, &self.device, self.dtype)?;
         // transformers rounds the scale to the embedding dtype before multiplying.
         let scale = Tensor::new(self.embed_scale as f32, &self.device)?.to_dtype(self.dtype)?;
         let mut x = self.embed.forward(&batch.token_ids, self.dtype)?.broadcast_mul(&scale)?;

@@ -1,11 +1,13 @@
 //! Llama and its close relatives Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm):
 //!   h = x + Attn(RMSNorm(x));  x' = h + MLP(RMSNorm(h))
+//! Qwen2-VL's language model is Qwen2 with M-RoPE (three-axis positions) and image
+//! embeddings in place of image-pad tokens; both come in with the batch.
 
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::config::{Arch, TextConfig};
 use super::{Taps, TextModel};
-use crate::batch::{Batch, Positions};
+use crate::batch::Batch;
 use crate::kv::KvCache;
 use crate::layers::attention::SelfAttention;
 use crate::layers::embedding::Embedding;
@@ -75,9 +77,8 @@ impl TextModel for Llama {
     }
 
     fn forward(&self, batch: &Batch, kv: &KvCache, mut taps: Option<&mut Taps>) -> Result<Tensor> {
-        let Positions::Flat(pos) = &batch.positions;
-        let rot = self.rotary.angles(pos, &self.device, self.dtype)?;
-        let mut x = self.embed.forward(&batch.token_ids, self.dtype)?;
+        let rot = self.rotary.angles_for(&batch.positions, &self.device, self.dtype)?;
+        let mut x = batch.input_embeds(self.embed.forward(&batch.token_ids, self.dtype)?)?;
         if let Some(t) = taps.as_deref_mut() {
             t.embed = Some(x.clone());
         }

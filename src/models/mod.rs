@@ -4,11 +4,18 @@
 pub mod config;
 pub mod gemma3;
 pub mod llama;
+pub mod qwen2_vl;
+
+use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{Result, Tensor};
 
+pub use qwen2_vl::mrope::{PositionError, PromptPositions};
+
 use crate::batch::Batch;
 use crate::kv::KvCache;
+use crate::media::{ImageError, PixelValues, RgbImage};
 use crate::weights::{Weights, WeightsError};
 use config::{Arch, TextConfig};
 
@@ -34,7 +41,44 @@ pub trait TextModel: Send {
 
 pub fn load_text_model(w: &Weights, cfg: &TextConfig) -> std::result::Result<Box<dyn TextModel>, WeightsError> {
     Ok(match cfg.arch {
-        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => Box::new(llama::Llama::load(w, cfg.clone())?),
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Vl | Arch::Qwen25Vl => {
+            Box::new(llama::Llama::load(w, cfg.clone())?)
+        }
         Arch::Gemma3 => Box::new(gemma3::Gemma3::load(w, cfg.clone())?),
+    })
+}
+
+/// The image side of a vision-language model: preprocessing, the prompt's M-RoPE positions,
+/// and the vision tower. Its embeddings go in place of the prompt's image tokens.
+pub trait VisionModel: Send + Sync {
+    /// The token standing for one image embedding in a prompt.
+    fn image_token_id(&self) -> u32;
+
+    /// Decoded image -> patches (resized and normalized as the model's processor does).
+    fn preprocess(&self, image: &RgbImage) -> std::result::Result<PixelValues, ImageError>;
+
+    /// Image tokens (and embeddings) this image takes in a prompt.
+    fn num_image_tokens(&self, pixels: &PixelValues) -> usize;
+
+    /// Positions of every prompt token; `images` in prompt order.
+    fn prompt_positions(
+        &self,
+        tokens: &[u32],
+        images: &[&PixelValues],
+    ) -> std::result::Result<PromptPositions, PositionError>;
+
+    /// The image's embeddings, `[num_image_tokens, hidden]`.
+    fn encode(&self, pixels: &PixelValues) -> Result<Tensor>;
+}
+
+/// The vision half of a vision-language checkpoint in `dir` (None for text-only models).
+pub fn load_vision_model(
+    w: &Weights,
+    dir: &Path,
+    cfg: &TextConfig,
+) -> std::result::Result<Option<Arc<dyn VisionModel>>, WeightsError> {
+    Ok(match cfg.arch {
+        Arch::Qwen2Vl | Arch::Qwen25Vl => Some(Arc::new(qwen2_vl::Qwen2Vl::load(w, dir, cfg)?)),
+        _ => None,
     })
 }

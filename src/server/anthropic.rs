@@ -13,7 +13,11 @@ use serde_json::{json, Value};
 
 use super::engine_loop::{SeqEvent, SeqEventKind};
 use super::errors::ApiError;
-use super::generate::{check_request, collect, matched_stop, parse_json, random_id, request_error, submit, typed};
+use super::generate::{
+    check_request, collect, matched_stop, parse_json, random_id, request_error, submit_with_images, typed,
+    MaxTokens,
+};
+use super::images::ImageRef;
 use super::openai::encode_chat;
 use super::sse::{named_event, sse_response, Converter};
 use super::AppState;
@@ -50,11 +54,13 @@ fn blocks_text(v: &Value, path: &str) -> Result<String, ApiError> {
     }
 }
 
-fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
+/// The conversation for the chat template, and the images of its `image` blocks in order.
+fn to_chat(req: &MessagesRequest) -> Result<(Vec<ChatMessage>, Vec<ImageRef>), ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param("messages", "`messages` must contain at least one message"));
     }
     let mut out = Vec::with_capacity(req.messages.len() + 1);
+    let mut images = Vec::new();
     if let Some(system) = &req.system {
         let text = blocks_text(system, "system")?;
         if !text.is_empty() {
@@ -83,9 +89,18 @@ fn to_chat(req: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
         let content = m.get("content").ok_or_else(|| {
             ApiError::invalid_param(format!("messages[{i}].content"), format!("`messages[{i}]` has no `content`"))
         })?;
-        out.push(ChatMessage::text(role, blocks_text(content, &format!("messages[{i}].content"))?));
+        let path = format!("messages[{i}].content");
+        match content {
+            Value::Array(blocks) if blocks.iter().any(|b| b.get("type") == Some(&json!("image"))) => {
+                let (parts, refs) =
+                    super::content::mixed_items(blocks, &path, "block", "image", super::images::anthropic_image)?;
+                images.extend(refs);
+                out.push(ChatMessage::parts(role, parts));
+            }
+            _ => out.push(ChatMessage::text(role, blocks_text(content, &path)?)),
+        }
     }
-    Ok(out)
+    Ok((out, images))
 }
 
 /// Renders the conversation; an assistant message last is continued (prefill), as the
@@ -131,9 +146,11 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
         }
         Some(m) => m as usize,
     };
-    let messages = to_chat(&req)?;
+    let (messages, images) = to_chat(&req)?;
+    super::images::check_accepted(&engine, &images)?;
     let tok = engine.tokenizer.clone();
     let prompt = encode(&tok, &messages)?;
+    let (prompt, images) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
     let mut params = SamplingParams {
         temperature: req.temperature.unwrap_or(1.0),
         top_p: req.top_p.unwrap_or(1.0),
@@ -142,9 +159,10 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
         stop: req.stop_sequences.clone().unwrap_or_default(),
         ..SamplingParams::default()
     };
-    check_request(&engine, &prompt, &mut params)?;
+    let max_tokens = MaxTokens { requested: Some(max_tokens), default: None };
+    check_request(&engine, &prompt, &mut params, max_tokens, "messages")?;
     let stops = params.stop.clone();
-    let sub = submit(&app, &engine, vec![Request { prompt_tokens: prompt.clone(), params }])?;
+    let sub = submit_with_images(&app, &engine, vec![Request { prompt_tokens: prompt.clone(), params }], images)?;
     let id = random_id("msg_");
     if req.stream.unwrap_or(false) {
         let conv = MessageStream {
@@ -293,7 +311,11 @@ pub async fn count_tokens(State(app): State<Arc<AppState>>, body: Result<Bytes, 
             top_k: None,
             stream: None,
         };
-        let prompt = encode(&engine.tokenizer, &to_chat(&full)?)?;
+        let (messages, images) = to_chat(&full)?;
+        if let Some(img) = images.first() {
+            return Err(ApiError::invalid_param(img.path.clone(), "count_tokens does not take images"));
+        }
+        let prompt = encode(&engine.tokenizer, &messages)?;
         Ok::<_, ApiError>(Json(json!({ "input_tokens": prompt.len() })).into_response())
     })();
     r.unwrap_or_else(|e| e.anthropic().into_response())

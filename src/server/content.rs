@@ -1,39 +1,85 @@
-//! Text content given as a list of typed items (OpenAI content parts, Anthropic content blocks).
+//! Content given as a list of typed items (OpenAI content parts, Anthropic content blocks):
+//! text, and images for vision-language models.
 
 use serde_json::Value;
 
 use super::errors::ApiError;
+use super::images::ImageRef;
+use crate::tokenizer::ContentPart;
+
+enum Item<'a> {
+    Text(&'a str),
+    Image(ImageRef),
+}
+
+/// Reads item `j` of the list at `path`. Images are accepted when `image` names their item
+/// type and how to read one.
+fn item<'a>(
+    item: &'a Value,
+    path: &str,
+    j: usize,
+    noun: &str,
+    image: Option<(&str, ImageReader)>,
+) -> Result<Item<'a>, ApiError> {
+    let at = format!("{path}[{j}]");
+    match item.get("type").and_then(Value::as_str) {
+        Some("text") => match item.get("text") {
+            Some(Value::String(t)) => Ok(Item::Text(t.as_str())),
+            _ => Err(ApiError::invalid_param(format!("{at}.text"), format!("`{at}.text` must be a string"))),
+        },
+        Some(t) if image.is_some_and(|(kind, _)| kind == t) => Ok(Item::Image(image.expect("checked").1(item, &at)?)),
+        Some(other) => {
+            let accepted = match image {
+                Some((kind, _)) => format!("text and {kind} {noun}s"),
+                None => format!("text {noun}s only"),
+            };
+            Err(ApiError::invalid_param(
+                format!("{at}.type"),
+                format!("unsupported content {noun} type `{other}` in `{at}`: this server accepts {accepted}"),
+            ))
+        }
+        None => {
+            Err(ApiError::invalid_param(format!("{at}.type"), format!("`{at}` must be an object with a string `type`")))
+        }
+    }
+}
+
+/// Reads one image item at a JSON path.
+pub type ImageReader = fn(&Value, &str) -> Result<ImageRef, ApiError>;
 
 /// The texts of `[{"type": "text", "text": ...}, ...]` at `path`, in order. `noun` names an
 /// item in errors ("part" for OpenAI, "block" for Anthropic).
 pub fn text_items<'a>(items: &'a [Value], path: &str, noun: &str) -> Result<Vec<&'a str>, ApiError> {
-    let mut texts = Vec::with_capacity(items.len());
-    for (j, item) in items.iter().enumerate() {
-        match item.get("type").and_then(Value::as_str) {
-            Some("text") => match item.get("text") {
-                Some(Value::String(t)) => texts.push(t.as_str()),
-                _ => {
-                    return Err(ApiError::invalid_param(
-                        format!("{path}[{j}].text"),
-                        format!("`{path}[{j}].text` must be a string"),
-                    ))
-                }
-            },
-            Some(other) => {
-                return Err(ApiError::invalid_param(
-                    format!("{path}[{j}].type"),
-                    format!(
-                    "unsupported content {noun} type `{other}` in `{path}[{j}]`: this server accepts text {noun}s only"
-                ),
-                ))
-            }
-            None => {
-                return Err(ApiError::invalid_param(
-                    format!("{path}[{j}].type"),
-                    format!("`{path}[{j}]` must be an object with a string `type`"),
-                ))
+    items
+        .iter()
+        .enumerate()
+        .map(|(j, it)| match item(it, path, j, noun, None)? {
+            Item::Text(t) => Ok(t),
+            Item::Image(_) => unreachable!("images are not accepted here"),
+        })
+        .collect()
+}
+
+/// Text and image items in order: each image becomes an image part (the chat template writes
+/// its placeholder) and a reference to load. `image_type` is an image item's type
+/// ("image_url" for OpenAI, "image" for Anthropic).
+pub fn mixed_items(
+    items: &[Value],
+    path: &str,
+    noun: &str,
+    image_type: &str,
+    read: ImageReader,
+) -> Result<(Vec<ContentPart>, Vec<ImageRef>), ApiError> {
+    let mut parts = Vec::with_capacity(items.len());
+    let mut images = Vec::new();
+    for (j, it) in items.iter().enumerate() {
+        match item(it, path, j, noun, Some((image_type, read)))? {
+            Item::Text(t) => parts.push(ContentPart::text(t)),
+            Item::Image(r) => {
+                images.push(r);
+                parts.push(ContentPart::image());
             }
         }
     }
-    Ok(texts)
+    Ok((parts, images))
 }

@@ -15,7 +15,8 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::metrics::Metrics;
-use crate::engine::{Engine, FinishReason, Request, RequestError, SeqId, SeqUpdate};
+use crate::engine::{Engine, FinishReason, ImageInput, Request, RequestError, SeqId, SeqUpdate};
+use crate::models::VisionModel;
 use crate::tokenizer::TextTokenizer;
 
 /// What the engine thread tells a request about one of its sequences (`index` is the
@@ -38,7 +39,9 @@ pub enum SeqEventKind {
 pub enum Command {
     Add {
         index: usize,
-        request: Request,
+        request: Box<Request>,
+        /// Preprocessed images whose tokens the prompt holds (vision-language models).
+        images: Vec<ImageInput>,
         events: UnboundedSender<SeqEvent>,
     },
     /// Cancel everything (shutdown deadline passed).
@@ -74,6 +77,8 @@ pub struct EngineHandle {
     limit: usize,
     pub info: Arc<EngineInfo>,
     pub tokenizer: Arc<TextTokenizer>,
+    /// The vision tower's preprocessing (and token counts) for requests with images.
+    pub vision: Option<Arc<dyn VisionModel>>,
     /// False once the engine thread has ended (it panicked, or every handle was dropped).
     alive: Arc<AtomicBool>,
 }
@@ -109,6 +114,15 @@ impl Drop for Slots {
 impl EngineHandle {
     /// Submits the sequences of one HTTP request; their events arrive on one channel.
     pub fn submit(&self, requests: Vec<Request>) -> Result<Submission, SubmitError> {
+        self.submit_with_images(requests, Vec::new())
+    }
+
+    /// Like [`Self::submit`]; every sequence gets the same images.
+    pub fn submit_with_images(
+        &self,
+        requests: Vec<Request>,
+        images: Vec<ImageInput>,
+    ) -> Result<Submission, SubmitError> {
         let n = requests.len();
         let mut cur = self.in_flight.load(Ordering::SeqCst);
         loop {
@@ -124,7 +138,7 @@ impl EngineHandle {
         let (tx, rx) = unbounded_channel();
         for (index, request) in requests.into_iter().enumerate() {
             self.commands
-                .send(Command::Add { index, request, events: tx.clone() })
+                .send(Command::Add { index, request: Box::new(request), images: images.clone(), events: tx.clone() })
                 .map_err(|_| SubmitError::EngineGone)?;
         }
         Ok(Submission { events: rx, _slots: slots })
@@ -179,10 +193,11 @@ where
             max_num_seqs: cfg.scheduler.max_num_seqs,
             eos_token_ids: eos_ids(&engine),
         };
-        let _ = ready_tx.send(Ok((info, engine.tokenizer().clone())));
+        let _ = ready_tx.send(Ok((info, engine.tokenizer().clone(), engine.vision().cloned())));
         run_loop(engine, cmd_rx, &metrics);
     })?;
-    let (info, tokenizer) = ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
+    let (info, tokenizer, vision) =
+        ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
     let limit = info.max_num_seqs + max_queue;
     Ok(EngineHandle {
         commands: cmd_tx,
@@ -190,6 +205,7 @@ where
         limit,
         info: Arc::new(info),
         tokenizer,
+        vision,
         alive,
     })
 }
@@ -274,11 +290,11 @@ fn run_loop(mut engine: Engine, commands: Receiver<Command>, metrics: &Metrics) 
 
 fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd: Command, metrics: &Metrics) {
     match cmd {
-        Command::Add { index, request, events } => {
+        Command::Add { index, request, images, events } => {
             if events.is_closed() {
                 return; // gone before it started
             }
-            match engine.add_request(request) {
+            match engine.add_request_with_images(*request, images) {
                 Ok(id) => {
                     entries.insert(id, Entry { index, events, last_token: None, arrival: Instant::now() });
                 }

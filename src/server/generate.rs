@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::engine_loop::{EngineHandle, SeqEvent, SeqEventKind, Submission, SubmitError};
 use super::errors::ApiError;
 use super::AppState;
-use crate::engine::{FinishReason, Request, RequestError, SamplingParams};
+use crate::engine::{FinishReason, Request, RequestError, Sampled, SamplingParams};
 use crate::tokenizer::TextTokenizer;
 
 /// Most choices (`n`) one request may ask for.
@@ -120,8 +120,21 @@ impl SamplingFields {
         }
     }
 
-    /// The parameters (without logprobs and max_tokens defaults, set by the caller).
-    pub fn params(&self, default_max_tokens: Option<usize>) -> Result<SamplingParams, ApiError> {
+    /// `max_completion_tokens` or else `max_tokens`, when given: at least 1.
+    pub fn max_tokens(&self) -> Result<Option<usize>, ApiError> {
+        let (name, max) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => ("max_completion_tokens", Some(m)),
+            (None, m) => ("max_tokens", m),
+        };
+        match max {
+            Some(m) if m <= 0 => Err(ApiError::invalid_param(name, format!("`{name}` must be at least 1, got {m}"))),
+            Some(m) => Ok(Some(m as usize)),
+            None => Ok(None),
+        }
+    }
+
+    /// The parameters, except logprobs and max_tokens (see [`check_request`]).
+    pub fn params(&self) -> Result<SamplingParams, ApiError> {
         let mut p = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
         if let Some(t) = self.temperature {
             p.temperature = t;
@@ -176,35 +189,50 @@ impl SamplingFields {
         if let Some(s) = self.skip_special_tokens {
             p.skip_special_tokens = s;
         }
-        let (name, max) = match (self.max_completion_tokens, self.max_tokens) {
-            (Some(m), _) => ("max_completion_tokens", Some(m)),
-            (None, m) => ("max_tokens", m),
-        };
-        p.max_tokens = match max {
-            Some(m) if m <= 0 => {
-                return Err(ApiError::invalid_param(name, format!("`{name}` must be at least 1, got {m}")))
-            }
-            Some(m) => m as usize,
-            None => default_max_tokens.unwrap_or(usize::MAX),
-        };
         Ok(p)
     }
 }
 
-/// Checks a prompt against the context and the parameters against the vocabulary, then
-/// caps `max_tokens` at what the context leaves (so the default "as many as fit" works).
-pub fn check_request(engine: &EngineHandle, prompt: &[u32], params: &mut SamplingParams) -> Result<(), ApiError> {
+/// How many tokens a request may generate.
+#[derive(Debug, Clone, Copy)]
+pub struct MaxTokens {
+    /// What the request asked for (`max_tokens`); prompt plus this must fit the context.
+    pub requested: Option<usize>,
+    /// When it did not ask: at most this many, or (`None`) the rest of the context.
+    pub default: Option<usize>,
+}
+
+/// Checks a prompt and `max_tokens` against the context (vLLM's rule and message: prompt
+/// plus requested tokens must fit, else a 400 naming the lengths) and the parameters against
+/// the vocabulary; sets `params.max_tokens`. `prompt_noun` names the prompt in messages.
+pub fn check_request(
+    engine: &EngineHandle,
+    prompt: &[u32],
+    params: &mut SamplingParams,
+    max_tokens: MaxTokens,
+    prompt_noun: &str,
+) -> Result<(), ApiError> {
     let max_len = engine.info.max_model_len;
+    let p = prompt.len();
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
     }
-    if prompt.len() >= max_len {
-        return Err(ApiError::bad_request(format!(
-            "This model's maximum context length is {max_len} tokens, but the prompt has {} tokens \
-             (at least one token must be left for the output). Please shorten the prompt.",
-            prompt.len()
-        ))
-        .code("context_length_exceeded"));
+    let too_long = match max_tokens.requested {
+        Some(m) if p + m > max_len => Some(format!(
+            "This model's maximum context length is {max_len} tokens. However, you requested {} tokens \
+             ({p} in the {prompt_noun}, {m} in the completion). Please reduce the length of the \
+             {prompt_noun} or completion.",
+            p + m
+        )),
+        None if p >= max_len => Some(format!(
+            "This model's maximum context length is {max_len} tokens. However, your {prompt_noun} resulted \
+             in {p} tokens, which leaves no room for the completion. Please reduce the length of the \
+             {prompt_noun}."
+        )),
+        _ => None,
+    };
+    if let Some(msg) = too_long {
+        return Err(ApiError::bad_request(msg).code("context_length_exceeded"));
     }
     let vocab = engine.info.vocab_size;
     if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -212,10 +240,8 @@ pub fn check_request(engine: &EngineHandle, prompt: &[u32], params: &mut Samplin
             ApiError::bad_request(format!("token id {id} is outside the vocabulary of {vocab} tokens")).param("prompt")
         );
     }
-    params.max_tokens = params.max_tokens.min(max_len - prompt.len());
-    if params.min_tokens > params.max_tokens {
-        params.min_tokens = params.max_tokens;
-    }
+    let rest = max_len - p;
+    params.max_tokens = max_tokens.requested.unwrap_or_else(|| max_tokens.default.map_or(rest, |d| d.min(rest)));
     params.validate(vocab).map_err(|e| ApiError::invalid_param(e.param, e.to_string()))
 }
 
@@ -228,7 +254,17 @@ pub fn request_error(e: RequestError) -> ApiError {
 }
 
 pub fn submit(state: &AppState, engine: &EngineHandle, requests: Vec<Request>) -> Result<Submission, ApiError> {
-    engine.submit(requests).map_err(|e| match e {
+    submit_with_images(state, engine, requests, Vec::new())
+}
+
+/// [`submit`] for requests that share the same images (their prompts hold the image tokens).
+pub fn submit_with_images(
+    state: &AppState,
+    engine: &EngineHandle,
+    requests: Vec<Request>,
+    images: Vec<crate::engine::ImageInput>,
+) -> Result<Submission, ApiError> {
+    engine.submit_with_images(requests, images).map_err(|e| match e {
         SubmitError::QueueFull { limit } => {
             state.metrics.rejected_queue_full.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             ApiError::new(
@@ -247,20 +283,14 @@ pub fn submit(state: &AppState, engine: &EngineHandle, requests: Vec<Request>) -
     })
 }
 
-/// One token's logprob and alternatives.
-#[derive(Debug, Clone)]
-pub struct TokenLogprob {
-    pub token: u32,
-    pub logprob: f32,
-    pub top: Vec<(u32, f32)>,
-}
-
 /// Everything a sequence produced, for non-streaming responses.
 #[derive(Debug, Clone, Default)]
 pub struct Collected {
     pub text: String,
     pub tokens: Vec<u32>,
-    pub logprobs: Vec<TokenLogprob>,
+    pub logprobs: Vec<Sampled>,
+    /// The prompt's logprobs, when the request asked for them.
+    pub prompt_logprobs: Vec<Sampled>,
     pub finish: Option<FinishReason>,
     pub num_output_tokens: usize,
 }
@@ -287,14 +317,13 @@ pub async fn collect(mut sub: Submission, n: usize, want_logprobs: bool) -> Resu
             }
             SeqEventKind::Update(u) => {
                 c.text.push_str(&u.text);
-                if let Some(t) = &u.token {
+                if let Some(p) = u.prompt_logprobs {
+                    c.prompt_logprobs = p;
+                }
+                if let Some(t) = u.token {
                     c.tokens.push(t.token);
                     if want_logprobs {
-                        c.logprobs.push(TokenLogprob {
-                            token: t.token,
-                            logprob: t.logprob,
-                            top: t.top_logprobs.clone(),
-                        });
+                        c.logprobs.push(t);
                     }
                 }
                 c.num_output_tokens = u.num_output_tokens;

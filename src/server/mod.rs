@@ -2,16 +2,19 @@
 //!
 //! Handlers never touch the model: they validate, tokenize, and hand sequences to the
 //! engine thread through an [`EngineHandle`] (see `engine_loop.rs`); every request joins the
-//! engine's continuous batch. Modules: `openai` and `anthropic` (the APIs), `generate`
-//! (what they share), `sse` (streaming), `errors` (error bodies), `metrics`.
+//! engine's continuous batch. Modules: `openai` and `anthropic` (the APIs), `openai_choices`
+//! (the chat and completions output formats and their stream), `generate` (what the APIs
+//! share), `sse` (streaming), `errors` (error bodies), `metrics`.
 
 pub mod anthropic;
 mod content;
 pub mod engine_loop;
 pub mod errors;
 pub mod generate;
+pub mod images;
 pub mod metrics;
 pub mod openai;
+pub mod openai_choices;
 pub mod sse;
 
 use std::future::IntoFuture;
@@ -23,6 +26,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 
 pub use engine_loop::{spawn_engine, EngineHandle, EngineInfo};
@@ -40,6 +44,8 @@ pub struct ServeConfig {
     /// After SIGINT/SIGTERM, in-flight requests get this long to finish before they are
     /// cancelled.
     pub shutdown_timeout: Duration,
+    /// Where images may come from, and how large they may be.
+    pub media: images::MediaPolicy,
 }
 
 pub struct AppState {
@@ -200,6 +206,13 @@ pub async fn shutdown_signal() {
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>) -> anyhow::Result<()> {
     let app = router(state.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Streams write one small chunk per token: with Nagle's algorithm each chunk would wait
+    // for the ACK of the previous one, which a client may delay by ~40 ms.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(async move {
         shutdown_signal().await;
         let _ = stop_tx.send(true);

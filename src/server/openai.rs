@@ -5,22 +5,22 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::engine_loop::{SeqEvent, SeqEventKind};
 use super::errors::ApiError;
 use super::generate::{
-    check_request, collect, now_unix, parse_json, random_id, request_error, seeded, submit, token_text, typed,
-    Collected, SamplingFields, TokenLogprob,
+    check_request, collect, now_unix, parse_json, random_id, seeded, submit, submit_with_images, typed, Collected,
+    MaxTokens, SamplingFields,
 };
-use super::sse::{json_event, sse_response, Converter};
+use super::images::ImageRef;
+use super::openai_choices::{chat_logprob_entry, usage, ChatFormat, CompletionFormat, LegacyLogprobs, OpenAiStream};
+use super::sse::sse_response;
 use super::AppState;
 use crate::engine::sampling_params::MAX_LOGPROBS;
-use crate::engine::{Request, SamplingParams};
+use crate::engine::Request;
 use crate::tokenizer::{ChatMessage, TextTokenizer};
 
 type AppRef = State<Arc<AppState>>;
@@ -54,13 +54,15 @@ struct ChatRequest {
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
-/// OpenAI messages -> chat template messages (text only). Roles: system, developer (rendered
-/// as system, which is what chat templates know), user, assistant.
-pub fn parse_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
+/// OpenAI messages -> chat template messages, and the images of their `image_url` parts in
+/// order. Roles: system, developer (rendered as system, which is what chat templates know),
+/// user, assistant.
+pub fn parse_messages(messages: &[Value]) -> Result<(Vec<ChatMessage>, Vec<ImageRef>), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid_param("messages", "`messages` must contain at least one message"));
     }
     let mut out = Vec::with_capacity(messages.len());
+    let mut images = Vec::new();
     for (i, m) in messages.iter().enumerate() {
         let Some(obj) = m.as_object() else {
             return Err(ApiError::invalid_param(
@@ -94,10 +96,18 @@ pub fn parse_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> 
                 ))
             }
         };
-        let content = content_text(obj.get("content"), &format!("messages[{i}].content"), role == "assistant")?;
-        out.push(ChatMessage::text(role, content));
+        let path = format!("messages[{i}].content");
+        match obj.get("content") {
+            Some(Value::Array(items)) if items.iter().any(|p| p.get("type") == Some(&json!("image_url"))) => {
+                let (parts, refs) =
+                    super::content::mixed_items(items, &path, "part", "image_url", super::images::openai_image)?;
+                images.extend(refs);
+                out.push(ChatMessage::parts(role, parts));
+            }
+            content => out.push(ChatMessage::text(role, content_text(content, &path, role == "assistant")?)),
+        }
     }
-    Ok(out)
+    Ok((out, images))
 }
 
 /// A string, or a list of `{"type": "text", "text": ...}` parts (joined with newlines).
@@ -142,30 +152,6 @@ fn logprobs_setting(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<u
     }
 }
 
-fn chat_logprob_entry(tok: &TextTokenizer, lp: &TokenLogprob) -> Value {
-    let entry = |id: u32, logprob: f32| {
-        let text = token_text(tok, id);
-        let bytes: Vec<u8> = text.as_bytes().to_vec();
-        json!({ "token": text, "logprob": finite(logprob), "bytes": bytes })
-    };
-    let mut e = entry(lp.token, lp.logprob);
-    e["top_logprobs"] = Value::Array(lp.top.iter().map(|&(id, l)| entry(id, l)).collect());
-    e
-}
-
-/// JSON has no -inf: clamp like vLLM does.
-fn finite(x: f32) -> f32 {
-    if x.is_finite() {
-        x
-    } else {
-        -9999.0
-    }
-}
-
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
-}
-
 pub async fn chat_completions(State(app): AppRef, body: Result<Bytes, BytesRejection>) -> Response {
     respond(chat_inner(app, body).await)
 }
@@ -176,7 +162,8 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let req: ChatRequest = typed(&v)?;
     let fields: SamplingFields = typed(&v)?;
     let model = app.check_model(req.model.as_deref())?;
-    let messages = parse_messages(&req.messages)?;
+    let (messages, images) = parse_messages(&req.messages)?;
+    super::images::check_accepted(&engine, &images)?;
     let tok = engine.tokenizer.clone();
     let prompt = encode_chat(
         &tok,
@@ -184,28 +171,21 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
         req.add_generation_prompt.unwrap_or(true),
         req.chat_template_kwargs.clone().unwrap_or_default(),
     )?;
+    let (prompt, images) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
     let n = fields.n()?;
-    let mut params = fields.params(None)?;
+    let mut params = fields.params()?;
     params.logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
-    check_request(&engine, &prompt, &mut params)?;
+    // Without max_tokens a chat reply may use the rest of the context (vLLM's default).
+    let max_tokens = MaxTokens { requested: fields.max_tokens()?, default: None };
+    check_request(&engine, &prompt, &mut params, max_tokens, "messages")?;
     let requests = (0..n).map(|i| Request { prompt_tokens: prompt.clone(), params: seeded(&params, i) }).collect();
-    let sub = submit(&app, &engine, requests)?;
+    let sub = submit_with_images(&app, &engine, requests, images)?;
     let id = random_id("chatcmpl-");
     let created = now_unix();
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        let conv = ChatStream {
-            id,
-            created,
-            model,
-            tok,
-            n,
-            include_usage,
-            logprobs: params.logprobs.is_some(),
-            prompt_tokens: prompt.len(),
-            finished: vec![false; n],
-            output_tokens: vec![0; n],
-        };
+        let format = ChatFormat { tok, logprobs: params.logprobs.is_some() };
+        let conv = OpenAiStream::new(id, created, model, n, include_usage, prompt.len(), format);
         return Ok(sse_response(sub, conv));
     }
     let results = collect(sub, n, params.logprobs.is_some()).await?;
@@ -239,94 +219,6 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
 
 fn finish_str(c: &Collected) -> &'static str {
     c.finish.as_ref().map(|f| f.as_openai_str()).unwrap_or("abort")
-}
-
-struct ChatStream {
-    id: String,
-    created: u64,
-    model: String,
-    tok: Arc<TextTokenizer>,
-    n: usize,
-    include_usage: bool,
-    logprobs: bool,
-    prompt_tokens: usize,
-    finished: Vec<bool>,
-    output_tokens: Vec<usize>,
-}
-
-impl ChatStream {
-    fn chunk(&self, index: usize, delta: Value, logprobs: Value, finish: Option<&str>) -> Event {
-        let mut c = json!({
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish }],
-        });
-        if self.include_usage {
-            c["usage"] = Value::Null;
-        }
-        json_event(&c)
-    }
-
-    fn finish(&mut self, index: usize, reason: &str, out: &mut Vec<Event>) -> bool {
-        if !self.finished[index] {
-            self.finished[index] = true;
-            out.push(self.chunk(index, json!({}), Value::Null, Some(reason)));
-        }
-        self.finished.iter().all(|f| *f)
-    }
-}
-
-impl Converter for ChatStream {
-    fn start(&mut self, out: &mut Vec<Event>) {
-        for i in 0..self.n {
-            out.push(self.chunk(i, json!({ "role": "assistant", "content": "" }), Value::Null, None));
-        }
-    }
-
-    fn on_event(&mut self, ev: SeqEvent, out: &mut Vec<Event>) -> bool {
-        let i = ev.index;
-        match ev.kind {
-            SeqEventKind::Rejected(e) => {
-                out.push(json_event(&request_error(e).body()));
-                self.finish(i, "error", out)
-            }
-            SeqEventKind::Ended(reason) => self.finish(i, reason.as_openai_str(), out),
-            SeqEventKind::Update(u) => {
-                self.output_tokens[i] = u.num_output_tokens;
-                let lp = match (&u.token, self.logprobs) {
-                    (Some(t), true) => {
-                        let e = TokenLogprob { token: t.token, logprob: t.logprob, top: t.top_logprobs.clone() };
-                        json!({ "content": [chat_logprob_entry(&self.tok, &e)] })
-                    }
-                    _ => Value::Null,
-                };
-                if !u.text.is_empty() || !lp.is_null() {
-                    out.push(self.chunk(i, json!({ "content": u.text }), lp, None));
-                }
-                match u.finish {
-                    Some(f) => self.finish(i, f.as_openai_str(), out),
-                    None => false,
-                }
-            }
-        }
-    }
-
-    fn end(&mut self, _complete: bool, out: &mut Vec<Event>) {
-        if self.include_usage {
-            let completion: usize = self.output_tokens.iter().sum();
-            out.push(json_event(&json!({
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": usage(self.prompt_tokens, completion),
-            })));
-        }
-        out.push(Event::default().data("[DONE]"));
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -396,7 +288,7 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
             ),
         ));
     }
-    let mut params = fields.params(Some(16))?;
+    let mut params = fields.params()?;
     params.logprobs = match req.logprobs {
         None => None,
         Some(l) if l >= 0 && l as usize <= MAX_LOGPROBS => Some(l as usize),
@@ -408,44 +300,37 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
         }
     };
     let echo = req.echo.unwrap_or(false);
+    if echo {
+        // Echoed prompt tokens carry logprobs too (vLLM: prompt_logprobs = logprobs).
+        params.prompt_logprobs = params.logprobs;
+    }
+    // OpenAI's and vLLM's default for completions is 16 tokens (capped by the context).
+    let max_tokens = MaxTokens { requested: fields.max_tokens()?, default: Some(16) };
     let mut requests = Vec::with_capacity(prompts.len() * n);
-    let mut per_prompt: Vec<SamplingParams> = Vec::with_capacity(prompts.len());
     for prompt in &prompts {
         let mut p = params.clone();
-        check_request(&engine, prompt, &mut p)?;
-        for i in 0..n {
-            requests.push(Request { prompt_tokens: prompt.clone(), params: seeded(&p, i) });
-        }
-        per_prompt.push(p);
+        check_request(&engine, prompt, &mut p, max_tokens, "prompt")?;
+        requests.extend((0..n).map(|i| Request { prompt_tokens: prompt.clone(), params: seeded(&p, i) }));
     }
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     // What echo shows: the prompt as text (special tokens included, as it was sent).
-    let echo_texts: Vec<String> = if echo {
-        prompts.iter().map(|p| tok.decode(p, false).unwrap_or_default()).collect()
-    } else {
-        vec![String::new(); prompts.len()]
-    };
+    let echoed: Vec<Option<(String, Vec<u32>)>> =
+        prompts.into_iter().map(|p| echo.then(|| (tok.decode(&p, false).unwrap_or_default(), p))).collect();
     let total = requests.len();
     let sub = submit(&app, &engine, requests)?;
     let id = random_id("cmpl-");
     let created = now_unix();
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        let conv = CompletionStream {
-            id,
-            created,
-            model,
+        let format = CompletionFormat {
             tok,
-            n,
-            include_usage,
             logprobs: params.logprobs.is_some(),
-            prompt_tokens,
-            echo: echo_texts,
-            echo_prompts: if echo { prompts.clone() } else { Vec::new() },
+            n,
+            echo: echoed,
             offsets: vec![0; total],
-            finished: vec![false; total],
-            output_tokens: vec![0; total],
+            echoed: vec![false; total],
         };
+        let conv = OpenAiStream::new(id, created, model, total, include_usage, prompt_tokens, format);
         return Ok(sse_response(sub, conv));
     }
     let results = collect(sub, total, params.logprobs.is_some()).await?;
@@ -454,12 +339,13 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let p = i / n;
-            let text = format!("{}{}", echo_texts[p], c.text);
+            let echo = echoed[i / n].as_ref();
+            let text = format!("{}{}", echo.map_or("", |e| e.0.as_str()), c.text);
             let logprobs = params.logprobs.map(|_| {
-                let echoed: &[u32] = if echo { &prompts[p] } else { &[] };
                 let mut lp = LegacyLogprobs::default();
-                lp.push_prompt(&tok, echoed);
+                if let Some((_, ids)) = echo {
+                    lp.push_prompt(&tok, ids, &c.prompt_logprobs);
+                }
                 for e in &c.logprobs {
                     lp.push(&tok, e);
                 }
@@ -478,163 +364,6 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
         "system_fingerprint": null,
     }))
     .into_response())
-}
-
-/// The completions API's logprobs object.
-#[derive(Default)]
-struct LegacyLogprobs {
-    tokens: Vec<String>,
-    token_logprobs: Vec<Option<f32>>,
-    top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
-    text_offset: Vec<usize>,
-    offset: usize,
-}
-
-impl LegacyLogprobs {
-    fn with_offset(offset: usize) -> Self {
-        LegacyLogprobs { offset, ..Default::default() }
-    }
-
-    /// Echoed prompt tokens: no logprobs are computed for the prompt.
-    fn push_prompt(&mut self, tok: &TextTokenizer, ids: &[u32]) {
-        for &id in ids {
-            let t = token_text(tok, id);
-            self.text_offset.push(self.offset);
-            self.offset += t.len();
-            self.tokens.push(t);
-            self.token_logprobs.push(None);
-            self.top_logprobs.push(None);
-        }
-    }
-
-    fn push(&mut self, tok: &TextTokenizer, e: &TokenLogprob) {
-        let t = token_text(tok, e.token);
-        self.text_offset.push(self.offset);
-        self.offset += t.len();
-        self.tokens.push(t);
-        self.token_logprobs.push(Some(finite(e.logprob)));
-        let mut top = serde_json::Map::new();
-        for &(id, l) in &e.top {
-            top.insert(token_text(tok, id), json!(finite(l)));
-        }
-        self.top_logprobs.push(Some(top));
-    }
-
-    fn into_json(self) -> Value {
-        json!({
-            "tokens": self.tokens,
-            "token_logprobs": self.token_logprobs,
-            "top_logprobs": self.top_logprobs,
-            "text_offset": self.text_offset,
-        })
-    }
-}
-
-struct CompletionStream {
-    id: String,
-    created: u64,
-    model: String,
-    tok: Arc<TextTokenizer>,
-    n: usize,
-    include_usage: bool,
-    logprobs: bool,
-    prompt_tokens: usize,
-    echo: Vec<String>,
-    echo_prompts: Vec<Vec<u32>>,
-    offsets: Vec<usize>,
-    finished: Vec<bool>,
-    output_tokens: Vec<usize>,
-}
-
-impl CompletionStream {
-    fn chunk(&self, index: usize, text: &str, logprobs: Value, finish: Option<&str>) -> Event {
-        let mut c = json!({
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{ "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish }],
-        });
-        if self.include_usage {
-            c["usage"] = Value::Null;
-        }
-        json_event(&c)
-    }
-
-    fn finish(&mut self, index: usize, reason: &str, out: &mut Vec<Event>) -> bool {
-        if !self.finished[index] {
-            self.finished[index] = true;
-            out.push(self.chunk(index, "", Value::Null, Some(reason)));
-        }
-        self.finished.iter().all(|f| *f)
-    }
-}
-
-impl Converter for CompletionStream {
-    fn start(&mut self, out: &mut Vec<Event>) {
-        for i in 0..self.finished.len() {
-            let p = i / self.n;
-            if !self.echo[p].is_empty() {
-                let lp = if self.logprobs {
-                    let mut lp = LegacyLogprobs::default();
-                    lp.push_prompt(&self.tok, &self.echo_prompts[p]);
-                    self.offsets[i] = lp.offset;
-                    lp.into_json()
-                } else {
-                    Value::Null
-                };
-                out.push(self.chunk(i, &self.echo[p].clone(), lp, None));
-            }
-        }
-    }
-
-    fn on_event(&mut self, ev: SeqEvent, out: &mut Vec<Event>) -> bool {
-        let i = ev.index;
-        match ev.kind {
-            SeqEventKind::Rejected(e) => {
-                out.push(json_event(&request_error(e).body()));
-                self.finish(i, "error", out)
-            }
-            SeqEventKind::Ended(reason) => self.finish(i, reason.as_openai_str(), out),
-            SeqEventKind::Update(u) => {
-                self.output_tokens[i] = u.num_output_tokens;
-                let lp = match (&u.token, self.logprobs) {
-                    (Some(t), true) => {
-                        let mut lp = LegacyLogprobs::with_offset(self.offsets[i]);
-                        lp.push(
-                            &self.tok,
-                            &TokenLogprob { token: t.token, logprob: t.logprob, top: t.top_logprobs.clone() },
-                        );
-                        self.offsets[i] = lp.offset;
-                        lp.into_json()
-                    }
-                    _ => Value::Null,
-                };
-                if !u.text.is_empty() || !lp.is_null() {
-                    out.push(self.chunk(i, &u.text, lp, None));
-                }
-                match u.finish {
-                    Some(f) => self.finish(i, f.as_openai_str(), out),
-                    None => false,
-                }
-            }
-        }
-    }
-
-    fn end(&mut self, _complete: bool, out: &mut Vec<Event>) {
-        if self.include_usage {
-            let completion: usize = self.output_tokens.iter().sum();
-            out.push(json_event(&json!({
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": usage(self.prompt_tokens, completion),
-            })));
-        }
-        out.push(Event::default().data("[DONE]"));
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -682,7 +411,10 @@ pub async fn tokenize(State(app): AppRef, body: Result<Bytes, BytesRejection>) -
                 .encode(p, req.add_special_tokens.unwrap_or(true))
                 .map_err(|e| ApiError::bad_request(e.to_string()))?,
             (None, Some(m)) => {
-                let messages = parse_messages(m)?;
+                let (messages, images) = parse_messages(m)?;
+                if let Some(img) = images.first() {
+                    return Err(ApiError::invalid_param(img.path.clone(), "/tokenize does not take images"));
+                }
                 encode_chat(tok, &messages, req.add_generation_prompt.unwrap_or(true), Default::default())?
             }
             _ => return Err(ApiError::bad_request("give exactly one of `prompt` and `messages`")),

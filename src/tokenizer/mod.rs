@@ -77,13 +77,21 @@ impl TextTokenizer {
         let named = |name: &str| special_tokens.iter().find(|(n, _)| n == name).map(|(_, t)| t.clone());
         update_post_processor(&mut inner, &config, &config_file, named("bos_token"), named("eos_token"))?;
 
-        // `chat_template.jinja` wins over the config's field, as in transformers.
+        // `chat_template.jinja` wins, then the processor's `chat_template.json` (how VLM
+        // checkpoints ship it), then tokenizer_config.json's field, as in transformers.
         let jinja_file = dir.join("chat_template.jinja");
+        let processor_file = dir.join("chat_template.json");
         let template_source = match read_if_exists(&jinja_file)? {
             Some(source) => Some((source, &jinja_file)),
-            None => match config.get("chat_template") {
-                Some(v) => chat_template::template_from_config_value(v, &config_file)?.map(|s| (s, &config_file)),
-                None => None,
+            None => match read_json_if_exists(&processor_file)? {
+                Some(j) => {
+                    let v = j.get("chat_template").unwrap_or(&serde_json::Value::Null);
+                    chat_template::template_from_config_value(v, &processor_file)?.map(|s| (s, &processor_file))
+                }
+                None => match config.get("chat_template") {
+                    Some(v) => chat_template::template_from_config_value(v, &config_file)?.map(|s| (s, &config_file)),
+                    None => None,
+                },
             },
         };
         let chat_template = template_source
@@ -346,7 +354,12 @@ mod tests {
         // The template wrote <s>; encode_chat must not add a second one.
         assert_eq!(tok.encode_chat(&msgs, false).expect("encode"), vec![0, 10, 11, 5]);
 
-        // chat_template.jinja takes precedence over the config's template.
+        // chat_template.json (a processor's) takes precedence over the config's template...
+        std::fs::write(dir.join("chat_template.json"), r#"{"chat_template": "P{{ messages | length }}"}"#)
+            .expect("write");
+        let tok = TextTokenizer::from_dir(&dir).expect("load");
+        assert_eq!(tok.apply_chat_template(&msgs, false).expect("render"), "P1");
+        // ... and chat_template.jinja over both.
         std::fs::write(dir.join("chat_template.jinja"), "J{{ messages | length }}").expect("write");
         let tok = TextTokenizer::from_dir(&dir).expect("load");
         assert_eq!(tok.apply_chat_template(&msgs, false).expect("render"), "J1");

@@ -49,13 +49,17 @@ impl SafetensorsDir {
         &self.files
     }
 
-    /// VLM checkpoints keep the language model under `model.language_model.`; text-only
-    /// names resolve there too, so one set of model code reads both layouts.
+    /// VLM checkpoints saved by transformers 5 keep the language model under
+    /// `model.language_model.` and the vision tower under `model.visual.`; older ones use
+    /// `model.` and `visual.`. Names resolve to either, so one set of model code reads both.
     fn resolve(&self, name: &str) -> Option<String> {
         if self.names.contains_key(name) {
             return Some(name.to_string());
         }
-        let alt = name.strip_prefix("model.").map(|rest| format!("model.language_model.{rest}"))?;
+        let alt = match name.strip_prefix("model.") {
+            Some(rest) => format!("model.language_model.{rest}"),
+            None => format!("model.{name}"),
+        };
         self.names.contains_key(&alt).then_some(alt)
     }
 

@@ -304,14 +304,18 @@ mod tests {
             return;
         }
         let dev = Device::Cpu;
-        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0] {
-            let w = Tensor::randn(0f32, 1.0, (8, 256), &dev).unwrap();
+        // 8 and 25 blocks per row: a partial group of 16 scales, and a full one plus a partial.
+        for (dt, cols) in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0]
+            .into_iter()
+            .flat_map(|dt| [(dt, 256), (dt, 800)])
+        {
+            let w = Tensor::randn(0f32, 1.0, (8, cols), &dev).unwrap();
             let q = Arc::new(QTensor::quantize(&w, dt).unwrap());
             let want: Vec<Vec<f32>> = q.dequantize(&dev).unwrap().to_vec2().unwrap();
             let qm = QMatrix::new(q).unwrap();
             let data = qm.bytes().unwrap();
             for (r, want) in want.iter().enumerate() {
-                let mut got = vec![0f32; 256];
+                let mut got = vec![0f32; cols];
                 qm.dequant(&data, r, &mut got);
                 assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dt:?} row {r}");
             }
@@ -322,6 +326,7 @@ mod tests {
     fn every_path_matches_dequantize_then_matmul() {
         for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
             check(dt, 70, 512);
+            check(dt, 9, if dt.block_size() == 32 { 800 } else { 768 });
         }
     }
 }

@@ -3,7 +3,10 @@
 //!
 //! In the file's layout each block starts with f16 scales between the codes; converting them
 //! and broadcasting them costs more than decoding the codes. Stored as f32 (an exact widening)
-//! in their own arrays, each block's scale is one broadcast load.
+//! in their own arrays, each block's scale is one broadcast load. That is 4 more bytes per
+//! Q4_1 block, yet measured faster even where the weights stream from DRAM (Q4_1, one
+//! thread, cycles per block: 4.1 vs 5.6 in the file's layout from L2, 10.5 vs 13.8 on a 70 MB
+//! matrix); keeping f16 scales in the side arrays and widening 16 at a time was in between.
 
 use half::f16;
 

@@ -1,0 +1,95 @@
+//! M-RoPE positions of a prompt (Qwen2-VL's `get_rope_index`): text tokens count up on all
+//! three axes; an image's tokens share one temporal position and take their row and column
+//! in the merged patch grid, offset by where the image starts; the text after an image
+//! continues from the largest position used so far, plus one.
+
+/// A prompt's three-axis positions, and the shift that continues them for later tokens:
+/// token `i >= prompt length` sits at `i + delta` on every axis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptPositions {
+    pub positions: Vec<[u32; 3]>,
+    pub delta: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PositionError {
+    #[error("the prompt has more image tokens than its {0} image(s) take")]
+    TooManyImageTokens(usize),
+    #[error("image {index} takes {expected} image tokens but the prompt has a run of {found} there")]
+    WrongRun { index: usize, expected: usize, found: usize },
+    #[error("the prompt has image tokens for {found} of its {images} image(s)")]
+    TooFewImageTokens { found: usize, images: usize },
+    #[error("image {index}: {reason}")]
+    BadPixels { index: usize, reason: String },
+}
+
+/// `grids[k]` is image k's patch grid (t, h, w) before merging; each image's tokens are one
+/// contiguous run of `image_token` in the prompt, in image order.
+pub fn prompt_positions(
+    tokens: &[u32],
+    image_token: u32,
+    grids: &[[usize; 3]],
+    merge: usize,
+) -> Result<PromptPositions, PositionError> {
+    let mut positions = Vec::with_capacity(tokens.len());
+    let mut next = 0u32; // the position after the largest one so far
+    let mut image = 0;
+    let mut i = 0;
+    while i < tokens.len() {
+        if tokens[i] != image_token {
+            positions.push([next; 3]);
+            next += 1;
+            i += 1;
+            continue;
+        }
+        let [t, h, w] = *grids.get(image).ok_or(PositionError::TooManyImageTokens(grids.len()))?;
+        let (h, w) = (h / merge, w / merge);
+        let n = t * h * w;
+        let run = tokens[i..].iter().take_while(|&&x| x == image_token).count();
+        // A run may hold several adjacent images, never part of one.
+        if run < n {
+            return Err(PositionError::WrongRun { index: image, expected: n, found: run });
+        }
+        for ti in 0..t as u32 {
+            for hi in 0..h as u32 {
+                for wi in 0..w as u32 {
+                    positions.push([next + ti, next + hi, next + wi]);
+                }
+            }
+        }
+        next += t.max(h).max(w) as u32;
+        image += 1;
+        i += n;
+    }
+    if image != grids.len() {
+        return Err(PositionError::TooFewImageTokens { found: image, images: grids.len() });
+    }
+    Ok(PromptPositions { delta: next as i64 - tokens.len() as i64, positions })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_then_image_then_text() {
+        // 2 text tokens, a 4x6 patch grid (2x3 merged tokens), 2 text tokens
+        let toks = [1, 2, 9, 9, 9, 9, 9, 9, 3, 4];
+        let p = prompt_positions(&toks, 9, &[[1, 4, 6]], 2).unwrap();
+        assert_eq!(&p.positions[..2], &[[0; 3], [1; 3]]);
+        assert_eq!(&p.positions[2..5], &[[2, 2, 2], [2, 2, 3], [2, 2, 4]]);
+        assert_eq!(&p.positions[5..8], &[[2, 3, 2], [2, 3, 3], [2, 3, 4]]);
+        assert_eq!(&p.positions[8..], &[[5; 3], [6; 3]]);
+        assert_eq!(p.delta, 7 - 10);
+    }
+
+    #[test]
+    fn mismatched_images_are_errors() {
+        assert!(matches!(prompt_positions(&[9, 9], 9, &[[1, 4, 4]], 2), Err(PositionError::WrongRun { .. })));
+        assert_eq!(
+            prompt_positions(&[1, 2], 9, &[[1, 2, 2]], 2),
+            Err(PositionError::TooFewImageTokens { found: 0, images: 1 })
+        );
+        assert_eq!(prompt_positions(&[9], 9, &[], 2), Err(PositionError::TooManyImageTokens(0)));
+    }
+}

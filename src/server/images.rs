@@ -1,0 +1,243 @@
+//! Images in chat requests: where they come from (OpenAI `image_url` parts, Anthropic `image`
+//! blocks), fetching their bytes under the server's media policy, and decoding within limits.
+//! Every failure is the client's: a 400 naming the part at fault.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::errors::ApiError;
+use crate::media::{decode_image, DecodeLimits, RgbImage};
+
+/// What the server accepts as an image source.
+#[derive(Debug, Clone, Default)]
+pub struct MediaPolicy {
+    /// `file://` URLs are read only from under this directory (canonical path).
+    pub allowed_local_media_path: Option<PathBuf>,
+    pub limits: DecodeLimits,
+}
+
+/// An image reference from a request, with the JSON paths of its part and of the field
+/// holding the image.
+#[derive(Debug, Clone)]
+pub struct ImageRef {
+    /// The content item (`messages[0].content[1]`).
+    pub item: String,
+    /// Its type (`image_url`, `image`).
+    pub item_type: &'static str,
+    /// The field with the data or URL.
+    pub path: String,
+    pub source: Source,
+}
+
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// `data:` URL or base64 block: the encoded bytes.
+    Base64(String),
+    Url(String),
+}
+
+/// OpenAI: `{"type": "image_url", "image_url": {"url": ...}}` (or the url as a string).
+pub fn openai_image(part: &Value, path: &str) -> Result<ImageRef, ApiError> {
+    let url = match part.get("image_url") {
+        Some(Value::String(u)) => u.as_str(),
+        Some(obj) => obj.get("url").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid_param(format!("{path}.image_url.url"), format!("`{path}.image_url.url` must be a string"))
+        })?,
+        None => {
+            return Err(ApiError::invalid_param(format!("{path}.image_url"), format!("`{path}` has no `image_url`")))
+        }
+    };
+    Ok(ImageRef {
+        item: path.to_string(),
+        item_type: "image_url",
+        path: format!("{path}.image_url.url"),
+        source: url_source(url),
+    })
+}
+
+/// Anthropic: `{"type": "image", "source": {"type": "base64", "media_type": ..., "data": ...}}`
+/// or `{"type": "url", "url": ...}`.
+pub fn anthropic_image(block: &Value, path: &str) -> Result<ImageRef, ApiError> {
+    let src = block.get("source").filter(|s| s.is_object()).ok_or_else(|| {
+        ApiError::invalid_param(format!("{path}.source"), format!("`{path}.source` must be an object"))
+    })?;
+    let field = |name: &str| {
+        src.get(name).and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid_param(format!("{path}.source.{name}"), format!("`{path}.source.{name}` must be a string"))
+        })
+    };
+    let r = |field: &str, source| ImageRef {
+        item: path.to_string(),
+        item_type: "image",
+        path: format!("{path}.source.{field}"),
+        source,
+    };
+    match src.get("type").and_then(Value::as_str) {
+        Some("base64") => {
+            field("media_type")?;
+            Ok(r("data", Source::Base64(field("data")?.to_string())))
+        }
+        Some("url") => Ok(r("url", url_source(field("url")?))),
+        _ => Err(ApiError::invalid_param(
+            format!("{path}.source.type"),
+            format!("`{path}.source.type` must be \"base64\" or \"url\""),
+        )),
+    }
+}
+
+fn url_source(url: &str) -> Source {
+    match url.strip_prefix("data:").and_then(|rest| rest.split_once(',')) {
+        Some((meta, data)) if meta.ends_with(";base64") => Source::Base64(data.to_string()),
+        _ => Source::Url(url.to_string()),
+    }
+}
+
+/// The decoded image a reference points to.
+pub fn load(r: &ImageRef, policy: &MediaPolicy) -> Result<RgbImage, ApiError> {
+    let bad = |msg: String| ApiError::invalid_param(r.path.clone(), msg);
+    let bytes = match &r.source {
+        Source::Base64(data) => {
+            // The encoded form is 4/3 of the bytes: refuse before decoding a huge payload.
+            if data.len() / 4 * 3 > policy.limits.max_bytes + 3 {
+                return Err(bad(format!("the image is larger than the limit of {} bytes", policy.limits.max_bytes)));
+            }
+            base64_decode(data).ok_or_else(|| bad(format!("`{}` is not valid base64", r.path)))?
+        }
+        Source::Url(url) if url.starts_with("file://") => read_local(&url["file://".len()..], policy).map_err(bad)?,
+        Source::Url(url) if url.starts_with("http://") || url.starts_with("https://") => {
+            return Err(bad("image URLs over the network are not supported by this server; send the image as a \
+                 `data:` URL (base64)"
+                .into()))
+        }
+        Source::Url(_) => return Err(bad("the image must be a `data:` URL (base64) or a `file://` URL".into())),
+    };
+    decode_image(&bytes, &policy.limits).map_err(|e| bad(format!("{}: {e}", r.path)))
+}
+
+/// Reads a local file only from under the allowed directory, after resolving `..` and links.
+fn read_local(path: &str, policy: &MediaPolicy) -> Result<Vec<u8>, String> {
+    let Some(root) = &policy.allowed_local_media_path else {
+        return Err("local image files are disabled (start the server with --allowed-local-media-path DIR)".into());
+    };
+    let real = Path::new(path).canonicalize().map_err(|e| format!("cannot open `{path}`: {e}"))?;
+    if !real.starts_with(root) {
+        return Err(format!("`{path}` is outside the allowed media directory"));
+    }
+    let meta = std::fs::metadata(&real).map_err(|e| format!("cannot open `{path}`: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("`{path}` is not a file"));
+    }
+    if meta.len() > policy.limits.max_bytes as u64 {
+        return Err(format!("the image is larger than the limit of {} bytes", policy.limits.max_bytes));
+    }
+    std::fs::read(&real).map_err(|e| format!("cannot read `{path}`: {e}"))
+}
+
+/// Standard base64 (padding optional, whitespace ignored); None if malformed.
+fn base64_decode(s: &str) -> Option<Vec<u8>> {
+    fn val(c: u8) -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    }
+    let body: Vec<u8> = s.bytes().filter(|c| !c.is_ascii_whitespace()).collect();
+    let body = body.strip_suffix(b"==").or_else(|| body.strip_suffix(b"=")).unwrap_or(&body);
+    if body.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(body.len() * 3 / 4);
+    for chunk in body.chunks(4) {
+        let mut acc = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            acc |= val(c)? << (18 - 6 * i);
+        }
+        out.extend_from_slice(&acc.to_be_bytes()[1..chunk.len()]);
+    }
+    Some(out)
+}
+
+/// Refuses images for a model without a vision tower (before its template sees them).
+pub fn check_accepted(engine: &super::EngineHandle, refs: &[ImageRef]) -> Result<(), ApiError> {
+    match (refs.first(), &engine.vision) {
+        (Some(r), None) => Err(ApiError::invalid_param(
+            format!("{}.type", r.item),
+            format!(
+                "this model does not accept images: `{}` is an `{}` item, which needs a vision-language model",
+                r.item, r.item_type
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Loads a request's images and expands the prompt's image placeholders to the number of
+/// embeddings each image takes. Decoding and preprocessing run on the blocking pool.
+pub async fn prepare(
+    policy: &MediaPolicy,
+    engine: &super::EngineHandle,
+    prompt: Vec<u32>,
+    refs: Vec<ImageRef>,
+) -> Result<(Vec<u32>, Vec<crate::engine::ImageInput>), ApiError> {
+    if refs.is_empty() {
+        return Ok((prompt, Vec::new()));
+    }
+    check_accepted(engine, &refs)?;
+    let Some(vision) = engine.vision.clone() else { return Ok((prompt, Vec::new())) };
+    let policy = policy.clone();
+    let (prompt, images) = tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
+        let mut images = Vec::with_capacity(refs.len());
+        for r in &refs {
+            let img = load(r, &policy)?;
+            let pixels = vision
+                .preprocess(&img)
+                .map_err(|e| ApiError::invalid_param(r.path.clone(), format!("{}: {e}", r.path)))?;
+            images.push(crate::engine::ImageInput::new(pixels));
+        }
+        let counts: Vec<usize> = images.iter().map(|i| vision.num_image_tokens(&i.pixels)).collect();
+        let prompt = crate::engine::expand_image_tokens(&prompt, vision.image_token_id(), &counts).map_err(|e| {
+            ApiError::bad_request(format!("the chat template did not place the images: {e}")).param("messages")
+        })?;
+        Ok((prompt, images))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("image preprocessing failed: {e}")))??;
+    Ok((prompt, images))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_round_trips() {
+        assert_eq!(base64_decode("aGVsbG8=").unwrap(), b"hello");
+        assert_eq!(base64_decode("aGVsbG8").unwrap(), b"hello");
+        assert_eq!(base64_decode("aGVs\nbG8h").unwrap(), b"hell\x6f!");
+        assert!(base64_decode("a").is_none());
+        assert!(base64_decode("a*==").is_none());
+    }
+
+    #[test]
+    fn sources_and_policy() {
+        let part = serde_json::json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}});
+        assert!(matches!(openai_image(&part, "m").unwrap().source, Source::Base64(ref d) if d == "AAAA"));
+        let block = serde_json::json!({"type": "image", "source": {"type": "base64", "media_type": "image/png"}});
+        assert!(anthropic_image(&block, "m").is_err());
+        let at = |source| ImageRef { item: "i".into(), item_type: "image_url", path: "p".into(), source };
+        let remote = at(Source::Url("http://127.0.0.1/x.png".into()));
+        assert_eq!(load(&remote, &MediaPolicy::default()).unwrap_err().status.as_u16(), 400);
+        let local = at(Source::Url("file:///etc/passwd".into()));
+        let err = load(&local, &MediaPolicy::default()).unwrap_err();
+        assert!(err.message.contains("--allowed-local-media-path"), "{}", err.message);
+        let dir = std::env::temp_dir().canonicalize().unwrap();
+        let policy = MediaPolicy { allowed_local_media_path: Some(dir.join("iris-none")), ..Default::default() };
+        let outside = at(Source::Url(format!("file://{}/../etc/passwd", dir.display())));
+        assert!(load(&outside, &policy).unwrap_err().message.contains("outside"));
+    }
+}

@@ -1,0 +1,293 @@
+//! How the chat and the completions API put a sequence's output into `choices`: their
+//! logprobs formats, and one SSE stream for both that differs only in a [`ChoiceFormat`].
+
+use std::sync::Arc;
+
+use axum::response::sse::Event;
+use serde_json::{json, Value};
+
+use super::engine_loop::{SeqEvent, SeqEventKind};
+use super::generate::{request_error, token_text};
+use super::sse::{json_event, Converter};
+use crate::engine::{Sampled, SeqUpdate};
+use crate::tokenizer::TextTokenizer;
+
+/// JSON has no -inf: clamp like vLLM does.
+pub fn finite(x: f32) -> f32 {
+    if x.is_finite() {
+        x
+    } else {
+        -9999.0
+    }
+}
+
+pub fn usage(prompt: usize, completion: usize) -> Value {
+    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+}
+
+/// One entry of the chat API's `logprobs.content`.
+pub fn chat_logprob_entry(tok: &TextTokenizer, lp: &Sampled) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let text = token_text(tok, id);
+        let bytes: Vec<u8> = text.as_bytes().to_vec();
+        json!({ "token": text, "logprob": finite(logprob), "bytes": bytes })
+    };
+    let mut e = entry(lp.token, lp.logprob);
+    e["top_logprobs"] = Value::Array(lp.top_logprobs.iter().map(|&(id, l)| entry(id, l)).collect());
+    e
+}
+
+/// The completions API's logprobs object; `text_offset` counts on from `offset`.
+#[derive(Default)]
+pub struct LegacyLogprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<Option<f32>>,
+    top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
+    text_offset: Vec<usize>,
+    pub offset: usize,
+}
+
+impl LegacyLogprobs {
+    pub fn with_offset(offset: usize) -> Self {
+        LegacyLogprobs { offset, ..Default::default() }
+    }
+
+    /// Echoed prompt tokens. `logprobs[k]` belongs to token `k + 1`; the first token has no
+    /// context, so no logprob (null, as in OpenAI's and vLLM's answers), nor do tokens
+    /// without an entry.
+    pub fn push_prompt(&mut self, tok: &TextTokenizer, ids: &[u32], logprobs: &[Sampled]) {
+        for (k, &id) in ids.iter().enumerate() {
+            let lp = k.checked_sub(1).and_then(|j| logprobs.get(j));
+            self.push_token(tok, id, lp);
+        }
+    }
+
+    pub fn push(&mut self, tok: &TextTokenizer, e: &Sampled) {
+        self.push_token(tok, e.token, Some(e));
+    }
+
+    fn push_token(&mut self, tok: &TextTokenizer, id: u32, lp: Option<&Sampled>) {
+        let t = token_text(tok, id);
+        self.text_offset.push(self.offset);
+        self.offset += t.len();
+        self.tokens.push(t);
+        self.token_logprobs.push(lp.map(|e| finite(e.logprob)));
+        self.top_logprobs
+            .push(lp.map(|e| e.top_logprobs.iter().map(|&(id, l)| (token_text(tok, id), json!(finite(l)))).collect()));
+    }
+
+    pub fn into_json(self) -> Value {
+        json!({
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        })
+    }
+}
+
+/// What a choice of one API carries in a stream chunk: its content fields (`delta` or
+/// `text`) and its `logprobs`.
+pub trait ChoiceFormat: Send + 'static {
+    /// `object` of the stream's chunks.
+    const CHUNK_OBJECT: &'static str;
+    /// Content fields of a chunk that opens choice `index` before any output (chat: the role).
+    fn opening(&mut self, index: usize) -> Option<Value>;
+    /// The (content fields, logprobs) pieces one update of choice `index` adds; none when it
+    /// brings no text and no token to report.
+    fn update(&mut self, index: usize, u: &SeqUpdate, out: &mut Vec<(Value, Value)>);
+    /// Content fields of the chunk that carries only a finish reason.
+    fn closing(&self) -> Value;
+}
+
+pub struct ChatFormat {
+    pub tok: Arc<TextTokenizer>,
+    pub logprobs: bool,
+}
+
+impl ChoiceFormat for ChatFormat {
+    const CHUNK_OBJECT: &'static str = "chat.completion.chunk";
+
+    fn opening(&mut self, _index: usize) -> Option<Value> {
+        Some(json!({ "delta": { "role": "assistant", "content": "" } }))
+    }
+
+    fn update(&mut self, _index: usize, u: &SeqUpdate, out: &mut Vec<(Value, Value)>) {
+        let lp = match (&u.token, self.logprobs) {
+            (Some(t), true) => json!({ "content": [chat_logprob_entry(&self.tok, t)] }),
+            _ => Value::Null,
+        };
+        if !u.text.is_empty() || !lp.is_null() {
+            out.push((json!({ "delta": { "content": u.text } }), lp));
+        }
+    }
+
+    fn closing(&self) -> Value {
+        json!({ "delta": {} })
+    }
+}
+
+pub struct CompletionFormat {
+    pub tok: Arc<TextTokenizer>,
+    pub logprobs: bool,
+    /// Choices per prompt: choice `i` continues prompt `i / n`.
+    pub n: usize,
+    /// Per prompt, with `echo`: its text and token ids, sent before the choice's first token
+    /// (which brings the prompt's logprobs).
+    pub echo: Vec<Option<(String, Vec<u32>)>>,
+    /// Per choice: `text_offset` reached so far, and whether the echo was sent.
+    pub offsets: Vec<usize>,
+    pub echoed: Vec<bool>,
+}
+
+impl ChoiceFormat for CompletionFormat {
+    const CHUNK_OBJECT: &'static str = "text_completion";
+
+    fn opening(&mut self, _index: usize) -> Option<Value> {
+        None
+    }
+
+    fn update(&mut self, i: usize, u: &SeqUpdate, out: &mut Vec<(Value, Value)>) {
+        if !self.echoed[i] {
+            self.echoed[i] = true;
+            if let Some((text, ids)) = &self.echo[i / self.n] {
+                let lp = if self.logprobs {
+                    let mut lp = LegacyLogprobs::default();
+                    lp.push_prompt(&self.tok, ids, u.prompt_logprobs.as_deref().unwrap_or_default());
+                    self.offsets[i] = lp.offset;
+                    lp.into_json()
+                } else {
+                    Value::Null
+                };
+                out.push((json!({ "text": text }), lp));
+            }
+        }
+        let lp = match (&u.token, self.logprobs) {
+            (Some(t), true) => {
+                let mut lp = LegacyLogprobs::with_offset(self.offsets[i]);
+                lp.push(&self.tok, t);
+                self.offsets[i] = lp.offset;
+                lp.into_json()
+            }
+            _ => Value::Null,
+        };
+        if !u.text.is_empty() || !lp.is_null() {
+            out.push((json!({ "text": u.text }), lp));
+        }
+    }
+
+    fn closing(&self) -> Value {
+        json!({ "text": "" })
+    }
+}
+
+/// The SSE stream of a chat or completions request: a chunk per piece of output, one with
+/// each choice's finish reason, the usage chunk when asked for, and `[DONE]`.
+pub struct OpenAiStream<F> {
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    prompt_tokens: usize,
+    format: F,
+    finished: Vec<bool>,
+    output_tokens: Vec<usize>,
+}
+
+impl<F: ChoiceFormat> OpenAiStream<F> {
+    pub fn new(
+        id: String,
+        created: u64,
+        model: String,
+        choices: usize,
+        include_usage: bool,
+        prompt_tokens: usize,
+        format: F,
+    ) -> Self {
+        OpenAiStream {
+            id,
+            created,
+            model,
+            include_usage,
+            prompt_tokens,
+            format,
+            finished: vec![false; choices],
+            output_tokens: vec![0; choices],
+        }
+    }
+
+    fn chunk(&self, index: usize, fields: Value, logprobs: Value, finish: Option<&str>) -> Event {
+        let mut choice = json!({ "index": index, "logprobs": logprobs, "finish_reason": finish });
+        if let (Some(c), Value::Object(f)) = (choice.as_object_mut(), fields) {
+            c.extend(f);
+        }
+        let mut c = json!({
+            "id": self.id,
+            "object": F::CHUNK_OBJECT,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        });
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        json_event(&c)
+    }
+
+    /// Sends choice `index`'s finish reason (once); true when every choice has finished.
+    fn finish(&mut self, index: usize, reason: &str, out: &mut Vec<Event>) -> bool {
+        if !self.finished[index] {
+            self.finished[index] = true;
+            out.push(self.chunk(index, self.format.closing(), Value::Null, Some(reason)));
+        }
+        self.finished.iter().all(|f| *f)
+    }
+}
+
+impl<F: ChoiceFormat> Converter for OpenAiStream<F> {
+    fn start(&mut self, out: &mut Vec<Event>) {
+        for i in 0..self.finished.len() {
+            if let Some(fields) = self.format.opening(i) {
+                out.push(self.chunk(i, fields, Value::Null, None));
+            }
+        }
+    }
+
+    fn on_event(&mut self, ev: SeqEvent, out: &mut Vec<Event>) -> bool {
+        let i = ev.index;
+        match ev.kind {
+            SeqEventKind::Rejected(e) => {
+                out.push(json_event(&request_error(e).body()));
+                self.finish(i, "error", out)
+            }
+            SeqEventKind::Ended(reason) => self.finish(i, reason.as_openai_str(), out),
+            SeqEventKind::Update(u) => {
+                self.output_tokens[i] = u.num_output_tokens;
+                let mut pieces = Vec::new();
+                self.format.update(i, &u, &mut pieces);
+                for (fields, lp) in pieces {
+                    out.push(self.chunk(i, fields, lp, None));
+                }
+                match u.finish {
+                    Some(f) => self.finish(i, f.as_openai_str(), out),
+                    None => false,
+                }
+            }
+        }
+    }
+
+    fn end(&mut self, _complete: bool, out: &mut Vec<Event>) {
+        if self.include_usage {
+            let completion: usize = self.output_tokens.iter().sum();
+            out.push(json_event(&json!({
+                "id": self.id,
+                "object": F::CHUNK_OBJECT,
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage(self.prompt_tokens, completion),
+            })));
+        }
+        out.push(Event::default().data("[DONE]"));
+    }
+}

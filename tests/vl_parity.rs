@@ -1,0 +1,249 @@
+//! Qwen2-VL and Qwen2.5-VL against transformers, on tiny random checkpoints: the image
+//! processor (PIL backend: the resize is Pillow's bicubic, bit for bit, so pixel values agree
+//! to f32 rounding, <= 1e-6), image_grid_thw, M-RoPE positions and delta (exact), image
+//! embeddings, every layer's hidden states and logits (f32, relative error <= 1e-4 of the
+//! reference's largest magnitude), greedy tokens, and the chat template's ids, for one
+//! square image, one non-square image, two images across two turns, and text only.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use iris::batch::{Batch, ImageRows, Positions, SeqSlice};
+use iris::engine::build::EngineOptions;
+use iris::engine::{expand_image_tokens, ImageInput, Request};
+use iris::kv::{KvCache, KvCacheSpec, KvDtype};
+use iris::loader::LoadedModel;
+use iris::media::{decode_image, DecodeLimits, PixelValues};
+use iris::models::{PromptPositions, Taps, VisionModel};
+
+const TOL: f32 = 1e-4;
+const IMAGE_CASES: [&str; 3] = ["single", "nonsquare", "multi"];
+
+fn load(name: &str) -> LoadedModel {
+    iris::loader::load(&fixture(name), &Device::Cpu, DType::F32).unwrap()
+}
+
+fn vision(m: &LoadedModel) -> &dyn VisionModel {
+    m.vision.as_deref().expect("a vision-language model has a vision tower")
+}
+
+/// The case's images, decoded from the fixture's PNG files and preprocessed.
+fn pixels(name: &str, m: &LoadedModel, case: &str) -> Vec<PixelValues> {
+    let j = reference_json(name);
+    j["cases"][case]["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            let bytes = std::fs::read(fixture(name).join(f.as_str().unwrap())).unwrap();
+            let img = decode_image(&bytes, &DecodeLimits::default()).unwrap();
+            vision(m).preprocess(&img).unwrap()
+        })
+        .collect()
+}
+
+fn check_processor(name: &str) {
+    let m = load(name);
+    let r = reference(name);
+    for case in IMAGE_CASES {
+        let px = pixels(name, &m, case);
+        let grids: Vec<i64> = px.iter().flat_map(|p| p.grid_thw.map(|v| v as i64)).collect();
+        let want: Vec<i64> = r[&format!("{case}.image_grid_thw")].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(grids, want, "{name} {case}: image_grid_thw");
+        // Rows are [C, T=2, 14, 14]; the reference keeps T=0, and T=1 must repeat it.
+        let mut t0 = Vec::new();
+        for p in &px {
+            for row in p.data.chunks(p.cols) {
+                for c in row.chunks(p.cols / 3) {
+                    let (a, b) = c.split_at(c.len() / 2);
+                    assert_eq!(a, b, "{name} {case}: the temporal patch repeats the frame");
+                    t0.extend_from_slice(a);
+                }
+            }
+        }
+        let want = &r[&format!("{case}.pixel_values_t0")];
+        let got = Tensor::from_vec(t0, want.dims(), &Device::Cpu).unwrap();
+        let diff = (&got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(diff <= 1e-6, "{name} {case}: pixel values differ by {diff}");
+    }
+}
+
+fn positions_of(r: &std::collections::HashMap<String, Tensor>, case: &str) -> (Vec<[u32; 3]>, i64) {
+    let p: Vec<Vec<i64>> = r[&format!("{case}.position_ids")].to_vec2().unwrap();
+    let delta = r[&format!("{case}.rope_delta")].to_vec1::<i64>().unwrap()[0];
+    ((0..p[0].len()).map(|i| [p[0][i] as u32, p[1][i] as u32, p[2][i] as u32]).collect(), delta)
+}
+
+fn check_positions(name: &str) {
+    let m = load(name);
+    let r = reference(name);
+    for case in IMAGE_CASES {
+        let px = pixels(name, &m, case);
+        let refs: Vec<&PixelValues> = px.iter().collect();
+        let got = vision(&m).prompt_positions(&ids(&r[&format!("{case}.input_ids")]), &refs).unwrap();
+        let (want, delta) = positions_of(&r, case);
+        assert_eq!(got.positions, want, "{name} {case}: M-RoPE positions");
+        assert_eq!(got.delta, delta, "{name} {case}: M-RoPE delta");
+    }
+}
+
+fn image_embeds(m: &LoadedModel, px: &[PixelValues]) -> Tensor {
+    let parts: Vec<Tensor> = px.iter().map(|p| vision(m).encode(p).unwrap()).collect();
+    Tensor::cat(&parts, 0).unwrap()
+}
+
+fn check_image_embeds(name: &str) {
+    let m = load(name);
+    let r = reference(name);
+    for case in IMAGE_CASES {
+        let px = pixels(name, &m, case);
+        let e = rel_err(&image_embeds(&m, &px), &r[&format!("{case}.image_embeds")]);
+        assert!(e <= TOL, "{name} {case} image embeddings: rel err {e}");
+    }
+}
+
+/// One sequence through the text model in chunks of `chunk` tokens; returns the final
+/// hidden states and, for a single chunk, the taps.
+fn forward_chunked(
+    m: &LoadedModel,
+    tokens: &[u32],
+    mm: Option<(&PromptPositions, &Tensor)>,
+    chunk: usize,
+) -> (Tensor, Taps) {
+    let cfg = m.config().clone();
+    let bs = 4;
+    let spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs) + 2, dtype: KvDtype::F32 };
+    let kv = KvCache::new(&cfg, spec, &Device::Cpu).unwrap();
+    let table: Vec<u32> = (0..spec.num_blocks as u32).rev().collect();
+    let image_token = m.vision.as_ref().map(|v| v.image_token_id());
+    let image_rows: Vec<usize> =
+        tokens.iter().enumerate().filter(|(_, &t)| Some(t) == image_token).map(|(i, _)| i).collect();
+    let mut taps = Taps::default();
+    let mut hidden = Vec::new();
+    let mut start = 0;
+    while start < tokens.len() {
+        let n = chunk.min(tokens.len() - start);
+        let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
+        let (positions, images) = match mm {
+            Some((pos, embeds)) => {
+                let p = (start..start + n).map(|i| pos.positions[i]).collect();
+                let ks: Vec<usize> =
+                    (0..image_rows.len()).filter(|&k| (start..start + n).contains(&image_rows[k])).collect();
+                let images = (!ks.is_empty()).then(|| {
+                    let rows: Vec<u32> = ks.iter().map(|&k| (image_rows[k] - start) as u32).collect();
+                    ImageRows::new(&rows, embeds.narrow(0, ks[0], ks.len()).unwrap(), n).unwrap()
+                });
+                (Positions::MRope(p), images)
+            }
+            None => (Positions::Flat((start..start + n).map(|i| i as u32).collect()), None),
+        };
+        let batch = Batch::new(&Device::Cpu, bs, vec![seq], &tokens[start..start + n], positions, images).unwrap();
+        let t = if chunk >= tokens.len() { Some(&mut taps) } else { None };
+        hidden.push(m.model.forward(&batch, &kv, t).unwrap());
+        start += n;
+    }
+    (Tensor::cat(&hidden, 0).unwrap(), taps)
+}
+
+fn check_layers(name: &str) {
+    let m = load(name);
+    let r = reference(name);
+    let n_layers = reference_json(name)["num_layers"].as_u64().unwrap() as usize;
+    for case in IMAGE_CASES.iter().copied().chain(["text"]) {
+        let tokens = ids(&r[&format!("{case}.input_ids")]);
+        let px = if case == "text" { vec![] } else { pixels(name, &m, case) };
+        let refs: Vec<&PixelValues> = px.iter().collect();
+        let embeds = (!px.is_empty()).then(|| image_embeds(&m, &px));
+        let pos = (!px.is_empty()).then(|| vision(&m).prompt_positions(&tokens, &refs).unwrap());
+        let mm = pos.as_ref().zip(embeds.as_ref());
+        let (hidden, taps) = forward_chunked(&m, &tokens, mm, usize::MAX);
+        let e = rel_err(taps.embed.as_ref().unwrap(), &r[&format!("{case}.embed")]);
+        assert!(e <= TOL, "{name} {case} embeddings: rel err {e}");
+        assert_eq!(taps.layers.len(), n_layers);
+        for (i, h) in taps.layers.iter().enumerate() {
+            let e = rel_err(h, &r[&format!("{case}.layer.{i}")]);
+            assert!(e <= TOL, "{name} {case} layer {i}: rel err {e}");
+        }
+        let e = rel_err(&hidden, &r[&format!("{case}.final_norm")]);
+        assert!(e <= TOL, "{name} {case} final norm: rel err {e}");
+        let tail = r[&format!("{case}.logits_tail")].dim(0).unwrap();
+        let logits = m.model.logits(&hidden.narrow(0, tokens.len() - tail, tail).unwrap()).unwrap();
+        let e = rel_err(&logits, &r[&format!("{case}.logits_tail")]);
+        assert!(e <= TOL, "{name} {case} logits: rel err {e}");
+        // Prefilled in chunks of 5 (image runs split across chunks) and token by token.
+        for chunk in [5, 1] {
+            let (h, _) = forward_chunked(&m, &tokens, mm, chunk);
+            let e = rel_err(&h, &r[&format!("{case}.final_norm")]);
+            assert!(e <= TOL, "{name} {case} in chunks of {chunk}: rel err {e}");
+        }
+    }
+}
+
+fn check_greedy(name: &str) {
+    let r = reference(name);
+    let mut engine = engine_with(&fixture(name), EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
+    let m = load(name);
+    for case in IMAGE_CASES.iter().copied().chain(["text"]) {
+        let prompt = ids(&r[&format!("{case}.input_ids")]);
+        let want = ids(&r[&format!("{case}.generated_ids")]);
+        let images = if case == "text" { vec![] } else { pixels(name, &m, case) };
+        let req = Request { prompt_tokens: prompt, params: greedy(want.len()) };
+        let id = engine.add_request_with_images(req, images.into_iter().map(ImageInput::new).collect()).unwrap();
+        let mut got = Vec::new();
+        while engine.has_work() {
+            for u in engine.step().unwrap() {
+                assert_eq!(u.id, id);
+                got.extend(u.token.map(|t| t.token));
+            }
+        }
+        assert_eq!(got, want, "{name} {case}: greedy tokens differ from transformers");
+    }
+}
+
+fn check_chat_template(name: &str) {
+    let m = load(name);
+    let r = reference(name);
+    let j = reference_json(name);
+    for case in IMAGE_CASES {
+        let msgs: Vec<iris::tokenizer::ChatMessage> =
+            serde_json::from_value(j["cases"][case]["messages"].clone()).unwrap();
+        let rendered = m.tokenizer.encode_chat(&msgs, true).unwrap();
+        let counts: Vec<usize> = pixels(name, &m, case).iter().map(|p| vision(&m).num_image_tokens(p)).collect();
+        let got = expand_image_tokens(&rendered, vision(&m).image_token_id(), &counts).unwrap();
+        assert_eq!(got, ids(&r[&format!("{case}.input_ids")]), "{name} {case}: chat template ids");
+    }
+}
+
+macro_rules! parity_tests {
+    ($($m:ident => $name:literal),*) => {$(
+        mod $m {
+            #[test]
+            fn processor_matches_transformers() {
+                super::check_processor($name);
+            }
+            #[test]
+            fn mrope_positions_match_transformers() {
+                super::check_positions($name);
+            }
+            #[test]
+            fn image_embeddings_match_transformers() {
+                super::check_image_embeds($name);
+            }
+            #[test]
+            fn hidden_states_and_logits_match_transformers() {
+                super::check_layers($name);
+            }
+            #[test]
+            fn greedy_tokens_match_transformers() {
+                super::check_greedy($name);
+            }
+            #[test]
+            fn chat_template_ids_match_transformers() {
+                super::check_chat_template($name);
+            }
+        }
+    )*};
+}
+
+parity_tests!(qwen2_vl => "tiny-qwen2-vl", qwen2_5_vl => "tiny-qwen2.5-vl");
