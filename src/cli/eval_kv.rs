@@ -84,13 +84,18 @@ pub struct EvalRow {
     pub perplexity: f64,
     /// Relative change of perplexity against bf16.
     pub perplexity_change: f64,
+    /// Perplexity over the second half of the text only (every prediction there has 1,000+
+    /// tokens of context, most of it beyond a float window).
+    pub perplexity_second_half: f64,
+    pub perplexity_second_half_change: f64,
     /// Share of positions whose most likely next token is bf16's.
     pub top1_agreement: f64,
 }
 
 /// Per-position results of scoring the text with one cache.
 struct Scores {
-    nll: f64,
+    /// Negative log-likelihood of each next token.
+    nll: Vec<f64>,
     argmax: Vec<u32>,
     bytes_per_token: usize,
 }
@@ -115,7 +120,7 @@ fn score(model: &dyn TextModel, tokens: &[u32], v: &Variant, compute: DType, chu
     let spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs), dtype: float };
     let kv = KvCache::build(cfg, spec, tq.as_ref(), &dev)?;
     let table: Vec<u32> = (0..spec.num_blocks as u32).collect();
-    let (mut nll, mut argmax) = (0f64, Vec::with_capacity(tokens.len()));
+    let (mut nll, mut argmax) = (Vec::with_capacity(tokens.len()), Vec::with_capacity(tokens.len()));
     let mut start = 0;
     while start < tokens.len() {
         let n = chunk.min(tokens.len() - start);
@@ -129,7 +134,7 @@ fn score(model: &dyn TextModel, tokens: &[u32], v: &Variant, compute: DType, chu
             argmax.push(best as u32);
             if let Some(&next) = tokens.get(start + i + 1) {
                 let lse = max as f64 + row.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>().ln();
-                nll += lse - row[next as usize] as f64;
+                nll.push(lse - row[next as usize] as f64);
             }
         }
         start += n;
@@ -161,27 +166,33 @@ pub fn run(a: EvalKvArgs) -> anyhow::Result<()> {
     let model = loaded.model.as_ref();
     let bf16 = Variant::parse("bf16")?;
     let base = score(model, &tokens, &bf16, dtype, a.chunk)?;
-    let scored = (tokens.len() - 1) as f64;
-    let base_ppl = (base.nll / scored).exp();
-    let mut rows = vec![EvalRow {
-        kv_cache: bf16.label.clone(),
-        bytes_per_token: base.bytes_per_token,
-        capacity_vs_bf16: 1.0,
-        perplexity: base_ppl,
-        perplexity_change: 0.0,
-        top1_agreement: 1.0,
-    }];
-    for v in &variants {
-        let s = score(model, &tokens, v, dtype, a.chunk)?;
-        let ppl = (s.nll / scored).exp();
+    // Perplexity over all scored positions, and over the second half.
+    let ppl = |nll: &[f64]| {
+        let half = &nll[nll.len() / 2..];
+        ((nll.iter().sum::<f64>() / nll.len() as f64).exp(), (half.iter().sum::<f64>() / half.len() as f64).exp())
+    };
+    let (base_ppl, base_half) = ppl(&base.nll);
+    let mut rows = Vec::new();
+    for v in std::iter::once(&bf16).chain(&variants) {
+        // The first row is the baseline itself.
+        let scored;
+        let s = if rows.is_empty() {
+            &base
+        } else {
+            scored = score(model, &tokens, v, dtype, a.chunk)?;
+            &scored
+        };
+        let (p, h) = ppl(&s.nll);
         let same = s.argmax.iter().zip(&base.argmax).filter(|(x, y)| x == y).count();
         rows.push(EvalRow {
             kv_cache: v.label.clone(),
             bytes_per_token: s.bytes_per_token,
             capacity_vs_bf16: base.bytes_per_token as f64 / s.bytes_per_token as f64,
-            perplexity: ppl,
-            perplexity_change: ppl / base_ppl - 1.0,
-            top1_agreement: same as f64 / scored,
+            perplexity: p,
+            perplexity_change: p / base_ppl - 1.0,
+            perplexity_second_half: h,
+            perplexity_second_half_change: h / base_half - 1.0,
+            top1_agreement: same as f64 / base.argmax.len() as f64,
         });
     }
     if a.json {
@@ -189,16 +200,20 @@ pub fn run(a: EvalKvArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!("Model `{}`, {} tokens of `{}`, chunks of {}.\n", path.display(), tokens.len(), a.text.display(), a.chunk);
-    println!("| KV cache | bytes/token | capacity vs bf16 | perplexity | vs bf16 | top-1 agreement with bf16 |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| KV cache | bytes/token | capacity vs bf16 | perplexity | vs bf16 | 2nd half | vs bf16 | top-1 agreement with bf16 |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {} | {:.2}x | {:.4} | {:+.2}% | {:.2}% |",
+            "| {} | {} | {:.2}x | {:.4} | {:+.2}% | {:.4} | {:+.2}% | {:.2}% |",
             r.kv_cache,
             r.bytes_per_token,
             r.capacity_vs_bf16,
             r.perplexity,
             r.perplexity_change * 100.0,
+            r.perplexity_second_half,
+            r.perplexity_second_half_change * 100.0,
             r.top1_agreement * 100.0
         );
     }
