@@ -33,9 +33,12 @@ fn fill(kv: &KvCache, layers: usize, context: usize, kv_heads: usize, dim: usize
                     vc.inplace_op2(&v, &KvWrite { slot_mapping: &slots }).unwrap();
                 }
                 LayerCache::TurboQuant(c) => {
-                    c.k.inplace_op2(&k, &TqWrite { slot_mapping: &slots, codec: &c.codecs.key }).unwrap();
-                    c.v.inplace_op2(&v, &TqWrite { slot_mapping: &slots, codec: &c.codecs.value }).unwrap();
+                    let scale = c.codecs.key_scale.as_deref();
+                    c.k.inplace_op2(&k, &TqWrite { slot_mapping: &slots, codec: &c.codecs.key, scale }).unwrap();
+                    c.v.inplace_op2(&v, &TqWrite { slot_mapping: &slots, codec: &c.codecs.value, scale: None })
+                        .unwrap();
                 }
+                LayerCache::Calibration(_) => unreachable!("the bench builds no calibration cache"),
             }
             start += n;
         }

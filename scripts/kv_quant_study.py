@@ -16,6 +16,7 @@ Methods (per setting, comma-separated `key=value` pairs):
   win=N           each query reads its last N positions unquantized (iris --kv-float-window)
   scale=1         TurboQuant on k * t, with q / t (exact for q.k): t per (layer, kv head,
                   channel) = (E[q^2] / E[k^2])^(1/4), from a calibration text
+  scale=2         the same with keys' statistics only: t = E[k^2]^(-1/4)
   only=[L,...]    quantize these layers only
 
 Usage:
@@ -108,7 +109,7 @@ def attention(module, q, k, v, mask, scaling=None, dropout=0.0, **kw):
     if "only" in SETTING and li not in SETTING["only"]:
         kb = vb = None
     method = SETTING.get("method", "tq")
-    t = SCALES[li] if SETTING.get("scale") and kb is not None else 1.0
+    t = SCALES[(li, SETTING["scale"])] if SETTING.get("scale") and kb is not None else 1.0
     kq = quantize(k * t, kb, 2 * li, method) / t
     vq = quantize(v, vb, 2 * li + 1, method)
     rep = q.shape[1] // k.shape[1]
@@ -148,7 +149,8 @@ def main():
         hkv = k.shape[1]
         eq = q.pow(2).mean(2).reshape(1, hkv, q.shape[1] // hkv, -1).mean(2).unsqueeze(2)
         ek = k.pow(2).mean(2, keepdim=True)
-        SCALES[li] = (eq.clamp_min(1e-8) / ek.clamp_min(1e-8)).pow(0.25)
+        SCALES[(li, 1)] = (eq.clamp_min(1e-8) / ek.clamp_min(1e-8)).pow(0.25)
+        SCALES[(li, 2)] = ek.clamp_min(1e-8).pow(-0.25)
 
     ids = tok(open(text).read(), return_tensors="pt").input_ids[:, :n]
 

@@ -33,8 +33,9 @@ pub struct EvalKvArgs {
     #[arg(long, default_value_t = 128)]
     pub chunk: usize,
     /// A cache to compare with bf16 (repeatable): a --kv-cache-dtype value, optionally with
-    /// /wN for a float window of N tokens and /sL,L for float layers, e.g. tq-k3v4/w128/s0,-1.
-    /// Default: f32, tq-k4v4, tq-k3v4, tq-k2v3, tq-k3v4/w128, tq-k2v3/w128.
+    /// /wN for a float window of N tokens, /sL,L for float layers and /plain for no key
+    /// scales (--kv-key-scales none), e.g. tq-k3v4/w128/s0,-1. Default: f32, tq-k4v4,
+    /// tq-k3v4, tq-k2v3, tq-k3v4/w128, tq-k2v3/w128.
     #[arg(long = "variant", allow_hyphen_values = true)]
     pub variants: Vec<String>,
     /// Print JSON instead of a markdown table.
@@ -51,26 +52,30 @@ struct Variant {
     dtype: KvCacheDtype,
     float_window: usize,
     skip_layers: Vec<i64>,
+    key_scales: bool,
 }
 
 impl Variant {
     fn parse(s: &str) -> anyhow::Result<Self> {
         let mut parts = s.split('/');
         let dtype: KvCacheDtype = parts.next().unwrap_or_default().parse()?;
-        let (mut float_window, mut skip_layers) = (0, Vec::new());
+        let (mut float_window, mut skip_layers, mut key_scales) = (0, Vec::new(), true);
         for p in parts {
-            if let Some(n) = p.strip_prefix('w') {
+            if p == "plain" {
+                key_scales = false;
+            } else if let Some(n) = p.strip_prefix('w') {
                 float_window = n.parse().with_context(|| format!("`{p}` in variant `{s}` is not /wN"))?;
             } else if let Some(l) = p.strip_prefix('s') {
                 skip_layers = parse_layer_list(l)?;
             } else {
-                bail!("`{p}` in variant `{s}`: use /wN (float window) or /sL,L (float layers)");
+                bail!("`{p}` in variant `{s}`: use /wN (float window), /sL,L (float layers) or /plain");
             }
         }
-        if !matches!(dtype, KvCacheDtype::TurboQuant(_)) && (float_window > 0 || !skip_layers.is_empty()) {
-            bail!("variant `{s}`: /w and /s only apply to a TurboQuant cache (tq-kXvY)");
+        if !matches!(dtype, KvCacheDtype::TurboQuant(_)) && (float_window > 0 || !skip_layers.is_empty() || !key_scales)
+        {
+            bail!("variant `{s}`: /w, /s and /plain only apply to a TurboQuant cache (tq-kXvY)");
         }
-        Ok(Variant { label: s.to_string(), dtype, float_window, skip_layers })
+        Ok(Variant { label: s.to_string(), dtype, float_window, skip_layers, key_scales })
     }
 }
 
@@ -100,7 +105,14 @@ struct Scores {
     bytes_per_token: usize,
 }
 
-fn score(model: &dyn TextModel, tokens: &[u32], v: &Variant, compute: DType, chunk: usize) -> anyhow::Result<Scores> {
+fn score(
+    model: &dyn TextModel,
+    tokens: &[u32],
+    v: &Variant,
+    key_scales: &[Vec<f32>],
+    compute: DType,
+    chunk: usize,
+) -> anyhow::Result<Scores> {
     let cfg = model.config();
     let dev = Device::Cpu;
     let auto = KvDtype::from_dtype(compute).unwrap_or(KvDtype::F32);
@@ -109,7 +121,8 @@ fn score(model: &dyn TextModel, tokens: &[u32], v: &Variant, compute: DType, chu
         KvCacheDtype::Float(d) => (d, None),
         KvCacheDtype::TurboQuant(bits) => {
             let skip_layers = resolve_layers(&v.skip_layers, cfg.num_layers)?;
-            (auto, Some(TqSpec { bits, skip_layers, float_window: v.float_window, window_rings: 1 }))
+            let key_scales = if v.key_scales { key_scales.to_vec() } else { Vec::new() };
+            (auto, Some(TqSpec { bits, skip_layers, float_window: v.float_window, window_rings: 1, key_scales }))
         }
     };
     let bytes_per_token = match &tq {
@@ -164,8 +177,9 @@ pub fn run(a: EvalKvArgs) -> anyhow::Result<()> {
     tokens.truncate(a.max_tokens);
     anyhow::ensure!(tokens.len() > 1, "--text {}: fewer than 2 tokens to score", a.text.display());
     let model = loaded.model.as_ref();
+    let key_scales = crate::engine::calibrate::key_scales(model, &loaded.tokenizer, &Device::Cpu)?;
     let bf16 = Variant::parse("bf16")?;
-    let base = score(model, &tokens, &bf16, dtype, a.chunk)?;
+    let base = score(model, &tokens, &bf16, &key_scales, dtype, a.chunk)?;
     // Perplexity over all scored positions, and over the second half.
     let ppl = |nll: &[f64]| {
         let half = &nll[nll.len() / 2..];
@@ -179,7 +193,7 @@ pub fn run(a: EvalKvArgs) -> anyhow::Result<()> {
         let s = if rows.is_empty() {
             &base
         } else {
-            scored = score(model, &tokens, v, dtype, a.chunk)?;
+            scored = score(model, &tokens, v, &key_scales, dtype, a.chunk)?;
             &scored
         };
         let (p, h) = ppl(&s.nll);

@@ -315,7 +315,8 @@ impl Engine {
         } else {
             Some(ImageRows::new(&image_rows, Tensor::cat(&image_embeds, 0)?, tokens.len())?)
         };
-        let mut batch = Batch::new(&self.device, self.scheduler.config().block_size, slices, &tokens, positions, images)?;
+        let mut batch =
+            Batch::new(&self.device, self.scheduler.config().block_size, slices, &tokens, positions, images)?;
         batch.attn.window_rings = plan
             .items
             .iter()

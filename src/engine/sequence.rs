@@ -1,8 +1,8 @@
 //! A request's life inside the engine.
 
 use super::finish::FinishReason;
-use super::sampler::{Sampled, SequenceSampler};
 use super::multimodal::MultiModalState;
+use super::sampler::{Sampled, SequenceSampler};
 use super::sampling_params::SamplingParams;
 use crate::kv::BlockTable;
 

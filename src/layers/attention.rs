@@ -83,16 +83,32 @@ impl SelfAttention {
         let as_f32 = |t: Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
         let (k, v) = (as_f32(k)?, as_f32(v)?);
         let out = match cache {
-            LayerCache::Dense { k: kc, v: vc } => {
-                let write = KvWrite { slot_mapping: &meta.slot_mapping };
-                kc.inplace_op2(&k, &write)?;
-                vc.inplace_op2(&v, &write)?;
-                self.paged(meta).forward(&as_f32(q)?, kc, vc)?
+            LayerCache::Dense { k: kc, v: vc } => self.attend_dense(&as_f32(q)?, &k, &v, kc, vc, meta)?,
+            LayerCache::Calibration(c) => {
+                let q = as_f32(q)?;
+                c.record(&q, &k)?;
+                self.attend_dense(&q, &k, &v, &c.k, &c.v, meta)?
             }
             LayerCache::TurboQuant(c) => tq_attention::write_and_attend(self.paged(meta), c, &as_f32(q)?, &k, &v)?,
         };
         let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
         self.o_proj.forward(&out)
+    }
+
+    /// Stores the step's keys and values in a dense cache and attends over it.
+    fn attend_dense(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        kc: &Tensor,
+        vc: &Tensor,
+        meta: &AttentionMeta,
+    ) -> Result<Tensor> {
+        let write = KvWrite { slot_mapping: &meta.slot_mapping };
+        kc.inplace_op2(k, &write)?;
+        vc.inplace_op2(v, &write)?;
+        self.paged(meta).forward(q, kc, vc)
     }
 
     fn paged<'m>(&self, meta: &'m AttentionMeta) -> PagedAttention<'m> {

@@ -42,6 +42,9 @@ pub struct TqAttention<'a> {
     pub attn: PagedAttention<'a>,
     pub key: &'a TqCodec,
     pub value: &'a TqCodec,
+    /// Keys were stored as k * key_scale (`[kv_heads * head_dim]`): queries read them as
+    /// q / key_scale.
+    pub key_scale: Option<&'a [f32]>,
     pub float: Option<FloatInputs<'a>>,
 }
 
@@ -104,6 +107,9 @@ impl TqAttention<'_> {
         let rows = meta.num_rows();
         if q.len() != rows * hq * d || self.key.dim() != d || self.value.dim() != d || hq % hkv != 0 {
             candle_core::bail!("tq-attention: q has {} values, expected {rows}x{hq}x{d}", q.len());
+        }
+        if self.key_scale.is_some_and(|s| s.len() != hkv * d) {
+            candle_core::bail!("tq-attention: key scales for another shape than {hkv}x{d}");
         }
         let bs = meta.block_size;
         for s in &meta.seqs {
@@ -206,9 +212,17 @@ impl TqAttention<'_> {
         let (hq, d) = (a.num_heads, a.head_dim);
         let group = hq / a.num_kv_heads;
         let mut qr = vec![0f32; tile.rows.len() * group * d];
+        let mut scaled = vec![0f32; d];
         for (r, t) in tile.rows.clone().enumerate() {
             for h in 0..group {
                 let qh = &q[(t * hq + g * group + h) * d..][..d];
+                let qh = match self.key_scale {
+                    Some(s) => {
+                        scaled.iter_mut().zip(qh.iter().zip(&s[g * d..][..d])).for_each(|(o, (a, b))| *o = a / b);
+                        &scaled
+                    }
+                    None => qh,
+                };
                 self.key.rotation().apply(qh, &mut qr[(r * group + h) * d..][..d]);
             }
         }
@@ -660,10 +674,11 @@ pub fn write_and_attend(
 ) -> Result<Tensor> {
     let meta = attn.meta;
     let codecs = &c.codecs;
-    c.k.inplace_op2(k, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.key })?;
-    c.v.inplace_op2(v, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.value })?;
+    let key_scale = codecs.key_scale.as_deref();
+    c.k.inplace_op2(k, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.key, scale: key_scale })?;
+    c.v.inplace_op2(v, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.value, scale: None })?;
     let float = c.window.as_ref().map(|w| FloatInputs { len: w.len, ring_k: &w.k, ring_v: &w.v, new_k: k, new_v: v });
-    let op = TqAttention { attn, key: &codecs.key, value: &codecs.value, float };
+    let op = TqAttention { attn, key: &codecs.key, value: &codecs.value, key_scale, float };
     let out = op.forward(q, &c.k, &c.v)?;
     // After the op: it reads the rings' older positions, which these writes may replace.
     if let Some(w) = &c.window {
@@ -903,9 +918,19 @@ mod tests {
                     let all: Vec<u32> = (0..slots as u32).collect();
                     let kt = Tensor::from_vec(ko.clone(), (slots, hkv, d), &dev).unwrap();
                     let vt = Tensor::from_vec(vo.clone(), (slots, hkv, d), &dev).unwrap();
-                    c.k.inplace_op2(&kt, &TqWrite { slot_mapping: &all, codec: &c.codecs.key }).unwrap();
-                    c.v.inplace_op2(&vt, &TqWrite { slot_mapping: &all, codec: &c.codecs.value }).unwrap();
-                    let (kd, vd) = (dequantize(&c.k, &c.codecs.key), dequantize(&c.v, &c.codecs.value));
+                    // Half the cases scale the keys' channels (as calibration does).
+                    let key_scale: Option<Vec<f32>> =
+                        (fw != 3).then(|| (0..hkv * d).map(|i| 0.3 + (i as f32 * 0.37).sin().abs() * 2.0).collect());
+                    let scale = key_scale.as_deref();
+                    c.k.inplace_op2(&kt, &TqWrite { slot_mapping: &all, codec: &c.codecs.key, scale }).unwrap();
+                    c.v.inplace_op2(&vt, &TqWrite { slot_mapping: &all, codec: &c.codecs.value, scale: None }).unwrap();
+                    let mut kd = dequantize(&c.k, &c.codecs.key);
+                    if let Some(s) = scale {
+                        for (i, x) in kd.iter_mut().enumerate() {
+                            *x /= s[i % (hkv * d)];
+                        }
+                    }
+                    let vd = dequantize(&c.v, &c.codecs.value);
                     let slot = |si: usize, j: usize| meta.seqs[si].block_table[j / bs] as usize * bs + j % bs;
                     // The float rows: this step's from the originals, older ones in the rings.
                     let rows = meta.num_rows();
@@ -945,7 +970,8 @@ mod tests {
                         new_k: &new_kt,
                         new_v: &new_vt,
                     });
-                    let op = TqAttention { attn: a, key: &c.codecs.key, value: &c.codecs.value, float };
+                    let op =
+                        TqAttention { attn: a, key: &c.codecs.key, value: &c.codecs.value, key_scale: scale, float };
                     let got: Vec<f32> = op.forward(&q, &c.k, &c.v).unwrap().flatten_all().unwrap().to_vec1().unwrap();
 
                     // f64 reference: row at p reads j in (p - fw, p] from the originals.
@@ -1019,7 +1045,10 @@ mod tests {
         for (fw, ring_dtype, sliding) in configs {
             let run = |chunk: usize| -> Vec<f32> {
                 let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
-                let c = layer(d, hkv, table.len() * bs, (3, 4), fw, 3, ring_dtype);
+                let mut c = layer(d, hkv, table.len() * bs, (3, 4), fw, 3, ring_dtype);
+                if fw == 5 {
+                    c.codecs.key_scale = Some((0..hkv * d).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect());
+                }
                 let mut out = Vec::new();
                 let mut start = 0;
                 while start < n {

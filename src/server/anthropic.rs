@@ -14,8 +14,7 @@ use serde_json::{json, Value};
 use super::engine_loop::{SeqEvent, SeqEventKind};
 use super::errors::ApiError;
 use super::generate::{
-    check_request, collect, matched_stop, parse_json, random_id, request_error, submit_with_images, typed,
-    MaxTokens,
+    check_request, collect, matched_stop, parse_json, random_id, request_error, submit_with_images, typed, MaxTokens,
 };
 use super::images::ImageRef;
 use super::openai::encode_chat;

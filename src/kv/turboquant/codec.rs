@@ -135,6 +135,9 @@ pub(crate) unsafe fn decode_rotated_avx512(row: *const u8, bits: u8, table: &[f3
 pub struct LayerCodecs {
     pub key: TqCodec,
     pub value: TqCodec,
+    /// `[kv_heads * head_dim]`: keys are stored as k * scale, queries read them as q / scale
+    /// (`kv::calibration`). None: unscaled.
+    pub key_scale: Option<Vec<f32>>,
 }
 
 impl LayerCodecs {
@@ -145,6 +148,7 @@ impl LayerCodecs {
         LayerCodecs {
             key: TqCodec::new(Rotation::seeded(dim, seed(0)), key.clone()),
             value: TqCodec::new(Rotation::seeded(dim, seed(1)), value.clone()),
+            key_scale: None,
         }
     }
 }
