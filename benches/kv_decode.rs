@@ -51,7 +51,14 @@ fn decode_step(model: &dyn TextModel, cache: KvCacheDtype, context: usize, steps
     let (float, tq) = match cache {
         KvCacheDtype::Auto => (KvDtype::F32, None),
         KvCacheDtype::Float(d) => (d, None),
-        KvCacheDtype::TurboQuant(bits) => (KvDtype::F32, Some(TqSpec::new(bits))),
+        // Key scales as calibration sets them by default (their values do not change the speed).
+        KvCacheDtype::TurboQuant(bits) => (
+            KvDtype::F32,
+            Some(TqSpec {
+                key_scales: vec![vec![1.0; cfg.num_kv_heads * cfg.head_dim]; cfg.num_layers],
+                ..TqSpec::new(bits)
+            }),
+        ),
     };
     let spec = KvCacheSpec { block_size: BLOCK, num_blocks: (context + 1).div_ceil(BLOCK), dtype: float };
     let kv = KvCache::build(cfg, spec, tq.as_ref(), &Device::Cpu).unwrap();

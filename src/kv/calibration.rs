@@ -4,20 +4,28 @@
 //! query divided by t, exactly. TurboQuant's error is spread evenly over a rotated vector's
 //! coordinates, so the error of a score q.k is smallest when the channels' energies are
 //! balanced against the queries': t = (E[q_c^2] / E[k_c^2])^(1/4) minimises
-//! E|k t|^2 E|q / t|^2 over diagonal t. Many models' keys put most of their energy in a few
-//! channels that queries barely read (measured on SmolLM2 and Gemma-3: see docs/kv-quant.md),
-//! where this cuts the perplexity cost of 3- and 4-bit keys several times.
+//! E|k t|^2 E|q / t|^2 over diagonal t. Some models' keys put much of their energy in channels
+//! that queries barely read: on Gemma-3-270M this cuts the perplexity cost of 4-bit keys four
+//! times; on SmolLM2-135M, whose query and key energies are proportional, it changes nothing
+//! measurable (docs/kv-quant.md).
 //!
 //! The moments come from a fixed text run through the model once at start (a float cache
 //! whose layers also record their queries' and keys' squares), so the scales are fixed per
-//! model: every request and batch sees the same ones. Channels that rotary embeddings rotate
-//! together get one scale, so the scaling commutes with rotary at any position.
+//! model: every request and batch sees the same ones. The two channels rotary embeddings turn
+//! together get one scale: their summed energy does not depend on the position, while each
+//! channel's own does (for the slowly turning pairs), so scales fitted per channel on the
+//! calibration text's positions are far off at others (measured: docs/kv-quant.md).
 
 use std::sync::Mutex;
 
 use candle_core::{Result, Tensor};
 
 use crate::models::config::RopeLayout;
+
+/// The least energy a rotary pair is taken to have, relative to the head's mean pair: bounds
+/// the ratio of two scales by (head_dim / (2 ENERGY_FLOOR))^(1/2). On SmolLM2 every pair is
+/// above it; on Gemma-3 a few per layer are below, most of them channels the model zeroes.
+const ENERGY_FLOOR: f64 = 1e-3;
 
 /// Sums of squares of one layer's queries (over the query heads of each kv head) and keys,
 /// per kv head and channel.
@@ -74,13 +82,14 @@ impl CalibrationCache {
         let m = self.moments.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = Vec::with_capacity(m.k2.len());
         for (qh, kh) in m.q2.chunks_exact(d).zip(m.k2.chunks_exact(d)) {
-            let t: Vec<f64> = (0..d)
-                .map(|c| {
-                    let p = rotary_partner(c, d, layout);
-                    let (q, k) = (qh[c] + qh[p], kh[c] + kh[p]);
-                    (q.max(1e-12) / k.max(1e-12)).powf(0.25)
-                })
-                .collect();
+            let pair = |e: &[f64], c: usize| e[c] + e[rotary_partner(c, d, layout)];
+            // A pair's energy counts as at least ENERGY_FLOOR of the head's mean: a channel
+            // the calibration queries never read would otherwise get a tiny t, and a query
+            // that does read it at serving time would be multiplied by 1 / t.
+            let floor = |e: &[f64]| (e.iter().sum::<f64>() * 2.0 / d as f64 * ENERGY_FLOOR).max(1e-30);
+            let (fq, fk) = (floor(qh), floor(kh));
+            let t: Vec<f64> =
+                (0..d).map(|c| (pair(qh, c).max(fq) / pair(kh, c).max(fk)).powf(0.25)).collect();
             let rms = (t.iter().map(|x| x * x).sum::<f64>() / d as f64).sqrt();
             out.extend(t.iter().map(|x| (x / rms) as f32));
         }
@@ -118,5 +127,22 @@ mod tests {
         assert_eq!(s[1], s[3]);
         let ms: f32 = s.iter().map(|x| x * x).sum::<f32>() / 4.0;
         assert!((ms - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn a_pair_the_queries_never_read_gets_a_bounded_scale() {
+        let dev = Device::Cpu;
+        let d = 4;
+        // Interleaved pairs (0, 1) and (2, 3); queries never read pair (2, 3).
+        let k = Tensor::new(&[[[1f32, 1.0, 1.0, 1.0]]; 2], &dev).unwrap();
+        let q = Tensor::new(&[[[1f32, 1.0, 0.0, 0.0]]; 2], &dev).unwrap();
+        let c = CalibrationCache::new(k.clone(), k.clone());
+        c.record(&q, &k).unwrap();
+        let s = c.key_scales(d, RopeLayout::Interleaved);
+        assert_eq!(s.len(), d);
+        // Pair energies q: (4, 0) -> floored to 2e-3 of the mean pair energy (2); k: (4, 4).
+        let want = (4.0f64 / (2.0 * ENERGY_FLOOR)).powf(0.25) as f32;
+        assert!((s[0] / s[2] - want).abs() < 1e-3 * want, "{s:?}");
+        assert!(s.iter().all(|x| x.is_finite() && *x > 0.0));
     }
 }
