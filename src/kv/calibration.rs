@@ -88,8 +88,7 @@ impl CalibrationCache {
             // that does read it at serving time would be multiplied by 1 / t.
             let floor = |e: &[f64]| (e.iter().sum::<f64>() * 2.0 / d as f64 * ENERGY_FLOOR).max(1e-30);
             let (fq, fk) = (floor(qh), floor(kh));
-            let t: Vec<f64> =
-                (0..d).map(|c| (pair(qh, c).max(fq) / pair(kh, c).max(fk)).powf(0.25)).collect();
+            let t: Vec<f64> = (0..d).map(|c| (pair(qh, c).max(fq) / pair(kh, c).max(fk)).powf(0.25)).collect();
             let rms = (t.iter().map(|x| x * x).sum::<f64>() / d as f64).sqrt();
             out.extend(t.iter().map(|x| (x / rms) as f32));
         }

@@ -601,7 +601,7 @@ impl<const DV: usize> Kernel for Avx512<DV> {
     #[inline(always)]
     fn decode(self, codec: &TqCodec, row: &[u8], out: &mut [f32]) {
         let d = out.len();
-        debug_assert!(row.len() >= codec.row_bytes() && d % 16 == 0 && (2..=4).contains(&codec.bits()));
+        debug_assert!(row.len() >= codec.row_bytes() && d.is_multiple_of(16) && (2..=4).contains(&codec.bits()));
         // SAFETY: only reached from `avx512_entry` (AVX-512F present), with d % 16 == 0
         // and 2..=4-bit codes; `row` is a whole stored row (codes, then the norm).
         unsafe {
