@@ -10,7 +10,7 @@ use iris::engine::build::{build_engine, EngineOptions};
 use iris::kv::{KvCache, KvCacheSpec, KvDtype, TqBits, TqSpec};
 
 fn tq(key: u8, value: u8, float_window: usize, skip_layers: Vec<usize>) -> TqSpec {
-    TqSpec { bits: TqBits { key, value }, skip_layers, float_window, window_rings: 3 }
+    TqSpec { skip_layers, float_window, window_rings: 3, ..TqSpec::new(TqBits { key, value }) }
 }
 
 /// Bytes per token follow from the layout, and the pool allocates exactly blocks x tokens x
@@ -89,7 +89,8 @@ fn prefill_equals_token_by_token_and_a_full_window_equals_the_float_cache() {
         let r = reference(name);
         let tokens = ids(&r["text.input_ids"]);
         let dense = forward_chunked(name, &tokens, usize::MAX, None);
-        for spec in [tq(4, 4, 0, vec![]), tq(3, 4, 3, vec![]), tq(2, 3, 0, vec![0])] {
+        let scaled = TqSpec { key_scales: key_scales(name), ..tq(3, 4, 2, vec![]) };
+        for spec in [tq(4, 4, 0, vec![]), tq(3, 4, 3, vec![]), tq(2, 3, 0, vec![0]), scaled] {
             let whole = forward_chunked(name, &tokens, usize::MAX, Some(&spec));
             for chunk in [1, 5] {
                 let e = rel_err(&forward_chunked(name, &tokens, chunk, Some(&spec)), &whole);
@@ -98,11 +99,44 @@ fn prefill_equals_token_by_token_and_a_full_window_equals_the_float_cache() {
             let e = rel_err(&whole, &dense);
             assert!(e > 1e-3, "{name} {spec:?}: codes changed nothing ({e})");
         }
-        let all_float = tq(2, 2, tokens.len(), vec![]);
+        let all_float = TqSpec { key_scales: key_scales(name), ..tq(2, 2, tokens.len(), vec![]) };
         for chunk in [usize::MAX, 1, 7] {
             let e = rel_err(&forward_chunked(name, &tokens, chunk, Some(&all_float)), &dense);
             assert!(e <= 1e-5, "{name}: a full float window in chunks of {chunk} is {e} from the float cache");
         }
+    }
+}
+
+fn key_scales(name: &str) -> Vec<Vec<f32>> {
+    let loaded = iris::loader::load(&fixture(name), &Device::Cpu, DType::F32).unwrap();
+    iris::engine::calibrate::key_scales(loaded.model.as_ref(), &loaded.tokenizer, &Device::Cpu).unwrap()
+}
+
+/// Calibration gives every layer one positive scale per kv head and channel, the same for
+/// the two channels rotary turns together, a mean square of 1 per head, and not all equal.
+#[test]
+fn calibrated_key_scales_have_the_cache_shape() {
+    for name in TINY_MODELS {
+        let cfg = iris::loader::read_config(&fixture(name)).unwrap().1;
+        let scales = key_scales(name);
+        assert_eq!(scales.len(), cfg.num_layers, "{name}");
+        let d = cfg.head_dim;
+        for s in &scales {
+            assert_eq!(s.len(), cfg.num_kv_heads * d, "{name}");
+            assert!(s.iter().all(|x| x.is_finite() && *x > 0.0), "{name}: {s:?}");
+            for head in s.chunks_exact(d) {
+                let ms = head.iter().map(|x| x * x).sum::<f32>() / d as f32;
+                assert!((ms - 1.0).abs() < 1e-4, "{name}: mean square {ms}");
+                let partner = |c: usize| match cfg.rope_layout {
+                    iris::models::config::RopeLayout::Half => (c + d / 2) % d,
+                    iris::models::config::RopeLayout::Interleaved => c ^ 1,
+                };
+                assert!((0..d).all(|c| head[c] == head[partner(c)]), "{name}: rotary pairs differ");
+                assert!(head.iter().any(|x| (x - head[0]).abs() > 1e-3), "{name}: all scales equal");
+            }
+        }
+        // The same model gives the same scales.
+        assert_eq!(scales, key_scales(name), "{name}: calibration is not deterministic");
     }
 }
 

@@ -199,9 +199,32 @@ fn check_layers(name: &str) {
 }
 
 fn check_greedy(name: &str) {
+    let got = greedy_outputs(name, EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
+    for (case, got, want) in got {
+        assert_eq!(got, want, "{name} {case}: greedy tokens differ from transformers");
+    }
+}
+
+/// A TurboQuant cache whose float window covers every sequence reads only floats: the
+/// greedy tokens are transformers' again, images and M-RoPE included. Without the window
+/// (codes everywhere) every case still generates to the end.
+fn check_greedy_turboquant(name: &str) {
+    let bits = Some(iris::kv::TqBits { key: 3, value: 4 });
+    let base = EngineOptions { kv_memory: Some(64 << 20), kv_quant: bits, max_num_seqs: 4, ..Default::default() };
+    for (case, got, want) in greedy_outputs(name, EngineOptions { kv_float_window: 1024, ..base.clone() }) {
+        assert_eq!(got, want, "{name} {case}: a full float window changed the greedy tokens");
+    }
+    for (case, got, want) in greedy_outputs(name, base) {
+        assert_eq!(got.len(), want.len(), "{name} {case}: generation with codes stopped early");
+    }
+}
+
+/// (case, generated tokens, transformers' tokens) for every image case and text.
+fn greedy_outputs(name: &str, opts: EngineOptions) -> Vec<(&'static str, Vec<u32>, Vec<u32>)> {
     let r = reference(name);
-    let mut engine = engine_with(&fixture(name), EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
+    let mut engine = engine_with(&fixture(name), opts);
     let m = load(name);
+    let mut out = Vec::new();
     for case in IMAGE_CASES.iter().copied().chain(["text"]) {
         let prompt = ids(&r[&format!("{case}.input_ids")]);
         let want = ids(&r[&format!("{case}.generated_ids")]);
@@ -215,8 +238,9 @@ fn check_greedy(name: &str) {
                 got.extend(u.token.map(|t| t.token));
             }
         }
-        assert_eq!(got, want, "{name} {case}: greedy tokens differ from transformers");
+        out.push((case, got, want));
     }
+    out
 }
 
 fn check_chat_template(name: &str) {
@@ -255,6 +279,10 @@ macro_rules! parity_tests {
             #[test]
             fn greedy_tokens_match_transformers() {
                 super::check_greedy($name);
+            }
+            #[test]
+            fn greedy_tokens_with_a_turboquant_cache() {
+                super::check_greedy_turboquant($name);
             }
             #[test]
             fn chat_template_ids_match_transformers() {

@@ -57,6 +57,11 @@ pub struct EngineArgs {
     /// count from the end), e.g. 0,-1 for the first and the last.
     #[arg(long, allow_hyphen_values = true)]
     pub kv_skip_layers: Option<String>,
+    /// With a TurboQuant cache: calibrated (multiply each rotary pair of key channels by
+    /// (E[q^2]/E[k^2])^(1/4) before quantizing and divide queries by it, exact for attention
+    /// scores; measured once at start on a built-in English text) or none (plain TurboQuant).
+    #[arg(long, default_value = "calibrated", value_parser = ["calibrated", "none"])]
+    pub kv_key_scales: String,
     /// Memory for the KV cache, e.g. 2GiB, 512MiB, 1e9. Default: a quarter of RAM (on a GPU: its
     /// free memory less a tenth of its total), capped at
     /// what max-num-seqs sequences of max-model-len tokens can use.
@@ -104,6 +109,7 @@ impl EngineArgs {
             kv_quant,
             kv_float_window: self.kv_float_window,
             kv_skip_layers,
+            kv_key_scales: self.kv_key_scales == "calibrated",
             kv_memory,
             block_size: self.block_size,
             max_num_batched_tokens: self.max_num_batched_tokens,

@@ -4,6 +4,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device};
 
+use super::calibrate;
 use super::core::{Engine, EngineConfig};
 use super::scheduler::SchedulerConfig;
 use crate::kv::format::resolve_layers;
@@ -21,6 +22,8 @@ pub struct EngineOptions {
     pub kv_float_window: usize,
     /// With `kv_quant`: layers that keep a float cache (negative indices count from the end).
     pub kv_skip_layers: Vec<i64>,
+    /// With `kv_quant`: scale key channels by scales measured at start (`kv::calibration`).
+    pub kv_key_scales: bool,
     /// None: a share of the device's memory (see `default_kv_budget`).
     pub kv_memory: Option<u64>,
     pub block_size: usize,
@@ -37,6 +40,7 @@ impl Default for EngineOptions {
             kv_quant: None,
             kv_float_window: 0,
             kv_skip_layers: Vec::new(),
+            kv_key_scales: true,
             kv_memory: None,
             block_size: 16,
             max_num_batched_tokens: 2048,
@@ -91,6 +95,9 @@ impl StartupReport {
                 if !tq.skip_layers.is_empty() {
                     extra += &format!(", layers {:?} in {}", tq.skip_layers, self.kv_dtype);
                 }
+                if !tq.key_scales.is_empty() {
+                    extra += ", calibrated key scales";
+                }
                 let ratio = self.kv_capacity_tokens as f64 / self.kv_bf16_capacity_tokens.max(1) as f64;
                 format!(
                     "KV cache {}{extra}: {base} ({ratio:.2}x the {} tokens of a bf16 cache)",
@@ -131,6 +138,12 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
             skip_layers: resolve_layers(&opts.kv_skip_layers, cfg.num_layers)?,
             float_window: opts.kv_float_window,
             window_rings: opts.max_num_seqs,
+            key_scales: if opts.kv_key_scales {
+                calibrate::key_scales(loaded.model.as_ref(), &loaded.tokenizer, device)
+                    .map_err(|e| BuildError::Kv(format!("measuring key scales: {e}")))?
+            } else {
+                Vec::new()
+            },
         }),
         None if opts.kv_float_window > 0 => return Err(KvFormatError::NeedsTurboQuant("--kv-float-window").into()),
         None if !opts.kv_skip_layers.is_empty() => {

@@ -2,6 +2,7 @@
 //! generation logic between logits and text (sampling, detokenization, stop strings).
 
 pub mod build;
+pub mod calibrate;
 pub mod core;
 #[cfg(feature = "cuda")]
 mod cuda_graph;

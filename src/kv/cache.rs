@@ -3,6 +3,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
+use super::calibration::CalibrationCache;
 use super::format::TqSpec;
 use super::turboquant::{Codebook, LayerCodecs};
 use crate::models::config::TextConfig;
@@ -87,6 +88,8 @@ pub enum LayerCache {
         v: Tensor,
     },
     TurboQuant(Box<TqLayerCache>),
+    /// Dense f32, recording the queries' and keys' moments (`kv::calibration`).
+    Calibration(Box<CalibrationCache>),
 }
 
 /// A layer's keys and values as TurboQuant codes.
@@ -146,7 +149,13 @@ impl KvCache {
                         return Ok(LayerCache::Dense { k, v });
                     }
                 };
-                let codecs = LayerCodecs::for_layer(layer, d, kb, vb);
+                let mut codecs = LayerCodecs::for_layer(layer, d, kb, vb);
+                if let Some(scale) = tq.key_scales.get(layer) {
+                    if scale.len() != h * d {
+                        candle_core::bail!("key scales of layer {layer}: {} values for {h} x {d}", scale.len());
+                    }
+                    codecs.key_scale = Some(scale.clone());
+                }
                 let window = if tq.float_window > 0 {
                     let (k, v) = floats(tq.window_rings * tq.float_window)?;
                     Some(FloatWindow { len: tq.float_window, k, v })
@@ -164,6 +173,38 @@ impl KvCache {
         let bytes =
             layers.iter().flat_map(LayerCache::tensors).map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
         Ok(KvCache { spec, turboquant: tq.cloned(), layers, bytes })
+    }
+
+    /// A dense f32 cache for `tokens` tokens that records what attention sees, for
+    /// `key_scales`.
+    pub fn calibration(
+        cfg: &TextConfig,
+        block_size: usize,
+        tokens: usize,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let spec = KvCacheSpec { block_size, num_blocks: tokens.div_ceil(block_size), dtype: KvDtype::F32 };
+        let shape = (spec.num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim);
+        let layers = (0..cfg.num_layers)
+            .map(|_| {
+                let k = Tensor::zeros(shape, DType::F32, device)?;
+                let v = Tensor::zeros(shape, DType::F32, device)?;
+                Ok(LayerCache::Calibration(Box::new(CalibrationCache::new(k, v))))
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let bytes = layers.iter().flat_map(LayerCache::tensors).map(|t| t.elem_count() * 4).sum();
+        Ok(KvCache { spec, turboquant: None, layers, bytes })
+    }
+
+    /// Per layer, the key scales measured by a calibration cache (empty for other caches).
+    pub fn key_scales(&self, cfg: &TextConfig) -> Vec<Vec<f32>> {
+        self.layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerCache::Calibration(c) => Some(c.key_scales(cfg.head_dim, cfg.rope_layout)),
+                _ => None,
+            })
+            .collect()
     }
 
     pub fn spec(&self) -> &KvCacheSpec {
@@ -190,6 +231,7 @@ impl LayerCache {
     fn tensors(&self) -> Vec<&Tensor> {
         match self {
             LayerCache::Dense { k, v } => vec![k, v],
+            LayerCache::Calibration(c) => vec![&c.k, &c.v],
             LayerCache::TurboQuant(t) => {
                 let mut all = vec![&t.k, &t.v];
                 if let Some(w) = &t.window {

@@ -103,7 +103,7 @@ pub fn resolve_layers(given: &[i64], layers: usize) -> Result<Vec<usize>, KvForm
 }
 
 /// The layout of a TurboQuant pool.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TqSpec {
     pub bits: TqBits,
     /// Layers that keep dense float storage (sorted).
@@ -113,11 +113,14 @@ pub struct TqSpec {
     /// Sequences that can hold a float window at once (one ring each; the engine's
     /// max-num-seqs). Unused when `float_window` is 0.
     pub window_rings: usize,
+    /// Per layer, per kv head and channel, the factor keys are multiplied by before they are
+    /// quantized (queries are divided by it): `kv::calibration`. Empty: none.
+    pub key_scales: Vec<Vec<f32>>,
 }
 
 impl TqSpec {
     pub fn new(bits: TqBits) -> Self {
-        TqSpec { bits, skip_layers: Vec::new(), float_window: 0, window_rings: 0 }
+        TqSpec { bits, skip_layers: Vec::new(), float_window: 0, window_rings: 0, key_scales: Vec::new() }
     }
 
     pub fn quantizes(&self, layer: usize) -> bool {

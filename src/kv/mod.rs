@@ -5,6 +5,7 @@
 pub mod block_allocator;
 pub mod block_table;
 pub mod cache;
+pub mod calibration;
 pub mod format;
 pub mod turboquant;
 

@@ -98,11 +98,11 @@ impl SelfAttention {
         };
         let (k, v) = (op_input(k)?, op_input(v)?);
         let out = match cache {
-            LayerCache::Dense { k: kc, v: vc } => {
-                let write = KvWrite::step(meta);
-                kc.inplace_op2(&k, &write)?;
-                vc.inplace_op2(&v, &write)?;
-                self.paged(meta).forward(&op_input(q)?, kc, vc)?
+            LayerCache::Dense { k: kc, v: vc } => self.attend_dense(&op_input(q)?, &k, &v, kc, vc, meta)?,
+            LayerCache::Calibration(c) => {
+                let q = op_input(q)?;
+                c.record(&q, &k)?;
+                self.attend_dense(&q, &k, &v, &c.k, &c.v, meta)?
             }
             LayerCache::TurboQuant(c) => tq_attention::write_and_attend(self.paged(meta), c, &op_input(q)?, &k, &v)?,
         };
@@ -124,6 +124,22 @@ impl SelfAttention {
             None => (q, k),
         };
         Ok((rot.apply(&q)?, rot.apply(&k)?, v))
+    }
+
+    /// Stores the step's keys and values in a dense cache and attends over it.
+    fn attend_dense(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        kc: &Tensor,
+        vc: &Tensor,
+        meta: &AttentionMeta,
+    ) -> Result<Tensor> {
+        let write = KvWrite::step(meta);
+        kc.inplace_op2(k, &write)?;
+        vc.inplace_op2(v, &write)?;
+        self.paged(meta).forward(q, kc, vc)
     }
 
     fn paged<'m>(&self, meta: &'m AttentionMeta) -> PagedAttention<'m> {

@@ -10,16 +10,19 @@
 //! sequence's ring. Which positions a row reads as codes depends only on p, so a sequence's
 //! values are the same however its prompt was chunked and whatever shares its batch.
 //!
-//! Work items are (tile of up to 16 rows of one sequence, kv head). A tile decodes each block
-//! of codes once for all its rows; each row's arithmetic is the same whatever tile it is in,
-//! so prefill and token-by-token decode give bit-identical results.
+//! A row's softmax is computed per segment of 256 positions and the segments merged in order
+//! (the online softmax of flash attention). Work items are (tile of up to 16 rows of one
+//! sequence, kv head), a tile decoding each block of codes once for all its rows; a decode's
+//! lone row is split further into one item per segment, merged by a second loop, so a long
+//! context uses every thread. Each row's arithmetic is the same however it was split, so
+//! prefill, chunked prefill and token-by-token decode give bit-identical results.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
 use super::kv_write::KvWrite;
-use super::paged_attention::{softmax, PagedAttention};
+use super::paged_attention::PagedAttention;
 use super::simd::{axpy_f32, dot_f32};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
@@ -27,16 +30,21 @@ use crate::batch::{AttentionMeta, NO_SLOT};
 use crate::kv::turboquant::TqCodec;
 use crate::kv::TqLayerCache;
 
-/// Rows per work item at most.
+/// Rows per tile at most.
 const TILE_ROWS: usize = 16;
-/// Scores one work item may hold (rows x heads x context); longer contexts get smaller tiles.
-const TILE_SCORES: usize = 1 << 19;
+/// A row's softmax runs per segment of absolute positions [k S, (k+1) S), merged in order
+/// (online softmax), so a long context splits into work items without changing a row's
+/// arithmetic.
+const SEGMENT: usize = 256;
 
 pub struct TqAttention<'a> {
     /// Shapes, scale, sliding window and softcap, as for the dense op.
     pub attn: PagedAttention<'a>,
     pub key: &'a TqCodec,
     pub value: &'a TqCodec,
+    /// Keys were stored as k * key_scale (`[kv_heads * head_dim]`): queries read them as
+    /// q / key_scale.
+    pub key_scale: Option<&'a [f32]>,
     pub float: Option<FloatInputs<'a>>,
 }
 
@@ -100,6 +108,9 @@ impl TqAttention<'_> {
         if q.len() != rows * hq * d || self.key.dim() != d || self.value.dim() != d || hq % hkv != 0 {
             candle_core::bail!("tq-attention: q has {} values, expected {rows}x{hq}x{d}", q.len());
         }
+        if self.key_scale.is_some_and(|s| s.len() != hkv * d) {
+            candle_core::bail!("tq-attention: key scales for another shape than {hkv}x{d}");
+        }
         let bs = meta.block_size;
         for s in &meta.seqs {
             let needed = s.context_len.div_ceil(bs);
@@ -119,152 +130,320 @@ impl TqAttention<'_> {
             }
         }
         let group = hq / hkv;
-        // Tiles of rows of one sequence, smaller where the context is long.
+        let fw = fl.as_ref().map_or(0, |f| f.len);
+        // Tiles of up to TILE_ROWS rows of one sequence. A tile of several rows is one work
+        // item per kv head; a lone row (a decode) is one per kv head and segment of its
+        // context, merged by a second loop, so long contexts use every thread.
         let mut tiles = Vec::new();
         for (si, s) in meta.seqs.iter().enumerate() {
-            let per = (TILE_SCORES / (group * s.context_len.max(1))).clamp(1, TILE_ROWS);
             let mut r = s.q_start;
             while r < s.q_start + s.q_len {
-                let e = (r + per).min(s.q_start + s.q_len);
-                tiles.push((si, r, e));
+                let e = (r + TILE_ROWS).min(s.q_start + s.q_len);
+                tiles.push(Tile::new(a, fw, si, r..e));
                 r = e;
             }
         }
+        let mut jobs = Vec::new();
+        let mut merges = Vec::new();
+        let mut parts = 0;
+        for (ti, tile) in tiles.iter().enumerate() {
+            for g in 0..hkv {
+                if tile.rows.len() > 1 {
+                    jobs.push(Job::Whole { tile: ti, g });
+                    continue;
+                }
+                let segs = tile.segments();
+                merges.push((ti, g, parts, segs.len()));
+                for seg in segs {
+                    jobs.push(Job::Segment { tile: ti, g, seg, part: parts });
+                    parts += 1;
+                }
+            }
+        }
+        let part_len = group * (d + 2);
+        let mut partials = vec![0f32; parts * part_len];
+        let pdst = OutPtr(partials.as_mut_ptr());
         let mut out = vec![0f32; q.len()];
         let dst = OutPtr(out.as_mut_ptr());
-        team().for_each(tiles.len() * hkv, |item| {
-            let ((si, r0, r1), g) = (tiles[item / hkv], item % hkv);
-            self.attend_tile(q, kc, vc, fl.as_ref(), si, r0..r1, g, dst);
+        let io = Io { q, kc, vc, fl: fl.as_ref(), dst };
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = d % 16 == 0
+            && [self.key.bits(), self.value.bits()].iter().all(|b| (2..=4).contains(b))
+            && std::is_x86_feature_detected!("avx512f");
+        // Runs `f` with the kernel for this machine and head size.
+        macro_rules! with_kernel {
+            ($f:ident, $($arg:expr),*) => {{
+                #[cfg(target_arch = "x86_64")]
+                if avx512 {
+                    // SAFETY: AVX-512F is present, d % 16 == 0 and codes have 2 to 4 bits.
+                    unsafe {
+                        match d / 16 {
+                            4 => avx512_entry::$f::<T, 4>(self, $($arg),*),
+                            8 => avx512_entry::$f::<T, 8>(self, $($arg),*),
+                            16 => avx512_entry::$f::<T, 16>(self, $($arg),*),
+                            _ => avx512_entry::$f::<T, 0>(self, $($arg),*),
+                        }
+                    }
+                    return;
+                }
+                self.$f(Portable, $($arg),*);
+            }};
+        }
+        team().for_each(jobs.len(), |i| match jobs[i] {
+            Job::Whole { tile, g } => with_kernel!(whole, &io, &tiles[tile], g),
+            Job::Segment { tile, g, seg, part } => {
+                // SAFETY: each segment job owns its slot of `partials`.
+                let p = unsafe { std::slice::from_raw_parts_mut(pdst.at(part * part_len), part_len) };
+                with_kernel!(segment_job, &io, &tiles[tile], g, seg, p)
+            }
+        });
+        team().for_each(merges.len(), |i| {
+            let (tile, g, first, n) = merges[i];
+            let p = &partials[first * part_len..(first + n) * part_len];
+            with_kernel!(merge, &io, &tiles[tile], g, p)
         });
         Ok(out)
     }
 
-    /// Rows `rows` (of sequence `si`) against kv head `g`; writes their `group` output heads.
+    /// The queries of a tile's rows for kv head `g`, rotated like the keys: `[rows, group, d]`.
+    #[inline(always)]
+    fn rotated_queries(&self, q: &[f32], tile: &Tile, g: usize) -> Vec<f32> {
+        let a = &self.attn;
+        let (hq, d) = (a.num_heads, a.head_dim);
+        let group = hq / a.num_kv_heads;
+        let mut qr = vec![0f32; tile.rows.len() * group * d];
+        let mut scaled = vec![0f32; d];
+        for (r, t) in tile.rows.clone().enumerate() {
+            for h in 0..group {
+                let qh = &q[(t * hq + g * group + h) * d..][..d];
+                let qh = match self.key_scale {
+                    Some(s) => {
+                        scaled.iter_mut().zip(qh.iter().zip(&s[g * d..][..d])).for_each(|(o, (a, b))| *o = a / b);
+                        &scaled
+                    }
+                    None => qh,
+                };
+                self.key.rotation().apply(qh, &mut qr[(r * group + h) * d..][..d]);
+            }
+        }
+        qr
+    }
+
+    /// One segment [a, b) of coded positions for every row of `tile`: per (row, head) the
+    /// segment's max score m, sum l of exp(s - m), and the values weighted by exp(s - m)
+    /// (rotated space), into `part` as `[rows, group, 2 + d]`; m = -inf where a row has no
+    /// coded position in the segment.
     #[allow(clippy::too_many_arguments)]
-    fn attend_tile<T: KvElem>(
+    #[inline(always)]
+    fn segment<T: KvElem, K: Kernel>(
         &self,
-        q: &[f32],
-        kc: &[u8],
-        vc: &[u8],
-        fl: Option<&Floats<T>>,
-        si: usize,
-        rows: std::ops::Range<usize>,
+        k: K,
+        io: &Io<T>,
+        tile: &Tile,
+        qr: &[f32],
         g: usize,
-        dst: OutPtr,
+        (a0, b0): (usize, usize),
+        part: &mut [f32],
     ) {
         let a = &self.attn;
-        let (hq, hkv, d, bs) = (a.num_heads, a.num_kv_heads, a.head_dim, a.meta.block_size);
-        let group = hq / hkv;
-        let seq = &a.meta.seqs[si];
-        let first = seq.first_position();
-        let fw = fl.map_or(0, |f| f.len);
-        let spans: Vec<RowSpan> = rows
-            .clone()
-            .map(|t| {
-                let end = first + (t - seq.q_start) + 1;
-                let lo = a.window.map_or(0, |w| end.saturating_sub(w));
-                RowSpan { lo, split: end.saturating_sub(fw).max(lo), end }
-            })
-            .collect();
-        let n = spans.len();
-        let qh = |r: usize, h: usize| &q[((rows.start + r) * hq + g * group + h) * d..][..d];
-        let mut qr = vec![0f32; n * group * d];
-        for r in 0..n {
-            for h in 0..group {
-                self.key.rotation().apply(qh(r, h), &mut qr[(r * group + h) * d..][..d]);
-            }
-        }
-        // Scores of (row r, head h) at base[r] + h * len(r), one per position lo..end.
-        let mut base = Vec::with_capacity(n);
-        let mut total = 0;
-        for s in &spans {
-            base.push(total);
-            total += group * (s.end - s.lo);
-        }
-        let mut scores = vec![0f32; total];
-        let code_lo = spans.iter().map(|s| s.lo).min().unwrap_or(0);
-        let code_hi = spans.iter().map(|s| s.split).max().unwrap_or(0);
-        let mut tile = vec![0f32; bs * d];
+        let (hkv, d, bs) = (a.num_kv_heads, a.head_dim, a.meta.block_size);
+        let group = a.num_heads / hkv;
+        let seq = &a.meta.seqs[tile.si];
+        let n = b0 - a0;
+        let mut scores = vec![0f32; tile.spans.len() * group * n];
+        let mut buf = vec![0f32; bs * d];
         let mut norms = vec![0f32; bs];
-
-        // Keys stored as codes, block by block.
-        for_blocks(code_lo, code_hi, bs, |b, j0, j1| {
-            self.decode_block(self.key, kc, seq.block_table[b] as usize, j0..j1, g, &mut tile, &mut norms);
-            for (r, s) in spans.iter().enumerate() {
-                let len = s.end - s.lo;
-                for j in j0.max(s.lo)..j1.min(s.split) {
-                    let kj = &tile[(j - j0) * d..][..d];
+        // The part of the segment each row reads as codes.
+        let range = |s: &RowSpan| (a0.max(s.lo), b0.min(s.split));
+        for (b, j0, j1) in block_parts(a0, b0, bs) {
+            self.decode_block(k, self.key, io.kc, seq.block_table[b] as usize, j0..j1, g, &mut buf, &mut norms);
+            for (r, s) in tile.spans.iter().enumerate() {
+                let (lo, hi) = range(s);
+                for j in j0.max(lo)..j1.min(hi) {
+                    let kj = &buf[(j - j0) * d..][..d];
                     for h in 0..group {
-                        let dot = norms[j - j0] * dot_f32(&qr[(r * group + h) * d..][..d], kj);
-                        scores[base[r] + h * len + j - s.lo] = a.score(dot);
-                    }
-                }
-            }
-        });
-        // Keys in the float window: this step's rows, or earlier ones in the sequence's ring.
-        let float_row = |j: usize| match fl {
-            Some(f) if j < first => FloatRow::Ring(a.meta.window_rings[si] as usize * f.len + j % f.len),
-            _ => FloatRow::New(seq.q_start + j - first),
-        };
-        let mut buf = vec![0f32; d];
-        if let Some(f) = fl {
-            for (r, s) in spans.iter().enumerate() {
-                let len = s.end - s.lo;
-                for j in s.split..s.end {
-                    let kj = f.k.get(float_row(j), g, hkv, d, &mut buf);
-                    for h in 0..group {
-                        scores[base[r] + h * len + j - s.lo] = a.score(dot_f32(qh(r, h), kj));
+                        let dot = norms[j - j0] * k.dot(&qr[(r * group + h) * d..][..d], kj);
+                        scores[(r * group + h) * n + j - a0] = a.score(dot);
                     }
                 }
             }
         }
-        for (r, s) in spans.iter().enumerate() {
-            scores[base[r]..base[r] + group * (s.end - s.lo)].chunks_exact_mut(s.end - s.lo).for_each(softmax);
+        part.iter_mut().for_each(|x| *x = 0.0);
+        for (r, s) in tile.spans.iter().enumerate() {
+            let (lo, hi) = range(s);
+            for h in 0..group {
+                let p = &mut part[(r * group + h) * (d + 2)..][..d + 2];
+                if hi <= lo {
+                    p[0] = f32::NEG_INFINITY;
+                    continue;
+                }
+                let sc = &mut scores[(r * group + h) * n + lo - a0..(r * group + h) * n + hi - a0];
+                let (m, l) = exp_shifted(sc);
+                p[0] = m;
+                p[1] = l;
+            }
         }
-
-        // Values: codes summed in the rotated space, floats in the original one.
-        let mut acc = vec![0f32; n * group * d];
-        for_blocks(code_lo, code_hi, bs, |b, j0, j1| {
-            self.decode_block(self.value, vc, seq.block_table[b] as usize, j0..j1, g, &mut tile, &mut norms);
-            for (r, s) in spans.iter().enumerate() {
-                let len = s.end - s.lo;
-                for j in j0.max(s.lo)..j1.min(s.split) {
-                    let vj = &tile[(j - j0) * d..][..d];
+        for (b, j0, j1) in block_parts(a0, b0, bs) {
+            self.decode_block(k, self.value, io.vc, seq.block_table[b] as usize, j0..j1, g, &mut buf, &mut norms);
+            for (r, s) in tile.spans.iter().enumerate() {
+                let (lo, hi) = range(s);
+                for j in j0.max(lo)..j1.min(hi) {
+                    let vj = &buf[(j - j0) * d..][..d];
                     for h in 0..group {
-                        let p = scores[base[r] + h * len + j - s.lo];
-                        axpy_f32(&mut acc[(r * group + h) * d..][..d], p * norms[j - j0], vj);
+                        let w = scores[(r * group + h) * n + j - a0] * norms[j - j0];
+                        k.axpy(&mut part[(r * group + h) * (d + 2) + 2..][..d], w, vj);
                     }
                 }
             }
-        });
-        for (r, t) in rows.clone().enumerate() {
-            // SAFETY: each (row, kv head) item writes only its own `group` heads of its row.
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.at((t * hq + g * group) * d), group * d) };
+        }
+    }
+
+    /// Folds a segment's partial (m, l, acc) into a running softmax state (M, L, total): the
+    /// online softmax merge, segment after segment in position order.
+    #[inline(always)]
+    fn fold<K: Kernel>(k: K, state: &mut [f32], part: &[f32]) {
+        let m = part[0];
+        if m == f32::NEG_INFINITY {
+            return;
+        }
+        let mn = state[0].max(m);
+        let (x, y) = ((state[0] - mn).exp(), (m - mn).exp());
+        let (head, total) = state.split_at_mut(2);
+        k.scale(total, x);
+        k.axpy(total, y, &part[2..]);
+        head[1] = head[1] * x + part[1] * y;
+        head[0] = mn;
+    }
+
+    /// The output heads of row `r` of `tile` from its merged coded state (M, L, rotated total):
+    /// the float window's positions joined as a last segment, one inverse rotation, 1 / L.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn finish<T: KvElem, K: Kernel>(&self, k: K, io: &Io<T>, tile: &Tile, r: usize, g: usize, states: &mut [f32]) {
+        let a = &self.attn;
+        let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
+        let group = hq / hkv;
+        let seq = &a.meta.seqs[tile.si];
+        let s = tile.spans[r];
+        let t = tile.rows.start + r;
+        // SAFETY: the item finishing (row t, kv head g) is the only writer of its heads.
+        let o = unsafe { std::slice::from_raw_parts_mut(io.dst.at((t * hq + g * group) * d), group * d) };
+        for (h, oh) in o.chunks_exact_mut(d).enumerate() {
+            let st = &states[h * (d + 2)..][..d + 2];
+            if st[0] == f32::NEG_INFINITY {
+                oh.iter_mut().for_each(|x| *x = 0.0);
+            } else {
+                self.value.rotation().apply_inverse(&st[2..], oh);
+            }
+        }
+        let mut ls: Vec<f32> = (0..group).map(|h| states[h * (d + 2) + 1]).collect();
+        if let (Some(f), true) = (io.fl, s.split < s.end) {
+            let first = seq.first_position();
+            let float_row = |j: usize| {
+                if j < first {
+                    FloatRow::Ring(a.meta.window_rings[tile.si] as usize * f.len + j % f.len)
+                } else {
+                    FloatRow::New(seq.q_start + j - first)
+                }
+            };
+            let n = s.end - s.split;
+            let mut scores = vec![0f32; group * n];
+            let mut buf = vec![0f32; d];
+            for j in s.split..s.end {
+                let kj = f.k.get(float_row(j), g, hkv, d, &mut buf);
+                for h in 0..group {
+                    let qh = &io.q[(t * hq + g * group + h) * d..][..d];
+                    scores[h * n + j - s.split] = a.score(k.dot(qh, kj));
+                }
+            }
+            let mut acc = vec![0f32; group * d];
+            let mut ms = vec![0f32; group];
+            let mut lf = vec![0f32; group];
+            for h in 0..group {
+                (ms[h], lf[h]) = exp_shifted(&mut scores[h * n..(h + 1) * n]);
+            }
+            for j in s.split..s.end {
+                let vj = f.v.get(float_row(j), g, hkv, d, &mut buf);
+                for h in 0..group {
+                    k.axpy(&mut acc[h * d..][..d], scores[h * n + j - s.split], vj);
+                }
+            }
             for (h, oh) in o.chunks_exact_mut(d).enumerate() {
-                self.value.rotation().apply_inverse(&acc[(r * group + h) * d..][..d], oh);
+                let mc = states[h * (d + 2)];
+                let mn = mc.max(ms[h]);
+                let (x, y) = ((mc - mn).exp(), (ms[h] - mn).exp());
+                k.scale(oh, x);
+                k.axpy(oh, y, &acc[h * d..][..d]);
+                ls[h] = ls[h] * x + lf[h] * y;
             }
         }
-        if let Some(f) = fl {
-            for (r, s) in spans.iter().enumerate() {
-                let t = rows.start + r;
-                // SAFETY: as above.
-                let o = unsafe { std::slice::from_raw_parts_mut(dst.at((t * hq + g * group) * d), group * d) };
-                let len = s.end - s.lo;
-                for j in s.split..s.end {
-                    let vj = f.v.get(float_row(j), g, hkv, d, &mut buf);
-                    for (h, oh) in o.chunks_exact_mut(d).enumerate() {
-                        axpy_f32(oh, scores[base[r] + h * len + j - s.lo], vj);
-                    }
-                }
+        for (h, oh) in o.chunks_exact_mut(d).enumerate() {
+            k.scale(oh, 1.0 / ls[h]);
+        }
+    }
+
+    /// A work item for a tile of several rows and kv head `g`: every segment, then finish.
+    #[inline(always)]
+    fn whole<T: KvElem, K: Kernel>(&self, k: K, io: &Io<T>, tile: &Tile, g: usize) {
+        let d = self.attn.head_dim;
+        let group = self.attn.num_heads / self.attn.num_kv_heads;
+        let rows = tile.rows.len();
+        let qr = self.rotated_queries(io.q, tile, g);
+        let mut states = vec![0f32; rows * group * (d + 2)];
+        for st in states.chunks_exact_mut(d + 2) {
+            st[0] = f32::NEG_INFINITY;
+        }
+        let mut part = vec![0f32; rows * group * (d + 2)];
+        for seg in tile.segments() {
+            self.segment(k, io, tile, &qr, g, seg, &mut part);
+            for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
+                Self::fold(k, st, p);
             }
         }
+        for r in 0..rows {
+            self.finish(k, io, tile, r, g, &mut states[r * group * (d + 2)..][..group * (d + 2)]);
+        }
+    }
+
+    /// A work item for one segment of a lone row's context.
+    #[inline(always)]
+    fn segment_job<T: KvElem, K: Kernel>(
+        &self,
+        k: K,
+        io: &Io<T>,
+        tile: &Tile,
+        g: usize,
+        seg: (usize, usize),
+        part: &mut [f32],
+    ) {
+        let qr = self.rotated_queries(io.q, tile, g);
+        self.segment(k, io, tile, &qr, g, seg, part);
+    }
+
+    /// Merges a lone row's segments (`parts`, in order) and finishes it.
+    #[inline(always)]
+    fn merge<T: KvElem, K: Kernel>(&self, k: K, io: &Io<T>, tile: &Tile, g: usize, parts: &[f32]) {
+        let d = self.attn.head_dim;
+        let group = self.attn.num_heads / self.attn.num_kv_heads;
+        let mut states = vec![0f32; group * (d + 2)];
+        for st in states.chunks_exact_mut(d + 2) {
+            st[0] = f32::NEG_INFINITY;
+        }
+        for part in parts.chunks_exact(group * (d + 2)) {
+            for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
+                Self::fold(k, st, p);
+            }
+        }
+        self.finish(k, io, tile, 0, g, &mut states);
     }
 
     /// Decodes the codes of kv head `g` at positions `js` (all in block `block`) into `tile`
     /// (rotated unit vectors, c[idx]) and `norms`.
     #[allow(clippy::too_many_arguments)]
-    fn decode_block(
+    #[inline(always)]
+    fn decode_block<K: Kernel>(
         &self,
+        k: K,
         codec: &TqCodec,
         codes: &[u8],
         block: usize,
@@ -279,8 +458,206 @@ impl TqAttention<'_> {
         for j in js {
             let off = ((block * bs + j % bs) * hkv + g) * row;
             let src = &codes[off..off + row];
-            codec.decode_rotated(src, &mut tile[(j - j0) * d..][..d]);
+            k.decode(codec, src, &mut tile[(j - j0) * d..][..d]);
             norms[j - j0] = codec.norm(src);
+        }
+    }
+}
+
+/// The op's inputs and output, for its work items.
+struct Io<'s, T> {
+    q: &'s [f32],
+    kc: &'s [u8],
+    vc: &'s [u8],
+    fl: Option<&'s Floats<'s, T>>,
+    dst: OutPtr,
+}
+
+/// Rows of one sequence computed together, and what each row reads.
+struct Tile {
+    si: usize,
+    rows: std::ops::Range<usize>,
+    spans: Vec<RowSpan>,
+}
+
+impl Tile {
+    fn new(a: &PagedAttention<'_>, float_window: usize, si: usize, rows: std::ops::Range<usize>) -> Self {
+        let seq = &a.meta.seqs[si];
+        let first = seq.first_position();
+        let spans = rows
+            .clone()
+            .map(|t| {
+                let end = first + (t - seq.q_start) + 1;
+                let lo = a.window.map_or(0, |w| end.saturating_sub(w));
+                RowSpan { lo, split: end.saturating_sub(float_window).max(lo), end }
+            })
+            .collect();
+        Tile { si, rows, spans }
+    }
+
+    /// The segments [a, b) of absolute positions any row reads as codes, in order.
+    fn segments(&self) -> Vec<(usize, usize)> {
+        let lo = self.spans.iter().map(|s| s.lo).min().unwrap_or(0);
+        let hi = self.spans.iter().map(|s| s.split).max().unwrap_or(0);
+        if hi <= lo {
+            return Vec::new();
+        }
+        (lo / SEGMENT..=(hi - 1) / SEGMENT).map(|k| ((k * SEGMENT).max(lo), ((k + 1) * SEGMENT).min(hi))).collect()
+    }
+}
+
+/// A phase-one work item.
+#[derive(Clone, Copy)]
+enum Job {
+    Whole { tile: usize, g: usize },
+    Segment { tile: usize, g: usize, seg: (usize, usize), part: usize },
+}
+
+/// In place: s <- exp(s - max s); returns (max, sum).
+#[inline(always)]
+fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
+    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut l = 0f32;
+    for x in s.iter_mut() {
+        *x = (*x - m).exp();
+        l += *x;
+    }
+    (m, l)
+}
+
+/// The work items compiled for AVX-512 (the kernel's intrinsics inline into them).
+#[cfg(target_arch = "x86_64")]
+mod avx512_entry {
+    use super::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn whole<T: KvElem, const DV: usize>(op: &TqAttention<'_>, io: &Io<T>, tile: &Tile, g: usize) {
+        op.whole(Avx512::<DV>, io, tile, g)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn segment_job<T: KvElem, const DV: usize>(
+        op: &TqAttention<'_>,
+        io: &Io<T>,
+        tile: &Tile,
+        g: usize,
+        seg: (usize, usize),
+        part: &mut [f32],
+    ) {
+        op.segment_job(Avx512::<DV>, io, tile, g, seg, part)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn merge<T: KvElem, const DV: usize>(
+        op: &TqAttention<'_>,
+        io: &Io<T>,
+        tile: &Tile,
+        g: usize,
+        parts: &[f32],
+    ) {
+        op.merge(Avx512::<DV>, io, tile, g, parts)
+    }
+}
+
+/// The inner operations of the op, portable or vectorised. Within one process one kernel
+/// computes every row, so a row's result never depends on which tile it was in.
+trait Kernel: Copy {
+    /// The codes of `row` as centroids (the rotated unit vector's reconstruction).
+    fn decode(self, codec: &TqCodec, row: &[u8], out: &mut [f32]);
+    fn dot(self, a: &[f32], b: &[f32]) -> f32;
+    /// `y += w x`.
+    fn axpy(self, y: &mut [f32], w: f32, x: &[f32]);
+    /// `y *= w`.
+    fn scale(self, y: &mut [f32], w: f32);
+}
+
+#[derive(Clone, Copy)]
+struct Portable;
+
+impl Kernel for Portable {
+    fn decode(self, codec: &TqCodec, row: &[u8], out: &mut [f32]) {
+        codec.decode_rotated(row, out)
+    }
+    fn dot(self, a: &[f32], b: &[f32]) -> f32 {
+        dot_f32(a, b)
+    }
+    fn axpy(self, y: &mut [f32], w: f32, x: &[f32]) {
+        axpy_f32(y, w, x)
+    }
+    fn scale(self, y: &mut [f32], w: f32) {
+        y.iter_mut().for_each(|v| *v *= w)
+    }
+}
+
+/// AVX-512 with `DV = head_dim / 16` 16-lane vectors per head vector (0: any multiple of 16).
+/// Only used from `avx512_entry`, for head dims that are multiples of 16 and codes of 2 to 4
+/// bits.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Avx512<const DV: usize>;
+
+#[cfg(target_arch = "x86_64")]
+impl<const DV: usize> Kernel for Avx512<DV> {
+    #[inline(always)]
+    fn decode(self, codec: &TqCodec, row: &[u8], out: &mut [f32]) {
+        let d = out.len();
+        debug_assert!(row.len() >= codec.row_bytes() && d.is_multiple_of(16) && (2..=4).contains(&codec.bits()));
+        // SAFETY: only reached from `avx512_entry` (AVX-512F present), with d % 16 == 0
+        // and 2..=4-bit codes; `row` is a whole stored row (codes, then the norm).
+        unsafe {
+            crate::kv::turboquant::codec::decode_rotated_avx512(
+                row.as_ptr(),
+                codec.bits(),
+                codec.table16(),
+                d,
+                out.as_mut_ptr(),
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn dot(self, a: &[f32], b: &[f32]) -> f32 {
+        use std::arch::x86_64::*;
+        let dv = if DV > 0 { DV } else { a.len() / 16 };
+        debug_assert!(a.len() >= 16 * dv && b.len() >= 16 * dv);
+        // SAFETY: AVX-512F (see above); 16 * dv values in both slices.
+        unsafe {
+            let (pa, pb) = (a.as_ptr(), b.as_ptr());
+            let mut acc = _mm512_mul_ps(_mm512_loadu_ps(pa), _mm512_loadu_ps(pb));
+            for c in 1..dv {
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(16 * c)), _mm512_loadu_ps(pb.add(16 * c)), acc);
+            }
+            _mm512_reduce_add_ps(acc)
+        }
+    }
+
+    #[inline(always)]
+    fn axpy(self, y: &mut [f32], w: f32, x: &[f32]) {
+        use std::arch::x86_64::*;
+        let dv = if DV > 0 { DV } else { y.len() / 16 };
+        debug_assert!(y.len() >= 16 * dv && x.len() >= 16 * dv);
+        // SAFETY: AVX-512F (see above); 16 * dv values in both slices.
+        unsafe {
+            let (py, px, wv) = (y.as_mut_ptr(), x.as_ptr(), _mm512_set1_ps(w));
+            for c in 0..dv {
+                let o = py.add(16 * c);
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(wv, _mm512_loadu_ps(px.add(16 * c)), _mm512_loadu_ps(o)));
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn scale(self, y: &mut [f32], w: f32) {
+        use std::arch::x86_64::*;
+        let dv = if DV > 0 { DV } else { y.len() / 16 };
+        debug_assert!(y.len() >= 16 * dv);
+        // SAFETY: AVX-512F (see above); 16 * dv values.
+        unsafe {
+            let (py, wv) = (y.as_mut_ptr(), _mm512_set1_ps(w));
+            for c in 0..dv {
+                let o = py.add(16 * c);
+                _mm512_storeu_ps(o, _mm512_mul_ps(wv, _mm512_loadu_ps(o)));
+            }
         }
     }
 }
@@ -297,10 +674,11 @@ pub fn write_and_attend(
 ) -> Result<Tensor> {
     let meta = attn.meta;
     let codecs = &c.codecs;
-    c.k.inplace_op2(k, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.key })?;
-    c.v.inplace_op2(v, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.value })?;
+    let key_scale = codecs.key_scale.as_deref();
+    c.k.inplace_op2(k, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.key, scale: key_scale })?;
+    c.v.inplace_op2(v, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.value, scale: None })?;
     let float = c.window.as_ref().map(|w| FloatInputs { len: w.len, ring_k: &w.k, ring_v: &w.v, new_k: k, new_v: v });
-    let op = TqAttention { attn, key: &codecs.key, value: &codecs.value, float };
+    let op = TqAttention { attn, key: &codecs.key, value: &codecs.value, key_scale, float };
     let out = op.forward(q, &c.k, &c.v)?;
     // After the op: it reads the rings' older positions, which these writes may replace.
     if let Some(w) = &c.window {
@@ -336,14 +714,12 @@ fn ring_slots(meta: &AttentionMeta, len: usize) -> Result<Vec<u32>> {
     Ok(slots)
 }
 
-/// Calls `f(block, j0, j1)` for the part [j0, j1) of [lo, hi) in each block, in order.
-fn for_blocks(lo: usize, hi: usize, bs: usize, mut f: impl FnMut(usize, usize, usize)) {
-    if hi <= lo {
-        return;
-    }
-    for b in lo / bs..=(hi - 1) / bs {
-        f(b, (b * bs).max(lo), ((b + 1) * bs).min(hi));
-    }
+/// The parts [j0, j1) of [lo, hi) in each block b, as (b, j0, j1), in order. (A loop over
+/// these rather than a callback: a closure would not inherit the AVX-512 target feature of
+/// its caller, and its intrinsics would not inline.)
+fn block_parts(lo: usize, hi: usize, bs: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    let blocks = if hi > lo { lo / bs..(hi - 1) / bs + 1 } else { 0..0 };
+    blocks.map(move |b| (b, (b * bs).max(lo), ((b + 1) * bs).min(hi)))
 }
 
 impl<T: KvElem> FloatSource<'_, T> {
@@ -518,25 +894,43 @@ mod tests {
     fn codes_match_dequantize_then_attend() {
         let dev = Device::Cpu;
         let (bs, hq, hkv) = (4, 6, 2);
-        for (d, bits) in [(32, (3, 4)), (64, (2, 3)), (80, (4, 4)), (128, (3, 4)), (256, (2, 2))] {
-            for sliding in [None, Some(7)] {
+        // Short contexts (one softmax segment), and long ones: a chunk of 20 rows ending at
+        // 600 and a decode at 700 span several segments.
+        let short = vec![
+            SeqSlice { q_start: 0, q_len: 5, context_len: 35, block_table: (0..9).rev().collect() },
+            SeqSlice { q_start: 5, q_len: 1, context_len: 41, block_table: (9..20).collect() },
+        ];
+        let long = vec![
+            SeqSlice { q_start: 0, q_len: 20, context_len: 600, block_table: (0..150).rev().collect() },
+            SeqSlice { q_start: 20, q_len: 1, context_len: 701, block_table: (150..326).collect() },
+        ];
+        let cases = [(32, (3, 4), &short), (64, (2, 3), &short), (80, (4, 4), &short), (128, (3, 4), &short)];
+        let cases = cases.into_iter().chain([(256, (2, 2), &short), (64, (3, 4), &long), (96, (4, 3), &long)]);
+        for (d, bits, seqs) in cases {
+            for sliding in [None, Some(7), Some(300)] {
                 for fw in [0, 3, 9] {
-                    let seqs = vec![
-                        SeqSlice { q_start: 0, q_len: 5, context_len: 35, block_table: (0..9).rev().collect() },
-                        SeqSlice { q_start: 5, q_len: 1, context_len: 41, block_table: (9..20).collect() },
-                    ];
-                    let mut meta = AttentionMeta::new(bs, seqs);
+                    let mut meta = AttentionMeta::new(bs, seqs.clone());
                     meta.window_rings = vec![1, 0];
-                    let slots = 20 * bs;
+                    let slots = meta.seqs.iter().map(|s| s.block_table.len()).sum::<usize>() * bs;
                     let c = layer(d, hkv, slots, bits, fw, 2, DType::F32);
                     // Original keys and values of every slot, all quantized into the cache.
                     let (ko, vo) = (randn((slots, hkv, d), d as u64), randn((slots, hkv, d), d as u64 + 1));
                     let all: Vec<u32> = (0..slots as u32).collect();
                     let kt = Tensor::from_vec(ko.clone(), (slots, hkv, d), &dev).unwrap();
                     let vt = Tensor::from_vec(vo.clone(), (slots, hkv, d), &dev).unwrap();
-                    c.k.inplace_op2(&kt, &TqWrite { slot_mapping: &all, codec: &c.codecs.key }).unwrap();
-                    c.v.inplace_op2(&vt, &TqWrite { slot_mapping: &all, codec: &c.codecs.value }).unwrap();
-                    let (kd, vd) = (dequantize(&c.k, &c.codecs.key), dequantize(&c.v, &c.codecs.value));
+                    // Half the cases scale the keys' channels (as calibration does).
+                    let key_scale: Option<Vec<f32>> =
+                        (fw != 3).then(|| (0..hkv * d).map(|i| 0.3 + (i as f32 * 0.37).sin().abs() * 2.0).collect());
+                    let scale = key_scale.as_deref();
+                    c.k.inplace_op2(&kt, &TqWrite { slot_mapping: &all, codec: &c.codecs.key, scale }).unwrap();
+                    c.v.inplace_op2(&vt, &TqWrite { slot_mapping: &all, codec: &c.codecs.value, scale: None }).unwrap();
+                    let mut kd = dequantize(&c.k, &c.codecs.key);
+                    if let Some(s) = scale {
+                        for (i, x) in kd.iter_mut().enumerate() {
+                            *x /= s[i % (hkv * d)];
+                        }
+                    }
+                    let vd = dequantize(&c.v, &c.codecs.value);
                     let slot = |si: usize, j: usize| meta.seqs[si].block_table[j / bs] as usize * bs + j % bs;
                     // The float rows: this step's from the originals, older ones in the rings.
                     let rows = meta.num_rows();
@@ -576,7 +970,8 @@ mod tests {
                         new_k: &new_kt,
                         new_v: &new_vt,
                     });
-                    let op = TqAttention { attn: a, key: &c.codecs.key, value: &c.codecs.value, float };
+                    let op =
+                        TqAttention { attn: a, key: &c.codecs.key, value: &c.codecs.value, key_scale: scale, float };
                     let got: Vec<f32> = op.forward(&q, &c.k, &c.v).unwrap().flatten_all().unwrap().to_vec1().unwrap();
 
                     // f64 reference: row at p reads j in (p - fw, p] from the originals.
@@ -635,22 +1030,30 @@ mod tests {
     /// a time give bit-identical outputs, with and without a float window (bf16 rings too).
     #[test]
     fn prefill_equals_token_by_token() {
+        // 23 tokens, one softmax segment; 600 tokens, three.
+        for n in [23, 600] {
+            prefill_equals_token_by_token_for(n);
+        }
+    }
+
+    fn prefill_equals_token_by_token_for(n: usize) {
         let dev = Device::Cpu;
-        let (bs, hq, hkv, d, n) = (4, 4, 2, 64, 23);
+        let (bs, hq, hkv, d) = (4, 4, 2, 64);
         let (ks, vs, qs) = (randn((n, hkv, d), 1), randn((n, hkv, d), 2), randn((n, hq, d), 3));
-        for (fw, ring_dtype, sliding) in [(0, DType::F32, None), (5, DType::F32, None), (6, DType::BF16, Some(9))] {
+        let configs =
+            [(0, DType::F32, None), (5, DType::F32, None), (6, DType::BF16, Some(9)), (4, DType::F32, Some(300))];
+        for (fw, ring_dtype, sliding) in configs {
             let run = |chunk: usize| -> Vec<f32> {
-                let c = layer(d, hkv, 8 * bs, (3, 4), fw, 3, ring_dtype);
+                let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
+                let mut c = layer(d, hkv, table.len() * bs, (3, 4), fw, 3, ring_dtype);
+                if fw == 5 {
+                    c.codecs.key_scale = Some((0..hkv * d).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect());
+                }
                 let mut out = Vec::new();
                 let mut start = 0;
                 while start < n {
                     let end = (start + chunk).min(n);
-                    let seq = SeqSlice {
-                        q_start: 0,
-                        q_len: end - start,
-                        context_len: end,
-                        block_table: vec![7, 2, 5, 0, 1, 3],
-                    };
+                    let seq = SeqSlice { q_start: 0, q_len: end - start, context_len: end, block_table: table.clone() };
                     let mut meta = AttentionMeta::new(bs, vec![seq]);
                     meta.window_rings = vec![2];
                     let rows = |src: &[f32], h: usize| {
@@ -670,8 +1073,8 @@ mod tests {
                 out
             };
             let whole = run(n);
-            assert_eq!(whole, run(1), "float window {fw}: token by token differs from one prefill");
-            assert_eq!(whole, run(7), "float window {fw}: chunks of 7 differ from one prefill");
+            assert_eq!(whole, run(1), "n={n} float window {fw}: token by token differs from one prefill");
+            assert_eq!(whole, run(7), "n={n} float window {fw}: chunks of 7 differ from one prefill");
         }
     }
 }

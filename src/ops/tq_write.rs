@@ -7,11 +7,13 @@ use super::kv_elem::f32_slice;
 use super::team::{team, OutPtr};
 use crate::kv::turboquant::TqCodec;
 
-/// `cache[slot_mapping[t]] = encode(new[t])` for every row t and head. The cache is
-/// `[slots, kv_heads, codec.row_bytes()]` u8, `new` is `[T, kv_heads, head_dim]` f32.
+/// `cache[slot_mapping[t]] = encode(new[t] * scale)` for every row t and head. The cache is
+/// `[slots, kv_heads, codec.row_bytes()]` u8, `new` is `[T, kv_heads, head_dim]` f32, `scale`
+/// (if any) `[kv_heads * head_dim]`.
 pub struct TqWrite<'a> {
     pub slot_mapping: &'a [u32],
     pub codec: &'a TqCodec,
+    pub scale: Option<&'a [f32]>,
 }
 
 impl InplaceOp2 for TqWrite<'_> {
@@ -34,6 +36,9 @@ impl InplaceOp2 for TqWrite<'_> {
         if new.len() != rows * heads * d {
             candle_core::bail!("tq-write: {} values for {rows} slots of {heads}x{d}", new.len());
         }
+        if self.scale.is_some_and(|s| s.len() != heads * d) {
+            candle_core::bail!("tq-write: scales for another shape than {heads}x{d}");
+        }
         // Rows are written in parallel: their slots must be distinct and in range.
         let mut seen = self.slot_mapping.to_vec();
         seen.sort_unstable();
@@ -45,9 +50,17 @@ impl InplaceOp2 for TqWrite<'_> {
             let slot = self.slot_mapping[t] as usize;
             // SAFETY: slot rows are distinct (checked above), so items write disjoint bytes.
             let out = unsafe { std::slice::from_raw_parts_mut(dst.at(slot * heads * row), heads * row) };
-            let mut y = vec![0f32; d];
+            let (mut y, mut scaled) = (vec![0f32; d], vec![0f32; d]);
             for (h, dst_row) in out.chunks_exact_mut(row).enumerate() {
-                self.codec.encode(&new[(t * heads + h) * d..][..d], dst_row, &mut y);
+                let x = &new[(t * heads + h) * d..][..d];
+                let x = match self.scale {
+                    Some(s) => {
+                        scaled.iter_mut().zip(x.iter().zip(&s[h * d..][..d])).for_each(|(o, (a, b))| *o = a * b);
+                        &scaled
+                    }
+                    None => x,
+                };
+                self.codec.encode(x, dst_row, &mut y);
             }
         });
         Ok(())

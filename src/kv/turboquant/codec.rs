@@ -45,6 +45,11 @@ impl TqCodec {
         &self.rotation
     }
 
+    /// The centroids repeated to 16 entries (see `Codebook::table16`).
+    pub fn table16(&self) -> &[f32; 16] {
+        &self.table16
+    }
+
     /// Bytes of packed codes in a row.
     pub fn code_bytes(&self) -> usize {
         self.code_bytes
@@ -109,7 +114,7 @@ impl TqCodec {
 /// `out` holds `d` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn decode_rotated_avx512(row: *const u8, bits: u8, table: &[f32; 16], d: usize, out: *mut f32) {
+pub(crate) unsafe fn decode_rotated_avx512(row: *const u8, bits: u8, table: &[f32; 16], d: usize, out: *mut f32) {
     use std::arch::x86_64::*;
     let t = _mm512_loadu_ps(table.as_ptr());
     let b = bits as i64;
@@ -130,6 +135,9 @@ unsafe fn decode_rotated_avx512(row: *const u8, bits: u8, table: &[f32; 16], d: 
 pub struct LayerCodecs {
     pub key: TqCodec,
     pub value: TqCodec,
+    /// `[kv_heads * head_dim]`: keys are stored as k * scale, queries read them as q / scale
+    /// (`kv::calibration`). None: unscaled.
+    pub key_scale: Option<Vec<f32>>,
 }
 
 impl LayerCodecs {
@@ -140,6 +148,7 @@ impl LayerCodecs {
         LayerCodecs {
             key: TqCodec::new(Rotation::seeded(dim, seed(0)), key.clone()),
             value: TqCodec::new(Rotation::seeded(dim, seed(1)), value.clone()),
+            key_scale: None,
         }
     }
 }
