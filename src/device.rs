@@ -36,6 +36,12 @@ pub fn open(spec: &str) -> Result<Device, DeviceError> {
 #[cfg(feature = "cuda")]
 pub(crate) static CUDA_SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Takes [`CUDA_SETUP`] (for code outside the crate that captures graphs: tests).
+#[cfg(feature = "cuda")]
+pub fn cuda_setup_lock() -> std::sync::MutexGuard<'static, ()> {
+    CUDA_SETUP.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Opens CUDA device `ordinal` on a stream of its own. Everything iris runs goes to that one
 /// stream, so the per-tensor event tracking cudarc does for multi-stream use is switched off
 /// (it costs host time on every launch and cannot be captured into a graph).

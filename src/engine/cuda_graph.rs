@@ -89,7 +89,7 @@ impl DecodeGraphs {
         draws: Option<&[Draw]>,
     ) -> Result<Option<StepOutput>> {
         // Graphs replay text steps with 1-D positions (the rotary table's); others run op by op.
-        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() || !model.graph_capturable() {
+        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() {
             return Ok(None);
         }
         let meta = &batch.attn;

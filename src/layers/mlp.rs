@@ -57,19 +57,27 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // The fused kernel has SiLU and tanh-GELU only.
-        let gelu = match self.act {
-            Activation::Silu => Some(false),
-            Activation::GeluTanh => Some(true),
-            Activation::Gelu | Activation::QuickGelu => None,
-        };
-        let fused = x.device().is_cuda() && GatedAct::supports(self.inter);
-        if let (Some(gate_up), Some(gelu)) = (self.gate_up.merged().filter(|_| fused), gelu) {
-            // One pass instead of act, mul and their strided reads.
-            return self.down.forward(&GatedAct { gelu }.forward(&gate_up.forward(x)?)?);
+        if let Some(gate_up) = self.gate_up.merged() {
+            return self.down.forward(&gated(self.act, &gate_up.forward(x)?, self.inter)?);
         }
         let [g, up]: [Tensor; 2] =
             self.gate_up.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("gate/up: 2 parts".into()))?;
         self.down.forward(&(self.act.apply(&g)? * up)?)
     }
+}
+
+/// `act(gate) * up` of a fused gate/up projection `y` (`[T, 2 * inter]`, gate rows first): one
+/// pass on CUDA where the fused kernel has the activation (SiLU, tanh-GELU) and the width, op by
+/// op otherwise.
+pub fn gated(act: Activation, y: &Tensor, inter: usize) -> Result<Tensor> {
+    let gelu = match act {
+        Activation::Silu => Some(false),
+        Activation::GeluTanh => Some(true),
+        Activation::Gelu | Activation::QuickGelu => None,
+    };
+    if let Some(gelu) = gelu.filter(|_| y.device().is_cuda() && GatedAct::supports(inter)) {
+        // One pass instead of act, mul and their strided reads.
+        return GatedAct { gelu }.forward(y);
+    }
+    act.apply(&y.narrow(1, 0, inter)?)? * y.narrow(1, inter, inter)?
 }

@@ -42,12 +42,6 @@ pub trait TextModel: Send {
 
     /// Next-token logits `[N, vocab]` (f32) for rows of final hidden states.
     fn logits(&self, hidden: &Tensor) -> Result<Tensor>;
-
-    /// Whether a decode step can be captured as a CUDA graph: its work must not depend on
-    /// values read back to the host (mixture-of-experts routing does).
-    fn graph_capturable(&self) -> bool {
-        true
-    }
 }
 
 pub fn load_text_model(w: &Weights, cfg: &TextConfig) -> std::result::Result<Box<dyn TextModel>, WeightsError> {

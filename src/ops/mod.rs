@@ -8,6 +8,9 @@ pub mod cuda;
 pub mod gated_act;
 pub mod kv_elem;
 pub mod kv_write;
+#[cfg(feature = "cuda")]
+pub mod moe_experts;
+pub mod moe_route;
 pub mod paged_attention;
 pub mod qkv_rope;
 pub mod qmatmul;

@@ -51,11 +51,15 @@ impl Draw {
     }
 }
 
-/// exp(x) for x <= 0: range reduction by ln 2 and a degree-7 polynomial, each step one IEEE
-/// operation so the kernel's `exp_det` gives the same bits. Accurate to a few ulp.
+/// exp(x): range reduction by ln 2 and a degree-7 polynomial, each step one IEEE operation so
+/// the kernels' `exp_det` (cuda/common.cuh) gives the same bits. Accurate to a few ulp; 0 at or
+/// below -87 (and for NaN), infinite above 89.
 pub fn exp_det(x: f32) -> f32 {
     if !(x > -87.0) {
         return 0.0;
+    }
+    if x > 89.0 {
+        return f32::INFINITY;
     }
     let n = (x * 1.442_695_04_f32).round_ties_even();
     let r = (-n).mul_add(0.693_145_752_f32, x);
@@ -67,6 +71,10 @@ pub fn exp_det(x: f32) -> f32 {
     let e = n as i32;
     if e < -126 {
         return 0.0;
+    }
+    if e > 127 {
+        // 2^128 has no f32: scale by 2^127, then by 2.
+        return p * f32::from_bits(254 << 23) * 2.0;
     }
     p * f32::from_bits(((e + 127) as u32) << 23)
 }

@@ -115,7 +115,7 @@ impl TextModel for GlmText {
                 Ffn::Experts(moe) => {
                     let routing = moe.route(&hn)?;
                     if let Some(t) = taps.as_deref_mut() {
-                        t.router.push((i, routing.experts_tensor(&self.device)?));
+                        t.router.push((i, routing.experts.clone()));
                     }
                     moe.forward(&hn, &routing)?
                 }
@@ -135,8 +135,4 @@ impl TextModel for GlmText {
         self.lm_head.forward(hidden)?.to_dtype(DType::F32)
     }
 
-    /// Routing picks each token's experts on the host, from the router's scores.
-    fn graph_capturable(&self) -> bool {
-        self.cfg.moe.is_none()
-    }
 }

@@ -55,6 +55,12 @@ template <> __device__ __forceinline__ void store16<__half>(__half* p, const flo
     *reinterpret_cast<uint4*>(p) = o;
 }
 
+// The MLP activations the fused kernels take: SiLU, or GELU with the tanh approximation.
+__device__ __forceinline__ float mlp_act(float x, int gelu) {
+    if (gelu) return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    return x / (1.f + expf(-x));
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -64,4 +70,38 @@ __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
+}
+
+// Orders floats as unsigned integers as Rust's f32::total_cmp does: a > b <=> key(a) > key(b)
+// (-0 below +0; NaNs beyond the infinities).
+__device__ __forceinline__ uint32_t order_key(float x) {
+    const uint32_t u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float from_key(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// exp(x) by range reduction and a degree-7 polynomial, each step one IEEE operation, so that
+// Rust computes the same bits (ops/sample.rs: `exp_det`). 0 at or below -87 (and for NaN),
+// infinite above 89.
+__device__ __forceinline__ float exp_det(float x) {
+    if (!(x > -87.0f)) return 0.0f;
+    if (x > 89.0f) return __int_as_float(0x7f800000);
+    const float n = rintf(__fmul_rn(x, 1.44269504f));
+    float r = fmaf(-n, 0.693145752f, x);
+    r = fmaf(-n, 1.42860677e-6f, r);
+    float p = 1.98412698e-4f;
+    p = fmaf(p, r, 1.38888889e-3f);
+    p = fmaf(p, r, 8.33333333e-3f);
+    p = fmaf(p, r, 4.16666667e-2f);
+    p = fmaf(p, r, 1.66666667e-1f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const int e = (int)n;
+    if (e < -126) return 0.0f;
+    // 2^128 has no f32: scale by 2^127, then by 2.
+    if (e > 127) return __fmul_rn(__fmul_rn(p, __int_as_float(254 << 23)), 2.0f);
+    return __fmul_rn(p, __int_as_float((e + 127) << 23));
 }

@@ -3,11 +3,6 @@
 // the separate ops round it.
 #include "common.cuh"
 
-__device__ __forceinline__ float act(float x, int gelu) {
-    if (gelu) return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-    return x / (1.f + expf(-x));
-}
-
 // inter is a whole number of 16-byte vectors; y's row stride too.
 template <typename T>
 __device__ void gated_act(T* __restrict__ out, const T* __restrict__ y, int y_stride, int inter, int rows, int gelu) {
@@ -22,7 +17,7 @@ __device__ void gated_act(T* __restrict__ out, const T* __restrict__ y, int y_st
         load16(row + c, g);
         load16(row + inter + c, u);
 #pragma unroll
-        for (int e = 0; e < V; ++e) g[e] = to_f(from_f<T>(act(g[e], gelu))) * u[e];
+        for (int e = 0; e < V; ++e) g[e] = to_f(from_f<T>(mlp_act(g[e], gelu))) * u[e];
         store16(out + r * inter + c, g);
     }
 }

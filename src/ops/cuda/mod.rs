@@ -20,6 +20,8 @@ pub struct Module {
 pub const ADD_RMS_NORM: Module = Module { name: "iris_add_rms_norm", ptx: ptx::ADD_RMS_NORM };
 pub const GATED_ACT: Module = Module { name: "iris_gated_act", ptx: ptx::GATED_ACT };
 pub const KV_WRITE: Module = Module { name: "iris_kv_write", ptx: ptx::KV_WRITE };
+pub const MOE_EXPERTS: Module = Module { name: "iris_moe_experts", ptx: ptx::MOE_EXPERTS };
+pub const MOE_ROUTE: Module = Module { name: "iris_moe_route", ptx: ptx::MOE_ROUTE };
 pub const PAGED_ATTENTION: Module = Module { name: "iris_paged_attention", ptx: ptx::PAGED_ATTENTION };
 pub const PREFILL_ATTENTION: Module = Module { name: "iris_prefill_attention", ptx: ptx::PREFILL_ATTENTION };
 pub const QKV_ROPE: Module = Module { name: "iris_qkv_rope", ptx: ptx::QKV_ROPE };

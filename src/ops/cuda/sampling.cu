@@ -63,35 +63,6 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 
 typedef unsigned long long u64;
 
-// Orders floats as unsigned integers: a > b  <=>  key(a) > key(b) for finite a, b.
-__device__ __forceinline__ uint32_t order_key(float x) {
-    const uint32_t u = __float_as_uint(x);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float from_key(uint32_t k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// exp(x) for x <= 0 by range reduction and a degree-7 polynomial, written so Rust computes the
-// same bits (ops/sample.rs: `exp_det`).
-__device__ __forceinline__ float exp_det(float x) {
-    if (!(x > -87.0f)) return 0.0f;
-    const float n = rintf(__fmul_rn(x, 1.44269504f));
-    float r = fmaf(-n, 0.693145752f, x);
-    r = fmaf(-n, 1.42860677e-6f, r);
-    float p = 1.98412698e-4f;
-    p = fmaf(p, r, 1.38888889e-3f);
-    p = fmaf(p, r, 8.33333333e-3f);
-    p = fmaf(p, r, 4.16666667e-2f);
-    p = fmaf(p, r, 1.66666667e-1f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
-    const int e = (int)n;
-    if (e < -126) return 0.0f;
-    return __fmul_rn(p, __int_as_float((e + 127) << 23));
-}
-
 struct Row {
     const float* l;
     int vocab, chunk;  // chunk: ids per warp, a multiple of 32
