@@ -514,6 +514,25 @@ fn write_moe_weights(rng: &mut StdRng, dir: &std::path::Path, h: usize, i: usize
     candle_core::safetensors::save(&t, dir.join("model.safetensors")).unwrap();
 }
 
+/// Where two `[T, H]` outputs differ most: "row r col c: got g, want w".
+fn worst_place(got: &Tensor, want: &Tensor) -> String {
+    let f = |t: &Tensor| -> Vec<Vec<f32>> {
+        t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().to_vec2().unwrap()
+    };
+    let (g, w) = (f(got), f(want));
+    let mut worst = (0, 0, -1.0f32);
+    for (r, (gr, wr)) in g.iter().zip(&w).enumerate() {
+        for (c, (a, b)) in gr.iter().zip(wr).enumerate() {
+            let d = if (a - b).is_nan() { f32::INFINITY } else { (a - b).abs() };
+            if d > worst.2 {
+                worst = (r, c, d);
+            }
+        }
+    }
+    let (r, c, _) = worst;
+    format!("row {r} col {c}: got {}, want {}", g[r][c], w[r][c])
+}
+
 struct MoeCase {
     hidden: usize,
     inter: usize,
@@ -585,11 +604,14 @@ fn moe_experts_match_the_cpu_layer() {
                 let e = max_rel_err(&gpu, &cpu);
                 assert!(
                     e <= tol,
-                    "moe experts case {ci} ({}x{}, {} experts top {}) {dt:?} T={t}: rel err {e}",
+                    "moe experts case {ci} ({}x{}, {} experts top {}) {dt:?} T={t}: rel err {e}, worst at {}; \
+                     routing {:?}",
                     c.hidden,
                     c.inter,
                     c.experts,
-                    c.top_k
+                    c.top_k,
+                    worst_place(&gpu, &cpu),
+                    routing.to_host().unwrap().0.chunks(c.top_k).take(4).collect::<Vec<_>>()
                 );
             }
         }
@@ -618,7 +640,7 @@ fn moe_layer_on_the_gpu_matches_cpu_and_is_batch_invariant() {
         let cpu = cpu_moe.forward(&x, &cr).unwrap();
         let gpu = gpu_moe.forward(&xg, &gr).unwrap();
         let e = max_rel_err(&gpu, &cpu);
-        assert!(e <= 1e-5, "case {ci}: layer rel err {e}");
+        assert!(e <= 1e-5, "case {ci}: layer rel err {e}, worst at {}", worst_place(&gpu, &cpu));
         if c.shared == 0 {
             let all: Vec<Vec<f32>> = gpu.to_vec2().unwrap();
             for r in [0, 1, 31, 63] {

@@ -5,11 +5,10 @@
 //! no host round trip and can be captured in a graph. The reference is the layer's grouped
 //! computation on the CPU (`layers::moe`), which tests/cuda_ops.rs compares it to.
 
-use candle_core::backend::BackendStorage;
-use candle_core::backprop::BackpropOp;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
-use candle_core::{DType, Result, Storage, Tensor};
+use candle_core::op::BackpropOp;
+use candle_core::{DType, Result, Storage, Tensor, WithDType};
 
 use super::cuda::{dtype_name, Kernel, MOE_EXPERTS};
 
@@ -99,7 +98,7 @@ fn with_slice<T: CudaDType, R>(t: &Tensor, f: impl FnOnce(&CudaSlice<T>, usize) 
 }
 
 /// `[x, gate_up, down]` of element type T; `experts` u32 and `weights` f32 (all contiguous).
-fn launch<T: CudaDType + DeviceRepr>(
+fn launch<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
     ts: &[&Tensor; 3],
     experts: &Tensor,
@@ -108,9 +107,7 @@ fn launch<T: CudaDType + DeviceRepr>(
 ) -> Result<CudaStorage> {
     let Dims { t, h, i, e, k, gelu } = d;
     let pairs = t * k;
-    let func = |name: &str| -> Result<Kernel> {
-        MOE_EXPERTS.func(dev, &format!("{name}_{}", dtype_name(T::DTYPE)?))
-    };
+    let func = |name: &str| -> Result<Kernel> { MOE_EXPERTS.func(dev, &format!("{name}_{}", dtype_name(T::DTYPE)?)) };
     // SAFETY (all four): moe_group writes every offset and every order entry of a valid pair
     // (the routing holds valid expert ids); the projections write every row of every pair and
     // moe_combine every output element.

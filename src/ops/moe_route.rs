@@ -131,7 +131,11 @@ impl RouteConfig {
     pub fn route(&self, logits: &Tensor, bias: &Tensor) -> Result<Routing> {
         let (t, e) = logits.dims2()?;
         if bias.dims() != [e] || logits.dtype() != DType::F32 || bias.dtype() != DType::F32 {
-            candle_core::bail!("moe-route: f32 logits [T, E] and bias [E], got {:?} and {:?}", logits.shape(), bias.shape());
+            candle_core::bail!(
+                "moe-route: f32 logits [T, E] and bias [E], got {:?} and {:?}",
+                logits.shape(),
+                bias.shape()
+            );
         }
         self.check(e)?;
         match logits.device() {
@@ -139,7 +143,8 @@ impl RouteConfig {
             candle_core::Device::Cuda(_) => self.route_cuda(&logits.contiguous()?, &bias.contiguous()?, t, e),
             device => {
                 let (l, b) = (logits.flatten_all()?.to_vec1::<f32>()?, bias.to_vec1::<f32>()?);
-                let (mut experts, mut weights) = (Vec::with_capacity(t * self.top_k), Vec::with_capacity(t * self.top_k));
+                let (mut experts, mut weights) =
+                    (Vec::with_capacity(t * self.top_k), Vec::with_capacity(t * self.top_k));
                 for row in l.chunks_exact(e.max(1)) {
                     self.route_row(row, &b, &mut experts, &mut weights);
                 }
@@ -153,9 +158,9 @@ impl RouteConfig {
 
     #[cfg(feature = "cuda")]
     fn route_cuda(&self, logits: &Tensor, bias: &Tensor, t: usize, e: usize) -> Result<Routing> {
-        use candle_core::backprop::BackpropOp;
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::{CudaStorage, WrapErr};
+        use candle_core::op::BackpropOp;
         use candle_core::Storage;
 
         /// Tokens per block (one warp each; `ROUTE_WARPS` in the kernel).

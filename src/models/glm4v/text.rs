@@ -134,5 +134,4 @@ impl TextModel for GlmText {
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         self.lm_head.forward(hidden)?.to_dtype(DType::F32)
     }
-
 }
