@@ -551,10 +551,8 @@ const MOE_CASES: [MoeCase; 3] = [
     MoeCase { hidden: 50, inter: 14, experts: 16, top_k: 4, n_group: 1, topk_group: 1, shared: 0 },
 ];
 
-fn load_moe(c: &MoeCase, dir: &std::path::Path, dev: &Device, dt: DType) -> iris::layers::moe::Moe {
-    use iris::models::config::{Activation, MoeConfig};
-    use iris::weights::{SafetensorsDir, Weights};
-    let cfg = MoeConfig {
+fn moe_config(c: &MoeCase) -> iris::models::config::MoeConfig {
+    iris::models::config::MoeConfig {
         num_experts: c.experts,
         top_k: c.top_k,
         n_group: c.n_group,
@@ -564,7 +562,13 @@ fn load_moe(c: &MoeCase, dir: &std::path::Path, dev: &Device, dt: DType) -> iris
         norm_topk_prob: true,
         routed_scaling_factor: 2.5,
         first_k_dense_replace: 0,
-    };
+    }
+}
+
+fn load_moe(c: &MoeCase, dir: &std::path::Path, dev: &Device, dt: DType) -> iris::layers::moe::Moe {
+    use iris::models::config::Activation;
+    use iris::weights::{SafetensorsDir, Weights};
+    let cfg = moe_config(c);
     let w = Weights::from_safetensors(SafetensorsDir::open(dir).unwrap(), dev.clone(), dt);
     iris::layers::moe::Moe::load(&w, "mlp", c.hidden, &cfg, Activation::Silu).unwrap()
 }
@@ -619,10 +623,12 @@ fn moe_experts_match_the_cpu_layer() {
     }
 }
 
-/// The whole layer on the GPU (router matmul, routing kernel, experts kernel) against the CPU
-/// layer: the same choices, and outputs to 1e-5. And the experts kernel gives each row the same
-/// bits alone as among 64 (with the same routing, and no shared expert: cuBLAS, which the router
-/// and shared-expert matmuls use, may pick another kernel for another row count).
+/// The whole layer on the GPU (router matmul, routing kernel, experts kernel): its choices are
+/// exactly the host definition's on the same router logits (the layer's f32 matmul, redone
+/// here; the CPU's own matmul may round near-ties differently), and its output matches the CPU
+/// layer's under that routing to 1e-5. And the experts kernel gives each row the same bits alone
+/// as among 64 (with the same routing, and no shared expert: cuBLAS, which the router and
+/// shared-expert matmuls use, may pick another kernel for another row count).
 #[test]
 fn moe_layer_on_the_gpu_matches_cpu_and_is_batch_invariant() {
     let Some(dev) = gpu() else { return };
@@ -634,10 +640,18 @@ fn moe_layer_on_the_gpu_matches_cpu_and_is_batch_invariant() {
         let gpu_moe = load_moe(c, &dir, &dev, DType::F32);
         let x = random(&mut rng, &[64, c.hidden]);
         let xg = x.to_device(&dev).unwrap();
-        let (cr, gr) = (cpu_moe.route(&x).unwrap(), gpu_moe.route(&xg).unwrap());
-        let (ce, ge) = (cr.to_host().unwrap().0, gr.to_host().unwrap().0);
-        assert_eq!(ge, ce, "case {ci}: routing of the GPU layer");
-        let cpu = cpu_moe.forward(&x, &cr).unwrap();
+        let gr = gpu_moe.route(&xg).unwrap();
+        let stored = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+        let router = stored["mlp.gate.weight"].to_device(&dev).unwrap();
+        let logits = xg.matmul(&router.t().unwrap()).unwrap().to_device(&Device::Cpu).unwrap();
+        let bias = &stored["mlp.gate.e_score_correction_bias"];
+        let want = iris::ops::moe_route::RouteConfig::from(&moe_config(c)).route(&logits, bias).unwrap();
+        let (we, ge) = (want.to_host().unwrap(), gr.to_host().unwrap());
+        assert_eq!(ge.0, we.0, "case {ci}: experts chosen by the GPU layer vs the host definition");
+        for (r, (g, w)) in ge.1.iter().zip(&we.1).enumerate() {
+            assert!((g - w).abs() <= 1e-6 * w.abs(), "case {ci}: weight {r} of the GPU layer {g}, host {w}");
+        }
+        let cpu = cpu_moe.forward(&x, &want).unwrap();
         let gpu = gpu_moe.forward(&xg, &gr).unwrap();
         let e = max_rel_err(&gpu, &cpu);
         assert!(e <= 1e-5, "case {ci}: layer rel err {e}, worst at {}", worst_place(&gpu, &cpu));
