@@ -418,3 +418,39 @@ fn bf16_models_stay_close_to_the_f32_reference() {
         assert!(e <= 5e-2, "{name} bf16 logits: rel err {e}");
     }
 }
+
+#[test]
+fn gemv_matches_cpu() {
+    use iris::ops::gemv::{Gemv, MAX_ROWS};
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(7);
+    // K: one vector short of an unrolled pass, several passes plus a tail, a 7B's widths.
+    for (n, k) in [(1, 64), (7, 120), (300, 1000), (3584, 3584), (130, 18944)] {
+        for m in 1..=MAX_ROWS {
+            let x = random(&mut rng, &[m, k]);
+            let w = random(&mut rng, &[n, k]);
+            for (dt, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2), (DType::F16, 2e-3)] {
+                // The same rounded inputs on both sides; the reference sums in f32.
+                let (x, w) = (x.to_dtype(dt).unwrap(), w.to_dtype(dt).unwrap());
+                let (xg, wg) = (x.to_device(&dev).unwrap(), w.to_device(&dev).unwrap());
+                if k % (16 / dt.size_in_bytes()) != 0 {
+                    assert!(!Gemv::applies(&xg, &wg));
+                    continue;
+                }
+                assert!(Gemv::applies(&xg, &wg), "m {m} k {k} {dt:?}");
+                let gpu = Gemv::forward(&xg, &wg).unwrap();
+                let cpu = Gemv::forward(&x.to_dtype(DType::F32).unwrap(), &w.to_dtype(DType::F32).unwrap()).unwrap();
+                let e = max_rel_err(&gpu, &cpu);
+                assert!(e < tol, "gemv {m}x{k} by {n}x{k} {dt:?}: rel err {e}");
+                // A row's output does not depend on how many rows share the call.
+                let solo = Gemv::forward(&xg.narrow(0, m - 1, 1).unwrap(), &wg).unwrap();
+                let last = gpu.narrow(0, m - 1, 1).unwrap();
+                assert_eq!(max_rel_err(&solo, &last), 0.0, "gemv row {m} of {m} differs from the row alone ({dt:?})");
+            }
+        }
+    }
+    // More rows than the kernel takes, or another device, go to the general matmul.
+    let x = random(&mut rng, &[MAX_ROWS + 1, 64]).to_device(&dev).unwrap();
+    assert!(!Gemv::applies(&x, &random(&mut rng, &[8, 64]).to_device(&dev).unwrap()));
+    assert!(!Gemv::applies(&random(&mut rng, &[1, 64]), &random(&mut rng, &[8, 64])));
+}
