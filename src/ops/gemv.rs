@@ -10,25 +10,44 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-/// Rows of x the kernel takes at most; more go to cuBLAS.
+/// Rows of x the kernel can take.
 pub const MAX_ROWS: usize = 8;
+
+/// Rows of x up to which products take this op rather than cuBLAS: each row of x costs the
+/// kernel a load and a multiply per weight, and from a few rows on cuBLAS's tensor-core kernels
+/// win. `IRIS_CUDA_GEMV=N` sets it (0: never), to compare.
+pub fn max_rows() -> usize {
+    static ROWS: OnceLock<usize> = OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("IRIS_CUDA_GEMV").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_ROWS).min(MAX_ROWS)
+    })
+}
+const DEFAULT_ROWS: usize = 2;
+
+/// Warps per output row: more where the matrix has few rows, so the grid fills the GPU
+/// (about 2,048 blocks), while each warp keeps at least two 16-byte loads per lane.
+fn warps_per_row(n: usize, vectors_per_row: usize) -> usize {
+    let mut wpr = 1;
+    while wpr < 8 && n * wpr / 8 < 2048 && vectors_per_row / (wpr * 2) >= 64 {
+        wpr *= 2;
+    }
+    wpr
+}
 
 pub struct Gemv;
 
 impl Gemv {
     /// Whether `x` (`[M, K]`) times `w^T` (`w`: `[N, K]`) should take this op: on CUDA, a
-    /// float type shared by both, at most `MAX_ROWS` rows, K a whole number of 16-byte vectors,
-    /// and not switched off (`IRIS_CUDA_GEMV=0`, to compare with cuBLAS).
+    /// float type shared by both, K a whole number of 16-byte vectors, and at most
+    /// `max_rows()` rows.
     pub fn applies(x: &Tensor, w: &Tensor) -> bool {
-        static ENABLED: OnceLock<bool> = OnceLock::new();
         let (Ok((m, k)), Ok((_, wk))) = (x.dims2(), w.dims2()) else { return false };
         x.device().is_cuda()
-            && (1..=MAX_ROWS).contains(&m)
+            && (1..=max_rows()).contains(&m)
             && k == wk
             && x.dtype() == w.dtype()
             && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
             && k % (16 / x.dtype().size_in_bytes()) == 0
-            && *ENABLED.get_or_init(|| std::env::var("IRIS_CUDA_GEMV").map_or(true, |v| v != "0"))
     }
 
     /// `x`: `[M, K]`, `w`: `[N, K]` -> `[M, N]`.
@@ -91,9 +110,10 @@ impl CustomOp2 for Gemv {
         }
         let dev = sx.device().clone();
         let func = super::cuda::GEMV.func(&dev, &format!("gemv_{}_{m}", super::cuda::dtype_name(dt)?))?;
-        const ROWS_PER_BLOCK: usize = 8; // GEMV_THREADS / 32 in gemv.cu
+        const WARPS: usize = 8; // GEMV_THREADS / 32 in gemv.cu
+        let wpr = warps_per_row(n, k / v);
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(ROWS_PER_BLOCK) as u32, 1, 1),
+            grid_dim: (n.div_ceil(WARPS / wpr) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -105,23 +125,23 @@ impl CustomOp2 for Gemv {
             x: &CudaSlice<T>,
             w: &CudaSlice<T>,
             (ox, ow): (usize, usize),
-            (m, n, k): (usize, usize, usize),
+            (m, n, k, wpr): (usize, usize, usize, usize),
         ) -> Result<CudaStorage> {
             // SAFETY: the kernel writes every element of y.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
             let (x, w) = (x.slice(ox..), w.slice(ow..));
-            let (n, k) = (n as i32, k as i32);
+            let (n, k, wpr) = (n as i32, k as i32, wpr as i32);
             let mut b = func.builder();
-            b.arg(&y).arg(&x).arg(&w).arg(&n).arg(&k);
+            b.arg(&y).arg(&x).arg(&w).arg(&n).arg(&k).arg(&wpr);
             // SAFETY: argument types and counts match the kernel's signature; shapes were checked.
             unsafe { b.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
         let offs = (lx.start_offset(), lw.start_offset());
         let y = match (&sx.slice, &sw.slice) {
-            (S::F32(x), S::F32(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k))?,
-            (S::BF16(x), S::BF16(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k))?,
-            (S::F16(x), S::F16(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k))?,
+            (S::F32(x), S::F32(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k, wpr))?,
+            (S::BF16(x), S::BF16(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k, wpr))?,
+            (S::F16(x), S::F16(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k, wpr))?,
             _ => candle_core::bail!("gemv: unsupported dtype {dt:?}"),
         };
         Ok((y, Shape::from((m, n))))

@@ -1,7 +1,8 @@
 // y = x W^T for a few rows of x (decode steps): x [M, K], W [N, K] row-major, y [M, N], M <= 8
 // (see ops/gemv.rs). A step of a large model is one pass over its weights, so this is a
 // bandwidth problem: one warp per output row streams the row in 16-byte loads, several in
-// flight per lane, and uses each loaded weight for all M rows of x (x stays in L1/L2). The
+// flight per lane, and uses each loaded weight for all M rows of x (x stays in L1/L2); matrices
+// of few rows split each row over several warps. The
 // sum for a row is taken in the same order whatever M is, so a row's output does not depend on
 // how many rows share the step. f32 accumulation.
 #include "common.cuh"
@@ -33,41 +34,48 @@ template <> __device__ __forceinline__ void unpack16<__half>(const uint4& v, flo
     }
 }
 
-// K is a whole number of 16-byte vectors; x, W and y start 16-byte aligned.
+// K is a whole number of 16-byte vectors; x, W and y start 16-byte aligned. wpr (1, 2, 4 or 8)
+// warps share a row, each taking every wpr-th run of 32 vectors, so that a matrix of few rows
+// still spreads over every SM; their partial sums are added in warp order.
 template <typename T, int M>
-__device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int n, int k) {
+__device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int n, int k, int wpr) {
     constexpr int V = Vec16<T>::N;
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (GEMV_THREADS / 32) + (threadIdx.x >> 5);
-    if (row >= n) return;
+    constexpr int WARPS = GEMV_THREADS / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int part = warp % wpr;
+    const int row = blockIdx.x * (WARPS / wpr) + warp / wpr;
     const int kv = k / V;
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)row * k);
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const int stride = 32 * wpr;
+    __shared__ float partial[WARPS][M];
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.f;
 
-    // Every load of a pass is issued before any is used (the last pass predicated), so each
-    // lane keeps GEMV_UNROLL loads in flight throughout.
-    for (int base = lane; base < kv; base += 32 * GEMV_UNROLL) {
-        uint4 wv[GEMV_UNROLL];
+    if (row < n) {
+        const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)row * k);
+        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        // Every load of a pass is issued before any is used (the last pass predicated), so each
+        // lane keeps GEMV_UNROLL loads in flight throughout.
+        for (int base = part * 32 + lane; base < kv; base += stride * GEMV_UNROLL) {
+            uint4 wv[GEMV_UNROLL];
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int i = base + 32 * u;
-            wv[u] = i < kv ? __ldcs(wr + i) : make_uint4(0u, 0u, 0u, 0u);  // read once: stream
-        }
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int i = base + stride * u;
+                wv[u] = i < kv ? __ldcs(wr + i) : make_uint4(0u, 0u, 0u, 0u);  // read once: stream
+            }
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int i = base + 32 * u;
-            if (i >= kv) break;
-            float wf[V];
-            unpack16<T>(wv[u], wf);
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int i = base + stride * u;
+                if (i >= kv) break;
+                float wf[V];
+                unpack16<T>(wv[u], wf);
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                float xf[V];
-                unpack16<T>(__ldg(xv + (size_t)m * kv + i), xf);
+                for (int m = 0; m < M; ++m) {
+                    float xf[V];
+                    unpack16<T>(__ldg(xv + (size_t)m * kv + i), xf);
 #pragma unroll
-                for (int e = 0; e < V; ++e) acc[m] = fmaf(wf[e], xf[e], acc[m]);
+                    for (int e = 0; e < V; ++e) acc[m] = fmaf(wf[e], xf[e], acc[m]);
+                }
             }
         }
     }
@@ -75,14 +83,23 @@ __device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __rest
     for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
     if (lane == 0) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) y[(size_t)m * n + row] = from_f<T>(acc[m]);
+        for (int m = 0; m < M; ++m) partial[warp][m] = acc[m];
+    }
+    __syncthreads();
+    if (lane == 0 && part == 0 && row < n) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float s = 0.f;
+            for (int p = 0; p < wpr; ++p) s += partial[warp + p][m];
+            y[(size_t)m * n + row] = from_f<T>(s);
+        }
     }
 }
 
 #define GEMV(TN, T, M)                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
-        gemv_##TN##_##M(T* y, const T* x, const T* w, int n, int k) {                                          \
-        gemv<T, M>(y, x, w, n, k);                                                                             \
+        gemv_##TN##_##M(T* y, const T* x, const T* w, int n, int k, int wpr) {                                          \
+        gemv<T, M>(y, x, w, n, k, wpr);                                                                           \
     }
 #define GEMV_ROWS(TN, T)                                                                                       \
     GEMV(TN, T, 1) GEMV(TN, T, 2) GEMV(TN, T, 3) GEMV(TN, T, 4)                                                \
