@@ -90,11 +90,18 @@ struct Case {
 /// Decodes (one of them a first token, some past one chunk of 256 keys), a whole prompt, and
 /// prompt chunks over a cached prefix, all in one launch.
 const SEQS: [(usize, usize); 8] = [(1, 1), (17, 1), (256, 1), (257, 1), (700, 1), (40, 40), (300, 45), (33, 7)];
+/// Few rows (rows x kv heads < 128): one head per block, the lane-split kernel (`paged_decode`).
+const FEW_ROWS: [(usize, usize); 7] = [(1, 1), (17, 1), (256, 1), (257, 1), (700, 1), (2000, 1), (33, 7)];
 
 fn check_attention(dev: &Device, c: &Case, q_dt: DType, cache_dt: DType, tol: f32) {
+    check_attention_on(dev, &SEQS, c, q_dt, cache_dt, tol);
+    check_attention_on(dev, &FEW_ROWS, c, q_dt, cache_dt, tol);
+}
+
+fn check_attention_on(dev: &Device, seqs: &[(usize, usize)], c: &Case, q_dt: DType, cache_dt: DType, tol: f32) {
     let mut rng = StdRng::seed_from_u64((c.heads * 1000 + c.head_dim) as u64);
     let bs = 16;
-    let (mut m, slots) = meta(&mut rng, &SEQS, bs);
+    let (mut m, slots) = meta(&mut rng, seqs, bs);
     let d = c.head_dim;
     let q = random(&mut rng, &[m.num_rows(), c.heads, d]).to_dtype(q_dt).unwrap();
     let k = random(&mut rng, &[slots, c.kv_heads, d]).to_dtype(cache_dt).unwrap();
@@ -127,11 +134,12 @@ fn check_attention(dev: &Device, c: &Case, q_dt: DType, cache_dt: DType, tol: f3
     let e = max_rel_err(&gpu, &cpu);
     assert!(
         e <= tol,
-        "paged attention {}x{}x{d} window {:?} softcap {:?}, q {q_dt:?} cache {cache_dt:?}: rel err {e}",
+        "paged attention {}x{}x{d} window {:?} softcap {:?}, q {q_dt:?} cache {cache_dt:?}, {} rows: rel err {e}",
         c.heads,
         c.kv_heads,
         c.window,
-        c.softcap
+        c.softcap,
+        m.num_rows()
     );
 }
 
