@@ -48,11 +48,14 @@ impl Gemv {
             && x.dtype() == w.dtype()
             && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
             && k % (16 / x.dtype().size_in_bytes()) == 0
+            // The kernel starts reading W before the kernel ahead of it has finished, so W must
+            // be a stored matrix, not one a copy just made.
+            && w.is_contiguous()
     }
 
-    /// `x`: `[M, K]`, `w`: `[N, K]` -> `[M, N]`.
+    /// `x`: `[M, K]`, `w`: `[N, K]` (contiguous) -> `[M, N]`.
     pub fn forward(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &Gemv)
+        x.contiguous()?.apply_op2_no_bwd(w, &Gemv)
     }
 
     fn check(lx: &Layout, lw: &Layout) -> Result<(usize, usize, usize)> {
@@ -99,8 +102,8 @@ impl CustomOp2 for Gemv {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use super::cuda::Kernel;
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-        use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, CudaStorageSlice as S, WrapErr};
+        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+        use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, CudaStorageSlice as S};
 
         let (m, n, k) = Self::check(lx, lw)?;
         let dt = sx.dtype();
@@ -127,14 +130,29 @@ impl CustomOp2 for Gemv {
             (ox, ow): (usize, usize),
             (m, n, k, wpr): (usize, usize, usize, usize),
         ) -> Result<CudaStorage> {
+            use candle_core::cuda_backend::cudarc::driver::DevicePtr;
             // SAFETY: the kernel writes every element of y.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
             let (x, w) = (x.slice(ox..), w.slice(ow..));
-            let (n, k, wpr) = (n as i32, k as i32, wpr as i32);
-            let mut b = func.builder();
-            b.arg(&y).arg(&x).arg(&w).arg(&n).arg(&k).arg(&wpr);
-            // SAFETY: argument types and counts match the kernel's signature; shapes were checked.
-            unsafe { b.launch(cfg) }.w()?;
+            let stream = dev.cuda_stream();
+            // The guards order the launch after pending writes (where cudarc tracks them).
+            let (mut py, _gy) = y.device_ptr(&stream);
+            let (mut px, _gx) = x.device_ptr(&stream);
+            let (mut pw, _gw) = w.device_ptr(&stream);
+            let (mut n, mut k, mut wpr) = (n as i32, k as i32, wpr as i32);
+            let mut params = [
+                &mut py as *mut _ as *mut std::ffi::c_void,
+                &mut px as *mut _ as *mut _,
+                &mut pw as *mut _ as *mut _,
+                &mut n as *mut _ as *mut _,
+                &mut k as *mut _ as *mut _,
+                &mut wpr as *mut _ as *mut _,
+            ];
+            // SAFETY: the parameters are the kernel's (y, x, w, n, k, wpr) in order and type;
+            // shapes were checked; the kernel waits for the kernel before it (pdl_wait) before
+            // reading x or writing y.
+            unsafe { func.launch_dependent(cfg, &mut params) }?;
+            drop((_gy, _gx, _gw));
             Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
         let offs = (lx.start_offset(), lw.start_offset());

@@ -65,3 +65,19 @@ __device__ __forceinline__ float warp_max(float x) {
     for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
+
+// Programmatic dependent launch (Hopper): a kernel launched with it may start while the kernel
+// before it finishes; pdl_wait() returns once that kernel has completed and its writes are
+// visible, so everything a kernel reads from earlier kernels, and every write, comes after it.
+// pdl_launch_dependents() lets the next such kernel start launching. Both are no-ops for a
+// kernel launched normally, and before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

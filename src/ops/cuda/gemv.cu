@@ -63,6 +63,9 @@ __device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __rest
                 const int i = base + stride * u;
                 wv[u] = i < kv ? __ldcs(wr + i) : make_uint4(0u, 0u, 0u, 0u);  // read once: stream
             }
+            // The weights do not come from the kernel before; x does (see ops/gemv.rs: launched
+            // as a programmatic dependent, the first weights stream while that kernel ends).
+            if (base == part * 32 + lane) pdl_wait();
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; ++u) {
                 const int i = base + stride * u;
@@ -79,6 +82,7 @@ __device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __rest
             }
         }
     }
+    pdl_wait();  // rows past n, and row lengths of no pass: y is written only after it
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
     if (lane == 0) {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Result, Storage, Tensor};
 
@@ -43,6 +43,49 @@ pub struct Kernel {
 impl Kernel {
     pub fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
+    }
+
+    /// Launches the kernel as a programmatic dependent of the kernel before it on the stream
+    /// (Hopper's programmatic dependent launch): it may start while that kernel ends, and must
+    /// call `pdl_wait()` (common.cuh) before it reads anything an earlier kernel wrote and before
+    /// it writes. Falls back to a plain launch where the driver refuses (older GPUs) or with
+    /// `IRIS_CUDA_PDL=0`.
+    ///
+    /// # Safety
+    /// `params` point to the kernel's arguments, in its order and types, alive for the call.
+    pub unsafe fn launch_dependent(&self, cfg: LaunchConfig, params: &mut [*mut std::ffi::c_void]) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        use candle_core::cuda_backend::WrapErr;
+        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let pdl = *ENABLED.get_or_init(|| std::env::var("IRIS_CUDA_PDL").map_or(true, |v| v != "0"));
+        self.stream.context().bind_to_thread().w()?;
+        // SAFETY: a zeroed attribute is a valid "no attribute"; id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: pdl as u32,
+        };
+        let f = self.func.cu_function();
+        // SAFETY: the caller vouches for `params`; config and attribute live through the call.
+        let r = unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) };
+        if r != sys::CUresult::CUDA_SUCCESS && pdl {
+            config.numAttrs = 0;
+            // SAFETY: as above, without the attribute.
+            return unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+                .result()
+                .w();
+        }
+        r.result().w()
     }
 
     /// Lets a launch ask for `bytes` of dynamic shared memory (past the default 48 KiB).

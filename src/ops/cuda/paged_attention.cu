@@ -21,6 +21,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
                                 const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
                                 int num_heads, int num_kv_heads, int hb, int block_size, float scale, int window,
                                 float softcap, int skip_q_len) {
+    pdl_launch_dependents();  // the output projection may start streaming its weights
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;                 // 16-byte vectors per head row
     constexpr int KG = PA_THREADS / NV;       // keys accumulated at once in the value phase
@@ -175,6 +176,7 @@ __device__ void paged_decode(TQ* __restrict__ out, const TQ* __restrict__ q, con
                              const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
                              int num_heads, int num_kv_heads, int block_size, float scale, int window, float softcap,
                              int skip_q_len) {
+    pdl_launch_dependents();
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;  // 16-byte vectors per head row
     constexpr int LPK = NV > 16 ? 32 : NV > 8 ? 16 : NV > 4 ? 8 : NV > 2 ? 4 : NV > 1 ? 2 : 1;
