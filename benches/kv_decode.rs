@@ -52,7 +52,14 @@ fn fill(kv: &KvCache, layers: usize, context: usize, kv_heads: usize, dim: usize
 }
 
 /// Median seconds of one decode step at `context` tokens.
-fn decode_step(model: &dyn TextModel, dev: &Device, float: KvDtype, cache: KvCacheDtype, context: usize, steps: usize) -> f64 {
+fn decode_step(
+    model: &dyn TextModel,
+    dev: &Device,
+    float: KvDtype,
+    cache: KvCacheDtype,
+    context: usize,
+    steps: usize,
+) -> f64 {
     let cfg = model.config();
     let (float, tq) = match cache {
         KvCacheDtype::Auto => (float, None),
@@ -132,7 +139,11 @@ fn main() {
     println!(
         "model {model_path}, {dtype:?} on {}, batch 1, median of {steps} steps{}",
         if on_gpu { "cuda" } else { "cpu" },
-        if on_gpu { format!(", CUDA graphs {}", if graphs { "on" } else { "off" }) } else { format!(", {threads} threads") }
+        if on_gpu {
+            format!(", CUDA graphs {}", if graphs { "on" } else { "off" })
+        } else {
+            format!(", {threads} threads")
+        }
     );
     println!("| context | KV cache | decode tok/s | vs bf16 |");
     println!("|---|---|---|---|");

@@ -458,7 +458,12 @@ fn tq_write_matches_cpu_codes() {
             }
         }
     }
-    cases.extend([(128, (3, 4), DType::BF16), (256, (4, 2), DType::F16), (80, (3, 4), DType::F32), (96, (4, 3), DType::F32)]);
+    cases.extend([
+        (128, (3, 4), DType::BF16),
+        (256, (4, 2), DType::F16),
+        (80, (3, 4), DType::F32),
+        (96, (4, 3), DType::F32),
+    ]);
     for (d, bits, new_dt) in cases {
         let codecs = tq_codecs(d, hkv, bits, true);
         let on_gpu = codecs.upload(&dev).unwrap();
@@ -474,7 +479,14 @@ fn tq_write_matches_cpu_codes() {
         let sizes: Vec<f32> = (0..gpu_slots.len()).map(|i| 0.1 * 10f32.powf((i % 4) as f32)).collect();
         let new = new.broadcast_mul(&Tensor::from_vec(sizes, (gpu_slots.len(), 1, 1), &Device::Cpu).unwrap()).unwrap();
         let new = new.to_dtype(new_dt).unwrap();
-        let cpu_new = new.to_dtype(DType::F32).unwrap().index_select(&Tensor::new(kept.iter().map(|&i| i as u32).collect::<Vec<_>>().as_slice(), &Device::Cpu).unwrap(), 0).unwrap();
+        let cpu_new = new
+            .to_dtype(DType::F32)
+            .unwrap()
+            .index_select(
+                &Tensor::new(kept.iter().map(|&i| i as u32).collect::<Vec<_>>().as_slice(), &Device::Cpu).unwrap(),
+                0,
+            )
+            .unwrap();
         for (name, codec, scale, table, dscale) in [
             ("keys", &codecs.key, codecs.key_scale.as_deref(), &on_gpu.key, on_gpu.key_scale.as_ref()),
             ("values", &codecs.value, None, &on_gpu.value, None),

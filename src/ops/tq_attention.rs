@@ -872,7 +872,12 @@ impl CustomOp3 for TqAttention<'_> {
         let rows = a.meta.num_rows();
         let shape = Shape::from((rows, hq, d));
         for (l, row) in [(k_l, self.key.row_bytes()), (v_l, self.value.row_bytes())] {
-            if l.dims().len() != 3 || !l.is_contiguous() || l.start_offset() != 0 || l.dims()[1] != hkv || l.dims()[2] != row {
+            if l.dims().len() != 3
+                || !l.is_contiguous()
+                || l.start_offset() != 0
+                || l.dims()[1] != hkv
+                || l.dims()[2] != row
+            {
                 candle_core::bail!("tq-attention: caches must be whole contiguous [slots, {hkv}, row bytes] tensors");
             }
         }
@@ -898,7 +903,9 @@ impl CustomOp3 for TqAttention<'_> {
             candle_core::bail!("tq-attention: key scales on the host and the device disagree");
         }
         let dm = a.meta.device.as_ref().ok_or_else(|| {
-            candle_core::Error::Msg("tq-attention: the step's metadata is not on the device (AttentionMeta::upload)".into())
+            candle_core::Error::Msg(
+                "tq-attention: the step's metadata is not on the device (AttentionMeta::upload)".into(),
+            )
         })?;
         let l = dm.layout;
         if l.rows != rows {
@@ -918,7 +925,8 @@ impl CustomOp3 for TqAttention<'_> {
             t.storage_and_layout().0
         }
         let (ktab_g, vtab_g) = (guard(&codecs.key), guard(&codecs.value));
-        let (ktab, vtab) = (cuda_slice::<f32>(&ktab_g, "key codec table")?, cuda_slice::<f32>(&vtab_g, "value codec table")?);
+        let (ktab, vtab) =
+            (cuda_slice::<f32>(&ktab_g, "key codec table")?, cuda_slice::<f32>(&vtab_g, "value codec table")?);
         let table_len = |c: &TqCodec| 32 + if c.rotation().is_dense() { d * d } else { 2 * d };
         if ktab.len() != table_len(self.key) || vtab.len() != table_len(self.value) {
             candle_core::bail!("tq-attention: device codec tables of the wrong size");
@@ -941,7 +949,9 @@ impl CustomOp3 for TqAttention<'_> {
             None => None,
             Some(f) => {
                 let rings = f.rings.ok_or_else(|| {
-                    candle_core::Error::Msg("tq-attention: the float window's ring indices are not on the device".into())
+                    candle_core::Error::Msg(
+                        "tq-attention: the float window's ring indices are not on the device".into(),
+                    )
                 })?;
                 if rings.dims() != [a.meta.seqs.len()] || rings.dtype() != DType::U32 {
                     candle_core::bail!("tq-attention: a float window needs a ring per sequence");
@@ -951,7 +961,8 @@ impl CustomOp3 for TqAttention<'_> {
                     if t.dims() != [rows, hkv, d] || t.dtype() != q.dtype() {
                         candle_core::bail!("tq-attention: float window rows must be [{rows}, {hkv}, {d}] in q's type");
                     }
-                    l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("tq-attention: float rows must be contiguous".into()))
+                    l.contiguous_offsets()
+                        .ok_or_else(|| candle_core::Error::Msg("tq-attention: float rows must be contiguous".into()))
                 };
                 let ring = |t: &'_ Tensor| -> Result<usize> {
                     let (_, l) = t.storage_and_layout();
@@ -995,7 +1006,8 @@ impl CustomOp3 for TqAttention<'_> {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let cfg_combine = LaunchConfig { grid_dim: (rows as u32, hq as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let cfg_combine =
+            LaunchConfig { grid_dim: (rows as u32, hq as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         let vdense = self.value.rotation().is_dense() as i32;
         let (kc, vc) = match (&k.slice, &v.slice) {
             (S::U8(k), S::U8(v)) => (k, v),
@@ -1072,12 +1084,7 @@ impl CustomOp3 for TqAttention<'_> {
                 data.slice(l.block_tables..),
             ];
             let rings = rings_slice.map(|r| r.slice(..));
-            let common = (
-                (&partial, &combine),
-                (cfg_partial, cfg_combine),
-                (kc, vc, &part),
-                (ktab, vtab, kscale),
-            );
+            let common = ((&partial, &combine), (cfg_partial, cfg_combine), (kc, vc, &part), (ktab, vtab, kscale));
             let floats = (scale, window, softcap, fw, nsplit as i32, vdense);
             let n = rows * hq * d;
             // The typed views of q, this step's float rows and the rings.
@@ -1226,8 +1233,13 @@ mod tests {
                     let key_scale: Option<Vec<f32>> =
                         (fw != 3).then(|| (0..hkv * d).map(|i| 0.3 + (i as f32 * 0.37).sin().abs() * 2.0).collect());
                     let scale = key_scale.as_deref();
-                    c.k.inplace_op2(&kt, &TqWrite { slot_mapping: &all, codec: &c.codecs.key, scale, device: None }).unwrap();
-                    c.v.inplace_op2(&vt, &TqWrite { slot_mapping: &all, codec: &c.codecs.value, scale: None, device: None }).unwrap();
+                    c.k.inplace_op2(&kt, &TqWrite { slot_mapping: &all, codec: &c.codecs.key, scale, device: None })
+                        .unwrap();
+                    c.v.inplace_op2(
+                        &vt,
+                        &TqWrite { slot_mapping: &all, codec: &c.codecs.value, scale: None, device: None },
+                    )
+                    .unwrap();
                     let mut kd = dequantize(&c.k, &c.codecs.key);
                     if let Some(s) = scale {
                         for (i, x) in kd.iter_mut().enumerate() {
@@ -1275,8 +1287,7 @@ mod tests {
                         new_v: &new_vt,
                         rings: None,
                     });
-                    let op =
-                        TqAttention {
+                    let op = TqAttention {
                         attn: a,
                         key: &c.codecs.key,
                         value: &c.codecs.value,

@@ -148,7 +148,9 @@ impl InplaceOp2 for TqWrite<'_> {
         if dev_in.scale.is_some() != self.scale.is_some() {
             candle_core::bail!("tq-write: key scales on the host and the device disagree");
         }
-        let Some((a, b)) = new_l.contiguous_offsets() else { candle_core::bail!("tq-write: new values must be contiguous") };
+        let Some((a, b)) = new_l.contiguous_offsets() else {
+            candle_core::bail!("tq-write: new values must be contiguous")
+        };
         let table_g = dev_in.table.storage_and_layout().0;
         let table = cuda_slice::<f32>(&table_g, "tq-write codec table")?;
         let scale_g = dev_in.scale.map(|s| s.storage_and_layout().0);
@@ -159,8 +161,15 @@ impl InplaceOp2 for TqWrite<'_> {
         }
         let dev = cache.device().clone();
         let func = TQ_WRITE.func(&dev, &format!("tq_write_{}", dtype_name(new.dtype())?))?;
-        let cfg = LaunchConfig { grid_dim: (rows as u32, heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        let ints = [heads as i32, d as i32, bits as i32, self.codec.code_bytes() as i32, self.codec.rotation().is_dense() as i32];
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let ints = [
+            heads as i32,
+            d as i32,
+            bits as i32,
+            self.codec.code_bytes() as i32,
+            self.codec.rotation().is_dense() as i32,
+        ];
         let S::U8(codes) = &mut cache.slice else { candle_core::bail!("tq-write: the cache must be u8 codes") };
         fn launch<N>(
             func: &super::cuda::Kernel,
