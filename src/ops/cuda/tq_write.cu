@@ -21,7 +21,7 @@ __device__ void tq_write(uint8_t* __restrict__ cache, const TN* __restrict__ src
     const uint32_t slot = slots[t];
     if (slot == 0xffffffffu) return;  // a padding row (NO_SLOT)
     const TN* x = src + ((size_t)t * heads + h) * D;
-    for (int i = tid; i < D; i += TW_THREADS) {
+    for (int i = tid; i < D; i += blockDim.x) {
         float v = to_f(x[i]);
         if (scale) v = __fmul_rn(v, scale[h * D + i]);
         y_s[i] = v;
@@ -36,7 +36,7 @@ __device__ void tq_write(uint8_t* __restrict__ cache, const TN* __restrict__ src
     }
     tq_rotate(y_s, tmp_s, 1, D, table + TQ_ROTATION, dense != 0);
     const float inv = inv_s;
-    for (int i = tid; i < D; i += TW_THREADS) {
+    for (int i = tid; i < D; i += blockDim.x) {
         const float v = __fmul_rn(y_s[i], inv);
         int idx = 0;
 #pragma unroll
@@ -45,7 +45,7 @@ __device__ void tq_write(uint8_t* __restrict__ cache, const TN* __restrict__ src
     }
     __syncthreads();
     uint8_t* row = cache + ((size_t)slot * heads + h) * (code_bytes + 4);
-    for (int k = tid; k < code_bytes; k += TW_THREADS) {
+    for (int k = tid; k < code_bytes; k += blockDim.x) {
         uint32_t byte = 0;
         for (int b = 0; b < 8; ++b) {
             const int g = 8 * k + b, i = g / bits;
@@ -53,7 +53,7 @@ __device__ void tq_write(uint8_t* __restrict__ cache, const TN* __restrict__ src
         }
         row[k] = (uint8_t)byte;
     }
-    if (tid < 4) row[code_bytes + tid] = (uint8_t)(__float_as_uint(norm_s) >> (8 * tid));
+    for (int k = tid; k < 4; k += blockDim.x) row[code_bytes + k] = (uint8_t)(__float_as_uint(norm_s) >> (8 * k));
 }
 
 #define TQ_WRITE(NAME, TN)                                                                                     \
