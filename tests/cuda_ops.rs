@@ -604,7 +604,7 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
     let on_gpu = codecs.upload(dev).unwrap();
     let rings = Tensor::new(mg.window_rings.as_slice(), dev).unwrap();
     let (gnk, gnv, grk, grv) = (gq(&new_k), gq(&new_v), g(&ring_k), g(&ring_v));
-    let gpu = TqAttention {
+    let gpu_op = TqAttention {
         attn: paged(&mg),
         key: &codecs.key,
         value: &codecs.value,
@@ -618,9 +618,13 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
             rings: Some(&rings),
         }),
         device: Some(&on_gpu),
-    }
-    .forward(&gq(&q), &g(&kc), &g(&vc))
-    .unwrap();
+    };
+    let (gpu_q, gpu_k, gpu_v) = (gq(&q), g(&kc), g(&vc));
+    let gpu = gpu_op.forward(&gpu_q, &gpu_k, &gpu_v).unwrap();
+    // No atomics in the kernels' sums: the same launch gives the same bits.
+    let again = gpu_op.forward(&gpu_q, &gpu_k, &gpu_v).unwrap();
+    let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(bits(&gpu), bits(&again), "tq attention differs between two identical launches");
     assert_eq!(gpu.dtype(), q_dt);
     assert_eq!(gpu.dims(), cpu.dims());
     let e = max_rel_err(&gpu, &cpu);

@@ -186,14 +186,18 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
         }
         __syncthreads();
     }
-    if (pv) {
+    // The key groups' sums, added in a fixed order (no atomics: a row's result does not
+    // depend on the threads' timing).
+    for (int g = 0; g < KG; ++g) {
+        if (pv && kg == g) {
 #pragma unroll
-        for (int h = 0; h < TA_MAXH; ++h)
-            if (h < hb)
+            for (int h = 0; h < TA_MAXH; ++h)
+                if (h < hb)
 #pragma unroll
-                for (int e = 0; e < 8; ++e) atomicAdd(&tmp_s[h][gi * 8 + e], acc[h][e]);
+                    for (int e = 0; e < 8; ++e) tmp_s[h][gi * 8 + e] += acc[h][e];
+        }
+        __syncthreads();
     }
-    __syncthreads();
     for (int i = tid; i < hb * (D + 2); i += TA_THREADS) {
         const int h = i / (D + 2), c = i % (D + 2);
         out[h * head_stride + c] = c == 0 ? m_s[h] : c == 1 ? l_s[h] : tmp_s[h][c - 2];
