@@ -53,5 +53,16 @@ rc=${PIPESTATUS[0]}
 if [ "${COMPARE_GRAPHS:-0}" = 1 ]; then
   IRIS_CUDA_GRAPHS=0 run 2>&1 | tee "$RES/kv-decode-$MODEL-nographs.log"
 fi
+# E2E=1: end to end through the engine too (iris bench: a 1,024-token prompt, batch 1 and 8),
+# per cache format; iris from $IRIS_BIN or .gpu/iris.xz.
+if [ "${E2E:-0}" = 1 ]; then
+  IRIS=${IRIS_BIN:-}
+  if [ -z "$IRIS" ] && [ -f .gpu/iris.xz ]; then xz -dc .gpu/iris.xz > "$DIR/iris" && chmod +x "$DIR/iris" && IRIS="$DIR/iris"; fi
+  for c in $(echo "${KV_CACHES:-bf16,tq-k3v4,tq-k4v4}" | tr , ' '); do
+    "$IRIS" bench --model "$md" --device cuda --dtype bf16 --kv-cache-dtype "$c" --batch-sizes 1,8 \
+      --prompt-len 1024 --gen-len 64 --repeats 3 > "$RES/e2e-$MODEL-$c.txt" 2>&1 || tail -3 "$RES/e2e-$MODEL-$c.txt"
+    echo "-- iris bench, KV cache $c:"; grep -E '^\|' "$RES/e2e-$MODEL-$c.txt" || tail -5 "$RES/e2e-$MODEL-$c.txt"
+  done
+fi
 echo "== done in $(( $(date +%s) - t0 )) s"
 exit "$rc"
