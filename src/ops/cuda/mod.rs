@@ -25,6 +25,8 @@ pub const PAGED_ATTENTION: Module = Module { name: "iris_paged_attention", ptx: 
 pub const PREFILL_ATTENTION: Module = Module { name: "iris_prefill_attention", ptx: ptx::PREFILL_ATTENTION };
 pub const QKV_ROPE: Module = Module { name: "iris_qkv_rope", ptx: ptx::QKV_ROPE };
 pub const SAMPLING: Module = Module { name: "iris_sampling", ptx: ptx::SAMPLING };
+pub const TQ_ATTENTION: Module = Module { name: "iris_tq_attention", ptx: ptx::TQ_ATTENTION };
+pub const TQ_WRITE: Module = Module { name: "iris_tq_write", ptx: ptx::TQ_WRITE };
 
 impl Module {
     /// Kernel `name` of this module, loaded into `dev` on first use.
@@ -115,5 +117,13 @@ pub fn with_u32_slice<R>(t: &Tensor, f: impl FnOnce(&CudaSlice<u32>) -> Result<R
     match &*storage {
         Storage::Cuda(s) => f(s.as_cuda_slice::<u32>()?),
         _ => candle_core::bail!("step metadata is not on the CUDA device"),
+    }
+}
+
+/// The device data of a tensor's storage, of element type `T` (`what` names it in errors).
+pub fn cuda_slice<'s, T: candle_core::cuda_backend::CudaDType>(s: &'s Storage, what: &str) -> Result<&'s CudaSlice<T>> {
+    match s {
+        Storage::Cuda(c) => c.as_cuda_slice::<T>(),
+        _ => candle_core::bail!("{what} is not on the CUDA device"),
     }
 }
