@@ -5,6 +5,7 @@
 #   .gpu/iris.xz          the release binary (scripts/gpu-bench.sh)
 #   .gpu/tests.tar.xz     every test binary (scripts/gpu-check.sh)
 #   .gpu/paths            the build's repo and binary paths, which the tests have compiled in
+#   .gpu/kv_decode.xz     the KV-cache decode bench (scripts/gpu-kv-bench.sh)
 # Uses $CARGO_TARGET_DIR (default target/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,14 @@ for line in sys.stdin:
         # The library and the binary unit tests are both named after the crate.
         print(t["name"] + ("-" + t["kind"][0] if t["kind"][0] in ("lib", "bin") else ""), m["executable"])
 ' > /tmp/iris-gpu-tests.txt
+kv_bench=$(cargo build --release --features cuda --bench kv_decode --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kv_decode":
+        print(m["executable"])
+')
 stage=$(mktemp -d)
 mkdir -p "$stage/tests" .gpu
 # Not shipped: tests that download real models or need the Python SDKs (absent there).
@@ -32,6 +41,8 @@ strip -o "$stage/iris" "$TGT/release/iris"
 # One archive with a large window: the test binaries share most of their bytes (candle's kernels).
 tar -C "$stage" -cf - tests | xz -T1 --lzma2=preset=3,dict=512MiB > .gpu/tests.tar.xz
 xz -T2 -9 -c "$stage/iris" > .gpu/iris.xz
+strip -o "$stage/kv_decode" "$kv_bench"
+xz -T2 -9 -c "$stage/kv_decode" > .gpu/kv_decode.xz
 printf 'MANIFEST_DIR=%s\nBIN_EXE=%s\n' "$PWD" "$TGT/release/iris" > .gpu/paths
 rm -rf "$stage"
 ls -la .gpu

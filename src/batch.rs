@@ -89,6 +89,16 @@ pub struct DeviceAttentionMeta {
 }
 
 impl DeviceAttentionMeta {
+    /// Slots given on the host, in device memory: the metadata of a write to them.
+    pub fn slots(slots: &[u32], device: &Device) -> candle_core::Result<Self> {
+        // One spare entry: an empty write still has a tensor to point at.
+        let data: Vec<u32> = slots.iter().copied().chain([NO_SLOT]).collect();
+        Ok(DeviceAttentionMeta {
+            data: Tensor::new(data.as_slice(), device)?,
+            layout: MetaLayout::new(slots.len(), 0, 0),
+        })
+    }
+
     /// Each row's position, `[rows]` u32 on the device.
     pub fn positions(&self) -> candle_core::Result<Tensor> {
         self.data.narrow(0, self.layout.positions, self.layout.rows)

@@ -60,18 +60,19 @@ fn byte_accounting_equals_allocation() {
 
 /// Hidden states of one prompt run through the model in chunks of `chunk` tokens.
 fn forward_chunked(name: &str, tokens: &[u32], chunk: usize, spec: Option<&TqSpec>) -> Tensor {
-    let loaded = iris::loader::load(&fixture(name), &Device::Cpu, DType::F32).unwrap();
+    let dev = device();
+    let loaded = iris::loader::load(&fixture(name), &dev, DType::F32).unwrap();
     let cfg = loaded.config().clone();
     let bs = 4;
     let kv_spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs) + 2, dtype: KvDtype::F32 };
-    let kv = KvCache::build(&cfg, kv_spec, spec, &Device::Cpu).unwrap();
+    let kv = KvCache::build(&cfg, kv_spec, spec, &dev).unwrap();
     let table: Vec<u32> = (0..kv_spec.num_blocks as u32).rev().collect();
     let mut hidden = Vec::new();
     let mut start = 0;
     while start < tokens.len() {
         let n = chunk.min(tokens.len() - start);
         let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
-        let mut batch = Batch::from_tokens(&Device::Cpu, bs, vec![seq], &tokens[start..start + n]).unwrap();
+        let mut batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
         batch.attn.window_rings = vec![2];
         hidden.push(loaded.model.forward(&batch, &kv, None).unwrap());
         start += n;
@@ -108,8 +109,9 @@ fn prefill_equals_token_by_token_and_a_full_window_equals_the_float_cache() {
 }
 
 fn key_scales(name: &str) -> Vec<Vec<f32>> {
-    let loaded = iris::loader::load(&fixture(name), &Device::Cpu, DType::F32).unwrap();
-    iris::engine::calibrate::key_scales(loaded.model.as_ref(), &loaded.tokenizer, &Device::Cpu).unwrap()
+    let dev = device();
+    let loaded = iris::loader::load(&fixture(name), &dev, DType::F32).unwrap();
+    iris::engine::calibrate::key_scales(loaded.model.as_ref(), &loaded.tokenizer, &dev).unwrap()
 }
 
 /// Calibration gives every layer one positive scale per kv head and channel, the same for

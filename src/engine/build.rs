@@ -151,11 +151,6 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         }
         None => None,
     };
-    if tq.is_some() && !device.is_cpu() {
-        return Err(BuildError::Setting(
-            "TurboQuant KV caches (--kv-cache-dtype tq-*) run on the CPU only in this version; use --device cpu or a float --kv-cache-dtype".into(),
-        ));
-    }
     let per_token = match &tq {
         Some(tq) => tq.bytes_per_token(&cfg, kv_dtype),
         None => KvCacheSpec::bytes_per_token(&cfg, kv_dtype),

@@ -89,7 +89,12 @@ impl DecodeGraphs {
         draws: Option<&[Draw]>,
     ) -> Result<Option<StepOutput>> {
         // Graphs replay text steps with 1-D positions (the rotary table's); others run op by op.
-        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() {
+        // A TurboQuant float window uploads its rings' indices each step, which a graph cannot.
+        let float_window = kv.turboquant().is_some_and(|t| t.float_window > 0);
+        if !matches!(batch.positions, Positions::Flat(_))
+            || batch.images.is_some()
+            || float_window
+        {
             return Ok(None);
         }
         let meta = &batch.attn;

@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::calibration::CalibrationCache;
 use super::format::TqSpec;
-use super::turboquant::{Codebook, LayerCodecs};
+use super::turboquant::{Codebook, DeviceCodecs, LayerCodecs};
 use crate::models::config::TextConfig;
 
 /// Element type of a dense KV cache.
@@ -100,6 +100,8 @@ pub struct TqLayerCache {
     pub v: Tensor,
     pub codecs: LayerCodecs,
     pub window: Option<FloatWindow>,
+    /// `codecs` in device memory, for a cache on a GPU (None on the CPU).
+    pub device: Option<DeviceCodecs>,
 }
 
 /// The most recent `len` keys and values of each running sequence, unquantized: ring r holds
@@ -165,6 +167,7 @@ impl KvCache {
                 Ok(LayerCache::TurboQuant(Box::new(TqLayerCache {
                     k: Tensor::zeros((slots, h, codecs.key.row_bytes()), DType::U8, device)?,
                     v: Tensor::zeros((slots, h, codecs.value.row_bytes()), DType::U8, device)?,
+                    device: if device.is_cpu() { None } else { Some(codecs.upload(device)?) },
                     codecs,
                     window,
                 })))

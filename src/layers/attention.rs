@@ -100,7 +100,9 @@ impl SelfAttention {
         let out = match cache {
             LayerCache::Dense { k: kc, v: vc } => self.attend_dense(&op_input(q)?, &k, &v, kc, vc, meta)?,
             LayerCache::Calibration(c) => {
-                let q = op_input(q)?;
+                // Calibration records f32 moments over an f32 cache, on any device.
+                let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+                let (q, k, v) = (f32(&op_input(q)?)?, f32(&k)?, f32(&v)?);
                 c.record(&q, &k)?;
                 self.attend_dense(&q, &k, &v, &c.k, &c.v, meta)?
             }

@@ -3,6 +3,7 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{Result, Tensor};
 
+use crate::ops::gemv::Gemv;
 use crate::ops::qmatmul::QMatrix;
 
 use crate::weights::{StoredTensor, Weights, WeightsError};
@@ -63,6 +64,7 @@ impl Linear {
     /// `x W^T`, the bias left for the caller to fuse into what follows.
     pub fn forward_unbiased(&self, x: &Tensor) -> Result<Tensor> {
         match &self.w {
+            Matrix::Dense(w) if Gemv::applies(x, w) => Gemv::forward(x, w),
             Matrix::Dense(w) => x.matmul(&w.t()?),
             Matrix::Quantized(q) => q.forward(x)?.to_dtype(x.dtype()),
         }

@@ -6,6 +6,7 @@ pub mod argmax;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod gated_act;
+pub mod gemv;
 pub mod kv_elem;
 pub mod kv_write;
 #[cfg(feature = "cuda")]

@@ -285,7 +285,14 @@ impl CustomOp3 for PagedAttention<'_> {
         // decode step of a few sequences is bound by the latency of each block's loop).
         let hb = if rows * hkv < 128 { 1 } else { (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1) };
         let (qt, ct) = (dtype_name(q.dtype())?, dtype_name(k.dtype())?);
-        let decode = PAGED_ATTENTION.func(&dev, &format!("paged_attention_{qt}_{ct}_{d}"))?;
+        // With one head per block, the kernel that splits each key over lanes and keeps a softmax
+        // per lane group (`paged_decode`) instead of block-wide phases: the same grid and
+        // arguments. `IRIS_CUDA_PAGED_DECODE=0` keeps the block-wide kernel, to compare.
+        static LANE_SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let lane_split =
+            hb == 1 && *LANE_SPLIT.get_or_init(|| std::env::var("IRIS_CUDA_PAGED_DECODE").map_or(true, |v| v != "0"));
+        let kernel = if lane_split { "paged_decode" } else { "paged_attention" };
+        let decode = PAGED_ATTENTION.func(&dev, &format!("{kernel}_{qt}_{ct}_{d}"))?;
         let l = dm.layout;
         if l.rows != rows {
             candle_core::bail!("paged-attention: device metadata has {} rows, the step {rows}", l.rows);

@@ -26,8 +26,8 @@ use super::paged_attention::PagedAttention;
 use super::simd::{axpy_f32, dot_f32};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
-use crate::batch::{AttentionMeta, NO_SLOT};
-use crate::kv::turboquant::TqCodec;
+use crate::batch::{AttentionMeta, DeviceAttentionMeta, NO_SLOT};
+use crate::kv::turboquant::{DeviceCodecs, TqCodec};
 use crate::kv::TqLayerCache;
 
 /// Rows per tile at most.
@@ -46,6 +46,8 @@ pub struct TqAttention<'a> {
     /// q / key_scale.
     pub key_scale: Option<&'a [f32]>,
     pub float: Option<FloatInputs<'a>>,
+    /// For caches on a GPU: the codecs (and key scales) in device memory.
+    pub device: Option<&'a DeviceCodecs>,
 }
 
 /// The unquantized recent tokens (see the module doc). Rings are `[rings * len, kv_heads,
@@ -57,6 +59,8 @@ pub struct FloatInputs<'a> {
     pub ring_v: &'a Tensor,
     pub new_k: &'a Tensor,
     pub new_v: &'a Tensor,
+    /// On a GPU: `meta.window_rings` in device memory (`[seqs]` u32).
+    pub rings: Option<&'a Tensor>,
 }
 
 /// `FloatInputs` as slices.
@@ -105,19 +109,7 @@ impl TqAttention<'_> {
         let meta = a.meta;
         let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
         let rows = meta.num_rows();
-        if q.len() != rows * hq * d || self.key.dim() != d || self.value.dim() != d || hq % hkv != 0 {
-            candle_core::bail!("tq-attention: q has {} values, expected {rows}x{hq}x{d}", q.len());
-        }
-        if self.key_scale.is_some_and(|s| s.len() != hkv * d) {
-            candle_core::bail!("tq-attention: key scales for another shape than {hkv}x{d}");
-        }
-        let bs = meta.block_size;
-        for s in &meta.seqs {
-            let needed = s.context_len.div_ceil(bs);
-            if s.block_table.len() < needed || s.block_table.iter().any(|&b| (b as usize + 1) * bs > n_slots) {
-                candle_core::bail!("tq-attention: block table does not cover {} tokens", s.context_len);
-            }
-        }
+        self.check(q.len(), n_slots)?;
         if let Some(f) = &fl {
             let ring_rows = f.k.ring.len() / (hkv * d);
             let fits = |r: &u32| (*r as usize + 1) * f.len <= ring_rows;
@@ -203,6 +195,32 @@ impl TqAttention<'_> {
             with_kernel!(merge, &io, &tiles[tile], g, p)
         });
         Ok(out)
+    }
+
+    /// Checks shapes, key scales and block tables against `q_len` query values and `n_slots`
+    /// cache slots.
+    fn check(&self, q_len: usize, n_slots: usize) -> Result<()> {
+        let a = &self.attn;
+        let meta = a.meta;
+        let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
+        let rows = meta.num_rows();
+        if q_len != rows * hq * d || self.key.dim() != d || self.value.dim() != d || hkv == 0 || hq % hkv != 0 {
+            candle_core::bail!("tq-attention: q has {q_len} values, expected {rows}x{hq}x{d}");
+        }
+        if self.key_scale.is_some_and(|s| s.len() != hkv * d) {
+            candle_core::bail!("tq-attention: key scales for another shape than {hkv}x{d}");
+        }
+        let bs = meta.block_size;
+        for s in &meta.seqs {
+            let needed = s.context_len.div_ceil(bs);
+            if s.q_len > s.context_len
+                || s.block_table.len() < needed
+                || s.block_table.iter().any(|&b| (b as usize + 1) * bs > n_slots)
+            {
+                candle_core::bail!("tq-attention: block table does not cover {} tokens", s.context_len);
+            }
+        }
+        Ok(())
     }
 
     /// The queries of a tile's rows for kv head `g`, rotated like the keys: `[rows, group, d]`.
@@ -674,16 +692,37 @@ pub fn write_and_attend(
 ) -> Result<Tensor> {
     let meta = attn.meta;
     let codecs = &c.codecs;
-    let key_scale = codecs.key_scale.as_deref();
-    c.k.inplace_op2(k, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.key, scale: key_scale })?;
-    c.v.inplace_op2(v, &TqWrite { slot_mapping: &meta.slot_mapping, codec: &codecs.value, scale: None })?;
-    let float = c.window.as_ref().map(|w| FloatInputs { len: w.len, ring_k: &w.k, ring_v: &w.v, new_k: k, new_v: v });
-    let op = TqAttention { attn, key: &codecs.key, value: &codecs.value, key_scale, float };
+    c.k.inplace_op2(k, &TqWrite::step(c, meta, false))?;
+    c.v.inplace_op2(v, &TqWrite::step(c, meta, true))?;
+    // On a GPU the rings' indices and the rows staying in them go up as small tensors (steps
+    // with a float window do not run as CUDA graphs).
+    let on_device = !q.device().is_cpu();
+    let rings = match &c.window {
+        Some(_) if on_device => Some(Tensor::new(meta.window_rings.as_slice(), q.device())?),
+        _ => None,
+    };
+    let float = c.window.as_ref().map(|w| FloatInputs {
+        len: w.len,
+        ring_k: &w.k,
+        ring_v: &w.v,
+        new_k: k,
+        new_v: v,
+        rings: rings.as_ref(),
+    });
+    let op = TqAttention {
+        attn,
+        key: &codecs.key,
+        value: &codecs.value,
+        key_scale: codecs.key_scale.as_deref(),
+        float,
+        device: c.device.as_ref(),
+    };
     let out = op.forward(q, &c.k, &c.v)?;
     // After the op: it reads the rings' older positions, which these writes may replace.
     if let Some(w) = &c.window {
         let slots = ring_slots(meta, w.len)?;
-        let write = KvWrite::to_slots(&slots);
+        let device_slots = if on_device { Some(DeviceAttentionMeta::slots(&slots, q.device())?) } else { None };
+        let write = KvWrite { slot_mapping: &slots, device_meta: device_slots.as_ref() };
         w.k.inplace_op2(k, &write)?;
         w.v.inplace_op2(v, &write)?;
     }
@@ -811,6 +850,277 @@ impl CustomOp3 for TqAttention<'_> {
         let shape = Shape::from((self.attn.meta.num_rows(), self.attn.num_heads, d));
         Ok((CpuStorage::F32(out), shape))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        q_l: &Layout,
+        k: &candle_core::CudaStorage,
+        k_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
+        use candle_core::DType;
+
+        use super::cuda::{cuda_slice, dtype_name, with_u32_slice, TQ_ATTENTION};
+
+        let a = &self.attn;
+        let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
+        let rows = a.meta.num_rows();
+        let shape = Shape::from((rows, hq, d));
+        for (l, row) in [(k_l, self.key.row_bytes()), (v_l, self.value.row_bytes())] {
+            if l.dims().len() != 3
+                || !l.is_contiguous()
+                || l.start_offset() != 0
+                || l.dims()[1] != hkv
+                || l.dims()[2] != row
+            {
+                candle_core::bail!("tq-attention: caches must be whole contiguous [slots, {hkv}, row bytes] tensors");
+            }
+        }
+        if k_l.dims()[0] != v_l.dims()[0] {
+            candle_core::bail!("tq-attention: key and value caches differ in slots");
+        }
+        self.check(q_l.shape().elem_count(), k_l.dims()[0])?;
+        let Some((qa, qb)) = q_l.contiguous_offsets() else { candle_core::bail!("tq-attention: q must be contiguous") };
+        let dev = q.device().clone();
+        if rows == 0 {
+            // SAFETY: nothing is read from an empty allocation.
+            let empty = unsafe { dev.alloc::<f32>(0)? };
+            return Ok((CudaStorage::wrap_cuda_slice(empty, dev), shape));
+        }
+        let bits = [self.key.bits(), self.value.bits()];
+        if ![16, 32, 64, 80, 96, 128, 256].contains(&d) || !bits.iter().all(|b| (2..=4).contains(b)) {
+            candle_core::bail!("tq-attention: no CUDA kernel for head_dim {d} with {bits:?}-bit codes");
+        }
+        let codecs = self.device.ok_or_else(|| {
+            candle_core::Error::Msg("tq-attention: the codecs are not on the device (TqLayerCache::device)".into())
+        })?;
+        if codecs.key_scale.is_some() != self.key_scale.is_some() {
+            candle_core::bail!("tq-attention: key scales on the host and the device disagree");
+        }
+        let dm = a.meta.device.as_ref().ok_or_else(|| {
+            candle_core::Error::Msg(
+                "tq-attention: the step's metadata is not on the device (AttentionMeta::upload)".into(),
+            )
+        })?;
+        let l = dm.layout;
+        if l.rows != rows {
+            candle_core::bail!("tq-attention: device metadata has {} rows, the step {rows}", l.rows);
+        }
+        let group = hq / hkv;
+        // Query heads per block: the largest divisor of the group the kernel holds (GQA: each
+        // key is decoded once for all of them).
+        let hb = (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1);
+        let blocks_y = hkv * group / hb;
+        // Splits of each row's coded positions: enough blocks to fill the GPU (~130
+        // multiprocessors, two blocks each) for few rows; a split covers >= MIN_CHUNK positions.
+        const MIN_CHUNK: i32 = 256;
+        let nsplit = (264usize.div_ceil(rows * blocks_y)).clamp(1, 64);
+
+        fn guard(t: &Tensor) -> impl std::ops::Deref<Target = Storage> + '_ {
+            t.storage_and_layout().0
+        }
+        let (ktab_g, vtab_g) = (guard(&codecs.key), guard(&codecs.value));
+        let (ktab, vtab) =
+            (cuda_slice::<f32>(&ktab_g, "key codec table")?, cuda_slice::<f32>(&vtab_g, "value codec table")?);
+        let table_len = |c: &TqCodec| 32 + if c.rotation().is_dense() { d * d } else { 2 * d };
+        if ktab.len() != table_len(self.key) || vtab.len() != table_len(self.value) {
+            candle_core::bail!("tq-attention: device codec tables of the wrong size");
+        }
+        let scale_g = codecs.key_scale.as_ref().map(guard);
+        let kscale = scale_g.as_ref().map(|g| cuda_slice::<f32>(g, "key scales")).transpose()?;
+        if kscale.is_some_and(|s| s.len() != hkv * d) {
+            candle_core::bail!("tq-attention: device key scales of the wrong size");
+        }
+
+        // The float window: this step's rows (q's type), the rings, the rings' indices.
+        struct FloatArgs<G> {
+            len: usize,
+            new: [(G, (usize, usize)); 2],
+            ring: [(G, usize); 2],
+            ring_dtype: DType,
+            rings: G,
+        }
+        let fl = match &self.float {
+            None => None,
+            Some(f) => {
+                let rings = f.rings.ok_or_else(|| {
+                    candle_core::Error::Msg(
+                        "tq-attention: the float window's ring indices are not on the device".into(),
+                    )
+                })?;
+                if rings.dims() != [a.meta.seqs.len()] || rings.dtype() != DType::U32 {
+                    candle_core::bail!("tq-attention: a float window needs a ring per sequence");
+                }
+                let new = |t: &'_ Tensor| -> Result<(usize, usize)> {
+                    let (_, l) = t.storage_and_layout();
+                    if t.dims() != [rows, hkv, d] || t.dtype() != q.dtype() {
+                        candle_core::bail!("tq-attention: float window rows must be [{rows}, {hkv}, {d}] in q's type");
+                    }
+                    l.contiguous_offsets()
+                        .ok_or_else(|| candle_core::Error::Msg("tq-attention: float rows must be contiguous".into()))
+                };
+                let ring = |t: &'_ Tensor| -> Result<usize> {
+                    let (_, l) = t.storage_and_layout();
+                    let ring_rows = t.dims().first().copied().unwrap_or(0);
+                    let fits = a.meta.window_rings.iter().all(|&r| (r as usize + 1) * f.len <= ring_rows);
+                    if f.len == 0 || !l.is_contiguous() || t.dims()[1..] != [hkv, d] || !fits {
+                        candle_core::bail!("tq-attention: float rings must be contiguous [rings * {}, {hkv}, {d}] and hold every sequence's ring", f.len);
+                    }
+                    Ok(l.start_offset())
+                };
+                if a.meta.window_rings.len() != a.meta.seqs.len() || f.ring_k.dtype() != f.ring_v.dtype() {
+                    candle_core::bail!("tq-attention: a float window needs a ring per sequence");
+                }
+                let (nk, nv, rk, rv) = (new(f.new_k)?, new(f.new_v)?, ring(f.ring_k)?, ring(f.ring_v)?);
+                Some(FloatArgs {
+                    len: f.len,
+                    new: [(guard(f.new_k), nk), (guard(f.new_v), nv)],
+                    ring: [(guard(f.ring_k), rk), (guard(f.ring_v), rv)],
+                    ring_dtype: f.ring_k.dtype(),
+                    rings: guard(rings),
+                })
+            }
+        };
+
+        let (qt, rt) = (dtype_name(q.dtype())?, dtype_name(fl.as_ref().map_or(q.dtype(), |f| f.ring_dtype))?);
+        let partial = TQ_ATTENTION.func(&dev, &format!("tq_attn_partial_{qt}_{d}"))?;
+        let combine = TQ_ATTENTION.func(&dev, &format!("tq_attn_combine_{qt}_{rt}_{d}"))?;
+        let ints_partial = [
+            hq as i32,
+            hkv as i32,
+            hb as i32,
+            a.meta.block_size as i32,
+            bits[0] as i32,
+            bits[1] as i32,
+            self.key.rotation().is_dense() as i32,
+        ];
+        let (scale, window, softcap) = (a.scale, a.window.map_or(0, |w| w as i32), a.softcap.unwrap_or(0.0));
+        let fw = fl.as_ref().map_or(0, |f| f.len as i32);
+        let cfg_partial = LaunchConfig {
+            grid_dim: (rows as u32, blocks_y as u32, nsplit as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let cfg_combine =
+            LaunchConfig { grid_dim: (rows as u32, hq as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let vdense = self.value.rotation().is_dense() as i32;
+        let (kc, vc) = match (&k.slice, &v.slice) {
+            (S::U8(k), S::U8(v)) => (k, v),
+            _ => candle_core::bail!("tq-attention: the caches must be u8 codes"),
+        };
+        // SAFETY: the partial kernel writes every (row, head, split) entry.
+        let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows * hq * nsplit * (d + 2))? };
+
+        /// The kernels' pointer arguments that depend on the element types.
+        struct Typed<'v, Q, R> {
+            q: CudaView<'v, Q>,
+            new: Option<[CudaView<'v, Q>; 2]>,
+            ring: Option<[CudaView<'v, R>; 2]>,
+        }
+        #[allow(clippy::too_many_arguments)]
+        fn launch<Q: CudaDType + DeviceRepr, R: DeviceRepr>(
+            dev: &candle_core::cuda_backend::CudaDevice,
+            (partial, combine): (&super::cuda::Kernel, &super::cuda::Kernel),
+            (cfg_partial, cfg_combine): (LaunchConfig, LaunchConfig),
+            typed: Typed<Q, R>,
+            (kc, vc, part): (&CudaSlice<u8>, &CudaSlice<u8>, &CudaSlice<f32>),
+            (ktab, vtab, kscale): (&CudaSlice<f32>, &CudaSlice<f32>, Option<&CudaSlice<f32>>),
+            meta: [CudaView<u32>; 3],
+            rings: Option<CudaView<u32>>,
+            ints_partial: [i32; 7],
+            (scale, window, softcap, fw, nsplit, vdense): (f32, i32, f32, i32, i32, i32),
+            n_out: usize,
+        ) -> Result<CudaStorage> {
+            let null = 0u64;
+            let [row_seq, seq_info, block_tables] = &meta;
+            let mut b = partial.builder();
+            b.arg(part).arg(&typed.q).arg(kc).arg(vc).arg(row_seq).arg(seq_info).arg(block_tables).arg(ktab).arg(vtab);
+            match kscale {
+                Some(s) => b.arg(s),
+                None => b.arg(&null),
+            };
+            for i in &ints_partial {
+                b.arg(i);
+            }
+            let min_chunk = MIN_CHUNK;
+            b.arg(&scale).arg(&window).arg(&softcap).arg(&fw).arg(&nsplit).arg(&min_chunk);
+            // SAFETY: argument types and counts match tq_attn_partial; block tables, table
+            // sizes and the partial buffer's size were checked or made above.
+            unsafe { b.launch(cfg_partial) }.w()?;
+            // SAFETY: the combine kernel writes every element of the output.
+            let out: CudaSlice<Q> = unsafe { dev.alloc::<Q>(n_out)? };
+            let (hq, hkv) = (ints_partial[0], ints_partial[1]);
+            let mut b = combine.builder();
+            b.arg(&out).arg(&typed.q).arg(part).arg(row_seq).arg(seq_info).arg(vtab);
+            match &typed.new {
+                Some([k, v]) => b.arg(k).arg(v),
+                None => b.arg(&null).arg(&null),
+            };
+            match &typed.ring {
+                Some([k, v]) => b.arg(k).arg(v),
+                None => b.arg(&null).arg(&null),
+            };
+            match &rings {
+                Some(r) => b.arg(r),
+                None => b.arg(&null),
+            };
+            b.arg(&hq).arg(&hkv).arg(&scale).arg(&window).arg(&softcap).arg(&fw).arg(&nsplit).arg(&vdense);
+            // SAFETY: argument types and counts match tq_attn_combine; the float inputs' shapes
+            // and the rings' sizes were checked above.
+            unsafe { b.launch(cfg_combine) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+
+        let rings_slice = fl.as_ref().map(|f| cuda_slice::<u32>(&f.rings, "ring indices")).transpose()?;
+        let out = with_u32_slice(&dm.data, |data| {
+            let meta = [
+                data.slice(l.row_seq..l.row_seq + rows),
+                data.slice(l.seq_info..l.tiles),
+                data.slice(l.block_tables..),
+            ];
+            let rings = rings_slice.map(|r| r.slice(..));
+            let common = ((&partial, &combine), (cfg_partial, cfg_combine), (kc, vc, &part), (ktab, vtab, kscale));
+            let floats = (scale, window, softcap, fw, nsplit as i32, vdense);
+            let n = rows * hq * d;
+            // The typed views of q, this step's float rows and the rings.
+            macro_rules! go {
+                ($q:ident, $qs:expr, $r:ty) => {{
+                    let new = match &fl {
+                        Some(f) => Some([
+                            cuda_slice::<$q>(&f.new[0].0, "new keys")?.slice(f.new[0].1 .0..f.new[0].1 .1),
+                            cuda_slice::<$q>(&f.new[1].0, "new values")?.slice(f.new[1].1 .0..f.new[1].1 .1),
+                        ]),
+                        None => None,
+                    };
+                    let ring = match &fl {
+                        Some(f) => Some([
+                            cuda_slice::<$r>(&f.ring[0].0, "key ring")?.slice(f.ring[0].1..),
+                            cuda_slice::<$r>(&f.ring[1].0, "value ring")?.slice(f.ring[1].1..),
+                        ]),
+                        None => None,
+                    };
+                    let typed = Typed::<$q, $r> { q: $qs.slice(qa..qb), new, ring };
+                    let (fns, cfgs, codes, tabs) = common;
+                    launch(&dev, fns, cfgs, typed, codes, tabs, meta, rings, ints_partial, floats, n)
+                }};
+            }
+            use half::{bf16, f16};
+            match (&q.slice, fl.as_ref().map(|f| f.ring_dtype)) {
+                (S::F32(qs), None | Some(DType::F32)) => go!(f32, qs, f32),
+                (S::F32(qs), Some(DType::BF16)) => go!(f32, qs, bf16),
+                (S::F32(qs), Some(DType::F16)) => go!(f32, qs, f16),
+                (S::BF16(qs), None | Some(DType::BF16)) => go!(bf16, qs, bf16),
+                (S::F16(qs), None | Some(DType::F16)) => go!(f16, qs, f16),
+                (_, r) => candle_core::bail!("tq-attention: {qt} queries with float rings of {r:?} are not supported"),
+            }
+        })?;
+        Ok((out, shape))
+    }
 }
 
 #[cfg(test)]
@@ -857,6 +1167,7 @@ mod tests {
             k: Tensor::zeros((slots, hkv, codecs.key.row_bytes()), DType::U8, &dev).unwrap(),
             v: Tensor::zeros((slots, hkv, codecs.value.row_bytes()), DType::U8, &dev).unwrap(),
             window: (window > 0).then(|| FloatWindow { len: window, k: floats(), v: floats() }),
+            device: None,
             codecs,
         }
     }
@@ -922,8 +1233,13 @@ mod tests {
                     let key_scale: Option<Vec<f32>> =
                         (fw != 3).then(|| (0..hkv * d).map(|i| 0.3 + (i as f32 * 0.37).sin().abs() * 2.0).collect());
                     let scale = key_scale.as_deref();
-                    c.k.inplace_op2(&kt, &TqWrite { slot_mapping: &all, codec: &c.codecs.key, scale }).unwrap();
-                    c.v.inplace_op2(&vt, &TqWrite { slot_mapping: &all, codec: &c.codecs.value, scale: None }).unwrap();
+                    c.k.inplace_op2(&kt, &TqWrite { slot_mapping: &all, codec: &c.codecs.key, scale, device: None })
+                        .unwrap();
+                    c.v.inplace_op2(
+                        &vt,
+                        &TqWrite { slot_mapping: &all, codec: &c.codecs.value, scale: None, device: None },
+                    )
+                    .unwrap();
                     let mut kd = dequantize(&c.k, &c.codecs.key);
                     if let Some(s) = scale {
                         for (i, x) in kd.iter_mut().enumerate() {
@@ -969,9 +1285,16 @@ mod tests {
                         ring_v: &w.v,
                         new_k: &new_kt,
                         new_v: &new_vt,
+                        rings: None,
                     });
-                    let op =
-                        TqAttention { attn: a, key: &c.codecs.key, value: &c.codecs.value, key_scale: scale, float };
+                    let op = TqAttention {
+                        attn: a,
+                        key: &c.codecs.key,
+                        value: &c.codecs.value,
+                        key_scale: scale,
+                        float,
+                        device: None,
+                    };
                     let got: Vec<f32> = op.forward(&q, &c.k, &c.v).unwrap().flatten_all().unwrap().to_vec1().unwrap();
 
                     // f64 reference: row at p reads j in (p - fw, p] from the originals.

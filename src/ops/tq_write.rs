@@ -1,19 +1,79 @@
 //! Quantizes a step's new keys or values into their TurboQuant cache slots.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, InplaceOp2, Layout, Result};
+use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 
 use super::kv_elem::f32_slice;
 use super::team::{team, OutPtr};
+use crate::batch::{AttentionMeta, DeviceAttentionMeta};
 use crate::kv::turboquant::TqCodec;
+use crate::kv::TqLayerCache;
 
 /// `cache[slot_mapping[t]] = encode(new[t] * scale)` for every row t and head. The cache is
-/// `[slots, kv_heads, codec.row_bytes()]` u8, `new` is `[T, kv_heads, head_dim]` f32, `scale`
-/// (if any) `[kv_heads * head_dim]`.
+/// `[slots, kv_heads, codec.row_bytes()]` u8, `new` is `[T, kv_heads, head_dim]` (f32 on the
+/// CPU; f32, bf16 or f16 on CUDA), `scale` (if any) `[kv_heads * head_dim]`. On CUDA, rows
+/// whose slot is `NO_SLOT` are skipped (decode graphs' padding rows).
 pub struct TqWrite<'a> {
     pub slot_mapping: &'a [u32],
     pub codec: &'a TqCodec,
     pub scale: Option<&'a [f32]>,
+    /// For a cache on a GPU: the slots, codec and scales in device memory.
+    pub device: Option<TqWriteDevice<'a>>,
+}
+
+pub struct TqWriteDevice<'a> {
+    /// Its first rows are `slot_mapping`.
+    pub meta: &'a DeviceAttentionMeta,
+    /// `codec.device_table()`.
+    pub table: &'a Tensor,
+    pub scale: Option<&'a Tensor>,
+}
+
+impl<'a> TqWrite<'a> {
+    /// A layer's keys into `slot_mapping` (`device_meta`: the same slots on the device, for a
+    /// cache there).
+    pub fn keys(c: &'a TqLayerCache, slot_mapping: &'a [u32], device_meta: Option<&'a DeviceAttentionMeta>) -> Self {
+        let device = c.device.as_ref().zip(device_meta).map(|(d, meta)| TqWriteDevice {
+            meta,
+            table: &d.key,
+            scale: d.key_scale.as_ref(),
+        });
+        TqWrite { slot_mapping, codec: &c.codecs.key, scale: c.codecs.key_scale.as_deref(), device }
+    }
+
+    /// A layer's values, as `keys`.
+    pub fn values(c: &'a TqLayerCache, slot_mapping: &'a [u32], device_meta: Option<&'a DeviceAttentionMeta>) -> Self {
+        let device =
+            c.device.as_ref().zip(device_meta).map(|(d, meta)| TqWriteDevice { meta, table: &d.value, scale: None });
+        TqWrite { slot_mapping, codec: &c.codecs.value, scale: None, device }
+    }
+
+    /// A step's keys (`values`: its values) into the slots its metadata assigns.
+    pub fn step(c: &'a TqLayerCache, meta: &'a AttentionMeta, values: bool) -> Self {
+        if values {
+            Self::values(c, &meta.slot_mapping, meta.device.as_ref())
+        } else {
+            Self::keys(c, &meta.slot_mapping, meta.device.as_ref())
+        }
+    }
+
+    /// Checks the cache's shape; returns its (slots, heads).
+    fn check(&self, cache_l: &Layout, new_len: usize) -> Result<(usize, usize)> {
+        let dims = cache_l.dims();
+        let (d, row) = (self.codec.dim(), self.codec.row_bytes());
+        if dims.len() != 3 || !cache_l.is_contiguous() || cache_l.start_offset() != 0 || dims[2] != row {
+            candle_core::bail!("tq-write: the cache must be a whole contiguous [slots, heads, {row}] tensor");
+        }
+        let (n_slots, heads) = (dims[0], dims[1]);
+        let rows = self.slot_mapping.len();
+        if new_len != rows * heads * d {
+            candle_core::bail!("tq-write: {new_len} values for {rows} slots of {heads}x{d}");
+        }
+        if self.scale.is_some_and(|s| s.len() != heads * d) {
+            candle_core::bail!("tq-write: scales for another shape than {heads}x{d}");
+        }
+        Ok((n_slots, heads))
+    }
 }
 
 impl InplaceOp2 for TqWrite<'_> {
@@ -26,19 +86,9 @@ impl InplaceOp2 for TqWrite<'_> {
         let CpuStorage::U8(cache) = cache else {
             candle_core::bail!("tq-write: the cache must be u8 codes, got {:?}", cache.dtype());
         };
-        let dims = cache_l.dims();
+        let (n_slots, heads) = self.check(cache_l, new.len())?;
         let (d, row) = (self.codec.dim(), self.codec.row_bytes());
-        if dims.len() != 3 || !cache_l.is_contiguous() || cache_l.start_offset() != 0 || dims[2] != row {
-            candle_core::bail!("tq-write: the cache must be a whole contiguous [slots, heads, {row}] tensor");
-        }
-        let (n_slots, heads) = (dims[0], dims[1]);
         let rows = self.slot_mapping.len();
-        if new.len() != rows * heads * d {
-            candle_core::bail!("tq-write: {} values for {rows} slots of {heads}x{d}", new.len());
-        }
-        if self.scale.is_some_and(|s| s.len() != heads * d) {
-            candle_core::bail!("tq-write: scales for another shape than {heads}x{d}");
-        }
         // Rows are written in parallel: their slots must be distinct and in range.
         let mut seen = self.slot_mapping.to_vec();
         seen.sort_unstable();
@@ -64,5 +114,100 @@ impl InplaceOp2 for TqWrite<'_> {
             }
         });
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        cache: &mut candle_core::CudaStorage,
+        cache_l: &Layout,
+        new: &candle_core::CudaStorage,
+        new_l: &Layout,
+    ) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
+
+        use super::cuda::{cuda_slice, dtype_name, with_u32_slice, TQ_WRITE};
+        use crate::batch::NO_SLOT;
+
+        let (n_slots, heads) = self.check(cache_l, new_l.shape().elem_count())?;
+        let dev_in = self.device.as_ref().ok_or_else(|| {
+            candle_core::Error::Msg("tq-write: the slots and codec are not on the device (TqWrite::device)".into())
+        })?;
+        if let Some(&slot) = self.slot_mapping.iter().find(|&&s| s as usize >= n_slots && s != NO_SLOT) {
+            candle_core::bail!("tq-write: slot {slot} out of range ({n_slots} slots)");
+        }
+        let rows = self.slot_mapping.len();
+        let (d, bits) = (self.codec.dim(), self.codec.bits());
+        if rows == 0 {
+            return Ok(());
+        }
+        if d > 256 || !(2..=4).contains(&bits) || (!d.is_power_of_two() && !self.codec.rotation().is_dense()) {
+            candle_core::bail!("tq-write: no CUDA kernel for head_dim {d} with {bits}-bit codes");
+        }
+        if dev_in.scale.is_some() != self.scale.is_some() {
+            candle_core::bail!("tq-write: key scales on the host and the device disagree");
+        }
+        let Some((a, b)) = new_l.contiguous_offsets() else {
+            candle_core::bail!("tq-write: new values must be contiguous")
+        };
+        let table_g = dev_in.table.storage_and_layout().0;
+        let table = cuda_slice::<f32>(&table_g, "tq-write codec table")?;
+        let scale_g = dev_in.scale.map(|s| s.storage_and_layout().0);
+        let scale = scale_g.as_ref().map(|g| cuda_slice::<f32>(g, "tq-write key scales")).transpose()?;
+        let rotation_len = if self.codec.rotation().is_dense() { d * d } else { 2 * d };
+        if table.len() != 32 + rotation_len || scale.is_some_and(|s| s.len() != heads * d) {
+            candle_core::bail!("tq-write: device codec tables of the wrong size");
+        }
+        let dev = cache.device().clone();
+        let func = TQ_WRITE.func(&dev, &format!("tq_write_{}", dtype_name(new.dtype())?))?;
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let ints = [
+            heads as i32,
+            d as i32,
+            bits as i32,
+            self.codec.code_bytes() as i32,
+            self.codec.rotation().is_dense() as i32,
+        ];
+        let S::U8(codes) = &mut cache.slice else { candle_core::bail!("tq-write: the cache must be u8 codes") };
+        fn launch<N>(
+            func: &super::cuda::Kernel,
+            cfg: LaunchConfig,
+            codes: &mut CudaSlice<u8>,
+            (new, (a, b)): (&CudaSlice<N>, (usize, usize)),
+            slots: &candle_core::cuda_backend::cudarc::driver::CudaView<u32>,
+            (table, scale): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
+            ints: [i32; 5],
+        ) -> Result<()> {
+            let new = new.slice(a..b);
+            let null = 0u64;
+            let mut builder = func.builder();
+            builder.arg(codes).arg(&new).arg(slots).arg(table);
+            match scale {
+                Some(s) => builder.arg(s),
+                None => builder.arg(&null),
+            };
+            for i in &ints {
+                builder.arg(i);
+            }
+            // SAFETY: argument types and counts match the kernel's signature (a null scale
+            // pointer is a 64-bit zero); every slot and the tables' sizes were checked.
+            unsafe { builder.launch(cfg) }.w()?;
+            Ok(())
+        }
+        with_u32_slice(&dev_in.meta.data, |meta| {
+            if meta.len() < rows {
+                candle_core::bail!("tq-write: the device metadata holds fewer than {rows} slots");
+            }
+            let slots = meta.slice(0..rows);
+            let tabs = (table, scale);
+            match &new.slice {
+                S::F32(n) => launch(&func, cfg, codes, (n, (a, b)), &slots, tabs, ints),
+                S::BF16(n) => launch(&func, cfg, codes, (n, (a, b)), &slots, tabs, ints),
+                S::F16(n) => launch(&func, cfg, codes, (n, (a, b)), &slots, tabs, ints),
+                _ => candle_core::bail!("tq-write: {:?} values are not supported", new.dtype()),
+            }
+        })
     }
 }

@@ -56,9 +56,7 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 pub fn engine_with(path: &Path, opts: EngineOptions) -> Engine {
-    // TurboQuant caches run on the CPU only so far: their tests stay there on a GPU run.
-    let device = if opts.kv_quant.is_some() { Device::Cpu } else { device() };
-    build_engine(path, &device, &opts).expect("engine builds").0
+    build_engine(path, &device(), &opts).expect("engine builds").0
 }
 
 pub fn greedy(max_tokens: usize) -> SamplingParams {

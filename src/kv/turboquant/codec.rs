@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use candle_core::{Device, Tensor};
+
 use super::codebook::Codebook;
 use super::pack::{code_at, pack_iter, packed_len};
 use super::rotation::Rotation;
@@ -48,6 +50,20 @@ impl TqCodec {
     /// The centroids repeated to 16 entries (see `Codebook::table16`).
     pub fn table16(&self) -> &[f32; 16] {
         &self.table16
+    }
+
+    /// The codec as the CUDA kernels read it (`ops/cuda/tq_common.cuh`): the 2^b - 1
+    /// boundaries padded to 16 with +inf (no value counts them), `table16`, then the rotation:
+    /// its two sign diagonals, or its dense row-major matrix.
+    pub fn device_table(&self) -> Vec<f32> {
+        let mut t = self.codebook.boundaries().to_vec();
+        t.resize(16, f32::INFINITY);
+        t.extend_from_slice(&self.table16);
+        match &self.rotation {
+            Rotation::Hadamard { signs1, signs2 } => t.extend(signs1.iter().chain(signs2)),
+            Rotation::Dense { m, .. } => t.extend_from_slice(m),
+        }
+        t
     }
 
     /// Bytes of packed codes in a row.
@@ -130,6 +146,15 @@ pub(crate) unsafe fn decode_rotated_avx512(row: *const u8, bits: u8, table: &[f3
     }
 }
 
+/// A layer's codecs in device memory, for the CUDA kernels: each codec's `device_table`, and
+/// the key scales.
+#[derive(Debug, Clone)]
+pub struct DeviceCodecs {
+    pub key: Tensor,
+    pub value: Tensor,
+    pub key_scale: Option<Tensor>,
+}
+
 /// The key and value codecs of one layer.
 #[derive(Debug, Clone)]
 pub struct LayerCodecs {
@@ -150,6 +175,16 @@ impl LayerCodecs {
             value: TqCodec::new(Rotation::seeded(dim, seed(1)), value.clone()),
             key_scale: None,
         }
+    }
+
+    /// The codecs and key scales copied to `device` for its kernels.
+    pub fn upload(&self, device: &Device) -> candle_core::Result<DeviceCodecs> {
+        let table = |c: &TqCodec| Tensor::new(c.device_table().as_slice(), device);
+        Ok(DeviceCodecs {
+            key: table(&self.key)?,
+            value: table(&self.value)?,
+            key_scale: self.key_scale.as_deref().map(|s| Tensor::new(s, device)).transpose()?,
+        })
     }
 }
 

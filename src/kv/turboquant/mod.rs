@@ -8,4 +8,4 @@ pub mod pack;
 pub mod rotation;
 
 pub use codebook::Codebook;
-pub use codec::{LayerCodecs, TqCodec};
+pub use codec::{DeviceCodecs, LayerCodecs, TqCodec};

@@ -91,6 +91,11 @@ impl Rotation {
         Rotation::Dense { dim, m: rows.into_iter().flatten().map(|x| x as f32).collect() }
     }
 
+    /// A dense matrix (not a randomized Hadamard transform).
+    pub fn is_dense(&self) -> bool {
+        matches!(self, Rotation::Dense { .. })
+    }
+
     pub fn dim(&self) -> usize {
         match self {
             Rotation::Hadamard { signs1, .. } => signs1.len(),

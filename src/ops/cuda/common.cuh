@@ -72,6 +72,22 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
+// Programmatic dependent launch (Hopper): a kernel launched with it may start while the kernel
+// before it finishes; pdl_wait() returns once that kernel has completed and its writes are
+// visible, so everything a kernel reads from earlier kernels, and every write, comes after it.
+// pdl_launch_dependents() lets the next such kernel start launching. Both are no-ops for a
+// kernel launched normally, and before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // Orders floats as unsigned integers as Rust's f32::total_cmp does: a > b <=> key(a) > key(b)
 // (-0 below +0; NaNs beyond the infinities).
 __device__ __forceinline__ uint32_t order_key(float x) {

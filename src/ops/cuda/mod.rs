@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Result, Storage, Tensor};
 
@@ -19,6 +19,7 @@ pub struct Module {
 
 pub const ADD_RMS_NORM: Module = Module { name: "iris_add_rms_norm", ptx: ptx::ADD_RMS_NORM };
 pub const GATED_ACT: Module = Module { name: "iris_gated_act", ptx: ptx::GATED_ACT };
+pub const GEMV: Module = Module { name: "iris_gemv", ptx: ptx::GEMV };
 pub const KV_WRITE: Module = Module { name: "iris_kv_write", ptx: ptx::KV_WRITE };
 pub const MOE_EXPERTS: Module = Module { name: "iris_moe_experts", ptx: ptx::MOE_EXPERTS };
 pub const MOE_ROUTE: Module = Module { name: "iris_moe_route", ptx: ptx::MOE_ROUTE };
@@ -26,6 +27,8 @@ pub const PAGED_ATTENTION: Module = Module { name: "iris_paged_attention", ptx: 
 pub const PREFILL_ATTENTION: Module = Module { name: "iris_prefill_attention", ptx: ptx::PREFILL_ATTENTION };
 pub const QKV_ROPE: Module = Module { name: "iris_qkv_rope", ptx: ptx::QKV_ROPE };
 pub const SAMPLING: Module = Module { name: "iris_sampling", ptx: ptx::SAMPLING };
+pub const TQ_ATTENTION: Module = Module { name: "iris_tq_attention", ptx: ptx::TQ_ATTENTION };
+pub const TQ_WRITE: Module = Module { name: "iris_tq_write", ptx: ptx::TQ_WRITE };
 
 impl Module {
     /// Kernel `name` of this module, loaded into `dev` on first use.
@@ -44,6 +47,49 @@ pub struct Kernel {
 impl Kernel {
     pub fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
+    }
+
+    /// Launches the kernel as a programmatic dependent of the kernel before it on the stream
+    /// (Hopper's programmatic dependent launch): it may start while that kernel ends, and must
+    /// call `pdl_wait()` (common.cuh) before it reads anything an earlier kernel wrote and before
+    /// it writes. Falls back to a plain launch where the driver refuses (older GPUs) or with
+    /// `IRIS_CUDA_PDL=0`.
+    ///
+    /// # Safety
+    /// `params` point to the kernel's arguments, in its order and types, alive for the call.
+    pub unsafe fn launch_dependent(&self, cfg: LaunchConfig, params: &mut [*mut std::ffi::c_void]) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        use candle_core::cuda_backend::WrapErr;
+        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let pdl = *ENABLED.get_or_init(|| std::env::var("IRIS_CUDA_PDL").map_or(true, |v| v != "0"));
+        self.stream.context().bind_to_thread().w()?;
+        // SAFETY: a zeroed attribute is a valid "no attribute"; id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: pdl as u32,
+        };
+        let f = self.func.cu_function();
+        // SAFETY: the caller vouches for `params`; config and attribute live through the call.
+        let r = unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) };
+        if r != sys::CUresult::CUDA_SUCCESS && pdl {
+            config.numAttrs = 0;
+            // SAFETY: as above, without the attribute.
+            return unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+                .result()
+                .w();
+        }
+        r.result().w()
     }
 
     /// Lets a launch ask for `bytes` of dynamic shared memory (past the default 48 KiB).
@@ -73,5 +119,13 @@ pub fn with_u32_slice<R>(t: &Tensor, f: impl FnOnce(&CudaSlice<u32>) -> Result<R
     match &*storage {
         Storage::Cuda(s) => f(s.as_cuda_slice::<u32>()?),
         _ => candle_core::bail!("step metadata is not on the CUDA device"),
+    }
+}
+
+/// The device data of a tensor's storage, of element type `T` (`what` names it in errors).
+pub fn cuda_slice<'s, T: candle_core::cuda_backend::CudaDType>(s: &'s Storage, what: &str) -> Result<&'s CudaSlice<T>> {
+    match s {
+        Storage::Cuda(c) => c.as_cuda_slice::<T>(),
+        _ => candle_core::bail!("{what} is not on the CUDA device"),
     }
 }

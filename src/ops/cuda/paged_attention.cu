@@ -21,6 +21,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
                                 const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
                                 int num_heads, int num_kv_heads, int hb, int block_size, float scale, int window,
                                 float softcap, int skip_q_len) {
+    pdl_launch_dependents();  // the output projection may start streaming its weights
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;                 // 16-byte vectors per head row
     constexpr int KG = PA_THREADS / NV;       // keys accumulated at once in the value phase
@@ -160,6 +161,147 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
     }
 }
 
+// The same attention, one block per (row, query head), for steps of few rows (hb = 1), where
+// the kernel above is bound by the latency of its block-wide phases (a 7B decode step at batch
+// 1: 28 blocks, 15 us each). Here lanes split a key's head row (LPK lanes per key, 16-byte
+// loads, coalesced), a warp scores KPW keys at once, and each group of LPK lanes keeps its own
+// running softmax over the keys it visits (PD_UNROLL keys' loads in flight), so nothing waits
+// on the block until the end, where the groups' states are merged in a fixed order.
+#define PD_THREADS 256
+#define PD_UNROLL 4
+
+template <typename TQ, typename TC, int D>
+__device__ void paged_decode(TQ* __restrict__ out, const TQ* __restrict__ q, const TC* __restrict__ kc,
+                             const TC* __restrict__ vc, const uint32_t* __restrict__ row_seq,
+                             const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
+                             int num_heads, int num_kv_heads, int block_size, float scale, int window, float softcap,
+                             int skip_q_len) {
+    pdl_launch_dependents();
+    constexpr int V = Vec16<TC>::N;
+    constexpr int NV = D / V;  // 16-byte vectors per head row
+    constexpr int LPK = NV > 16 ? 32 : NV > 8 ? 16 : NV > 4 ? 8 : NV > 2 ? 4 : NV > 1 ? 2 : 1;
+    constexpr int RPL = (NV + LPK - 1) / LPK;  // vectors per lane
+    constexpr int KPW = 32 / LPK;              // keys a warp scores at once
+    constexpr int WARPS = PD_THREADS / 32;
+    constexpr int G = WARPS * KPW;             // lane groups, each with its own softmax state
+    static_assert(D % V == 0, "head_dim must be a whole number of 16-byte vectors");
+
+    const int t = blockIdx.x, h = blockIdx.y;
+    const int kvh = h / (num_heads / num_kv_heads);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / LPK, kl = lane % LPK;
+    const int g = warp * KPW + sub;
+
+    const uint32_t s = row_seq[t];
+    const int q_len = seq_info[4 * s + 1], ctx = seq_info[4 * s + 2];
+    if (q_len >= skip_q_len) return;  // a prompt chunk, done by prefill_attention.cu
+    const int q_start = seq_info[4 * s];
+    const uint32_t* bt = block_tables + seq_info[4 * s + 3];
+    const int pos = ctx - q_len + (t - q_start);
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+
+    float qf[RPL][V], acc[RPL][V];
+    const TQ* qh = q + ((size_t)t * num_heads + h) * D;
+#pragma unroll
+    for (int r = 0; r < RPL; ++r) {
+        const int vi = kl + LPK * r;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            qf[r][e] = vi < NV ? to_f(qh[vi * V + e]) : 0.f;
+            acc[r][e] = 0.f;
+        }
+    }
+    float m = -INFINITY, l = 0.f;
+
+    // Keys lo + warp * KPW + sub + i * G, PD_UNROLL of them per pass; the loop bound does not
+    // depend on the lane, so every lane takes part in every shuffle.
+    for (int base = lo + warp * KPW; base <= pos; base += G * PD_UNROLL) {
+        float kf[PD_UNROLL][RPL][V], vf[PD_UNROLL][RPL][V];
+        bool ok[PD_UNROLL];
+#pragma unroll
+        for (int u = 0; u < PD_UNROLL; ++u) {
+            const int j = base + u * G + sub;
+            ok[u] = j <= pos;
+            if (ok[u]) {
+                const size_t row = ((size_t)bt[j / block_size] * block_size + j % block_size) * num_kv_heads + kvh;
+#pragma unroll
+                for (int r = 0; r < RPL; ++r) {
+                    const int vi = kl + LPK * r;
+                    if (vi < NV) {
+                        load16(kc + row * D + vi * V, kf[u][r]);
+                        load16(vc + row * D + vi * V, vf[u][r]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < PD_UNROLL; ++u) {
+            float sc = 0.f;
+            if (ok[u]) {
+#pragma unroll
+                for (int r = 0; r < RPL; ++r) {
+                    if (kl + LPK * r < NV) {
+#pragma unroll
+                        for (int e = 0; e < V; ++e) sc = fmaf(qf[r][e], kf[u][r][e], sc);
+                    }
+                }
+            }
+#pragma unroll
+            for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+            if (ok[u]) {
+                float x = sc * scale;
+                if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
+                const float m_new = fmaxf(m, x);
+                const float c = expf(m - m_new), p = expf(x - m_new);
+                l = l * c + p;
+#pragma unroll
+                for (int r = 0; r < RPL; ++r) {
+                    if (kl + LPK * r < NV) {
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[r][e] = fmaf(p, vf[u][r][e], acc[r][e] * c);
+                    }
+                }
+                m = m_new;
+            }
+        }
+    }
+
+    // Merge the groups' states in group order: out = sum_g e^(m_g - M) acc_g / sum_g e^(m_g - M) l_g.
+    __shared__ float m_s[G], l_s[G];
+    __shared__ float acc_s[G][D];
+    if (kl == 0) { m_s[g] = m; l_s[g] = l; }
+#pragma unroll
+    for (int r = 0; r < RPL; ++r) {
+        const int vi = kl + LPK * r;
+        if (vi < NV) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc_s[g][vi * V + e] = acc[r][e];
+        }
+    }
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int i = 0; i < G; ++i) mx = fmaxf(mx, m_s[i]);
+    for (int d = tid; d < D; d += PD_THREADS) {
+        float num = 0.f, den = 0.f;
+        for (int i = 0; i < G; ++i) {
+            if (m_s[i] == -INFINITY) continue;  // a group that saw no key
+            const float w = expf(m_s[i] - mx);
+            num = fmaf(w, acc_s[i][d], num);
+            den = fmaf(w, l_s[i], den);
+        }
+        out[((size_t)t * num_heads + h) * D + d] = from_f<TQ>(num / den);
+    }
+}
+
+#define PD(NAME, TQ, TC, D)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(PD_THREADS)                                                   \
+        NAME(TQ* out, const TQ* q, const TC* kc, const TC* vc, const uint32_t* row_seq,                        \
+             const uint32_t* seq_info, const uint32_t* block_tables, int num_heads, int num_kv_heads, int hb,  \
+             int block_size, float scale, int window, float softcap, int skip_q_len) {                         \
+        paged_decode<TQ, TC, D>(out, q, kc, vc, row_seq, seq_info, block_tables, num_heads, num_kv_heads,      \
+                                block_size, scale, window, softcap, skip_q_len);                               \
+    }
+
 #define PA(NAME, TQ, TC, D)                                                                                    \
     extern "C" __global__ void __launch_bounds__(PA_THREADS)                                                   \
         NAME(TQ* out, const TQ* q, const TC* kc, const TC* vc, const uint32_t* row_seq,                        \
@@ -169,14 +311,17 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
                                    hb, block_size, scale, window, softcap, skip_q_len);                        \
     }
 
+#define PA_BOTH(TN, CN, TQ, TC, D)                                                                             \
+    PA(paged_attention_##TN##_##CN##_##D, TQ, TC, D)                                                           \
+    PD(paged_decode_##TN##_##CN##_##D, TQ, TC, D)
 #define PA_DIMS(TN, CN, TQ, TC)                                                                                \
-    PA(paged_attention_##TN##_##CN##_16, TQ, TC, 16)                                                           \
-    PA(paged_attention_##TN##_##CN##_32, TQ, TC, 32)                                                           \
-    PA(paged_attention_##TN##_##CN##_64, TQ, TC, 64)                                                           \
-    PA(paged_attention_##TN##_##CN##_80, TQ, TC, 80)                                                           \
-    PA(paged_attention_##TN##_##CN##_96, TQ, TC, 96)                                                           \
-    PA(paged_attention_##TN##_##CN##_128, TQ, TC, 128)                                                         \
-    PA(paged_attention_##TN##_##CN##_256, TQ, TC, 256)
+    PA_BOTH(TN, CN, TQ, TC, 16)                                                                                \
+    PA_BOTH(TN, CN, TQ, TC, 32)                                                                                \
+    PA_BOTH(TN, CN, TQ, TC, 64)                                                                                \
+    PA_BOTH(TN, CN, TQ, TC, 80)                                                                                \
+    PA_BOTH(TN, CN, TQ, TC, 96)                                                                                \
+    PA_BOTH(TN, CN, TQ, TC, 128)                                                                               \
+    PA_BOTH(TN, CN, TQ, TC, 256)
 
 PA_DIMS(f32, f32, float, float)
 PA_DIMS(f32, bf16, float, __nv_bfloat16)

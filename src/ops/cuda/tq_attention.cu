@@ -1,0 +1,354 @@
+// Paged attention over TurboQuant codes for any mix of prefill chunks and decodes (see
+// ops/tq_attention.rs, the reference). Row t of sequence s sits at position p and reads
+// positions [lo, split) as codes and [split, p] from floats (the float window), where
+// lo = p + 1 - window for sliding layers (else 0) and split = max(p + 1 - float_window, lo).
+//
+// Two kernels:
+// - tq_attn_partial: one block per (row, group of query heads sharing a kv head, split of the
+//   row's coded positions). It rotates its queries (divided by the key scales) once, scores
+//   each key as norm * <R q, c[idx]> by codebook lookups (one thread per key), keeps a running
+//   softmax, and sums p * norm * c[idx] of the values in the rotated space. It writes
+//   (max, sum, rotated values) per head and split.
+// - tq_attn_combine: one block per (row, query head). It merges the splits, rotates the sum
+//   back once, adds the float window's positions (this step's rows, or the sequence's ring)
+//   to the same softmax, and writes the output.
+// Splits let a single long decode use the whole GPU; the number of splits is fixed by the
+// launch (rows and heads only, so a CUDA graph replays it at any context length) and a split
+// covers at least `min_chunk` positions, so short contexts leave the extra blocks idle.
+#include "tq_common.cuh"
+
+#define TA_THREADS 128
+#define TA_MAXH 8
+
+// Position bounds of row t: (first position of its sequence's chunk, end = p + 1, lo, split).
+struct TqRow {
+    int s, q_start, first, end, lo, split;
+};
+
+__device__ __forceinline__ TqRow tq_row(int t, const uint32_t* row_seq, const uint32_t* seq_info, int window,
+                                        int float_window) {
+    TqRow r;
+    r.s = row_seq[t];
+    r.q_start = seq_info[4 * r.s];
+    const int q_len = seq_info[4 * r.s + 1], ctx = seq_info[4 * r.s + 2];
+    r.first = ctx - q_len;
+    r.end = r.first + (t - r.q_start) + 1;
+    r.lo = window > 0 ? max(0, r.end - window) : 0;
+    r.split = max(r.end - float_window, r.lo);
+    return r;
+}
+
+__device__ __forceinline__ float tq_logit(float dot, float scale, float softcap) {
+    float x = dot * scale;
+    if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
+    return x;
+}
+
+// part: [rows, num_heads, nsplit, D + 2] f32: per split its max logit m (-inf: no position),
+// sum of exp(logit - m), and the values weighted by exp(logit - m) in the rotated space.
+template <typename TQ, int D>
+__device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__ q, const uint8_t* __restrict__ kc,
+                                const uint8_t* __restrict__ vc, const uint32_t* __restrict__ row_seq,
+                                const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
+                                const float* __restrict__ ktab, const float* __restrict__ vtab,
+                                const float* __restrict__ kscale, int num_heads, int num_kv_heads, int hb,
+                                int block_size, int kbits, int vbits, int kdense, float scale, int window,
+                                float softcap, int float_window, int nsplit, int min_chunk) {
+    constexpr int G = D / 8;             // groups of 8 coordinates (whole bytes of codes)
+    constexpr int KG = TA_THREADS / G;   // keys accumulated at once in the value phase
+    static_assert(D % 8 == 0 && G <= TA_THREADS, "head_dim must be a multiple of 8, at most 8 * TA_THREADS");
+
+    const int t = blockIdx.x, z = blockIdx.z;
+    const int group = num_heads / num_kv_heads, per_kv = group / hb;
+    const int kvh = blockIdx.y / per_kv;
+    const int h0 = kvh * group + (blockIdx.y % per_kv) * hb;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const TqRow r = tq_row(t, row_seq, seq_info, window, float_window);
+    const uint32_t* bt = block_tables + seq_info[4 * r.s + 3];
+    const int n = r.split - r.lo;
+    const int chunk = max((n + nsplit - 1) / nsplit, min_chunk);
+    const int a = r.lo + z * chunk, b = min(a + chunk, r.split);
+    float* out = part + (((size_t)t * num_heads + h0) * nsplit + z) * (D + 2);
+    const size_t head_stride = (size_t)nsplit * (D + 2);
+    if (a >= b) {  // the whole block: nothing in this split
+        if (tid < hb) { out[tid * head_stride] = -INFINITY; out[tid * head_stride + 1] = 0.f; }
+        return;
+    }
+
+    __shared__ __align__(16) float qr_s[TA_MAXH][D];
+    __shared__ float tmp_s[TA_MAXH][D];  // rotation scratch, then the block's value sums
+    __shared__ float p_s[TA_MAXH][TA_THREADS];
+    __shared__ int slot_s[TA_THREADS];
+    __shared__ float vn_s[TA_THREADS];
+    __shared__ float m_s[TA_MAXH], l_s[TA_MAXH], corr_s[TA_MAXH];
+    __shared__ float ktab_s[16], vtab_s[16];
+
+    for (int i = tid; i < hb * D; i += TA_THREADS) {
+        const int h = i / D, c = i % D;
+        float v = to_f(q[((size_t)t * num_heads + h0 + h) * D + c]);
+        if (kscale) v = v / kscale[kvh * D + c];
+        qr_s[h][c] = v;
+    }
+    if (tid < 16) { ktab_s[tid] = ktab[TQ_CENTROIDS + tid]; vtab_s[tid] = vtab[TQ_CENTROIDS + tid]; }
+    if (tid < TA_MAXH) { m_s[tid] = -INFINITY; l_s[tid] = 0.f; }
+    tq_rotate(&qr_s[0][0], &tmp_s[0][0], hb, D, ktab + TQ_ROTATION, kdense != 0);
+    for (int i = tid; i < hb * D; i += TA_THREADS) tmp_s[i / D][i % D] = 0.f;
+
+    const int kcb = D * kbits / 8, vcb = D * vbits / 8;
+    const int krow = kcb + 4, vrow = vcb + 4;
+    const uint32_t kmask = (1u << kbits) - 1, vmask = (1u << vbits) - 1;
+    const int kg = tid / G, gi = tid % G;
+    const bool pv = kg < KG;
+    float acc[TA_MAXH][8];
+#pragma unroll
+    for (int h = 0; h < TA_MAXH; ++h)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
+
+    for (int c0 = a; c0 < b; c0 += TA_THREADS) {
+        const int j = c0 + tid;
+        if (j < b) {
+            const int slot = (int)bt[j / block_size] * block_size + j % block_size;
+            slot_s[tid] = slot;
+            const uint8_t* kr = kc + ((size_t)slot * num_kv_heads + kvh) * krow;
+            vn_s[tid] = tq_norm(vc + ((size_t)slot * num_kv_heads + kvh) * vrow, vcb);
+            float sc[TA_MAXH];
+#pragma unroll
+            for (int h = 0; h < TA_MAXH; ++h) sc[h] = 0.f;
+#pragma unroll 2
+            for (int g = 0; g < G; ++g) {
+                const uint32_t w = tq_codes8(kr, g, kbits);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float c = ktab_s[(w >> (e * kbits)) & kmask];
+#pragma unroll
+                    for (int h = 0; h < TA_MAXH; ++h)
+                        if (h < hb) sc[h] = fmaf(qr_s[h][g * 8 + e], c, sc[h]);
+                }
+            }
+            const float kn = tq_norm(kr, kcb);
+#pragma unroll
+            for (int h = 0; h < TA_MAXH; ++h)
+                if (h < hb) p_s[h][tid] = tq_logit(kn * sc[h], scale, softcap);
+        } else {
+            for (int h = 0; h < hb; ++h) p_s[h][tid] = -INFINITY;
+        }
+        __syncthreads();
+        // Running softmax: one warp per head.
+        for (int h = warp; h < hb; h += TA_THREADS / 32) {
+            float mx = -INFINITY;
+            for (int i = lane; i < TA_THREADS; i += 32) mx = fmaxf(mx, p_s[h][i]);
+            mx = warp_max(mx);
+            const float m_old = m_s[h];
+            const float m_new = fmaxf(m_old, mx);
+            float sum = 0.f;
+            for (int i = lane; i < TA_THREADS; i += 32) {
+                const float e = expf(p_s[h][i] - m_new);
+                p_s[h][i] = e;
+                sum += e;
+            }
+            sum = warp_sum(sum);
+            __syncwarp();
+            if (lane == 0) {
+                const float c = expf(m_old - m_new);
+                corr_s[h] = c;
+                l_s[h] = l_s[h] * c + sum;
+                m_s[h] = m_new;
+            }
+        }
+        __syncthreads();
+        if (pv) {
+#pragma unroll
+            for (int h = 0; h < TA_MAXH; ++h) {
+                if (h < hb) {
+                    const float c = corr_s[h];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[h][e] *= c;
+                }
+            }
+            const int nk = min(TA_THREADS, b - c0);
+            for (int jj = kg; jj < nk; jj += KG) {
+                const uint8_t* vr = vc + ((size_t)slot_s[jj] * num_kv_heads + kvh) * vrow;
+                const uint32_t w = tq_codes8(vr, gi, vbits);
+                const float vn = vn_s[jj];
+                float cv[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) cv[e] = vtab_s[(w >> (e * vbits)) & vmask];
+#pragma unroll
+                for (int h = 0; h < TA_MAXH; ++h) {
+                    if (h < hb) {
+                        const float p = p_s[h][jj] * vn;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[h][e] = fmaf(p, cv[e], acc[h][e]);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // The key groups' sums, added in a fixed order (no atomics: a row's result does not
+    // depend on the threads' timing).
+    for (int g = 0; g < KG; ++g) {
+        if (pv && kg == g) {
+#pragma unroll
+            for (int h = 0; h < TA_MAXH; ++h)
+                if (h < hb)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) tmp_s[h][gi * 8 + e] += acc[h][e];
+        }
+        __syncthreads();
+    }
+    for (int i = tid; i < hb * (D + 2); i += TA_THREADS) {
+        const int h = i / (D + 2), c = i % (D + 2);
+        out[h * head_stride + c] = c == 0 ? m_s[h] : c == 1 ? l_s[h] : tmp_s[h][c - 2];
+    }
+}
+
+__device__ __forceinline__ float block_max(float x, float* red) {
+    x = warp_max(x);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+    __syncthreads();
+    float r = red[0];
+    for (int w = 1; w < TA_THREADS / 32; ++w) r = fmaxf(r, red[w]);
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ float block_sum(float x, float* red) {
+    x = warp_sum(x);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+    __syncthreads();
+    float r = 0.f;
+    for (int w = 0; w < TA_THREADS / 32; ++w) r += red[w];
+    __syncthreads();
+    return r;
+}
+
+// A float-window vector of kv head `kvh` at position j: this step's row (rounded to the ring's
+// type, so it reads the same before and after it moves into the ring) or the ring's.
+template <typename TQ, typename TR>
+__device__ __forceinline__ float tq_float_at(const TQ* fresh, const TR* ring, const TqRow& r, int j, int ring_idx,
+                                             int float_window, int num_kv_heads, int kvh, int D, int c) {
+    if (j < r.first) {
+        const size_t row = (size_t)ring_idx * float_window + j % float_window;
+        return to_f(ring[(row * num_kv_heads + kvh) * D + c]);
+    }
+    const size_t row = (size_t)r.q_start + (j - r.first);
+    return to_f(from_f<TR>(to_f(fresh[(row * num_kv_heads + kvh) * D + c])));
+}
+
+template <typename TQ, typename TR, int D>
+__device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, const float* __restrict__ part,
+                                const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ seq_info,
+                                const float* __restrict__ vtab, const TQ* __restrict__ new_k,
+                                const TQ* __restrict__ new_v, const TR* __restrict__ ring_k,
+                                const TR* __restrict__ ring_v, const uint32_t* __restrict__ window_rings,
+                                int num_heads, int num_kv_heads, float scale, int window, float softcap,
+                                int float_window, int nsplit, int vdense) {
+    constexpr int PER = (D + TA_THREADS - 1) / TA_THREADS;  // output coordinates per thread
+    __shared__ float o_s[D], tmp_s[D], q_s[D], p_s[TA_THREADS], red_s[TA_THREADS / 32];
+    const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int kvh = h / (num_heads / num_kv_heads);
+    const TqRow r = tq_row(t, row_seq, seq_info, window, float_window);
+
+    // The coded positions: merge the splits (in order), then one inverse rotation.
+    const float* pp = part + ((size_t)t * num_heads + h) * nsplit * (D + 2);
+    float M = -INFINITY;
+    for (int z = 0; z < nsplit; ++z) M = fmaxf(M, pp[(size_t)z * (D + 2)]);
+    float L = 0.f;
+    for (int z = 0; z < nsplit; ++z) {
+        const float m = pp[(size_t)z * (D + 2)];
+        if (m != -INFINITY) L += pp[(size_t)z * (D + 2) + 1] * expf(m - M);
+    }
+    for (int c = tid; c < D; c += TA_THREADS) {
+        float acc = 0.f;
+        for (int z = 0; z < nsplit; ++z) {
+            const float m = pp[(size_t)z * (D + 2)];
+            if (m != -INFINITY) acc = fmaf(pp[(size_t)z * (D + 2) + 2 + c], expf(m - M), acc);
+        }
+        o_s[c] = acc;
+    }
+    tq_rotate_inverse(o_s, tmp_s, 1, D, vtab + TQ_ROTATION, vdense != 0);
+    float acc[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) acc[k] = tid + k * TA_THREADS < D ? o_s[tid + k * TA_THREADS] : 0.f;
+
+    // The float window's positions, folded into the same softmax.
+    if (r.split < r.end) {
+        const int ring_idx = window_rings[r.s];
+        for (int c = tid; c < D; c += TA_THREADS) q_s[c] = to_f(q[((size_t)t * num_heads + h) * D + c]);
+        __syncthreads();
+        for (int c0 = r.split; c0 < r.end; c0 += TA_THREADS) {
+            const int j = c0 + tid;
+            float x = -INFINITY;
+            if (j < r.end) {
+                float dot = 0.f;
+                for (int c = 0; c < D; ++c)
+                    dot = fmaf(q_s[c], tq_float_at(new_k, ring_k, r, j, ring_idx, float_window, num_kv_heads, kvh, D, c),
+                               dot);
+                x = tq_logit(dot, scale, softcap);
+            }
+            const float mn = fmaxf(M, block_max(x, red_s));
+            const float corr = expf(M - mn);
+            const float p = j < r.end ? expf(x - mn) : 0.f;
+            p_s[tid] = p;
+            L = L * corr + block_sum(p, red_s);  // its barrier also publishes p_s
+            M = mn;
+            const int nk = min(TA_THREADS, r.end - c0);
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int c = tid + k * TA_THREADS;
+                if (c >= D) continue;
+                float a = acc[k] * corr;
+                for (int jj = 0; jj < nk; ++jj)
+                    a = fmaf(p_s[jj],
+                             tq_float_at(new_v, ring_v, r, c0 + jj, ring_idx, float_window, num_kv_heads, kvh, D, c), a);
+                acc[k] = a;
+            }
+            __syncthreads();
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int c = tid + k * TA_THREADS;
+        if (c < D) out[((size_t)t * num_heads + h) * D + c] = from_f<TQ>(acc[k] / L);
+    }
+}
+
+#define TQ_PARTIAL(NAME, TQ, D)                                                                                \
+    extern "C" __global__ void __launch_bounds__(TA_THREADS) NAME(                                            \
+        float* part, const TQ* q, const uint8_t* kc, const uint8_t* vc, const uint32_t* row_seq,              \
+        const uint32_t* seq_info, const uint32_t* block_tables, const float* ktab, const float* vtab,         \
+        const float* kscale, int num_heads, int num_kv_heads, int hb, int block_size, int kbits, int vbits,   \
+        int kdense, float scale, int window, float softcap, int float_window, int nsplit, int min_chunk) {    \
+        tq_attn_partial<TQ, D>(part, q, kc, vc, row_seq, seq_info, block_tables, ktab, vtab, kscale,          \
+                               num_heads, num_kv_heads, hb, block_size, kbits, vbits, kdense, scale, window,  \
+                               softcap, float_window, nsplit, min_chunk);                                     \
+    }
+
+#define TQ_COMBINE(NAME, TQ, TR, D)                                                                            \
+    extern "C" __global__ void __launch_bounds__(TA_THREADS) NAME(                                            \
+        TQ* out, const TQ* q, const float* part, const uint32_t* row_seq, const uint32_t* seq_info,           \
+        const float* vtab, const TQ* new_k, const TQ* new_v, const TR* ring_k, const TR* ring_v,              \
+        const uint32_t* window_rings, int num_heads, int num_kv_heads, float scale, int window, float softcap, \
+        int float_window, int nsplit, int vdense) {                                                           \
+        tq_attn_combine<TQ, TR, D>(out, q, part, row_seq, seq_info, vtab, new_k, new_v, ring_k, ring_v,       \
+                                   window_rings, num_heads, num_kv_heads, scale, window, softcap,             \
+                                   float_window, nsplit, vdense);                                             \
+    }
+
+#define TQ_DIMS(M, ...)                                                                                        \
+    M(16, __VA_ARGS__) M(32, __VA_ARGS__) M(64, __VA_ARGS__) M(80, __VA_ARGS__) M(96, __VA_ARGS__)            \
+    M(128, __VA_ARGS__) M(256, __VA_ARGS__)
+
+#define TQ_PARTIAL_D(D, N, TQ) TQ_PARTIAL(tq_attn_partial_##N##_##D, TQ, D)
+#define TQ_COMBINE_D(D, N, R, TQ, TR) TQ_COMBINE(tq_attn_combine_##N##_##R##_##D, TQ, TR, D)
+
+TQ_DIMS(TQ_PARTIAL_D, f32, float)
+TQ_DIMS(TQ_PARTIAL_D, bf16, __nv_bfloat16)
+TQ_DIMS(TQ_PARTIAL_D, f16, __half)
+TQ_DIMS(TQ_COMBINE_D, f32, f32, float, float)
+TQ_DIMS(TQ_COMBINE_D, f32, bf16, float, __nv_bfloat16)
+TQ_DIMS(TQ_COMBINE_D, f32, f16, float, __half)
+TQ_DIMS(TQ_COMBINE_D, bf16, bf16, __nv_bfloat16, __nv_bfloat16)
+TQ_DIMS(TQ_COMBINE_D, f16, f16, __half, __half)

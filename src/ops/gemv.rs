@@ -1,0 +1,168 @@
+//! `y = x W^T` for the few rows of a decode step, as one pass over the weights on CUDA.
+//!
+//! At batch 1 a step of a 7B model reads 15 GB of weights and does little else, so each
+//! projection should stream its matrix at the card's bandwidth. cuBLAS picks split-K kernels
+//! for these shapes that reach 2.5-2.8 TB/s on the q/k/v and o projections of Qwen2.5-7B on an
+//! H200 (plus a reduction launch each); `cuda/gemv.cu` gives each output row one warp and
+//! streams it in 16-byte loads. The CPU code is the reference it is tested against.
+
+use std::sync::OnceLock;
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+/// Rows of x the kernel can take.
+pub const MAX_ROWS: usize = 8;
+
+/// Rows of x up to which products take this op rather than cuBLAS: each row of x costs the
+/// kernel a load and a multiply per weight, and from a few rows on cuBLAS's tensor-core kernels
+/// win. `IRIS_CUDA_GEMV=N` sets it (0: never), to compare.
+pub fn max_rows() -> usize {
+    static ROWS: OnceLock<usize> = OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("IRIS_CUDA_GEMV").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_ROWS).min(MAX_ROWS)
+    })
+}
+const DEFAULT_ROWS: usize = 2;
+
+/// Warps per output row: more where the matrix has few rows, so the grid fills the GPU
+/// (about 2,048 blocks), while each warp keeps at least two 16-byte loads per lane.
+#[cfg(feature = "cuda")]
+fn warps_per_row(n: usize, vectors_per_row: usize) -> usize {
+    let mut wpr = 1;
+    while wpr < 8 && n * wpr / 8 < 2048 && vectors_per_row / (wpr * 2) >= 64 {
+        wpr *= 2;
+    }
+    wpr
+}
+
+pub struct Gemv;
+
+impl Gemv {
+    /// Whether `x` (`[M, K]`) times `w^T` (`w`: `[N, K]`) should take this op: on CUDA, a
+    /// float type shared by both, K a whole number of 16-byte vectors, and at most
+    /// `max_rows()` rows.
+    pub fn applies(x: &Tensor, w: &Tensor) -> bool {
+        let (Ok((m, k)), Ok((_, wk))) = (x.dims2(), w.dims2()) else { return false };
+        x.device().is_cuda()
+            && (1..=max_rows()).contains(&m)
+            && k == wk
+            && x.dtype() == w.dtype()
+            && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+            && k % (16 / x.dtype().size_in_bytes()) == 0
+            // The kernel starts reading W before the kernel ahead of it has finished, so W must
+            // be a stored matrix, not one a copy just made.
+            && w.is_contiguous()
+    }
+
+    /// `x`: `[M, K]`, `w`: `[N, K]` (contiguous) -> `[M, N]`.
+    pub fn forward(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        x.contiguous()?.apply_op2_no_bwd(w, &Gemv)
+    }
+
+    fn check(lx: &Layout, lw: &Layout) -> Result<(usize, usize, usize)> {
+        let (m, k) = lx.shape().dims2()?;
+        let (n, wk) = lw.shape().dims2()?;
+        if k != wk || !(1..=MAX_ROWS).contains(&m) || !lx.is_contiguous() || !lw.is_contiguous() {
+            candle_core::bail!(
+                "gemv: expected contiguous x [M<={MAX_ROWS}, K] and W [N, K], got {:?} and {:?}",
+                lx.shape(),
+                lw.shape()
+            );
+        }
+        Ok((m, n, k))
+    }
+}
+
+impl CustomOp2 for Gemv {
+    fn name(&self) -> &'static str {
+        "gemv"
+    }
+
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (m, n, k) = Self::check(lx, lw)?;
+        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (sx, sw) else {
+            candle_core::bail!("gemv: the CPU reference takes f32")
+        };
+        let (x, w) = (&x[lx.start_offset()..], &w[lw.start_offset()..]);
+        let y = (0..m * n)
+            .map(|i| {
+                let (xr, wr) = (&x[(i / n) * k..][..k], &w[(i % n) * k..][..k]);
+                xr.iter().zip(wr).map(|(a, b)| a * b).sum()
+            })
+            .collect();
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::Kernel;
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+        use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, CudaStorageSlice as S};
+
+        let (m, n, k) = Self::check(lx, lw)?;
+        let dt = sx.dtype();
+        let v = 16 / dt.size_in_bytes();
+        if sw.dtype() != dt || k % v != 0 || lx.start_offset() % v != 0 || lw.start_offset() % v != 0 {
+            candle_core::bail!("gemv: x and W must share a type and hold whole, aligned 16-byte vectors");
+        }
+        let dev = sx.device().clone();
+        let func = super::cuda::GEMV.func(&dev, &format!("gemv_{}_{m}", super::cuda::dtype_name(dt)?))?;
+        const WARPS: usize = 8; // GEMV_THREADS / 32 in gemv.cu
+        let wpr = warps_per_row(n, k / v);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(WARPS / wpr) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        #[allow(clippy::too_many_arguments)]
+        fn launch<T: CudaDType + DeviceRepr>(
+            dev: &CudaDevice,
+            func: &Kernel,
+            cfg: LaunchConfig,
+            x: &CudaSlice<T>,
+            w: &CudaSlice<T>,
+            (ox, ow): (usize, usize),
+            (m, n, k, wpr): (usize, usize, usize, usize),
+        ) -> Result<CudaStorage> {
+            use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+            // SAFETY: the kernel writes every element of y.
+            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
+            let (x, w) = (x.slice(ox..), w.slice(ow..));
+            let stream = dev.cuda_stream();
+            // The guards order the launch after pending writes (where cudarc tracks them).
+            let (mut py, _gy) = y.device_ptr(&stream);
+            let (mut px, _gx) = x.device_ptr(&stream);
+            let (mut pw, _gw) = w.device_ptr(&stream);
+            let (mut n, mut k, mut wpr) = (n as i32, k as i32, wpr as i32);
+            let mut params = [
+                &mut py as *mut _ as *mut std::ffi::c_void,
+                &mut px as *mut _ as *mut _,
+                &mut pw as *mut _ as *mut _,
+                &mut n as *mut _ as *mut _,
+                &mut k as *mut _ as *mut _,
+                &mut wpr as *mut _ as *mut _,
+            ];
+            // SAFETY: the parameters are the kernel's (y, x, w, n, k, wpr) in order and type;
+            // shapes were checked; the kernel waits for the kernel before it (pdl_wait) before
+            // reading x or writing y.
+            unsafe { func.launch_dependent(cfg, &mut params) }?;
+            drop((_gy, _gx, _gw));
+            Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+        }
+        let offs = (lx.start_offset(), lw.start_offset());
+        let y = match (&sx.slice, &sw.slice) {
+            (S::F32(x), S::F32(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k, wpr))?,
+            (S::BF16(x), S::BF16(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k, wpr))?,
+            (S::F16(x), S::F16(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k, wpr))?,
+            _ => candle_core::bail!("gemv: unsupported dtype {dt:?}"),
+        };
+        Ok((y, Shape::from((m, n))))
+    }
+}
