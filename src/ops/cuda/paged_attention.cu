@@ -145,16 +145,20 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
         }
         __syncthreads();
     }
-    if (pv) {
+    // The key groups add their sums in group order, not by atomics, so a row gives the same
+    // bits on every run (calibration, seeded sampling and the tests rely on it).
+    for (int gi = 0; gi < KG; ++gi) {
+        if (pv && kg == gi) {
 #pragma unroll
-        for (int h = 0; h < PA_MAXH; ++h) {
-            if (h < hb) {
+            for (int h = 0; h < PA_MAXH; ++h) {
+                if (h < hb) {
 #pragma unroll
-                for (int e = 0; e < V; ++e) atomicAdd(&o_s[h][dv * V + e], acc[h][e]);
+                    for (int e = 0; e < V; ++e) o_s[h][dv * V + e] += acc[h][e];
+                }
             }
         }
+        __syncthreads();
     }
-    __syncthreads();
     for (int i = tid; i < hb * D; i += PA_THREADS) {
         const int h = i / D, d = i % D;
         out[((size_t)t * num_heads + h0 + h) * D + d] = from_f<TQ>(o_s[h][d] / l_s[h]);
