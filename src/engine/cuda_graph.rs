@@ -91,10 +91,7 @@ impl DecodeGraphs {
         // Graphs replay text steps with 1-D positions (the rotary table's); others run op by op.
         // A TurboQuant float window uploads its rings' indices each step, which a graph cannot.
         let float_window = kv.turboquant().is_some_and(|t| t.float_window > 0);
-        if !matches!(batch.positions, Positions::Flat(_))
-            || batch.images.is_some()
-            || float_window
-        {
+        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() || float_window {
             return Ok(None);
         }
         let meta = &batch.attn;

@@ -286,13 +286,18 @@ impl CustomOp3 for PagedAttention<'_> {
         let hb = if rows * hkv < 128 { 1 } else { (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1) };
         let (qt, ct) = (dtype_name(q.dtype())?, dtype_name(k.dtype())?);
         // With one head per block, the kernel that splits each key over lanes and keeps a softmax
-        // per lane group (`paged_decode`) instead of block-wide phases: the same grid and
-        // arguments. `IRIS_CUDA_PAGED_DECODE=0` keeps the block-wide kernel, to compare.
+        // per lane group (`paged_decode`) instead of block-wide phases, over DECODE_SPLITS blocks
+        // per (row, head) that each take every DECODE_SPLITS-th chunk of positions, then
+        // `paged_decode_merge`. `IRIS_CUDA_PAGED_DECODE=0` keeps the block-wide kernel, to compare.
         static LANE_SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let lane_split =
             hb == 1 && *LANE_SPLIT.get_or_init(|| std::env::var("IRIS_CUDA_PAGED_DECODE").map_or(true, |v| v != "0"));
         let kernel = if lane_split { "paged_decode" } else { "paged_attention" };
         let decode = PAGED_ATTENTION.func(&dev, &format!("{kernel}_{qt}_{ct}_{d}"))?;
+        /// PD_SPLITS in paged_attention.cu.
+        const DECODE_SPLITS: usize = 16;
+        let merge =
+            if lane_split { Some(PAGED_ATTENTION.func(&dev, &format!("paged_decode_merge_{qt}_{d}"))?) } else { None };
         let l = dm.layout;
         if l.rows != rows {
             candle_core::bail!("paged-attention: device metadata has {} rows, the step {rows}", l.rows);
@@ -312,8 +317,9 @@ impl CustomOp3 for PagedAttention<'_> {
             None
         };
         let p = Params {
+            merge,
             decode: LaunchConfig {
-                grid_dim: (rows as u32, (hkv * group / hb) as u32, 1),
+                grid_dim: (rows as u32, (hkv * group / hb) as u32, if lane_split { DECODE_SPLITS as u32 } else { 1 }),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             },
@@ -326,6 +332,8 @@ impl CustomOp3 for PagedAttention<'_> {
         let (ko, vo) = (k_l.start_offset(), v_l.start_offset());
 
         struct Params {
+            /// The kernel that merges the split decode's states (lane-split kernel only).
+            merge: Option<Kernel>,
             decode: LaunchConfig,
             ints: [i32; 4],
             scale: f32,
@@ -352,11 +360,33 @@ impl CustomOp3 for PagedAttention<'_> {
             // SAFETY: the kernels together write every element of the output.
             let out: CudaSlice<Q> = unsafe { dev.alloc::<Q>(n_out)? };
             let [hq, hkv, hb, bs] = p.ints;
-            let mut b = decode.builder();
-            b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.row_seq).arg(&m.seq_info).arg(&m.block_tables);
-            b.arg(&hq).arg(&hkv).arg(&hb).arg(&bs).arg(&p.scale).arg(&p.window).arg(&p.softcap).arg(&p.skip);
-            // SAFETY: argument types and counts match the kernel's signature; block tables were checked.
-            unsafe { b.launch(p.decode) }.w()?;
+            if let Some(merge) = &p.merge {
+                let (rows, splits) = (p.decode.grid_dim.0 as usize, p.decode.grid_dim.2 as usize);
+                let d = n_out / (rows * hq as usize);
+                // SAFETY: each decode block writes its whole state; the merge reads only rows the
+                // decode blocks wrote (both skip the same prompt chunks).
+                let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows * hq as usize * splits * (d + 2))? };
+                let mut b = decode.builder();
+                b.arg(&part).arg(&q).arg(&k).arg(&v).arg(&m.row_seq).arg(&m.seq_info).arg(&m.block_tables);
+                b.arg(&hq).arg(&hkv).arg(&hb).arg(&bs).arg(&p.scale).arg(&p.window).arg(&p.softcap).arg(&p.skip);
+                // SAFETY: argument types and counts match the kernel's signature; block tables were checked.
+                unsafe { b.launch(p.decode) }.w()?;
+                let cfg = LaunchConfig {
+                    grid_dim: (rows as u32, hq as u32, 1),
+                    block_dim: (d.min(256) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = merge.builder();
+                b.arg(&out).arg(&part).arg(&m.row_seq).arg(&m.seq_info).arg(&hq).arg(&p.skip);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg) }.w()?;
+            } else {
+                let mut b = decode.builder();
+                b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.row_seq).arg(&m.seq_info).arg(&m.block_tables);
+                b.arg(&hq).arg(&hkv).arg(&hb).arg(&bs).arg(&p.scale).arg(&p.window).arg(&p.softcap).arg(&p.skip);
+                // SAFETY: argument types and counts match the kernel's signature; block tables were checked.
+                unsafe { b.launch(p.decode) }.w()?;
+            }
             if let Some((f, cfg)) = prefill {
                 let mut b = f.builder();
                 b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.tiles).arg(&m.seq_info).arg(&m.block_tables);

@@ -171,16 +171,21 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
 // loads, coalesced), a warp scores KPW keys at once, and each group of LPK lanes keeps its own
 // running softmax over the keys it visits (PD_UNROLL keys' loads in flight), so nothing waits
 // on the block until the end, where the groups' states are merged in a fixed order.
+// Long contexts: the positions are cut into chunks of PD_CHUNK and block z of PD_SPLITS takes
+// the chunks c with c % PD_SPLITS == z, writing its softmax state (m, l, acc) to `part`;
+// paged_decode_merge adds the PD_SPLITS states in order. The split does not depend on the
+// batch, so neither does a row's arithmetic.
 #define PD_THREADS 256
 #define PD_UNROLL 4
+#define PD_CHUNK 256
+#define PD_SPLITS 16
 
 template <typename TQ, typename TC, int D>
-__device__ void paged_decode(TQ* __restrict__ out, const TQ* __restrict__ q, const TC* __restrict__ kc,
+__device__ void paged_decode(float* __restrict__ part, const TQ* __restrict__ q, const TC* __restrict__ kc,
                              const TC* __restrict__ vc, const uint32_t* __restrict__ row_seq,
                              const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
                              int num_heads, int num_kv_heads, int block_size, float scale, int window, float softcap,
                              int skip_q_len) {
-    pdl_launch_dependents();
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;  // 16-byte vectors per head row
     constexpr int LPK = NV > 16 ? 32 : NV > 8 ? 16 : NV > 4 ? 8 : NV > 2 ? 4 : NV > 1 ? 2 : 1;
@@ -217,15 +222,19 @@ __device__ void paged_decode(TQ* __restrict__ out, const TQ* __restrict__ q, con
     }
     float m = -INFINITY, l = 0.f;
 
-    // Keys lo + warp * KPW + sub + i * G, PD_UNROLL of them per pass; the loop bound does not
-    // depend on the lane, so every lane takes part in every shuffle.
-    for (int base = lo + warp * KPW; base <= pos; base += G * PD_UNROLL) {
+    // This block's chunks; in each, keys a + warp * KPW + sub + i * G, PD_UNROLL of them per
+    // pass. The loop bounds do not depend on the lane, so every lane takes part in every shuffle.
+    const int z = blockIdx.z;
+    const int c_lo = lo / PD_CHUNK;
+    for (int c = c_lo + (z - c_lo % PD_SPLITS + PD_SPLITS) % PD_SPLITS; c <= pos / PD_CHUNK; c += PD_SPLITS) {
+    const int a = max(lo, c * PD_CHUNK), b = min(pos, c * PD_CHUNK + PD_CHUNK - 1);
+    for (int base = a + warp * KPW; base <= b; base += G * PD_UNROLL) {
         float kf[PD_UNROLL][RPL][V], vf[PD_UNROLL][RPL][V];
         bool ok[PD_UNROLL];
 #pragma unroll
         for (int u = 0; u < PD_UNROLL; ++u) {
             const int j = base + u * G + sub;
-            ok[u] = j <= pos;
+            ok[u] = j <= b;
             if (ok[u]) {
                 const size_t row = ((size_t)bt[j / block_size] * block_size + j % block_size) * num_kv_heads + kvh;
 #pragma unroll
@@ -269,8 +278,10 @@ __device__ void paged_decode(TQ* __restrict__ out, const TQ* __restrict__ q, con
             }
         }
     }
+    }
 
-    // Merge the groups' states in group order: out = sum_g e^(m_g - M) acc_g / sum_g e^(m_g - M) l_g.
+    // Merge the groups' states in group order into the block's (M, L, acc) at
+    // part[((t * heads + h) * PD_SPLITS + z) * (D + 2)]: M, L, then acc[D].
     __shared__ float m_s[G], l_s[G];
     __shared__ float acc_s[G][D];
     if (kl == 0) { m_s[g] = m; l_s[g] = l; }
@@ -285,13 +296,41 @@ __device__ void paged_decode(TQ* __restrict__ out, const TQ* __restrict__ q, con
     __syncthreads();
     float mx = -INFINITY;
     for (int i = 0; i < G; ++i) mx = fmaxf(mx, m_s[i]);
-    for (int d = tid; d < D; d += PD_THREADS) {
+    float* pb = part + (((size_t)t * num_heads + h) * PD_SPLITS + z) * (D + 2);
+    for (int d = tid; d < D + 1; d += PD_THREADS) {
         float num = 0.f, den = 0.f;
         for (int i = 0; i < G; ++i) {
             if (m_s[i] == -INFINITY) continue;  // a group that saw no key
             const float w = expf(m_s[i] - mx);
-            num = fmaf(w, acc_s[i][d], num);
+            if (d < D) num = fmaf(w, acc_s[i][d], num);
             den = fmaf(w, l_s[i], den);
+        }
+        if (d < D) pb[2 + d] = num;
+        else { pb[0] = mx; pb[1] = den; }
+    }
+}
+
+// out = sum_z e^(M_z - M) acc_z / sum_z e^(M_z - M) L_z over the PD_SPLITS states of a
+// (row, head), in order; one block per (row, head), a thread per element.
+template <typename TQ, int D>
+__device__ void paged_decode_merge(TQ* __restrict__ out, const float* __restrict__ part,
+                                   const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ seq_info,
+                                   int num_heads, int skip_q_len) {
+    pdl_launch_dependents();  // the output projection may start streaming its weights
+    const int t = blockIdx.x, h = blockIdx.y;
+    const uint32_t s = row_seq[t];
+    if ((int)seq_info[4 * s + 1] >= skip_q_len) return;  // a prompt chunk, done by prefill_attention.cu
+    const float* pb = part + ((size_t)t * num_heads + h) * PD_SPLITS * (D + 2);
+    float mx = -INFINITY;
+    for (int z = 0; z < PD_SPLITS; ++z) mx = fmaxf(mx, pb[z * (D + 2)]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float num = 0.f, den = 0.f;
+        for (int z = 0; z < PD_SPLITS; ++z) {
+            const float m = pb[z * (D + 2)];
+            if (m == -INFINITY) continue;  // a split with no chunk of this row
+            const float w = expf(m - mx);
+            num = fmaf(w, pb[z * (D + 2) + 2 + d], num);
+            den = fmaf(w, pb[z * (D + 2) + 1], den);
         }
         out[((size_t)t * num_heads + h) * D + d] = from_f<TQ>(num / den);
     }
@@ -299,11 +338,16 @@ __device__ void paged_decode(TQ* __restrict__ out, const TQ* __restrict__ q, con
 
 #define PD(NAME, TQ, TC, D)                                                                                    \
     extern "C" __global__ void __launch_bounds__(PD_THREADS)                                                   \
-        NAME(TQ* out, const TQ* q, const TC* kc, const TC* vc, const uint32_t* row_seq,                        \
+        NAME(float* part, const TQ* q, const TC* kc, const TC* vc, const uint32_t* row_seq,                    \
              const uint32_t* seq_info, const uint32_t* block_tables, int num_heads, int num_kv_heads, int hb,  \
              int block_size, float scale, int window, float softcap, int skip_q_len) {                         \
-        paged_decode<TQ, TC, D>(out, q, kc, vc, row_seq, seq_info, block_tables, num_heads, num_kv_heads,      \
+        paged_decode<TQ, TC, D>(part, q, kc, vc, row_seq, seq_info, block_tables, num_heads, num_kv_heads,     \
                                 block_size, scale, window, softcap, skip_q_len);                               \
+    }
+#define PDM(NAME, TQ, D)                                                                                       \
+    extern "C" __global__ void NAME(TQ* out, const float* part, const uint32_t* row_seq,                       \
+                                    const uint32_t* seq_info, int num_heads, int skip_q_len) {                 \
+        paged_decode_merge<TQ, D>(out, part, row_seq, seq_info, num_heads, skip_q_len);                        \
     }
 
 #define PA(NAME, TQ, TC, D)                                                                                    \
@@ -332,3 +376,11 @@ PA_DIMS(f32, bf16, float, __nv_bfloat16)
 PA_DIMS(f32, f16, float, __half)
 PA_DIMS(bf16, bf16, __nv_bfloat16, __nv_bfloat16)
 PA_DIMS(f16, f16, __half, __half)
+#define PDM_DIMS(TN, TQ)                                                                                       \
+    PDM(paged_decode_merge_##TN##_16, TQ, 16) PDM(paged_decode_merge_##TN##_32, TQ, 32)                        \
+    PDM(paged_decode_merge_##TN##_64, TQ, 64) PDM(paged_decode_merge_##TN##_80, TQ, 80)                        \
+    PDM(paged_decode_merge_##TN##_96, TQ, 96) PDM(paged_decode_merge_##TN##_128, TQ, 128)                      \
+    PDM(paged_decode_merge_##TN##_256, TQ, 256)
+PDM_DIMS(f32, float)
+PDM_DIMS(bf16, __nv_bfloat16)
+PDM_DIMS(f16, __half)
