@@ -913,14 +913,12 @@ impl CustomOp3 for TqAttention<'_> {
         }
         let group = hq / hkv;
         // Query heads per block: the largest divisor of the group the kernel holds (GQA: each
-        // key is decoded once for all of them), or one for steps of few rows, where each block's
-        // latency, not the reads, bounds the step (as for the dense cache).
-        let hb = if rows * hkv < 128 { 1 } else { (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1) };
+        // key is decoded once for all of them).
+        let hb = (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1);
         let blocks_y = hkv * group / hb;
         // Splits of each row's coded positions: enough blocks to fill the GPU (~130
-        // multiprocessors, two blocks each) for few rows; a split covers >= MIN_CHUNK positions
-        // (one pass of the kernel's 128 threads).
-        const MIN_CHUNK: i32 = 128;
+        // multiprocessors, two blocks each) for few rows; a split covers >= MIN_CHUNK positions.
+        const MIN_CHUNK: i32 = 256;
         let nsplit = (264usize.div_ceil(rows * blocks_y)).clamp(1, 64);
 
         fn guard(t: &Tensor) -> impl std::ops::Deref<Target = Storage> + '_ {
