@@ -37,10 +37,17 @@ impl<'a> KvWrite<'a> {
         if new_len != mapping.len() * row {
             candle_core::bail!("kv-write: {new_len} values for {} slots of {row}", mapping.len());
         }
-        if let Some(&slot) = mapping.iter().find(|&&s| s as usize >= slots && s != NO_SLOT) {
-            candle_core::bail!("kv-write: slot {slot} out of range ({slots} slots)");
-        }
+        check_slot_range("kv-write", mapping, slots)?;
         Ok((slots, row))
+    }
+}
+
+/// Every slot of a step's `mapping` lies in a cache of `slots` slots, or is `NO_SLOT` (a row
+/// that writes nothing). Shared by the cache writers.
+pub(crate) fn check_slot_range(op: &str, mapping: &[u32], slots: usize) -> Result<()> {
+    match mapping.iter().find(|&&s| s as usize >= slots && s != NO_SLOT) {
+        Some(&slot) => candle_core::bail!("{op}: slot {slot} out of range ({slots} slots)"),
+        None => Ok(()),
     }
 }
 

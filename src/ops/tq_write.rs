@@ -4,6 +4,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 
 use super::kv_elem::f32_slice;
+use super::kv_write::check_slot_range;
 use super::team::{team, OutPtr};
 use crate::batch::{AttentionMeta, DeviceAttentionMeta};
 use crate::kv::turboquant::TqCodec;
@@ -72,6 +73,7 @@ impl<'a> TqWrite<'a> {
         if self.scale.is_some_and(|s| s.len() != heads * d) {
             candle_core::bail!("tq-write: scales for another shape than {heads}x{d}");
         }
+        check_slot_range("tq-write", self.slot_mapping, n_slots)?;
         Ok((n_slots, heads))
     }
 }
@@ -128,15 +130,11 @@ impl InplaceOp2 for TqWrite<'_> {
         use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
 
         use super::cuda::{cuda_slice, dtype_name, with_u32_slice, TQ_WRITE};
-        use crate::batch::NO_SLOT;
 
-        let (n_slots, heads) = self.check(cache_l, new_l.shape().elem_count())?;
+        let (_, heads) = self.check(cache_l, new_l.shape().elem_count())?;
         let dev_in = self.device.as_ref().ok_or_else(|| {
             candle_core::Error::Msg("tq-write: the slots and codec are not on the device (TqWrite::device)".into())
         })?;
-        if let Some(&slot) = self.slot_mapping.iter().find(|&&s| s as usize >= n_slots && s != NO_SLOT) {
-            candle_core::bail!("tq-write: slot {slot} out of range ({n_slots} slots)");
-        }
         let rows = self.slot_mapping.len();
         let (d, bits) = (self.codec.dim(), self.codec.bits());
         if rows == 0 {
