@@ -16,24 +16,25 @@ use crate::weights::WeightsError;
 
 /// A vision tower over merged patches.
 pub trait PatchTower: Send + Sync {
-    fn image_token_id(&self) -> u32;
-    fn spatial_merge_size(&self) -> usize;
-    /// Values per patch: channels x temporal patch x patch x patch.
-    fn patch_dim(&self) -> usize;
     /// One image's embeddings, in the order of its image tokens.
     fn forward(&self, pixels: &PixelValues) -> candle_core::Result<Tensor>;
 }
 
-/// The sizes in `config.json`'s `vision_config` the processor and the language model must agree with.
+/// What `config.json`'s `vision_config` says of the tower that the processor, the prompt and
+/// the language model must agree with.
 pub struct PatchGeometry {
+    pub image_token_id: u32,
     pub patch_size: usize,
     pub spatial_merge_size: usize,
     pub temporal_patch_size: usize,
+    /// Values per patch: channels x temporal patch x patch x patch.
+    pub patch_dim: usize,
     pub out_hidden_size: usize,
 }
 
 pub struct PatchVlm<T> {
     processor: ImageProcessor,
+    geometry: PatchGeometry,
     tower: T,
 }
 
@@ -74,7 +75,7 @@ impl<T: PatchTower> PatchVlm<T> {
                 ),
             });
         }
-        Ok(PatchVlm { processor, tower: load_tower()? })
+        Ok(PatchVlm { processor, tower: load_tower()?, geometry: g })
     }
 
     pub fn processor(&self) -> &ImageProcessor {
@@ -84,7 +85,7 @@ impl<T: PatchTower> PatchVlm<T> {
 
 impl<T: PatchTower> VisionModel for PatchVlm<T> {
     fn image_token_id(&self) -> u32 {
-        self.tower.image_token_id()
+        self.geometry.image_token_id
     }
 
     fn preprocess(&self, image: &RgbImage) -> Result<PixelValues, ImageError> {
@@ -92,15 +93,15 @@ impl<T: PatchTower> VisionModel for PatchVlm<T> {
     }
 
     fn num_image_tokens(&self, pixels: &PixelValues) -> usize {
-        let m = self.tower.spatial_merge_size();
+        let m = self.geometry.spatial_merge_size;
         pixels.grid_thw.iter().product::<usize>() / (m * m)
     }
 
     /// Both families place an image's tokens alike (one temporal position per frame, the
     /// merged grid's rows and columns; the text after continues past the larger side).
     fn prompt_positions(&self, tokens: &[u32], images: &[&PixelValues]) -> Result<PromptPositions, PositionError> {
-        let m = self.tower.spatial_merge_size();
-        mrope::check_pixels(images, self.tower.patch_dim(), m)?;
+        let m = self.geometry.spatial_merge_size;
+        mrope::check_pixels(images, self.geometry.patch_dim, m)?;
         let grids: Vec<[usize; 3]> = images.iter().map(|p| p.grid_thw).collect();
         mrope::prompt_positions(tokens, self.image_token_id(), &grids, m)
     }

@@ -23,27 +23,17 @@ pub type Qwen2Vl = PatchVlm<VisionTower>;
 pub fn load(w: &Weights, dir: &Path, text: &TextConfig) -> Result<Qwen2Vl, WeightsError> {
     let cfg = VisionConfig::from_hf_file(&dir.join("config.json"), text.arch)?;
     let geometry = PatchGeometry {
+        image_token_id: cfg.image_token_id,
         patch_size: cfg.patch_size,
         spatial_merge_size: cfg.spatial_merge_size,
         temporal_patch_size: cfg.temporal_patch_size,
+        patch_dim: cfg.patch_dim(),
         out_hidden_size: cfg.out_hidden_size,
     };
     PatchVlm::load(dir, ResizeRule::Qwen2Vl, geometry, text, || VisionTower::load(w, cfg))
 }
 
 impl PatchTower for VisionTower {
-    fn image_token_id(&self) -> u32 {
-        self.config().image_token_id
-    }
-
-    fn spatial_merge_size(&self) -> usize {
-        self.config().spatial_merge_size
-    }
-
-    fn patch_dim(&self) -> usize {
-        self.config().patch_dim()
-    }
-
     fn forward(&self, pixels: &PixelValues) -> candle_core::Result<Tensor> {
         VisionTower::forward(self, pixels)
     }
