@@ -31,7 +31,7 @@ impl PagedAttention<'_> {
     }
 
     /// Every sequence's block table covers its context with blocks inside the cache.
-    fn check_tables(&self, n_slots: usize) -> Result<()> {
+    pub(super) fn check_tables(&self, n_slots: usize) -> Result<()> {
         let bs = self.meta.block_size;
         for s in &self.meta.seqs {
             let needed = s.context_len.div_ceil(bs);
@@ -123,15 +123,23 @@ impl PagedAttention<'_> {
     }
 }
 
+/// In place: s <- exp(s - max s); returns (max, sum): a softmax before its division, which
+/// the attention on TurboQuant codes merges per segment.
+#[inline(always)]
+pub(super) fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
+    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut l = 0f32;
+    for x in s.iter_mut() {
+        *x = (*x - m).exp();
+        l += *x;
+    }
+    (m, l)
+}
+
 /// In place: `x <- softmax(x)`.
 #[inline(always)]
 pub(crate) fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
+    let (_, sum) = exp_shifted(x);
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;

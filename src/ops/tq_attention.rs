@@ -22,7 +22,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor}
 
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
 use super::kv_write::KvWrite;
-use super::paged_attention::PagedAttention;
+use super::paged_attention::{exp_shifted, PagedAttention};
 use super::simd::{axpy_f32, dot_f32};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
@@ -210,17 +210,7 @@ impl TqAttention<'_> {
         if self.key_scale.is_some_and(|s| s.len() != hkv * d) {
             candle_core::bail!("tq-attention: key scales for another shape than {hkv}x{d}");
         }
-        let bs = meta.block_size;
-        for s in &meta.seqs {
-            let needed = s.context_len.div_ceil(bs);
-            if s.q_len > s.context_len
-                || s.block_table.len() < needed
-                || s.block_table.iter().any(|&b| (b as usize + 1) * bs > n_slots)
-            {
-                candle_core::bail!("tq-attention: block table does not cover {} tokens", s.context_len);
-            }
-        }
-        Ok(())
+        a.check_tables(n_slots)
     }
 
     /// The queries of a tile's rows for kv head `g`, rotated like the keys: `[rows, group, d]`.
@@ -531,18 +521,6 @@ enum Job {
     Segment { tile: usize, g: usize, seg: (usize, usize), part: usize },
 }
 
-/// In place: s <- exp(s - max s); returns (max, sum).
-#[inline(always)]
-fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
-    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut l = 0f32;
-    for x in s.iter_mut() {
-        *x = (*x - m).exp();
-        l += *x;
-    }
-    (m, l)
-}
-
 /// The work items compiled for AVX-512 (the kernel's intrinsics inline into them).
 #[cfg(target_arch = "x86_64")]
 mod avx512_entry {
@@ -692,8 +670,8 @@ pub fn write_and_attend(
 ) -> Result<Tensor> {
     let meta = attn.meta;
     let codecs = &c.codecs;
-    c.k.inplace_op2(k, &TqWrite::step(c, meta, false))?;
-    c.v.inplace_op2(v, &TqWrite::step(c, meta, true))?;
+    c.k.inplace_op2(k, &TqWrite::keys(c, &meta.slot_mapping, meta.device.as_ref()))?;
+    c.v.inplace_op2(v, &TqWrite::values(c, &meta.slot_mapping, meta.device.as_ref()))?;
     // On a GPU the rings' indices and the rows staying in them go up as small tensors (steps
     // with a float window do not run as CUDA graphs).
     let on_device = !q.device().is_cpu();

@@ -6,7 +6,7 @@ use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 use super::kv_elem::f32_slice;
 use super::kv_write::check_slot_range;
 use super::team::{team, OutPtr};
-use crate::batch::{AttentionMeta, DeviceAttentionMeta};
+use crate::batch::{DeviceAttentionMeta, NO_SLOT};
 use crate::kv::turboquant::TqCodec;
 use crate::kv::TqLayerCache;
 
@@ -49,15 +49,6 @@ impl<'a> TqWrite<'a> {
         TqWrite { slot_mapping, codec: &c.codecs.value, scale: None, device }
     }
 
-    /// A step's keys (`values`: its values) into the slots its metadata assigns.
-    pub fn step(c: &'a TqLayerCache, meta: &'a AttentionMeta, values: bool) -> Self {
-        if values {
-            Self::values(c, &meta.slot_mapping, meta.device.as_ref())
-        } else {
-            Self::keys(c, &meta.slot_mapping, meta.device.as_ref())
-        }
-    }
-
     /// Checks the cache's shape; returns its (slots, heads).
     fn check(&self, cache_l: &Layout, new_len: usize) -> Result<(usize, usize)> {
         let dims = cache_l.dims();
@@ -88,17 +79,21 @@ impl InplaceOp2 for TqWrite<'_> {
         let CpuStorage::U8(cache) = cache else {
             candle_core::bail!("tq-write: the cache must be u8 codes, got {:?}", cache.dtype());
         };
-        let (n_slots, heads) = self.check(cache_l, new.len())?;
+        // check(): every slot is in range or NO_SLOT (a row that writes nothing).
+        let (_, heads) = self.check(cache_l, new.len())?;
         let (d, row) = (self.codec.dim(), self.codec.row_bytes());
         let rows = self.slot_mapping.len();
-        // Rows are written in parallel: their slots must be distinct and in range.
-        let mut seen = self.slot_mapping.to_vec();
+        // Rows are written in parallel: the slots they write must be distinct.
+        let mut seen: Vec<u32> = self.slot_mapping.iter().copied().filter(|&s| s != NO_SLOT).collect();
         seen.sort_unstable();
-        if seen.windows(2).any(|w| w[0] == w[1]) || seen.last().is_some_and(|&s| s as usize >= n_slots) {
-            candle_core::bail!("tq-write: slots repeat or exceed the cache's {n_slots}");
+        if seen.windows(2).any(|w| w[0] == w[1]) {
+            candle_core::bail!("tq-write: two rows of a step write the same slot");
         }
         let dst = OutPtr(cache.as_mut_ptr());
         team().for_each(rows, |t| {
+            if self.slot_mapping[t] == NO_SLOT {
+                return;
+            }
             let slot = self.slot_mapping[t] as usize;
             // SAFETY: slot rows are distinct (checked above), so items write disjoint bytes.
             let out = unsafe { std::slice::from_raw_parts_mut(dst.at(slot * heads * row), heads * row) };
@@ -207,5 +202,40 @@ impl InplaceOp2 for TqWrite<'_> {
                 _ => candle_core::bail!("tq-write: {:?} values are not supported", new.dtype()),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use candle_core::{DType, Device, Tensor};
+
+    use super::*;
+    use crate::kv::turboquant::{Codebook, LayerCodecs};
+
+    /// Rows whose slot is NO_SLOT write nothing; two rows writing one slot, or a slot past the
+    /// cache, are errors (rows are written in parallel).
+    #[test]
+    fn slots_are_checked_and_padding_rows_skipped() {
+        let (d, heads, n_slots) = (64, 2, 4);
+        let cb = Arc::new(Codebook::lloyd_max(d, 4));
+        let codecs = LayerCodecs::for_layer(0, d, &cb, &cb);
+        let codec = &codecs.key;
+        let write = |slots: &[u32]| -> Result<Vec<u8>> {
+            let cache = Tensor::zeros((n_slots, heads, codec.row_bytes()), DType::U8, &Device::Cpu)?;
+            let new = Tensor::ones((slots.len(), heads, d), DType::F32, &Device::Cpu)?;
+            cache.inplace_op2(&new, &TqWrite { slot_mapping: slots, codec, scale: None, device: None })?;
+            cache.flatten_all()?.to_vec1::<u8>()
+        };
+        let row = heads * codec.row_bytes();
+        let written = write(&[2, NO_SLOT]).unwrap();
+        assert!(written[2 * row..3 * row].iter().any(|&b| b != 0), "slot 2 was not written");
+        let untouched = |i: usize| written[i * row..(i + 1) * row].iter().all(|&b| b == 0);
+        assert!([0, 1, 3].into_iter().all(untouched), "a padding row wrote a slot");
+        let err = write(&[1, 1]).unwrap_err().to_string();
+        assert!(err.contains("same slot"), "{err}");
+        let err = write(&[0, 4]).unwrap_err().to_string();
+        assert!(err.contains("slot 4 out of range"), "{err}");
     }
 }
