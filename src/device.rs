@@ -34,9 +34,9 @@ pub fn open(spec: &str) -> Result<Device, DeviceError> {
 /// synchronizes the context, which would break a capture running on another thread of the
 /// same process (tests run several engines at once; a server runs one).
 #[cfg(feature = "cuda")]
-pub(crate) static CUDA_SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static CUDA_SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Takes [`CUDA_SETUP`] (for code outside the crate that captures graphs: tests).
+/// Takes [`CUDA_SETUP`] (device creation here, graph capture in the engine and in tests).
 #[cfg(feature = "cuda")]
 pub fn cuda_setup_lock() -> std::sync::MutexGuard<'static, ()> {
     CUDA_SETUP.lock().unwrap_or_else(|p| p.into_inner())
@@ -47,7 +47,7 @@ pub fn cuda_setup_lock() -> std::sync::MutexGuard<'static, ()> {
 /// (it costs host time on every launch and cannot be captured into a graph).
 #[cfg(feature = "cuda")]
 fn cuda(ordinal: usize) -> Result<Device, String> {
-    let _setup = CUDA_SETUP.lock().unwrap_or_else(|p| p.into_inner());
+    let _setup = cuda_setup_lock();
     let count = candle_core::cuda_backend::cudarc::driver::CudaContext::device_count().map_err(|e| e.to_string())?;
     if ordinal >= count.max(0) as usize {
         return Err(format!("{count} CUDA device(s) found"));

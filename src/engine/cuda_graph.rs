@@ -152,7 +152,7 @@ impl DecodeGraphs {
         bucket: usize,
         layout: MetaLayout,
     ) -> Result<Option<Graph>> {
-        let _setup = crate::device::CUDA_SETUP.lock().unwrap_or_else(|p| p.into_inner());
+        let _setup = crate::device::cuda_setup_lock();
         let bufs = self.buffers.as_ref().expect("buffers exist before a capture");
         let cuda = self.device.as_cuda_device()?;
         // The host side of the captured batch: `bucket` one-token sequences. Only its shape

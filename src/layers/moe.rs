@@ -79,11 +79,15 @@ impl Moe {
                 GatedMlp::load(w, &format!("{prefix}.shared_experts"), hidden, width, act)
             })
             .transpose()?;
-        Ok(Moe { router, correction_bias, route: cfg.into(), experts, num_experts: e, shared, inter, act })
+        let route: RouteConfig = cfg.into();
+        // Routing settings the op cannot take fail the load, not the first request.
+        route.check(e)?;
+        Ok(Moe { router, correction_bias, route, experts, num_experts: e, shared, inter, act })
     }
 
-    /// The experts' matrices stacked into one tensor each (one expert's copies are dropped as
-    /// soon as the stack holds them, so the layer's experts are in memory once).
+    /// The experts' matrices stacked into one tensor each, written expert by expert into
+    /// tensors made once (each expert's own copy is dropped once written, so a layer's experts
+    /// are in memory once, plus one expert).
     fn load_stacked(
         w: &Weights,
         prefix: &str,
@@ -91,20 +95,21 @@ impl Moe {
         e: usize,
         inter: usize,
     ) -> std::result::Result<Experts, WeightsError> {
-        let mut gate_up = Vec::with_capacity(e);
-        let mut down = Vec::with_capacity(e);
+        let gate_up = Tensor::zeros((e, 2 * inter, hidden), w.dtype(), w.device())?;
+        let down = Tensor::zeros((e, hidden, inter), w.dtype(), w.device())?;
         for i in 0..e {
             let p = format!("{prefix}.experts.{i}");
             let fused = format!("{p}.gate_up_proj.weight");
-            gate_up.push(if w.contains(&fused) {
+            let gu = if w.contains(&fused) {
                 w.dense(&fused, &[2 * inter, hidden])?
             } else {
                 let g = w.dense(&format!("{p}.gate_proj.weight"), &[inter, hidden])?;
                 Tensor::cat(&[g, w.dense(&format!("{p}.up_proj.weight"), &[inter, hidden])?], 0)?
-            });
-            down.push(w.dense(&format!("{p}.down_proj.weight"), &[hidden, inter])?);
+            };
+            gate_up.slice_set(&gu.unsqueeze(0)?, 0, i)?;
+            down.slice_set(&w.dense(&format!("{p}.down_proj.weight"), &[hidden, inter])?.unsqueeze(0)?, 0, i)?;
         }
-        Ok(Experts::Stacked { gate_up: Tensor::stack(&gate_up, 0)?, down: Tensor::stack(&down, 0)? })
+        Ok(Experts::Stacked { gate_up, down })
     }
 
     /// Chooses each row's experts (`x`: `[T, hidden]`), on the rows' device.
@@ -192,6 +197,35 @@ impl Moe {
             Experts::Stacked { gate_up, down } => {
                 gated(self.act, &xs.matmul(&gate_up.get(e)?.t()?)?, self.inter)?.matmul(&down.get(e)?.t()?)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+
+    use super::*;
+    use crate::weights::SafetensorsDir;
+
+    /// Expert i's gate and up rows and its down matrix sit at index i of the stacks.
+    #[test]
+    fn stacked_experts_hold_each_expert_at_its_index() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-glm4v-moe");
+        let w = Weights::from_safetensors(SafetensorsDir::open(&dir).unwrap(), Device::Cpu, DType::F32);
+        let (hidden, e, inter, p) = (64, 8, 32, "model.layers.1.mlp");
+        let Experts::Stacked { gate_up, down } = Moe::load_stacked(&w, p, hidden, e, inter).unwrap() else {
+            panic!("load_stacked gives stacks")
+        };
+        for i in 0..e {
+            let x = |name: &str, shape: &[usize]| w.dense(&format!("{p}.experts.{i}.{name}.weight"), shape).unwrap();
+            let want_gu = Tensor::cat(&[x("gate_proj", &[inter, hidden]), x("up_proj", &[inter, hidden])], 0).unwrap();
+            let same = |a: &Tensor, b: &Tensor| {
+                let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert_eq!(d, 0.0, "expert {i}");
+            };
+            same(&gate_up.get(i).unwrap(), &want_gu);
+            same(&down.get(i).unwrap(), &x("down_proj", &[hidden, inter]));
         }
     }
 }

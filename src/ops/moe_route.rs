@@ -71,7 +71,7 @@ pub fn sigmoid(l: f32) -> f32 {
 impl RouteConfig {
     /// What the kernel can take besides what `MoeConfig` validation already guarantees: at most
     /// 32 experts per token and 32 groups, groups of at least 2 when groups are chosen.
-    fn check(&self, num_experts: usize) -> Result<()> {
+    pub(crate) fn check(&self, num_experts: usize) -> Result<()> {
         let (e, g) = (num_experts, self.n_group);
         if g == 0 || e % g != 0 || self.top_k == 0 || self.top_k > e || self.topk_group == 0 {
             candle_core::bail!("moe-route: {e} experts, {g} groups, top {} of {} groups", self.top_k, self.topk_group);
