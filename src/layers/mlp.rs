@@ -70,14 +70,9 @@ impl GatedMlp {
 /// pass on CUDA where the fused kernel has the activation (SiLU, tanh-GELU) and the width, op by
 /// op otherwise.
 pub fn gated(act: Activation, y: &Tensor, inter: usize) -> Result<Tensor> {
-    let gelu = match act {
-        Activation::Silu => Some(false),
-        Activation::GeluTanh => Some(true),
-        Activation::Gelu | Activation::QuickGelu => None,
-    };
-    if let Some(gelu) = gelu.filter(|_| y.device().is_cuda() && GatedAct::supports(inter)) {
+    if let Some(fused) = GatedAct::for_activation(act).filter(|_| y.device().is_cuda() && GatedAct::supports(inter)) {
         // One pass instead of act, mul and their strided reads.
-        return GatedAct { gelu }.forward(y);
+        return fused.forward(y);
     }
     act.apply(&y.narrow(1, 0, inter)?)? * y.narrow(1, inter, inter)?
 }

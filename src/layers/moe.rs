@@ -16,6 +16,7 @@ use candle_core::{DType, Result, Tensor};
 
 use super::mlp::{gated, GatedMlp};
 use crate::models::config::{Activation, MoeConfig};
+use crate::ops::gated_act::GatedAct;
 use crate::ops::moe_route::RouteConfig;
 pub use crate::ops::moe_route::Routing;
 use crate::weights::{Weights, WeightsError};
@@ -143,11 +144,7 @@ impl Moe {
 
     /// The stacked weights and activation when the device kernel computes these rows.
     fn on_device(&self, x: &Tensor) -> Option<(&Tensor, &Tensor, bool)> {
-        let gelu = match self.act {
-            Activation::Silu => false,
-            Activation::GeluTanh => true,
-            Activation::Gelu | Activation::QuickGelu => return None,
-        };
+        let gelu = GatedAct::for_activation(self.act)?.gelu;
         match &self.experts {
             Experts::Stacked { gate_up, down } if x.device().is_cuda() && x.dim(0).is_ok_and(|t| t <= DEVICE_ROWS) => {
                 Some((gate_up, down, gelu))

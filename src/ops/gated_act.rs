@@ -3,6 +3,8 @@
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
+use crate::models::config::Activation;
+
 pub struct GatedAct {
     /// GELU (tanh approximation) instead of SiLU.
     pub gelu: bool,
@@ -17,6 +19,15 @@ fn act(x: f32, gelu: bool) -> f32 {
 }
 
 impl GatedAct {
+    /// The fused kernel for `act`, where it has it (SiLU, tanh-GELU).
+    pub fn for_activation(act: Activation) -> Option<Self> {
+        match act {
+            Activation::Silu => Some(GatedAct { gelu: false }),
+            Activation::GeluTanh => Some(GatedAct { gelu: true }),
+            Activation::Gelu | Activation::QuickGelu => None,
+        }
+    }
+
     /// `y`: `[T, 2 * inter]` (rows with unit inner stride) -> `[T, inter]`.
     pub fn forward(&self, y: &Tensor) -> Result<Tensor> {
         y.apply_op1_no_bwd(self)
