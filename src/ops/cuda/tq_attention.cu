@@ -1,5 +1,5 @@
 // Paged attention over TurboQuant codes for any mix of prefill chunks and decodes (see
-// ops/tq_attention.rs, the reference). Row t of sequence s sits at position p and reads
+// ops/tq_attention/, the reference). Row t of sequence s sits at position p and reads
 // positions [lo, split) as codes and [split, p] from floats (the float window), where
 // lo = p + 1 - window for sliding layers (else 0) and split = max(p + 1 - float_window, lo).
 //

@@ -1,0 +1,270 @@
+//! The CUDA side of attention on TurboQuant codes: checks, device buffers and the launches of
+//! `cuda/tq_attention.cu` (partial scores over position splits, then the combine).
+
+use candle_core::{Layout, Result, Shape};
+
+use super::*;
+
+/// `TqAttention`'s forward pass on CUDA.
+pub(super) fn forward(
+    op: &TqAttention<'_>,
+    q: &candle_core::CudaStorage,
+    q_l: &Layout,
+    k: &candle_core::CudaStorage,
+    k_l: &Layout,
+    v: &candle_core::CudaStorage,
+    v_l: &Layout,
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
+    use candle_core::DType;
+
+    use crate::ops::cuda::{cuda_slice, dtype_name, with_u32_slice, TQ_ATTENTION};
+
+    let a = &op.attn;
+    let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
+    let rows = a.meta.num_rows();
+    let shape = Shape::from((rows, hq, d));
+    for (l, row) in [(k_l, op.key.row_bytes()), (v_l, op.value.row_bytes())] {
+        if l.dims().len() != 3
+            || !l.is_contiguous()
+            || l.start_offset() != 0
+            || l.dims()[1] != hkv
+            || l.dims()[2] != row
+        {
+            candle_core::bail!("tq-attention: caches must be whole contiguous [slots, {hkv}, row bytes] tensors");
+        }
+    }
+    if k_l.dims()[0] != v_l.dims()[0] {
+        candle_core::bail!("tq-attention: key and value caches differ in slots");
+    }
+    op.check(q_l.shape().elem_count(), k_l.dims()[0])?;
+    let Some((qa, qb)) = q_l.contiguous_offsets() else { candle_core::bail!("tq-attention: q must be contiguous") };
+    let dev = q.device().clone();
+    if rows == 0 {
+        // SAFETY: nothing is read from an empty allocation.
+        let empty = unsafe { dev.alloc::<f32>(0)? };
+        return Ok((CudaStorage::wrap_cuda_slice(empty, dev), shape));
+    }
+    let bits = [op.key.bits(), op.value.bits()];
+    if ![16, 32, 64, 80, 96, 128, 256].contains(&d) || !bits.iter().all(|b| (2..=4).contains(b)) {
+        candle_core::bail!("tq-attention: no CUDA kernel for head_dim {d} with {bits:?}-bit codes");
+    }
+    let codecs = op.device.ok_or_else(|| {
+        candle_core::Error::Msg("tq-attention: the codecs are not on the device (TqLayerCache::device)".into())
+    })?;
+    if codecs.key_scale.is_some() != op.key_scale.is_some() {
+        candle_core::bail!("tq-attention: key scales on the host and the device disagree");
+    }
+    let dm = a.meta.device.as_ref().ok_or_else(|| {
+        candle_core::Error::Msg("tq-attention: the step's metadata is not on the device (AttentionMeta::upload)".into())
+    })?;
+    let l = dm.layout;
+    if l.rows != rows {
+        candle_core::bail!("tq-attention: device metadata has {} rows, the step {rows}", l.rows);
+    }
+    let group = hq / hkv;
+    // Query heads per block: the largest divisor of the group the kernel holds (GQA: each
+    // key is decoded once for all of them).
+    let hb = (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1);
+    let blocks_y = hkv * group / hb;
+    // Splits of each row's coded positions: enough blocks to fill the GPU (~130
+    // multiprocessors, two blocks each) for few rows; a split covers >= MIN_CHUNK positions.
+    const MIN_CHUNK: i32 = 256;
+    let nsplit = (264usize.div_ceil(rows * blocks_y)).clamp(1, 64);
+
+    fn guard(t: &Tensor) -> impl std::ops::Deref<Target = Storage> + '_ {
+        t.storage_and_layout().0
+    }
+    let (ktab_g, vtab_g) = (guard(&codecs.key), guard(&codecs.value));
+    let (ktab, vtab) =
+        (cuda_slice::<f32>(&ktab_g, "key codec table")?, cuda_slice::<f32>(&vtab_g, "value codec table")?);
+    let table_len = |c: &TqCodec| 32 + if c.rotation().is_dense() { d * d } else { 2 * d };
+    if ktab.len() != table_len(op.key) || vtab.len() != table_len(op.value) {
+        candle_core::bail!("tq-attention: device codec tables of the wrong size");
+    }
+    let scale_g = codecs.key_scale.as_ref().map(guard);
+    let kscale = scale_g.as_ref().map(|g| cuda_slice::<f32>(g, "key scales")).transpose()?;
+    if kscale.is_some_and(|s| s.len() != hkv * d) {
+        candle_core::bail!("tq-attention: device key scales of the wrong size");
+    }
+
+    // The float window: this step's rows (q's type), the rings, the rings' indices.
+    struct FloatArgs<G> {
+        len: usize,
+        new: [(G, (usize, usize)); 2],
+        ring: [(G, usize); 2],
+        ring_dtype: DType,
+        rings: G,
+    }
+    let fl = match &op.float {
+        None => None,
+        Some(f) => {
+            let rings = f.rings.ok_or_else(|| {
+                candle_core::Error::Msg("tq-attention: the float window's ring indices are not on the device".into())
+            })?;
+            if rings.dims() != [a.meta.seqs.len()] || rings.dtype() != DType::U32 {
+                candle_core::bail!("tq-attention: a float window needs a ring per sequence");
+            }
+            let new = |t: &'_ Tensor| -> Result<(usize, usize)> {
+                let (_, l) = t.storage_and_layout();
+                if t.dims() != [rows, hkv, d] || t.dtype() != q.dtype() {
+                    candle_core::bail!("tq-attention: float window rows must be [{rows}, {hkv}, {d}] in q's type");
+                }
+                l.contiguous_offsets()
+                    .ok_or_else(|| candle_core::Error::Msg("tq-attention: float rows must be contiguous".into()))
+            };
+            let ring = |t: &'_ Tensor| -> Result<usize> {
+                let (_, l) = t.storage_and_layout();
+                let ring_rows = t.dims().first().copied().unwrap_or(0);
+                let fits = a.meta.window_rings.iter().all(|&r| (r as usize + 1) * f.len <= ring_rows);
+                if f.len == 0 || !l.is_contiguous() || t.dims()[1..] != [hkv, d] || !fits {
+                    candle_core::bail!("tq-attention: float rings must be contiguous [rings * {}, {hkv}, {d}] and hold every sequence's ring", f.len);
+                }
+                Ok(l.start_offset())
+            };
+            if a.meta.window_rings.len() != a.meta.seqs.len() || f.ring_k.dtype() != f.ring_v.dtype() {
+                candle_core::bail!("tq-attention: a float window needs a ring per sequence");
+            }
+            let (nk, nv, rk, rv) = (new(f.new_k)?, new(f.new_v)?, ring(f.ring_k)?, ring(f.ring_v)?);
+            Some(FloatArgs {
+                len: f.len,
+                new: [(guard(f.new_k), nk), (guard(f.new_v), nv)],
+                ring: [(guard(f.ring_k), rk), (guard(f.ring_v), rv)],
+                ring_dtype: f.ring_k.dtype(),
+                rings: guard(rings),
+            })
+        }
+    };
+
+    let (qt, rt) = (dtype_name(q.dtype())?, dtype_name(fl.as_ref().map_or(q.dtype(), |f| f.ring_dtype))?);
+    let partial = TQ_ATTENTION.func(&dev, &format!("tq_attn_partial_{qt}_{d}"))?;
+    let combine = TQ_ATTENTION.func(&dev, &format!("tq_attn_combine_{qt}_{rt}_{d}"))?;
+    let ints_partial = [
+        hq as i32,
+        hkv as i32,
+        hb as i32,
+        a.meta.block_size as i32,
+        bits[0] as i32,
+        bits[1] as i32,
+        op.key.rotation().is_dense() as i32,
+    ];
+    let (scale, window, softcap) = (a.scale, a.window.map_or(0, |w| w as i32), a.softcap.unwrap_or(0.0));
+    let fw = fl.as_ref().map_or(0, |f| f.len as i32);
+    let cfg_partial = LaunchConfig {
+        grid_dim: (rows as u32, blocks_y as u32, nsplit as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let cfg_combine =
+        LaunchConfig { grid_dim: (rows as u32, hq as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let vdense = op.value.rotation().is_dense() as i32;
+    let (kc, vc) = match (&k.slice, &v.slice) {
+        (S::U8(k), S::U8(v)) => (k, v),
+        _ => candle_core::bail!("tq-attention: the caches must be u8 codes"),
+    };
+    // SAFETY: the partial kernel writes every (row, head, split) entry.
+    let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows * hq * nsplit * (d + 2))? };
+
+    /// The kernels' pointer arguments that depend on the element types.
+    struct Typed<'v, Q, R> {
+        q: CudaView<'v, Q>,
+        new: Option<[CudaView<'v, Q>; 2]>,
+        ring: Option<[CudaView<'v, R>; 2]>,
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn launch<Q: CudaDType + DeviceRepr, R: DeviceRepr>(
+        dev: &candle_core::cuda_backend::CudaDevice,
+        (partial, combine): (&crate::ops::cuda::Kernel, &crate::ops::cuda::Kernel),
+        (cfg_partial, cfg_combine): (LaunchConfig, LaunchConfig),
+        typed: Typed<Q, R>,
+        (kc, vc, part): (&CudaSlice<u8>, &CudaSlice<u8>, &CudaSlice<f32>),
+        (ktab, vtab, kscale): (&CudaSlice<f32>, &CudaSlice<f32>, Option<&CudaSlice<f32>>),
+        meta: [CudaView<u32>; 3],
+        rings: Option<CudaView<u32>>,
+        ints_partial: [i32; 7],
+        (scale, window, softcap, fw, nsplit, vdense): (f32, i32, f32, i32, i32, i32),
+        n_out: usize,
+    ) -> Result<CudaStorage> {
+        let null = 0u64;
+        let [row_seq, seq_info, block_tables] = &meta;
+        let mut b = partial.builder();
+        b.arg(part).arg(&typed.q).arg(kc).arg(vc).arg(row_seq).arg(seq_info).arg(block_tables).arg(ktab).arg(vtab);
+        match kscale {
+            Some(s) => b.arg(s),
+            None => b.arg(&null),
+        };
+        for i in &ints_partial {
+            b.arg(i);
+        }
+        let min_chunk = MIN_CHUNK;
+        b.arg(&scale).arg(&window).arg(&softcap).arg(&fw).arg(&nsplit).arg(&min_chunk);
+        // SAFETY: argument types and counts match tq_attn_partial; block tables, table
+        // sizes and the partial buffer's size were checked or made above.
+        unsafe { b.launch(cfg_partial) }.w()?;
+        // SAFETY: the combine kernel writes every element of the output.
+        let out: CudaSlice<Q> = unsafe { dev.alloc::<Q>(n_out)? };
+        let (hq, hkv) = (ints_partial[0], ints_partial[1]);
+        let mut b = combine.builder();
+        b.arg(&out).arg(&typed.q).arg(part).arg(row_seq).arg(seq_info).arg(vtab);
+        match &typed.new {
+            Some([k, v]) => b.arg(k).arg(v),
+            None => b.arg(&null).arg(&null),
+        };
+        match &typed.ring {
+            Some([k, v]) => b.arg(k).arg(v),
+            None => b.arg(&null).arg(&null),
+        };
+        match &rings {
+            Some(r) => b.arg(r),
+            None => b.arg(&null),
+        };
+        b.arg(&hq).arg(&hkv).arg(&scale).arg(&window).arg(&softcap).arg(&fw).arg(&nsplit).arg(&vdense);
+        // SAFETY: argument types and counts match tq_attn_combine; the float inputs' shapes
+        // and the rings' sizes were checked above.
+        unsafe { b.launch(cfg_combine) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    let rings_slice = fl.as_ref().map(|f| cuda_slice::<u32>(&f.rings, "ring indices")).transpose()?;
+    let out = with_u32_slice(&dm.data, |data| {
+        let meta =
+            [data.slice(l.row_seq..l.row_seq + rows), data.slice(l.seq_info..l.tiles), data.slice(l.block_tables..)];
+        let rings = rings_slice.map(|r| r.slice(..));
+        let common = ((&partial, &combine), (cfg_partial, cfg_combine), (kc, vc, &part), (ktab, vtab, kscale));
+        let floats = (scale, window, softcap, fw, nsplit as i32, vdense);
+        let n = rows * hq * d;
+        // The typed views of q, this step's float rows and the rings.
+        macro_rules! go {
+            ($q:ident, $qs:expr, $r:ty) => {{
+                let new = match &fl {
+                    Some(f) => Some([
+                        cuda_slice::<$q>(&f.new[0].0, "new keys")?.slice(f.new[0].1 .0..f.new[0].1 .1),
+                        cuda_slice::<$q>(&f.new[1].0, "new values")?.slice(f.new[1].1 .0..f.new[1].1 .1),
+                    ]),
+                    None => None,
+                };
+                let ring = match &fl {
+                    Some(f) => Some([
+                        cuda_slice::<$r>(&f.ring[0].0, "key ring")?.slice(f.ring[0].1..),
+                        cuda_slice::<$r>(&f.ring[1].0, "value ring")?.slice(f.ring[1].1..),
+                    ]),
+                    None => None,
+                };
+                let typed = Typed::<$q, $r> { q: $qs.slice(qa..qb), new, ring };
+                let (fns, cfgs, codes, tabs) = common;
+                launch(&dev, fns, cfgs, typed, codes, tabs, meta, rings, ints_partial, floats, n)
+            }};
+        }
+        use half::{bf16, f16};
+        match (&q.slice, fl.as_ref().map(|f| f.ring_dtype)) {
+            (S::F32(qs), None | Some(DType::F32)) => go!(f32, qs, f32),
+            (S::F32(qs), Some(DType::BF16)) => go!(f32, qs, bf16),
+            (S::F32(qs), Some(DType::F16)) => go!(f32, qs, f16),
+            (S::BF16(qs), None | Some(DType::BF16)) => go!(bf16, qs, bf16),
+            (S::F16(qs), None | Some(DType::F16)) => go!(f16, qs, f16),
+            (_, r) => candle_core::bail!("tq-attention: {qt} queries with float rings of {r:?} are not supported"),
+        }
+    })?;
+    Ok((out, shape))
+}

@@ -1,0 +1,271 @@
+use std::sync::Arc;
+
+use super::*;
+use crate::batch::SeqSlice;
+use crate::kv::turboquant::{Codebook, LayerCodecs};
+use crate::kv::FloatWindow;
+use candle_core::{DType, Device};
+
+fn randn(shape: (usize, usize, usize), seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut unit = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    (0..shape.0 * shape.1 * shape.2)
+        .map(|_| ((-2.0 * unit().ln()).sqrt() * (std::f64::consts::TAU * unit()).cos()) as f32)
+        .collect()
+}
+
+fn layer(
+    d: usize,
+    hkv: usize,
+    slots: usize,
+    bits: (u8, u8),
+    window: usize,
+    rings: usize,
+    float: DType,
+) -> TqLayerCache {
+    let dev = Device::Cpu;
+    let codecs = LayerCodecs::for_layer(
+        3,
+        d,
+        &Arc::new(Codebook::lloyd_max(d, bits.0)),
+        &Arc::new(Codebook::lloyd_max(d, bits.1)),
+    );
+    let floats = || Tensor::zeros((rings * window, hkv, d), float, &dev).unwrap();
+    TqLayerCache {
+        k: Tensor::zeros((slots, hkv, codecs.key.row_bytes()), DType::U8, &dev).unwrap(),
+        v: Tensor::zeros((slots, hkv, codecs.value.row_bytes()), DType::U8, &dev).unwrap(),
+        window: (window > 0).then(|| FloatWindow { len: window, k: floats(), v: floats() }),
+        device: None,
+        codecs,
+    }
+}
+
+fn attn(meta: &AttentionMeta, hq: usize, hkv: usize, d: usize, window: Option<usize>) -> PagedAttention<'_> {
+    PagedAttention {
+        meta,
+        num_heads: hq,
+        num_kv_heads: hkv,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+        window,
+        softcap: None,
+    }
+}
+
+/// Every slot's vectors decoded back to floats: `[slots, hkv, d]`.
+fn dequantize(codes: &Tensor, codec: &TqCodec) -> Vec<f32> {
+    let (d, row) = (codec.dim(), codec.row_bytes());
+    let bytes: Vec<u8> = codes.flatten_all().unwrap().to_vec1().unwrap();
+    let mut out = vec![0f32; bytes.len() / row * d];
+    let mut y = vec![0f32; d];
+    for (r, o) in bytes.chunks_exact(row).zip(out.chunks_exact_mut(d)) {
+        codec.decode(r, o, &mut y);
+    }
+    out
+}
+
+/// Attention on codes equals attention on the dequantized cache (f64 reference), for two
+/// sequences in one call (a 5-row chunk after a 30-token prefix, a decode at 40; blocks
+/// out of order), GQA, head dims with Hadamard and dense rotations, sliding windows, and
+/// float windows whose keys come from the rings and from the step's own rows. Without a
+/// float window it is also checked against the dense op run on the dequantized cache.
+#[test]
+fn codes_match_dequantize_then_attend() {
+    let dev = Device::Cpu;
+    let (bs, hq, hkv) = (4, 6, 2);
+    // Short contexts (one softmax segment), and long ones: a chunk of 20 rows ending at
+    // 600 and a decode at 700 span several segments.
+    let short = vec![
+        SeqSlice { q_start: 0, q_len: 5, context_len: 35, block_table: (0..9).rev().collect() },
+        SeqSlice { q_start: 5, q_len: 1, context_len: 41, block_table: (9..20).collect() },
+    ];
+    let long = vec![
+        SeqSlice { q_start: 0, q_len: 20, context_len: 600, block_table: (0..150).rev().collect() },
+        SeqSlice { q_start: 20, q_len: 1, context_len: 701, block_table: (150..326).collect() },
+    ];
+    let cases = [(32, (3, 4), &short), (64, (2, 3), &short), (80, (4, 4), &short), (128, (3, 4), &short)];
+    let cases = cases.into_iter().chain([(256, (2, 2), &short), (64, (3, 4), &long), (96, (4, 3), &long)]);
+    for (d, bits, seqs) in cases {
+        for sliding in [None, Some(7), Some(300)] {
+            for fw in [0, 3, 9] {
+                let mut meta = AttentionMeta::new(bs, seqs.clone());
+                meta.window_rings = vec![1, 0];
+                let slots = meta.seqs.iter().map(|s| s.block_table.len()).sum::<usize>() * bs;
+                let c = layer(d, hkv, slots, bits, fw, 2, DType::F32);
+                // Original keys and values of every slot, all quantized into the cache.
+                let (ko, vo) = (randn((slots, hkv, d), d as u64), randn((slots, hkv, d), d as u64 + 1));
+                let all: Vec<u32> = (0..slots as u32).collect();
+                let kt = Tensor::from_vec(ko.clone(), (slots, hkv, d), &dev).unwrap();
+                let vt = Tensor::from_vec(vo.clone(), (slots, hkv, d), &dev).unwrap();
+                // Half the cases scale the keys' channels (as calibration does).
+                let key_scale: Option<Vec<f32>> =
+                    (fw != 3).then(|| (0..hkv * d).map(|i| 0.3 + (i as f32 * 0.37).sin().abs() * 2.0).collect());
+                let scale = key_scale.as_deref();
+                c.k.inplace_op2(&kt, &TqWrite { slot_mapping: &all, codec: &c.codecs.key, scale, device: None })
+                    .unwrap();
+                c.v.inplace_op2(
+                    &vt,
+                    &TqWrite { slot_mapping: &all, codec: &c.codecs.value, scale: None, device: None },
+                )
+                .unwrap();
+                let mut kd = dequantize(&c.k, &c.codecs.key);
+                if let Some(s) = scale {
+                    for (i, x) in kd.iter_mut().enumerate() {
+                        *x /= s[i % (hkv * d)];
+                    }
+                }
+                let vd = dequantize(&c.v, &c.codecs.value);
+                let slot = |si: usize, j: usize| meta.seqs[si].block_table[j / bs] as usize * bs + j % bs;
+                // The float rows: this step's from the originals, older ones in the rings.
+                let rows = meta.num_rows();
+                let pick = |src: &[f32]| -> Vec<f32> {
+                    meta.slot_mapping.iter().flat_map(|&s| src[s as usize * hkv * d..][..hkv * d].to_vec()).collect()
+                };
+                let (new_k, new_v) = (pick(&ko), pick(&vo));
+                let (new_kt, new_vt) = (
+                    Tensor::from_vec(new_k, (rows, hkv, d), &dev).unwrap(),
+                    Tensor::from_vec(new_v, (rows, hkv, d), &dev).unwrap(),
+                );
+                if let Some(w) = &c.window {
+                    let mut rk = vec![0f32; 2 * fw * hkv * d];
+                    let mut rv = rk.clone();
+                    for (si, s) in meta.seqs.iter().enumerate() {
+                        let first = s.first_position();
+                        for j in first.saturating_sub(fw)..first {
+                            let r = meta.window_rings[si] as usize * fw + j % fw;
+                            rk[r * hkv * d..][..hkv * d].copy_from_slice(&ko[slot(si, j) * hkv * d..][..hkv * d]);
+                            rv[r * hkv * d..][..hkv * d].copy_from_slice(&vo[slot(si, j) * hkv * d..][..hkv * d]);
+                        }
+                    }
+                    let shape = (2 * fw, hkv, d);
+                    w.k.slice_set(&Tensor::from_vec(rk, shape, &dev).unwrap(), 0, 0).unwrap();
+                    w.v.slice_set(&Tensor::from_vec(rv, shape, &dev).unwrap(), 0, 0).unwrap();
+                }
+                let q = Tensor::randn(0f32, 1.0, (rows, hq, d), &dev).unwrap();
+                let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
+                let a = attn(&meta, hq, hkv, d, sliding);
+                let float = c.window.as_ref().map(|w| FloatInputs {
+                    len: fw,
+                    ring_k: &w.k,
+                    ring_v: &w.v,
+                    new_k: &new_kt,
+                    new_v: &new_vt,
+                    rings: None,
+                });
+                let op = TqAttention {
+                    attn: a,
+                    key: &c.codecs.key,
+                    value: &c.codecs.value,
+                    key_scale: scale,
+                    float,
+                    device: None,
+                };
+                let got: Vec<f32> = op.forward(&q, &c.k, &c.v).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+
+                // f64 reference: row at p reads j in (p - fw, p] from the originals.
+                let mut want = vec![0f64; got.len()];
+                for t in 0..rows {
+                    let si = meta.row_seq[t] as usize;
+                    let s = &meta.seqs[si];
+                    let p = s.first_position() + t - s.q_start;
+                    let lo = sliding.map_or(0, |w| (p + 1).saturating_sub(w));
+                    for h in 0..hq {
+                        let g = h / (hq / hkv);
+                        let at = |src_f: &[f32], src_q: &[f32], j: usize| -> Vec<f64> {
+                            let src = if p - j < fw { src_f } else { src_q };
+                            src[(slot(si, j) * hkv + g) * d..][..d].iter().map(|x| *x as f64).collect()
+                        };
+                        let qh = &qv[(t * hq + h) * d..][..d];
+                        let sc: Vec<f64> = (lo..=p)
+                            .map(|j| {
+                                let k = at(&ko, &kd, j);
+                                k.iter().zip(qh).map(|(a, b)| a * *b as f64).sum::<f64>() / (d as f64).sqrt()
+                            })
+                            .collect();
+                        let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                        let z: f64 = e.iter().sum();
+                        for (jj, j) in (lo..=p).enumerate() {
+                            let v = at(&vo, &vd, j);
+                            for i in 0..d {
+                                want[(t * hq + h) * d + i] += e[jj] / z * v[i];
+                            }
+                        }
+                    }
+                }
+                let err = got.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+                assert!(err < 1e-4, "d={d} bits={bits:?} sliding={sliding:?} float window {fw}: max error {err}");
+
+                if fw == 0 {
+                    let kdt = Tensor::from_vec(kd.clone(), (slots, hkv, d), &dev).unwrap();
+                    let vdt = Tensor::from_vec(vd.clone(), (slots, hkv, d), &dev).unwrap();
+                    let dense: Vec<f32> = attn(&meta, hq, hkv, d, sliding)
+                        .forward(&q, &kdt, &vdt)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let err = got.iter().zip(&dense).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(err < 1e-4, "d={d} bits={bits:?} sliding={sliding:?}: {err} from the dense op");
+                }
+            }
+        }
+    }
+}
+
+/// One sequence's 23 tokens written and attended in one chunk, in chunks of 7, and one at
+/// a time give bit-identical outputs, with and without a float window (bf16 rings too).
+#[test]
+fn prefill_equals_token_by_token() {
+    // 23 tokens, one softmax segment; 600 tokens, three.
+    for n in [23, 600] {
+        prefill_equals_token_by_token_for(n);
+    }
+}
+
+fn prefill_equals_token_by_token_for(n: usize) {
+    let dev = Device::Cpu;
+    let (bs, hq, hkv, d) = (4, 4, 2, 64);
+    let (ks, vs, qs) = (randn((n, hkv, d), 1), randn((n, hkv, d), 2), randn((n, hq, d), 3));
+    let configs = [(0, DType::F32, None), (5, DType::F32, None), (6, DType::BF16, Some(9)), (4, DType::F32, Some(300))];
+    for (fw, ring_dtype, sliding) in configs {
+        let run = |chunk: usize| -> Vec<f32> {
+            let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
+            let mut c = layer(d, hkv, table.len() * bs, (3, 4), fw, 3, ring_dtype);
+            if fw == 5 {
+                c.codecs.key_scale = Some((0..hkv * d).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect());
+            }
+            let mut out = Vec::new();
+            let mut start = 0;
+            while start < n {
+                let end = (start + chunk).min(n);
+                let seq = SeqSlice { q_start: 0, q_len: end - start, context_len: end, block_table: table.clone() };
+                let mut meta = AttentionMeta::new(bs, vec![seq]);
+                meta.window_rings = vec![2];
+                let rows = |src: &[f32], h: usize| {
+                    Tensor::from_vec(src[start * h * d..end * h * d].to_vec(), (end - start, h, d), &dev).unwrap()
+                };
+                let o = write_and_attend(
+                    attn(&meta, hq, hkv, d, sliding),
+                    &c,
+                    &rows(&qs, hq),
+                    &rows(&ks, hkv),
+                    &rows(&vs, hkv),
+                )
+                .unwrap();
+                out.extend(o.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                start = end;
+            }
+            out
+        };
+        let whole = run(n);
+        assert_eq!(whole, run(1), "n={n} float window {fw}: token by token differs from one prefill");
+        assert_eq!(whole, run(7), "n={n} float window {fw}: chunks of 7 differ from one prefill");
+    }
+}
