@@ -1,6 +1,9 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

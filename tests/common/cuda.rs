@@ -1,0 +1,51 @@
+//! Helpers for the tests of CUDA kernels against their CPU ops (tests/cuda_*.rs).
+
+use candle_core::{DType, Device, Tensor};
+use iris::batch::{AttentionMeta, SeqSlice};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+pub fn gpu() -> Option<Device> {
+    match iris::device::open("cuda") {
+        Ok(d) => Some(d),
+        Err(e) if std::env::var_os("IRIS_REQUIRE_GPU").is_some() => panic!("{e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+pub fn random(rng: &mut StdRng, shape: &[usize]) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Sequences `(context_len, q_len)` over blocks handed out in shuffled order.
+pub fn meta(rng: &mut StdRng, seqs: &[(usize, usize)], block_size: usize) -> (AttentionMeta, usize) {
+    let n_blocks = seqs.iter().map(|s| s.0.div_ceil(block_size)).sum::<usize>() + 3;
+    let mut free: Vec<u32> = (0..n_blocks as u32).collect();
+    free.shuffle(rng);
+    let mut q_start = 0;
+    let slices = seqs
+        .iter()
+        .map(|&(context_len, q_len)| {
+            let table = free.split_off(free.len() - context_len.div_ceil(block_size));
+            let s = SeqSlice { q_start, q_len, context_len, block_table: table };
+            q_start += q_len;
+            s
+        })
+        .collect();
+    (AttentionMeta::new(block_size, slices), n_blocks * block_size)
+}
+
+pub fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let diff = (&a - &b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    let scale = b.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    assert!(diff.is_finite(), "non-finite output");
+    diff / scale.max(1e-12)
+}

@@ -1,0 +1,278 @@
+//! The TurboQuant kernels (write, attention on codes) against their CPU ops. Compiled only with `--features cuda`;
+//! run on a GPU machine by scripts/gpu-check.sh (IRIS_REQUIRE_GPU=1 turns a missing GPU into a
+//! failure instead of a skip).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::cuda::{gpu, max_rel_err, meta, random};
+use iris::ops::paged_attention::PagedAttention;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// A layer's TurboQuant codecs for head dim `d` (rotations seeded by the layer, as served),
+/// with key scales (positive, unequal per channel) when `scaled`.
+fn tq_codecs(d: usize, hkv: usize, bits: (u8, u8), scaled: bool) -> iris::kv::turboquant::LayerCodecs {
+    use iris::kv::turboquant::{Codebook, LayerCodecs};
+    use std::sync::Arc;
+    let cb = |b| Arc::new(Codebook::lloyd_max(d, b));
+    let mut c = LayerCodecs::for_layer(5, d, &cb(bits.0), &cb(bits.1));
+    if scaled {
+        c.key_scale = Some((0..hkv * d).map(|i| 0.4 + (i as f32 * 0.61).sin().abs() * 1.7).collect());
+    }
+    c
+}
+
+fn bytes(t: &Tensor) -> Vec<u8> {
+    t.to_device(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// The write kernel stores the CPU codec's exact bytes (codes and f32 norm) for power-of-two
+/// head dims (randomized Hadamard rotations): keys with key scales and values, 2-4 bits, f32
+/// and bf16 inputs, rows of several sequences in shuffled blocks, padding rows (NO_SLOT)
+/// skipped. Every other slot keeps its (random) bytes. Dense rotations (d = 80, 96) sum their
+/// products in another order than the CPU's vectorised dot product: there the norms must be
+/// identical and a code may differ by one cell only, in at most 1 in 1,000 coordinates.
+#[test]
+fn tq_write_matches_cpu_codes() {
+    use iris::batch::{DeviceAttentionMeta, NO_SLOT};
+    use iris::kv::turboquant::pack::code_at;
+    use iris::ops::tq_write::{TqWrite, TqWriteDevice};
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(21);
+    let hkv = 3;
+    let mut cases = Vec::new();
+    for d in [64, 128, 256] {
+        for kb in 2..=4u8 {
+            for vb in 2..=4u8 {
+                cases.push((d, (kb, vb), DType::F32));
+            }
+        }
+    }
+    cases.extend([
+        (128, (3, 4), DType::BF16),
+        (256, (4, 2), DType::F16),
+        (80, (3, 4), DType::F32),
+        (96, (4, 3), DType::F32),
+    ]);
+    for (d, bits, new_dt) in cases {
+        let codecs = tq_codecs(d, hkv, bits, true);
+        let on_gpu = codecs.upload(&dev).unwrap();
+        let (m, n_slots) = meta(&mut rng, &[(40, 40), (300, 1), (17, 5), (1, 1)], 16);
+        // Every third row is padding on the GPU; the CPU op writes only the others.
+        let gpu_slots: Vec<u32> =
+            m.slot_mapping.iter().enumerate().map(|(i, &s)| if i % 3 == 1 { NO_SLOT } else { s }).collect();
+        let kept: Vec<usize> = (0..gpu_slots.len()).filter(|&i| gpu_slots[i] != NO_SLOT).collect();
+        let cpu_slots: Vec<u32> = kept.iter().map(|&i| gpu_slots[i]).collect();
+        let dm = DeviceAttentionMeta::slots(&gpu_slots, &dev).unwrap();
+        // Inputs of varied size (norms from ~0.1 to ~100) in the input type.
+        let new = random(&mut rng, &[gpu_slots.len(), hkv, d]);
+        let sizes: Vec<f32> = (0..gpu_slots.len()).map(|i| 0.1 * 10f32.powf((i % 4) as f32)).collect();
+        let new = new.broadcast_mul(&Tensor::from_vec(sizes, (gpu_slots.len(), 1, 1), &Device::Cpu).unwrap()).unwrap();
+        let new = new.to_dtype(new_dt).unwrap();
+        let cpu_new = new
+            .to_dtype(DType::F32)
+            .unwrap()
+            .index_select(
+                &Tensor::new(kept.iter().map(|&i| i as u32).collect::<Vec<_>>().as_slice(), &Device::Cpu).unwrap(),
+                0,
+            )
+            .unwrap();
+        for (name, codec, scale, table, dscale) in [
+            ("keys", &codecs.key, codecs.key_scale.as_deref(), &on_gpu.key, on_gpu.key_scale.as_ref()),
+            ("values", &codecs.value, None, &on_gpu.value, None),
+        ] {
+            let row = codec.row_bytes();
+            let init: Vec<u8> = (0..n_slots * hkv * row).map(|_| rng.random()).collect();
+            let cpu = Tensor::from_vec(init.clone(), (n_slots, hkv, row), &Device::Cpu).unwrap();
+            cpu.inplace_op2(&cpu_new, &TqWrite { slot_mapping: &cpu_slots, codec, scale, device: None }).unwrap();
+            let gpu = Tensor::from_vec(init, (n_slots, hkv, row), &dev).unwrap();
+            let device = Some(TqWriteDevice { meta: &dm, table, scale: dscale });
+            gpu.inplace_op2(&new.to_device(&dev).unwrap(), &TqWrite { slot_mapping: &gpu_slots, codec, scale, device })
+                .unwrap();
+            let (want, got) = (bytes(&cpu), bytes(&gpu));
+            let what = format!("tq-write {name} d={d} bits={bits:?} input {new_dt:?}");
+            if d.is_power_of_two() {
+                let differ: Vec<usize> = (0..want.len()).filter(|&i| want[i] != got[i]).collect();
+                assert!(
+                    differ.is_empty(),
+                    "{what}: {} of {} bytes differ, first at slot {} head {} byte {} (cpu {} gpu {})",
+                    differ.len(),
+                    want.len(),
+                    differ[0] / (hkv * row),
+                    differ[0] / row % hkv,
+                    differ[0] % row,
+                    want[differ[0]],
+                    got[differ[0]]
+                );
+                continue;
+            }
+            let (cb, b) = (codec.code_bytes(), codec.bits());
+            let mut flipped = 0;
+            for (w, g) in want.chunks_exact(row).zip(got.chunks_exact(row)) {
+                assert_eq!(w[cb..], g[cb..], "{what}: norms differ");
+                for i in 0..d {
+                    let (x, y) = (code_at(&w[..cb], b, i), code_at(&g[..cb], b, i));
+                    assert!(x.abs_diff(y) <= 1, "{what}: coordinate {i} codes {x} vs {y}");
+                    flipped += (x != y) as usize;
+                }
+            }
+            assert!(flipped * 1000 <= want.len() / row * d, "{what}: {flipped} codes differ");
+        }
+    }
+}
+
+struct TqCase {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    bits: (u8, u8),
+    window: Option<usize>,
+    softcap: Option<f32>,
+    float_window: usize,
+    scaled: bool,
+}
+
+/// Attention on codes on the GPU against the CPU op over the same codes (written by the CPU
+/// codec and copied), for one launch mixing decodes (short, and past several splits), a whole
+/// prompt and prompt chunks over a cached prefix; f32 queries within 1e-4, bf16 within bf16.
+fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol: f32) {
+    use iris::ops::tq_attention::{FloatInputs, TqAttention};
+    use iris::ops::tq_write::TqWrite;
+    let mut rng = StdRng::seed_from_u64((c.heads * 1000 + c.head_dim + c.float_window) as u64);
+    let (bs, d, hkv) = (16, c.head_dim, c.kv_heads);
+    let seqs = [(1, 1), (17, 1), (700, 1), (3000, 1), (40, 40), (300, 45), (33, 7)];
+    let (mut m, slots) = meta(&mut rng, &seqs, bs);
+    m.window_rings = (0..seqs.len() as u32).rev().collect();
+    let codecs = tq_codecs(d, hkv, c.bits, c.scaled);
+    let all: Vec<u32> = (0..slots as u32).collect();
+    let write = |codec: &iris::kv::turboquant::TqCodec, scale: Option<&[f32]>| {
+        let x = random(&mut StdRng::seed_from_u64(codec.bits() as u64 * 7 + d as u64), &[slots, hkv, d]);
+        let t = Tensor::zeros((slots, hkv, codec.row_bytes()), DType::U8, &Device::Cpu).unwrap();
+        t.inplace_op2(&x, &TqWrite { slot_mapping: &all, codec, scale, device: None }).unwrap();
+        t
+    };
+    let (kc, vc) = (write(&codecs.key, codecs.key_scale.as_deref()), write(&codecs.value, None));
+    let rows = m.num_rows();
+    let q = random(&mut rng, &[rows, c.heads, d]).to_dtype(q_dt).unwrap().to_dtype(DType::F32).unwrap();
+    let fw = c.float_window;
+    // This step's rows in q's type (the model's), read as f32 by the reference.
+    let mut step_rows = || random(&mut rng, &[rows, hkv, d]).to_dtype(q_dt).unwrap().to_dtype(DType::F32).unwrap();
+    let (new_k, new_v) = (step_rows(), step_rows());
+    let ring_rows = seqs.len() * fw.max(1);
+    let ring_k = random(&mut rng, &[ring_rows, hkv, d]).to_dtype(ring_dt).unwrap();
+    let ring_v = random(&mut rng, &[ring_rows, hkv, d]).to_dtype(ring_dt).unwrap();
+    let paged = |m| PagedAttention {
+        meta: m,
+        num_heads: c.heads,
+        num_kv_heads: hkv,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+        window: c.window,
+        softcap: c.softcap,
+    };
+    let cpu = TqAttention {
+        attn: paged(&m),
+        key: &codecs.key,
+        value: &codecs.value,
+        key_scale: codecs.key_scale.as_deref(),
+        float: (fw > 0).then_some(FloatInputs {
+            len: fw,
+            ring_k: &ring_k,
+            ring_v: &ring_v,
+            new_k: &new_k,
+            new_v: &new_v,
+            rings: None,
+        }),
+        device: None,
+    }
+    .forward(&q, &kc, &vc)
+    .unwrap();
+    let mut mg = m.clone();
+    mg.upload(dev).unwrap();
+    let g = |t: &Tensor| t.to_device(dev).unwrap();
+    let gq = |t: &Tensor| t.to_dtype(q_dt).unwrap().to_device(dev).unwrap();
+    let on_gpu = codecs.upload(dev).unwrap();
+    let rings = Tensor::new(mg.window_rings.as_slice(), dev).unwrap();
+    let (gnk, gnv, grk, grv) = (gq(&new_k), gq(&new_v), g(&ring_k), g(&ring_v));
+    let gpu_op = TqAttention {
+        attn: paged(&mg),
+        key: &codecs.key,
+        value: &codecs.value,
+        key_scale: codecs.key_scale.as_deref(),
+        float: (fw > 0).then_some(FloatInputs {
+            len: fw,
+            ring_k: &grk,
+            ring_v: &grv,
+            new_k: &gnk,
+            new_v: &gnv,
+            rings: Some(&rings),
+        }),
+        device: Some(&on_gpu),
+    };
+    let (gpu_q, gpu_k, gpu_v) = (gq(&q), g(&kc), g(&vc));
+    let gpu = gpu_op.forward(&gpu_q, &gpu_k, &gpu_v).unwrap();
+    // No atomics in the kernels' sums: the same launch gives the same bits.
+    let again = gpu_op.forward(&gpu_q, &gpu_k, &gpu_v).unwrap();
+    let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(bits(&gpu), bits(&again), "tq attention differs between two identical launches");
+    assert_eq!(gpu.dtype(), q_dt);
+    assert_eq!(gpu.dims(), cpu.dims());
+    let e = max_rel_err(&gpu, &cpu);
+    assert!(
+        e <= tol,
+        "tq attention {}x{hkv}x{d} bits {:?} window {:?} softcap {:?} float window {fw} key scales {}, q {q_dt:?} rings {ring_dt:?}: rel err {e}",
+        c.heads,
+        c.bits,
+        c.window,
+        c.softcap,
+        c.scaled
+    );
+}
+
+fn tq_cases() -> Vec<TqCase> {
+    let c = |heads, kv_heads, head_dim, bits| TqCase {
+        heads,
+        kv_heads,
+        head_dim,
+        bits,
+        window: None,
+        softcap: None,
+        float_window: 0,
+        scaled: false,
+    };
+    vec![
+        c(9, 3, 64, (3, 4)),
+        TqCase { scaled: true, ..c(28, 4, 128, (4, 4)) },
+        TqCase { float_window: 64, scaled: true, ..c(28, 4, 128, (3, 4)) },
+        TqCase { float_window: 5, ..c(4, 1, 256, (2, 3)) },
+        TqCase { scaled: true, float_window: 9, ..c(16, 2, 256, (4, 2)) },
+        TqCase { scaled: true, ..c(8, 2, 80, (3, 3)) },
+        TqCase { float_window: 3, ..c(12, 4, 96, (4, 4)) },
+        TqCase { window: Some(300), softcap: Some(30.0), float_window: 16, scaled: true, ..c(4, 2, 64, (2, 4)) },
+        TqCase { window: Some(7), ..c(32, 2, 32, (3, 4)) },
+        TqCase { float_window: 600, ..c(6, 2, 16, (4, 3)) },
+    ]
+}
+
+#[test]
+fn tq_attention_f32_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for c in tq_cases() {
+        check_tq_attention(&dev, &c, DType::F32, DType::F32, 1e-4);
+        if c.float_window > 0 {
+            // bf16 rings: the step's own rows are rounded to bf16 on both sides.
+            check_tq_attention(&dev, &c, DType::F32, DType::BF16, 1e-4);
+        }
+    }
+}
+
+#[test]
+fn tq_attention_bf16_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for c in tq_cases() {
+        // The reference reads the same bf16 queries (and rows) as f32; the kernel rounds its output.
+        check_tq_attention(&dev, &c, DType::BF16, DType::BF16, 8e-3);
+    }
+}
