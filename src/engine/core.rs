@@ -209,8 +209,9 @@ impl Engine {
     pub fn step(&mut self) -> candle_core::Result<Vec<SeqUpdate>> {
         // Run the step on a worker of the compute pool: the kernels' parallel loops then
         // start from inside the pool (the caller works too) instead of waking every worker
-        // from outside for each of the ~200 parallel regions of a decode step.
-        if rayon::current_thread_index().is_some() {
+        // from outside for each of the ~200 parallel regions of a decode step. A GPU step has
+        // no such loops, and handing it to a (possibly sleeping) worker costs it time.
+        if rayon::current_thread_index().is_some() || !self.runner.device().is_cpu() {
             return self.step_inner();
         }
         // From outside the pool, `rayon::scope` runs its body on a pool worker.

@@ -39,6 +39,41 @@ pub struct DecodeGraphs {
     /// Shared by every bucket's graph (one runs at a time); made at the first capture.
     buffers: Option<Buffers>,
     graphs: HashMap<usize, Option<Graph>>,
+    /// `IRIS_CUDA_STEP_TIMING=1`: how much of a replayed step's wall time the GPU spends in
+    /// the graph (the rest is host work between steps, while the GPU idles).
+    timing: Option<StepTiming>,
+}
+
+/// Replayed steps' GPU time (events around the graph) against the wall time between replays.
+struct StepTiming {
+    steps: u32,
+    gpu_ms: f64,
+    wall_ms: f64,
+    last: Option<std::time::Instant>,
+}
+
+impl StepTiming {
+    const REPORT_EVERY: u32 = 64;
+
+    fn record(&mut self, gpu_ms: f64) {
+        let now = std::time::Instant::now();
+        if let Some(last) = self.last.replace(now) {
+            self.steps += 1;
+            self.gpu_ms += gpu_ms;
+            self.wall_ms += (now - last).as_secs_f64() * 1e3;
+        }
+        if self.steps == Self::REPORT_EVERY {
+            let n = self.steps as f64;
+            tracing::info!(
+                "decode graphs: {:.1} us GPU per step of {:.1} us wall ({:.1}% idle), over {} steps",
+                self.gpu_ms / n * 1e3,
+                self.wall_ms / n * 1e3,
+                100.0 * (1.0 - self.gpu_ms / self.wall_ms),
+                self.steps
+            );
+            (self.steps, self.gpu_ms, self.wall_ms) = (0, 0.0, 0.0);
+        }
+    }
 }
 
 /// What the graphs read (token ids, attention metadata) and write (logits, argmax ids), sized
@@ -71,6 +106,9 @@ impl DecodeGraphs {
             max_positions,
             buffers: None,
             graphs: HashMap::new(),
+            timing: std::env::var("IRIS_CUDA_STEP_TIMING")
+                .is_ok_and(|v| v == "1")
+                .then_some(StepTiming { steps: 0, gpu_ms: 0.0, wall_ms: 0.0, last: None }),
         })
     }
 
@@ -81,6 +119,21 @@ impl DecodeGraphs {
     /// Runs a pure decode step (one row per sequence, every row sampled) through its bucket's
     /// graph; None for any other step (or a bucket that cannot be captured).
     pub fn run(
+        &mut self,
+        model: &dyn TextModel,
+        kv: &KvCache,
+        batch: &Batch,
+        sample_rows: &[u32],
+        draws: Option<&[Draw]>,
+    ) -> Result<Option<StepOutput>> {
+        let out = self.replay(model, kv, batch, sample_rows, draws)?;
+        if let (None, Some(timing)) = (&out, &mut self.timing) {
+            timing.last = None; // the wall time to the next replay is not a decode step's
+        }
+        Ok(out)
+    }
+
+    fn replay(
         &mut self,
         model: &dyn TextModel,
         kv: &KvCache,
@@ -117,7 +170,17 @@ impl DecodeGraphs {
         write_host(&bufs.tokens, &tokens)?;
         write_host(&bufs.meta, &meta.packed(&layout))?;
         match self.graphs.get(&bucket) {
-            Some(Some(g)) => g.0.launch().w()?,
+            Some(Some(g)) => match &mut self.timing {
+                None => g.0.launch().w()?,
+                Some(timing) => {
+                    let stream = self.device.as_cuda_device()?.cuda_stream();
+                    let timed = Some(candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                    let start = stream.record_event(timed).w()?;
+                    g.0.launch().w()?;
+                    let end = stream.record_event(timed).w()?;
+                    timing.record(start.elapsed_ms(&end).w()? as f64);
+                }
+            },
             _ => {
                 let graph = self.capture(model, kv, meta, bucket, layout)?;
                 self.graphs.insert(bucket, graph);

@@ -70,24 +70,46 @@ impl SelfAttention {
         let t = x.dim(0)?;
         // The fused kernel rotates whole heads; partial rotary goes op by op.
         let fused = x.device().is_cuda() && rot.rotated_dims()? == self.head_dim;
-        let (q, k, v) = match self.qkv_proj.merged().filter(|_| fused) {
-            Some(qkv) => {
-                let (cos, sin, layout) = rot.parts();
-                QkvRope {
-                    num_heads: self.num_heads,
-                    num_kv_heads: self.num_kv_heads,
-                    head_dim: self.head_dim,
-                    bias: qkv.bias(),
-                    cos,
-                    sin,
-                    qk_norm: self.qk_norm.as_ref().map(|(q, k)| (q.weight(), k.weight(), q.eps())),
-                    interleaved: layout == RopeLayout::Interleaved,
-                }
-                .forward(&qkv.forward_unbiased(x)?)?
+        let rope = self.qkv_proj.merged().filter(|_| fused).map(|qkv| {
+            let (cos, sin, layout) = rot.parts();
+            let op = QkvRope {
+                num_heads: self.num_heads,
+                num_kv_heads: self.num_kv_heads,
+                head_dim: self.head_dim,
+                bias: qkv.bias(),
+                cos,
+                sin,
+                qk_norm: self.qk_norm.as_ref().map(|(q, k)| (q.weight(), k.weight(), q.eps())),
+                interleaved: layout == RopeLayout::Interleaved,
+            };
+            (qkv, op)
+        });
+        let dtype = x.dtype();
+        let out = match (&rope, cache) {
+            // A dense cache takes k and v straight from the fused kernel.
+            (Some((qkv, rope)), LayerCache::Dense { k: kc, v: vc }) => {
+                let q = rope.forward_into_cache(&qkv.forward_unbiased(x)?, kc, vc, meta)?;
+                self.paged(meta).forward(&q, kc, vc)?
             }
+            _ => self.attend(x, rot, rope.as_ref().map(|(qkv, op)| (*qkv, op)), cache, meta)?,
+        };
+        let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
+        self.o_proj.forward(&out)
+    }
+
+    /// Projects, rotates, stores and attends op by op where the fused paths don't apply.
+    fn attend(
+        &self,
+        x: &Tensor,
+        rot: &RotaryAngles,
+        rope: Option<(&Linear, &QkvRope)>,
+        cache: &LayerCache,
+        meta: &AttentionMeta,
+    ) -> Result<Tensor> {
+        let (q, k, v) = match rope {
+            Some((qkv, op)) => op.forward(&qkv.forward_unbiased(x)?)?,
             None => self.project_and_rotate(x, rot)?,
         };
-        let dtype = x.dtype();
         // The CPU ops take f32 inputs, the CUDA kernels the model's type; the cache stores its own.
         let op_input = |t: Tensor| -> Result<Tensor> {
             if t.device().is_cpu() {
@@ -97,7 +119,7 @@ impl SelfAttention {
             }
         };
         let (k, v) = (op_input(k)?, op_input(v)?);
-        let out = match cache {
+        Ok(match cache {
             LayerCache::Dense { k: kc, v: vc } => self.attend_dense(&op_input(q)?, &k, &v, kc, vc, meta)?,
             LayerCache::Calibration(c) => {
                 // Calibration records f32 moments over an f32 cache, on any device.
@@ -107,9 +129,7 @@ impl SelfAttention {
                 self.attend_dense(&q, &k, &v, &c.k, &c.v, meta)?
             }
             LayerCache::TurboQuant(c) => tq_attention::write_and_attend(self.paged(meta), c, &op_input(q)?, &k, &v)?,
-        };
-        let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
-        self.o_proj.forward(&out)
+        })
     }
 
     /// Op by op what `QkvRope` does in one pass on CUDA: `[T, hidden]` -> q, k and v heads,

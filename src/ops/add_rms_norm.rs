@@ -74,8 +74,8 @@ impl CustomOp3 for AddRmsNorm {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use super::cuda::Kernel;
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-        use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
+        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+        use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S};
 
         let (t, dim) = Self::check(xl, dl, wl)?;
         let dev = x.device().clone();
@@ -105,10 +105,11 @@ impl CustomOp3 for AddRmsNorm {
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * t * dim)? };
             let (x, d, w) = (x.slice(offs[0]..), d.slice(offs[1]..), w.slice(offs[2]..));
             let (rows, dim) = (t as i32, dim as i32);
-            let mut b = func.builder();
-            b.arg(&out).arg(&x).arg(&d).arg(&w).arg(&rows).arg(&dim).arg(&eps);
-            // SAFETY: argument types and counts match the kernel's signature; shapes were checked.
-            unsafe { b.launch(cfg) }.w()?;
+            let mut b = func.dependent();
+            b.mem(&out).mem(&x).mem(&d).mem(&w).scalar(&rows).scalar(&dim).scalar(&eps);
+            // SAFETY: argument types and counts match the kernel's signature; shapes were checked;
+            // the kernel waits (pdl_wait) before it reads or writes.
+            unsafe { b.launch(cfg) }?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
         let td = (t, dim);

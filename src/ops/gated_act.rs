@@ -74,8 +74,8 @@ impl CustomOp1 for GatedAct {
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         use super::cuda::Kernel;
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-        use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
+        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+        use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S};
 
         let (t, inter, stride) = Self::check(l)?;
         let dev = s.device().clone();
@@ -100,10 +100,11 @@ impl CustomOp1 for GatedAct {
             // SAFETY: the kernel writes every element.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
             let y = y.slice(off..);
-            let mut b = func.builder();
-            b.arg(&out).arg(&y).arg(&args[0]).arg(&args[1]).arg(&args[2]).arg(&args[3]);
-            // SAFETY: argument types and counts match the kernel's signature; the shape was checked.
-            unsafe { b.launch(cfg) }.w()?;
+            let mut b = func.dependent();
+            b.mem(&out).mem(&y).scalar(&args[0]).scalar(&args[1]).scalar(&args[2]).scalar(&args[3]);
+            // SAFETY: argument types and counts match the kernel's signature; the shape was checked;
+            // the kernel waits (pdl_wait) before it reads or writes.
+            unsafe { b.launch(cfg) }?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
         let off = l.start_offset();

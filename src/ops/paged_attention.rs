@@ -304,8 +304,24 @@ impl CustomOp3 for PagedAttention<'_> {
         let decode = PAGED_ATTENTION.func(&dev, &format!("{kernel}_{qt}_{ct}_{d}"))?;
         /// PD_SPLITS in paged_attention.cu.
         const DECODE_SPLITS: usize = 16;
-        let merge =
-            if lane_split { Some(PAGED_ATTENTION.func(&dev, &format!("paged_decode_merge_{qt}_{d}"))?) } else { None };
+        // The split states are merged by the last block of each (row, head) to finish (counted
+        // on the device) when the blocks fit the GPU at once, or by a kernel of their own
+        // (`IRIS_CUDA_FUSED_MERGE=0`: always, to compare): the count costs each block a fence and
+        // an atomic, which only hides when all blocks run together.
+        static FUSED_MERGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let fused_merge =
+            *FUSED_MERGE.get_or_init(|| std::env::var("IRIS_CUDA_FUSED_MERGE").map_or(true, |v| v != "0"))
+                && rows * hq * DECODE_SPLITS <= super::cuda::resident_blocks(&dev, 256)?;
+        let merge = match (lane_split, fused_merge) {
+            (false, _) => None,
+            (true, true) => match super::cuda::arrival_counters(&dev, rows * hq)? {
+                Some(c) => Some(SplitMerge::Counters(c)),
+                None => Some(SplitMerge::Kernel(PAGED_ATTENTION.func(&dev, &format!("paged_decode_merge_{qt}_{d}"))?)),
+            },
+            (true, false) => {
+                Some(SplitMerge::Kernel(PAGED_ATTENTION.func(&dev, &format!("paged_decode_merge_{qt}_{d}"))?))
+            }
+        };
         let l = dm.layout;
         if l.rows != rows {
             candle_core::bail!("paged-attention: device metadata has {} rows, the step {rows}", l.rows);
@@ -339,9 +355,16 @@ impl CustomOp3 for PagedAttention<'_> {
         };
         let (ko, vo) = (k_l.start_offset(), v_l.start_offset());
 
+        /// How the lane-split kernel's position splits are merged.
+        enum SplitMerge {
+            /// By the last block to finish, counting arrivals in these (left at zero).
+            Counters(&'static CudaSlice<u32>),
+            /// By a kernel of its own.
+            Kernel(Kernel),
+        }
         struct Params {
-            /// The kernel that merges the split decode's states (lane-split kernel only).
-            merge: Option<Kernel>,
+            /// Lane-split kernel only: how its splits are merged.
+            merge: Option<SplitMerge>,
             decode: LaunchConfig,
             ints: [i32; 4],
             scale: f32,
@@ -374,20 +397,30 @@ impl CustomOp3 for PagedAttention<'_> {
                 // SAFETY: each decode block writes its whole state; the merge reads only rows the
                 // decode blocks wrote (both skip the same prompt chunks).
                 let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows * hq as usize * splits * (d + 2))? };
-                let mut b = decode.builder();
-                b.arg(&part).arg(&q).arg(&k).arg(&v).arg(&m.row_seq).arg(&m.seq_info).arg(&m.block_tables);
-                b.arg(&hq).arg(&hkv).arg(&hb).arg(&bs).arg(&p.scale).arg(&p.window).arg(&p.softcap).arg(&p.skip);
-                // SAFETY: argument types and counts match the kernel's signature; block tables were checked.
-                unsafe { b.launch(p.decode) }.w()?;
-                let cfg = LaunchConfig {
-                    grid_dim: (rows as u32, hq as u32, 1),
-                    block_dim: (d.min(256) as u32, 1, 1),
-                    shared_mem_bytes: 0,
+                let mut b = decode.dependent();
+                b.mem(&out);
+                match merge {
+                    SplitMerge::Counters(c) => b.mem(*c),
+                    SplitMerge::Kernel(_) => b.null(),
                 };
-                let mut b = merge.builder();
-                b.arg(&out).arg(&part).arg(&m.row_seq).arg(&m.seq_info).arg(&hq).arg(&p.skip);
-                // SAFETY: as above.
-                unsafe { b.launch(cfg) }.w()?;
+                b.mem(&part).mem(&q).mem(&k).mem(&v).mem(&m.row_seq).mem(&m.seq_info).mem(&m.block_tables);
+                b.scalar(&hq).scalar(&hkv).scalar(&hb).scalar(&bs);
+                b.scalar(&p.scale).scalar(&p.window).scalar(&p.softcap).scalar(&p.skip);
+                // SAFETY: argument types and counts match the kernel's signature; block tables were
+                // checked; the counters hold rows x heads entries (arrival_counters); the kernel
+                // waits (pdl_wait) before it reads or writes.
+                unsafe { b.launch(p.decode) }?;
+                if let SplitMerge::Kernel(merge) = merge {
+                    let cfg = LaunchConfig {
+                        grid_dim: (rows as u32, hq as u32, 1),
+                        block_dim: (d.min(256) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let mut b = merge.dependent();
+                    b.mem(&out).mem(&part).mem(&m.row_seq).mem(&m.seq_info).scalar(&hq).scalar(&p.skip);
+                    // SAFETY: as above.
+                    unsafe { b.launch(cfg) }?;
+                }
             } else {
                 let mut b = decode.builder();
                 b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.row_seq).arg(&m.seq_info).arg(&m.block_tables);

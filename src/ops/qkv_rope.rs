@@ -7,6 +7,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
+use super::kv_write::{check_slot_range, KvWrite};
+use crate::batch::AttentionMeta;
+
 pub struct QkvRope<'a> {
     pub num_heads: usize,
     pub num_kv_heads: usize,
@@ -32,6 +35,25 @@ impl QkvRope<'_> {
         let k = out.narrow(0, t * hq * d, t * hkv * d)?.reshape((t, hkv, d))?;
         let v = out.narrow(0, t * (hq + hkv) * d, t * hkv * d)?.reshape((t, hkv, d))?;
         Ok((q, k, v))
+    }
+
+    /// `forward`, then k and v written to their slots of a dense cache (`[slots, kv_heads,
+    /// head_dim]` each) as `KvWrite` does: returns q. On CUDA with a cache of y's type, one launch
+    /// (`IRIS_CUDA_FUSED_KV_WRITE=0`: three, to compare).
+    pub fn forward_into_cache(&self, y: &Tensor, kc: &Tensor, vc: &Tensor, meta: &AttentionMeta) -> Result<Tensor> {
+        static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let fused = *FUSED.get_or_init(|| std::env::var("IRIS_CUDA_FUSED_KV_WRITE").map_or(true, |v| v != "0"));
+        if fused && y.device().is_cuda() && kc.dtype() == y.dtype() && vc.dtype() == y.dtype() && meta.device.is_some()
+        {
+            let t = y.dim(0)?;
+            let op = IntoCache { rope: self, kc, vc, meta };
+            return y.apply_op1_no_bwd(&op)?.reshape((t, self.num_heads, self.head_dim));
+        }
+        let (q, k, v) = self.forward(y)?;
+        let write = KvWrite::step(meta);
+        kc.inplace_op2(&k.contiguous()?, &write)?;
+        vc.inplace_op2(&v.contiguous()?, &write)?;
+        Ok(q)
     }
 
     fn width(&self) -> usize {
@@ -109,8 +131,44 @@ impl CustomOp1 for QkvRope<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-        use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
+        self.launch_cuda(s, l, None)
+    }
+}
+
+/// `QkvRope::forward_into_cache` on CUDA: the kernel given the cache and the step's slots.
+struct IntoCache<'a> {
+    rope: &'a QkvRope<'a>,
+    kc: &'a Tensor,
+    vc: &'a Tensor,
+    meta: &'a AttentionMeta,
+}
+
+impl CustomOp1 for IntoCache<'_> {
+    fn name(&self) -> &'static str {
+        "qkv-rope-into-cache"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("qkv-rope-into-cache: CUDA only (QkvRope::forward_into_cache goes op by op elsewhere)")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.rope.launch_cuda(s, l, Some((self.kc, self.vc, self.meta)))
+    }
+}
+
+impl QkvRope<'_> {
+    /// Launches the kernel on y; with a cache, it writes k and v there and returns q only.
+    #[cfg(feature = "cuda")]
+    fn launch_cuda(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+        cache: Option<(&Tensor, &Tensor, &AttentionMeta)>,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+        use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S};
         use candle_core::Storage;
 
         use super::cuda::{dtype_name, QKV_ROPE};
@@ -143,6 +201,40 @@ impl CustomOp1 for QkvRope<'_> {
             }
         }
 
+        // The cache: two whole [slots, kv_heads, head_dim] tensors of y's type, and the step's
+        // slots (the first rows of its device metadata), each checked.
+        let cache_guards = match cache {
+            Some((kc, vc, meta)) => {
+                let (ks, kl) = kc.storage_and_layout();
+                let (vs, vl) = vc.storage_and_layout();
+                let row = self.num_kv_heads * d;
+                for (st, cl) in [(&ks, kl), (&vs, vl)] {
+                    let dims = cl.dims();
+                    if dims.len() != 3
+                        || dims[1] * dims[2] != row
+                        || !cl.is_contiguous()
+                        || cl.start_offset() != 0
+                        || st.dtype() != s.dtype()
+                    {
+                        candle_core::bail!("qkv-rope: the cache must be whole [slots, {}, {d}] {:?} tensors", self.num_kv_heads, s.dtype());
+                    }
+                }
+                if meta.slot_mapping.len() != t {
+                    candle_core::bail!("qkv-rope: {} slots for {t} rows", meta.slot_mapping.len());
+                }
+                check_slot_range("qkv-rope", &meta.slot_mapping, kl.dims()[0])?;
+                let dm = meta.device.as_ref().ok_or_else(|| {
+                    candle_core::Error::Msg("qkv-rope: the step's metadata is not on the device".into())
+                })?;
+                let (ms, ml) = dm.data.storage_and_layout();
+                if !ml.is_contiguous() || ml.start_offset() != 0 {
+                    candle_core::bail!("qkv-rope: step metadata must be a whole contiguous tensor");
+                }
+                Some((ks, vs, ms))
+            }
+            None => None,
+        };
+
         #[allow(clippy::too_many_arguments)]
         fn launch<T: CudaDType + DeviceRepr>(
             op: &QkvRope,
@@ -153,8 +245,8 @@ impl CustomOp1 for QkvRope<'_> {
             (off, t, stride): (usize, usize, usize),
             small: &[Option<&Tensor>],
             guards: &[(candle_core::StorageRef, &Layout)],
+            cache: Option<(&Storage, &Storage, &Storage)>,
         ) -> Result<CudaStorage> {
-            let null = 0u64;
             let mut ptrs = Vec::new();
             let mut g = guards.iter();
             for present in small {
@@ -167,32 +259,49 @@ impl CustomOp1 for QkvRope<'_> {
                     None => None,
                 });
             }
+            let out_len = if cache.is_some() { t * op.num_heads * op.head_dim } else { t * op.width() };
             // SAFETY: the kernel writes every element.
-            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(t * op.width())? };
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(out_len)? };
             let y = y.slice(off..);
             let ints = [stride as i32, t as i32, op.num_heads as i32, op.num_kv_heads as i32, op.interleaved as i32];
             let eps = op.qk_norm.map_or(0.0, |n| n.2);
-            let mut b = func.builder();
-            b.arg(&out).arg(&y).arg(&ints[0]);
+            let slices = match cache {
+                Some((ks, vs, ms)) => {
+                    let kc = super::cuda::cuda_slice::<T>(ks, "the key cache")?;
+                    let vc = super::cuda::cuda_slice::<T>(vs, "the value cache")?;
+                    Some((kc, vc, super::cuda::cuda_slice::<u32>(ms, "the step's metadata")?))
+                }
+                None => None,
+            };
+            let slots = slices.as_ref().map(|(_, _, m)| m.slice(0..t));
+            let mut b = func.dependent();
+            b.mem(&out).mem(&y).scalar(&ints[0]);
             // Order of the kernel's pointer arguments: bias, cos, sin, q norm, k norm.
             for i in [2, 0, 1, 3, 4] {
                 match &ptrs[i] {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&null),
+                    Some(p) => b.mem(p),
+                    None => b.null(),
                 };
             }
-            b.arg(&eps).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]).arg(&ints[4]);
-            // SAFETY: argument types and counts match the kernel's signature; shapes were checked.
-            unsafe { b.launch(cfg) }.w()?;
+            b.scalar(&eps).scalar(&ints[1]).scalar(&ints[2]).scalar(&ints[3]).scalar(&ints[4]);
+            match (&slices, &slots) {
+                (Some((kc, vc, _)), Some(slots)) => b.mem(*kc).mem(*vc).mem(slots),
+                _ => b.null().null().null(),
+            };
+            // SAFETY: argument types and counts match the kernel's signature; shapes and slots
+            // were checked; the kernel waits (pdl_wait) before it reads or writes.
+            unsafe { b.launch(cfg) }?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
         let args = (l.start_offset(), t, stride);
+        let cache = cache_guards.as_ref().map(|(k, v, m)| (&**k, &**v, &**m));
         let out = match &s.slice {
-            S::F32(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0)?,
-            S::BF16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0)?,
-            S::F16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0)?,
+            S::F32(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0, cache)?,
+            S::BF16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0, cache)?,
+            S::F16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0, cache)?,
             _ => candle_core::bail!("qkv-rope: unsupported dtype {:?}", s.dtype()),
         };
-        Ok((out, Shape::from(t * self.width())))
+        let len = if cache.is_some() { t * self.num_heads * d } else { t * self.width() };
+        Ok((out, Shape::from(len)))
     }
 }

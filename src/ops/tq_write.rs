@@ -121,8 +121,8 @@ impl InplaceOp2 for TqWrite<'_> {
         new: &candle_core::CudaStorage,
         new_l: &Layout,
     ) -> Result<()> {
-        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-        use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
+        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig};
+        use candle_core::cuda_backend::CudaStorageSlice as S;
 
         use super::cuda::{cuda_slice, dtype_name, with_u32_slice, TQ_WRITE};
 
@@ -174,19 +174,18 @@ impl InplaceOp2 for TqWrite<'_> {
             ints: [i32; 5],
         ) -> Result<()> {
             let new = new.slice(a..b);
-            let null = 0u64;
-            let mut builder = func.builder();
-            builder.arg(codes).arg(&new).arg(slots).arg(table);
+            let mut b = func.dependent();
+            b.mem(&*codes).mem(&new).mem(slots).mem(table);
             match scale {
-                Some(s) => builder.arg(s),
-                None => builder.arg(&null),
+                Some(s) => b.mem(s),
+                None => b.null(),
             };
             for i in &ints {
-                builder.arg(i);
+                b.scalar(i);
             }
-            // SAFETY: argument types and counts match the kernel's signature (a null scale
-            // pointer is a 64-bit zero); every slot and the tables' sizes were checked.
-            unsafe { builder.launch(cfg) }.w()?;
+            // SAFETY: argument types and counts match the kernel's signature; every slot and
+            // the tables' sizes were checked; the kernel waits (pdl_wait) before it reads or writes.
+            unsafe { b.launch(cfg) }?;
             Ok(())
         }
         with_u32_slice(&dev_in.meta.data, |meta| {

@@ -10,6 +10,7 @@ template <typename T>
 __device__ void add_rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ delta,
                              const T* __restrict__ w, int rows, int dim, float eps) {
     pdl_launch_dependents();  // the projection after it may start streaming its weights
+    pdl_wait();               // launched as a dependent (ops/add_rms_norm.rs): inputs after this
     constexpr int V = Vec16<T>::N;
     const int nv = dim / V;
     const size_t r = blockIdx.x;

@@ -7,6 +7,7 @@
 template <typename T>
 __device__ void gated_act(T* __restrict__ out, const T* __restrict__ y, int y_stride, int inter, int rows, int gelu) {
     pdl_launch_dependents();  // the down projection may start streaming its weights
+    pdl_wait();               // launched as a dependent (ops/gated_act.rs): y comes after this
     constexpr int V = Vec16<T>::N;
     const int per_row = inter / V;
     const size_t n = (size_t)rows * per_row;

@@ -51,6 +51,7 @@ __device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __rest
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.f;
 
+    pdl_launch_dependents();  // the small kernel after it may launch (it waits for y itself)
     if (row < n) {
         const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)row * k);
         const uint4* xv = reinterpret_cast<const uint4*>(x);

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, SyncOnDrop,
+};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Result, Storage, Tensor};
 
@@ -47,6 +49,11 @@ pub struct Kernel {
 impl Kernel {
     pub fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
+    }
+
+    /// Arguments for a launch as a programmatic dependent (`DependentArgs::launch`).
+    pub fn dependent(&self) -> DependentArgs<'_> {
+        DependentArgs { kernel: self, addrs: Box::new([0; MAX_ARGS]), kinds: Vec::with_capacity(MAX_ARGS), guards: Vec::new() }
     }
 
     /// Launches the kernel as a programmatic dependent of the kernel before it on the stream
@@ -100,6 +107,74 @@ impl Kernel {
     }
 }
 
+const MAX_ARGS: usize = 32;
+
+/// A kernel's arguments, in its order, for `Kernel::launch_dependent`: device memory (passed
+/// as its address) or scalars (by reference, alive as long as this).
+pub struct DependentArgs<'a> {
+    kernel: &'a Kernel,
+    /// Device addresses, where the parameter list points for memory arguments.
+    addrs: Box<[u64; MAX_ARGS]>,
+    kinds: Vec<Arg>,
+    guards: Vec<SyncOnDrop<'a>>,
+}
+
+enum Arg {
+    Addr,
+    Scalar(*const std::ffi::c_void),
+}
+
+impl<'a> DependentArgs<'a> {
+    pub fn mem<T>(&mut self, m: &'a impl DevicePtr<T>) -> &mut Self {
+        let (addr, guard) = m.device_ptr(&self.kernel.stream);
+        self.guards.push(guard);
+        self.push_addr(addr)
+    }
+
+    /// A null pointer (an input the kernel does without).
+    pub fn null(&mut self) -> &mut Self {
+        self.push_addr(0)
+    }
+
+    pub fn scalar<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
+        self.kinds.push(Arg::Scalar(v as *const T as *const _));
+        self
+    }
+
+    fn push_addr(&mut self, addr: u64) -> &mut Self {
+        self.addrs[self.kinds.iter().filter(|k| matches!(k, Arg::Addr)).count()] = addr;
+        self.kinds.push(Arg::Addr);
+        self
+    }
+
+    /// # Safety
+    /// The arguments are the kernel's, in its order and types, and the kernel calls
+    /// `pdl_wait()` before it reads what earlier kernels wrote and before it writes.
+    pub unsafe fn launch(mut self, cfg: LaunchConfig) -> Result<()> {
+        if self.kinds.len() > MAX_ARGS {
+            candle_core::bail!("a dependent launch takes at most {MAX_ARGS} arguments");
+        }
+        let mut next = 0;
+        let addrs = self.addrs.as_mut_ptr();
+        let mut params: Vec<*mut std::ffi::c_void> = self
+            .kinds
+            .iter()
+            .map(|k| match k {
+                Arg::Scalar(p) => *p as *mut _,
+                Arg::Addr => {
+                    next += 1;
+                    // SAFETY: next - 1 < MAX_ARGS (checked above); the box outlives the launch.
+                    unsafe { addrs.add(next - 1) as *mut _ }
+                }
+            })
+            .collect();
+        // SAFETY: per the caller; every pointer in `params` is alive until this returns.
+        let r = unsafe { self.kernel.launch_dependent(cfg, &mut params) };
+        drop(std::mem::take(&mut self.guards));
+        r
+    }
+}
+
 /// The kernels' name for an element type.
 pub fn dtype_name(d: DType) -> Result<&'static str> {
     Ok(match d {
@@ -128,4 +203,39 @@ pub fn cuda_slice<'s, T: candle_core::cuda_backend::CudaDType>(s: &'s Storage, w
         Storage::Cuda(c) => c.as_cuda_slice::<T>(),
         _ => candle_core::bail!("{what} is not on the CUDA device"),
     }
+}
+
+/// Blocks of `threads` threads the GPU holds at once by its thread limit (registers and shared
+/// memory may allow fewer).
+pub fn resident_blocks(dev: &CudaDevice, threads: usize) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    use candle_core::cuda_backend::WrapErr;
+    let ctx = dev.cuda_stream().context().clone();
+    let sms = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()? as usize;
+    let per_sm = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR).w()? as usize;
+    Ok(sms * (per_sm / threads.max(1)))
+}
+
+/// Zeroed u32 counters on `dev`, made once per device, that kernels count arrivals in and leave
+/// at zero (the split decode attention: the last block of a (row, head) merges). None when `n`
+/// exceed them: the caller takes a way without counters. They live as long as the process.
+pub fn arrival_counters(dev: &CudaDevice, n: usize) -> Result<Option<&'static CudaSlice<u32>>> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    /// Enough for every (row, head) of a step the split decode kernel takes (rows x kv heads <
+    /// 128, so rows x heads < 128 x group size).
+    const COUNTERS: usize = 1 << 16;
+    static ALL: Mutex<Option<HashMap<usize, &'static CudaSlice<u32>>>> = Mutex::new(None);
+    if n > COUNTERS {
+        return Ok(None);
+    }
+    let mut all = ALL.lock().unwrap_or_else(|e| e.into_inner());
+    let map = all.get_or_insert_with(HashMap::new);
+    let key = dev.cuda_stream().context().ordinal();
+    if let Some(&c) = map.get(&key) {
+        return Ok(Some(c));
+    }
+    let c: &'static CudaSlice<u32> = Box::leak(Box::new(dev.alloc_zeros::<u32>(COUNTERS)?));
+    map.insert(key, c);
+    Ok(Some(c))
 }

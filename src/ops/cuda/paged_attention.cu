@@ -22,6 +22,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
                                 int num_heads, int num_kv_heads, int hb, int block_size, float scale, int window,
                                 float softcap, int skip_q_len) {
     pdl_launch_dependents();  // the output projection may start streaming its weights
+    pdl_wait();               // launched as a dependent (ops/paged_attention.rs): q, the cache after this
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;                 // 16-byte vectors per head row
     constexpr int KG = PA_THREADS / NV;       // keys accumulated at once in the value phase
@@ -180,12 +181,34 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
 #define PD_CHUNK 256
 #define PD_SPLITS 16
 
+// out = sum_z e^(M_z - M) acc_z / sum_z e^(M_z - M) L_z over the PD_SPLITS states of a
+// (row, head) at pb, in order, a thread per element. The states may come from other blocks of
+// this launch: read past L1.
+template <typename TQ, int D>
+__device__ void merge_splits(TQ* __restrict__ out, const float* pb, int tid, int threads) {
+    float mx = -INFINITY;
+    for (int z = 0; z < PD_SPLITS; ++z) mx = fmaxf(mx, __ldcg(pb + z * (D + 2)));
+    for (int d = tid; d < D; d += threads) {
+        float num = 0.f, den = 0.f;
+        for (int z = 0; z < PD_SPLITS; ++z) {
+            const float m = __ldcg(pb + z * (D + 2));
+            if (m == -INFINITY) continue;  // a split with no chunk of this row
+            const float w = expf(m - mx);
+            num = fmaf(w, __ldcg(pb + z * (D + 2) + 2 + d), num);
+            den = fmaf(w, __ldcg(pb + z * (D + 2) + 1), den);
+        }
+        out[d] = from_f<TQ>(num / den);
+    }
+}
+
 template <typename TQ, typename TC, int D>
-__device__ void paged_decode(float* __restrict__ part, const TQ* __restrict__ q, const TC* __restrict__ kc,
+__device__ void paged_decode(TQ* __restrict__ out, uint32_t* __restrict__ counters, float* __restrict__ part,
+                             const TQ* __restrict__ q, const TC* __restrict__ kc,
                              const TC* __restrict__ vc, const uint32_t* __restrict__ row_seq,
                              const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
                              int num_heads, int num_kv_heads, int block_size, float scale, int window, float softcap,
                              int skip_q_len) {
+    pdl_launch_dependents();  // the output projection may start streaming its weights
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;  // 16-byte vectors per head row
     constexpr int LPK = NV > 16 ? 32 : NV > 8 ? 16 : NV > 4 ? 8 : NV > 2 ? 4 : NV > 1 ? 2 : 1;
@@ -308,40 +331,42 @@ __device__ void paged_decode(float* __restrict__ part, const TQ* __restrict__ q,
         if (d < D) pb[2 + d] = num;
         else { pb[0] = mx; pb[1] = den; }
     }
+    if (!counters) return;  // paged_decode_merge follows
+    // The last of the (row, head)'s PD_SPLITS blocks to finish merges their states, in split
+    // order like the merge kernel, and resets the counter for the next launch.
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    const size_t rh = (size_t)t * num_heads + h;
+    if (tid == 0) last = atomicAdd(counters + rh, 1u) == PD_SPLITS - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    merge_splits<TQ, D>(out + rh * D, part + rh * PD_SPLITS * (D + 2), tid, PD_THREADS);
+    if (tid == 0) counters[rh] = 0;
 }
 
-// out = sum_z e^(M_z - M) acc_z / sum_z e^(M_z - M) L_z over the PD_SPLITS states of a
-// (row, head), in order; one block per (row, head), a thread per element.
+// The merge as a kernel of its own (when no counters are given to paged_decode): one block
+// per (row, head).
 template <typename TQ, int D>
 __device__ void paged_decode_merge(TQ* __restrict__ out, const float* __restrict__ part,
                                    const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ seq_info,
                                    int num_heads, int skip_q_len) {
     pdl_launch_dependents();  // the output projection may start streaming its weights
+    pdl_wait();               // launched as a dependent: the split states after this
     const int t = blockIdx.x, h = blockIdx.y;
     const uint32_t s = row_seq[t];
     if ((int)seq_info[4 * s + 1] >= skip_q_len) return;  // a prompt chunk, done by prefill_attention.cu
-    const float* pb = part + ((size_t)t * num_heads + h) * PD_SPLITS * (D + 2);
-    float mx = -INFINITY;
-    for (int z = 0; z < PD_SPLITS; ++z) mx = fmaxf(mx, pb[z * (D + 2)]);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float num = 0.f, den = 0.f;
-        for (int z = 0; z < PD_SPLITS; ++z) {
-            const float m = pb[z * (D + 2)];
-            if (m == -INFINITY) continue;  // a split with no chunk of this row
-            const float w = expf(m - mx);
-            num = fmaf(w, pb[z * (D + 2) + 2 + d], num);
-            den = fmaf(w, pb[z * (D + 2) + 1], den);
-        }
-        out[((size_t)t * num_heads + h) * D + d] = from_f<TQ>(num / den);
-    }
+    const size_t rh = (size_t)t * num_heads + h;
+    merge_splits<TQ, D>(out + rh * D, part + rh * PD_SPLITS * (D + 2), threadIdx.x, blockDim.x);
 }
 
 #define PD(NAME, TQ, TC, D)                                                                                    \
     extern "C" __global__ void __launch_bounds__(PD_THREADS)                                                   \
-        NAME(float* part, const TQ* q, const TC* kc, const TC* vc, const uint32_t* row_seq,                    \
-             const uint32_t* seq_info, const uint32_t* block_tables, int num_heads, int num_kv_heads, int hb,  \
-             int block_size, float scale, int window, float softcap, int skip_q_len) {                         \
-        paged_decode<TQ, TC, D>(part, q, kc, vc, row_seq, seq_info, block_tables, num_heads, num_kv_heads,     \
+        NAME(TQ* out, uint32_t* counters, float* part, const TQ* q, const TC* kc, const TC* vc,                \
+             const uint32_t* row_seq, const uint32_t* seq_info, const uint32_t* block_tables, int num_heads,   \
+             int num_kv_heads, int hb, int block_size, float scale, int window, float softcap, int skip_q_len) { \
+        paged_decode<TQ, TC, D>(out, counters, part, q, kc, vc, row_seq, seq_info, block_tables, num_heads, num_kv_heads,     \
                                 block_size, scale, window, softcap, skip_q_len);                               \
     }
 #define PDM(NAME, TQ, D)                                                                                       \

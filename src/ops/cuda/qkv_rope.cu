@@ -8,18 +8,25 @@
 
 // y: [rows, (hq + 2 hkv) * D] with row stride y_stride (q heads, then k, then v).
 // bias: [(hq + 2 hkv) * D] or null. cos, sin: [rows, D / 2]. qn, kn: [D] or null.
-// out: q [rows, hq, D], then k [rows, hkv, D], then v [rows, hkv, D].
+// out: q [rows, hq, D], then k [rows, hkv, D], then v [rows, hkv, D]; or, given a dense cache
+// (kc, vc: [slots, hkv, D], slots: a slot per row, 0xffffffff for none), q only, with k and v
+// stored in their slots (the separate cache write's two launches saved).
 template <typename T, int D>
 __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_stride, const T* __restrict__ bias,
                          const T* __restrict__ cos, const T* __restrict__ sin, const T* __restrict__ qn,
-                         const T* __restrict__ kn, float eps, int rows, int hq, int hkv, int interleaved) {
+                         const T* __restrict__ kn, float eps, int rows, int hq, int hkv, int interleaved,
+                         T* __restrict__ kc, T* __restrict__ vc, const uint32_t* __restrict__ slots) {
     constexpr int E = (D + 31) / 32;
     constexpr int H = D / 2;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t = blockIdx.x;
     const int head = blockIdx.y * QR_WARPS + warp;
     __shared__ float buf[QR_WARPS][D];
+    pdl_launch_dependents();
+    pdl_wait();  // launched as a dependent (ops/qkv_rope.rs): y comes after this
     if (head >= hq + 2 * hkv) return;
+    const uint32_t slot = kc && head >= hq ? slots[t] : 0u;
+    if (slot == 0xffffffffu) return;  // a padding row: its k and v are not kept
     const T* src = y + (size_t)t * y_stride + (size_t)head * D;
     float x[E];
 #pragma unroll
@@ -34,7 +41,8 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
     }
     T* dst;
     if (head >= hq + hkv) {  // v: passed through
-        dst = out + (size_t)rows * (hq + hkv) * D + ((size_t)t * hkv + head - hq - hkv) * D;
+        dst = kc ? vc + ((size_t)slot * hkv + head - hq - hkv) * D
+                 : out + (size_t)rows * (hq + hkv) * D + ((size_t)t * hkv + head - hq - hkv) * D;
 #pragma unroll
         for (int k = 0; k < E; ++k) {
             const int e = lane + 32 * k;
@@ -63,7 +71,9 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
         if (e < D) buf[warp][e] = x[k];
     }
     __syncwarp();
-    dst = is_q ? out + ((size_t)t * hq + head) * D : out + (size_t)rows * hq * D + ((size_t)t * hkv + head - hq) * D;
+    dst = is_q ? out + ((size_t)t * hq + head) * D
+         : kc  ? kc + ((size_t)slot * hkv + head - hq) * D
+               : out + (size_t)rows * hq * D + ((size_t)t * hkv + head - hq) * D;
     const T* c = cos + (size_t)t * H;
     const T* s = sin + (size_t)t * H;
 #pragma unroll
@@ -87,8 +97,9 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
 #define QR(NAME, T, D)                                                                                         \
     extern "C" __global__ void __launch_bounds__(QR_WARPS * 32)                                                \
         NAME(T* out, const T* y, int y_stride, const T* bias, const T* cos, const T* sin, const T* qn,          \
-             const T* kn, float eps, int rows, int hq, int hkv, int interleaved) {                              \
-        qkv_rope<T, D>(out, y, y_stride, bias, cos, sin, qn, kn, eps, rows, hq, hkv, interleaved);             \
+             const T* kn, float eps, int rows, int hq, int hkv, int interleaved, T* kc, T* vc,                  \
+             const uint32_t* slots) {                                                                           \
+        qkv_rope<T, D>(out, y, y_stride, bias, cos, sin, qn, kn, eps, rows, hq, hkv, interleaved, kc, vc, slots); \
     }
 
 #define QR_DIMS(N, T)                                                                                          \

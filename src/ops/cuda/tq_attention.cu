@@ -58,6 +58,8 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
     constexpr int KG = TA_THREADS / G;   // keys accumulated at once in the value phase
     static_assert(D % 8 == 0 && G <= TA_THREADS, "head_dim must be a multiple of 8, at most 8 * TA_THREADS");
 
+    pdl_launch_dependents();
+    pdl_wait();  // launched as a dependent (ops/tq_attention/cuda.rs): inputs after this
     const int t = blockIdx.x, z = blockIdx.z;
     const int group = num_heads / num_kv_heads, per_kv = group / hb;
     const int kvh = blockIdx.y / per_kv;
@@ -247,6 +249,8 @@ __device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, 
                                 int float_window, int nsplit, int vdense) {
     constexpr int PER = (D + TA_THREADS - 1) / TA_THREADS;  // output coordinates per thread
     __shared__ float o_s[D], tmp_s[D], q_s[D], p_s[TA_THREADS], red_s[TA_THREADS / 32];
+    pdl_launch_dependents();
+    pdl_wait();  // launched as a dependent: the partial states after this
     const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int kvh = h / (num_heads / num_kv_heads);
     const TqRow r = tq_row(t, row_seq, seq_info, window, float_window);

@@ -17,6 +17,8 @@ __device__ void tq_write(uint8_t* __restrict__ cache, const TN* __restrict__ src
     __shared__ float y_s[TW_MAXD], tmp_s[TW_MAXD];
     __shared__ uint8_t code_s[TW_MAXD];
     __shared__ float inv_s, norm_s;
+    pdl_launch_dependents();
+    pdl_wait();  // launched as a dependent (ops/tq_write.rs): inputs after this
     const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const uint32_t slot = slots[t];
     if (slot == 0xffffffffu) return;  // a padding row (NO_SLOT)

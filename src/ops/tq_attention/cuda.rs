@@ -15,8 +15,8 @@ pub(super) fn forward(
     v: &candle_core::CudaStorage,
     v_l: &Layout,
 ) -> Result<(candle_core::CudaStorage, Shape)> {
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig};
+    use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S};
     use candle_core::DType;
 
     use crate::ops::cuda::{cuda_slice, dtype_name, with_u32_slice, TQ_ATTENTION};
@@ -69,8 +69,7 @@ pub(super) fn forward(
     let hb = (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1);
     let blocks_y = hkv * group / hb;
     // Splits of each row's coded positions: enough blocks to fill the GPU (~130
-    // multiprocessors, two blocks each) for few rows; a split covers >= MIN_CHUNK positions.
-    const MIN_CHUNK: i32 = 256;
+    // multiprocessors, two blocks each) for few rows; a split covers >= min_chunk() positions.
     let nsplit = (264usize.div_ceil(rows * blocks_y)).clamp(1, 64);
 
     fn guard(t: &Tensor) -> impl std::ops::Deref<Target = Storage> + '_ {
@@ -186,43 +185,45 @@ pub(super) fn forward(
         (scale, window, softcap, fw, nsplit, vdense): (f32, i32, f32, i32, i32, i32),
         n_out: usize,
     ) -> Result<CudaStorage> {
-        let null = 0u64;
         let [row_seq, seq_info, block_tables] = &meta;
-        let mut b = partial.builder();
-        b.arg(part).arg(&typed.q).arg(kc).arg(vc).arg(row_seq).arg(seq_info).arg(block_tables).arg(ktab).arg(vtab);
+        let min_chunk = min_chunk();
+        let mut b = partial.dependent();
+        b.mem(part).mem(&typed.q).mem(kc).mem(vc).mem(row_seq).mem(seq_info).mem(block_tables).mem(ktab).mem(vtab);
         match kscale {
-            Some(s) => b.arg(s),
-            None => b.arg(&null),
+            Some(s) => b.mem(s),
+            None => b.null(),
         };
         for i in &ints_partial {
-            b.arg(i);
+            b.scalar(i);
         }
-        let min_chunk = MIN_CHUNK;
-        b.arg(&scale).arg(&window).arg(&softcap).arg(&fw).arg(&nsplit).arg(&min_chunk);
+        b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw).scalar(&nsplit).scalar(&min_chunk);
         // SAFETY: argument types and counts match tq_attn_partial; block tables, table
-        // sizes and the partial buffer's size were checked or made above.
-        unsafe { b.launch(cfg_partial) }.w()?;
+        // sizes and the partial buffer's size were checked or made above; the kernel waits
+        // (pdl_wait) before it reads or writes.
+        unsafe { b.launch(cfg_partial) }?;
         // SAFETY: the combine kernel writes every element of the output.
         let out: CudaSlice<Q> = unsafe { dev.alloc::<Q>(n_out)? };
         let (hq, hkv) = (ints_partial[0], ints_partial[1]);
-        let mut b = combine.builder();
-        b.arg(&out).arg(&typed.q).arg(part).arg(row_seq).arg(seq_info).arg(vtab);
+        let mut b = combine.dependent();
+        b.mem(&out).mem(&typed.q).mem(part).mem(row_seq).mem(seq_info).mem(vtab);
         match &typed.new {
-            Some([k, v]) => b.arg(k).arg(v),
-            None => b.arg(&null).arg(&null),
+            Some([k, v]) => b.mem(k).mem(v),
+            None => b.null().null(),
         };
         match &typed.ring {
-            Some([k, v]) => b.arg(k).arg(v),
-            None => b.arg(&null).arg(&null),
+            Some([k, v]) => b.mem(k).mem(v),
+            None => b.null().null(),
         };
         match &rings {
-            Some(r) => b.arg(r),
-            None => b.arg(&null),
+            Some(r) => b.mem(r),
+            None => b.null(),
         };
-        b.arg(&hq).arg(&hkv).arg(&scale).arg(&window).arg(&softcap).arg(&fw).arg(&nsplit).arg(&vdense);
+        b.scalar(&hq).scalar(&hkv).scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw);
+        b.scalar(&nsplit).scalar(&vdense);
         // SAFETY: argument types and counts match tq_attn_combine; the float inputs' shapes
-        // and the rings' sizes were checked above.
-        unsafe { b.launch(cfg_combine) }.w()?;
+        // and the rings' sizes were checked above; the kernel waits (pdl_wait) before it reads
+        // or writes.
+        unsafe { b.launch(cfg_combine) }?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
@@ -267,4 +268,11 @@ pub(super) fn forward(
         }
     })?;
     Ok((out, shape))
+}
+
+/// The fewest coded positions a split of tq_attn_partial takes: 64 (`IRIS_TQ_MIN_CHUNK=N` to
+/// compare).
+fn min_chunk() -> i32 {
+    static MIN_CHUNK: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *MIN_CHUNK.get_or_init(|| std::env::var("IRIS_TQ_MIN_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(64))
 }
