@@ -411,12 +411,12 @@ fn gated_act_and_add_rms_norm_match_cpu() {
     let (x, delta, w) = (random(&mut rng, &[t, dim]), random(&mut rng, &[t, dim]), random(&mut rng, &[dim]));
     for dt in [DType::F32, DType::BF16] {
         let (tol, g) = (if dt == DType::F32 { 1e-5 } else { 1e-2 }, |x: &Tensor| x.to_dtype(dt).unwrap());
-        for gelu in [false, true] {
-            let op = GatedAct { gelu };
+        for (gelu, interleaved) in [(false, false), (true, false), (false, true), (true, true)] {
+            let op = GatedAct { gelu, interleaved };
             let cpu = op.forward(&g(&y).to_dtype(DType::F32).unwrap()).unwrap();
             let gpu = op.forward(&g(&y).to_device(&dev).unwrap()).unwrap();
             let e = max_rel_err(&gpu, &cpu);
-            assert!(e <= tol, "gated-act gelu={gelu} {dt:?}: rel err {e}");
+            assert!(e <= tol, "gated-act gelu={gelu} interleaved={interleaved} {dt:?}: rel err {e}");
         }
         let op = AddRmsNorm { eps: 1e-6 };
         let f = |x: &Tensor| g(x).to_dtype(DType::F32).unwrap();
@@ -501,4 +501,36 @@ fn gemv_matches_cpu() {
     let x = random(&mut rng, &[max_rows() + 1, 64]).to_device(&dev).unwrap();
     assert!(!Gemv::applies(&x, &random(&mut rng, &[8, 64]).to_device(&dev).unwrap()));
     assert!(!Gemv::applies(&random(&mut rng, &[1, 64]), &random(&mut rng, &[8, 64])));
+}
+
+/// The product of paired (gate, up) rows with the activation applied as it writes gives the
+/// bits of the plain product followed by the interleaved gated activation, and the CPU
+/// reference's values.
+#[test]
+fn gemv_gated_equals_product_then_activation() {
+    use iris::ops::gated_act::GatedAct;
+    use iris::ops::gemv::Gemv;
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(8);
+    // 2 I rows by K: 1, 2 and 4 warps per row (wider splits put a pair in two blocks).
+    for (n, k) in [(37888, 3584), (3072, 576), (512, 1024)] {
+        for m in 1..=2 {
+            let (x, w) = (random(&mut rng, &[m, k]), random(&mut rng, &[n, k]));
+            for (dt, tol) in [(DType::F32, 1e-4), (DType::BF16, 2e-2)] {
+                let (x, w) = (x.to_dtype(dt).unwrap(), w.to_dtype(dt).unwrap());
+                let (xg, wg) = (x.to_device(&dev).unwrap(), w.to_device(&dev).unwrap());
+                assert!(Gemv::applies_gated(&xg, &wg), "{n}x{k}");
+                for gelu in [false, true] {
+                    let fused = Gemv::forward_gated(&xg, &wg, gelu).unwrap();
+                    let act = GatedAct { gelu, interleaved: true };
+                    let apart = act.forward(&Gemv::forward(&xg, &wg).unwrap()).unwrap();
+                    assert_eq!(max_rel_err(&fused, &apart), 0.0, "gated gemv {m}x{k} by {n}x{k} {dt:?} gelu={gelu}");
+                    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                    let cpu = Gemv::forward_gated(&f32(&x), &f32(&w), gelu).unwrap();
+                    let e = max_rel_err(&fused, &cpu);
+                    assert!(e < tol, "gated gemv {m}x{k} by {n}x{k} {dt:?} gelu={gelu}: rel err {e}");
+                }
+            }
+        }
+    }
 }

@@ -74,9 +74,12 @@ fn gated_act_reference_is_act_times_up() {
     let y = random(&mut rng, &[7, 2 * 48]);
     let (g, up) = (y.narrow(1, 0, 48).unwrap(), y.narrow(1, 48, 48).unwrap());
     let silu = (candle_nn::ops::silu(&g).unwrap() * &up).unwrap();
-    assert!(max_rel_err(&GatedAct { gelu: false }.forward(&y).unwrap(), &silu) <= 1e-6);
+    assert!(max_rel_err(&GatedAct { gelu: false, interleaved: false }.forward(&y).unwrap(), &silu) <= 1e-6);
     let gelu = (g.gelu().unwrap() * &up).unwrap();
-    assert!(max_rel_err(&GatedAct { gelu: true }.forward(&y).unwrap(), &gelu) <= 1e-5);
+    assert!(max_rel_err(&GatedAct { gelu: true, interleaved: false }.forward(&y).unwrap(), &gelu) <= 1e-5);
+    // The same columns as (gate i, up i) pairs give the same result.
+    let pairs = Tensor::stack(&[&g, &up], 2).unwrap().reshape((7, 2 * 48)).unwrap();
+    assert!(max_rel_err(&GatedAct { gelu: false, interleaved: true }.forward(&pairs).unwrap(), &silu) <= 1e-6);
 }
 
 #[test]

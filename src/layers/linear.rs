@@ -73,6 +73,40 @@ impl Linear {
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
     }
+
+    /// The same projection with its two halves of output rows interleaved (row i of the
+    /// first half, then row i of the second, ...): a gated MLP's (gate i, up i) pairs side by
+    /// side, for `Gemv::forward_gated`. None for quantized matrices (kept as they are).
+    pub fn interleave_halves(&self) -> Result<Option<Linear>> {
+        let Matrix::Dense(w) = &self.w else { return Ok(None) };
+        let (n, k) = w.dims2()?;
+        if n % 2 != 0 {
+            return Ok(None);
+        }
+        let pairs = |t: &Tensor, tail: &[usize]| -> Result<Tensor> {
+            let mut halves = vec![2, n / 2];
+            halves.extend_from_slice(tail);
+            let mut flat = vec![n];
+            flat.extend_from_slice(tail);
+            t.reshape(halves)?.transpose(0, 1)?.contiguous()?.reshape(flat)
+        };
+        let bias = self.bias.as_ref().map(|b| pairs(b, &[])).transpose()?;
+        Ok(Some(Linear { w: Matrix::Dense(pairs(w, &[k])?), bias }))
+    }
+
+    /// `act(x W_gate^T) * x W_up^T` in one streaming pass, for a projection made by
+    /// `interleave_halves` without bias, where `Gemv::applies_gated` (a decode step's few rows on
+    /// CUDA); None where it does not apply (or with `IRIS_CUDA_GATED_GEMV=0`, to compare).
+    pub fn forward_gated(&self, x: &Tensor, gelu: bool) -> Option<Result<Tensor>> {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("IRIS_CUDA_GATED_GEMV").map_or(true, |v| v != "0"));
+        match &self.w {
+            Matrix::Dense(w) if on && self.bias.is_none() && Gemv::applies_gated(x, w) => {
+                Some(Gemv::forward_gated(x, w, gelu))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Several projections of one input computed as a single matrix product (q/k/v, gate/up):

@@ -7,11 +7,21 @@ use crate::weights::{Weights, WeightsError};
 
 /// `down(act(gate(x)) * up(x))`
 pub struct GatedMlp {
-    gate_up: StackedLinear,
+    gate_up: GateUp,
     down: Linear,
     /// The intermediate width.
     inter: usize,
     act: Activation,
+}
+
+/// The gate and up projections.
+enum GateUp {
+    /// The gate rows then the up rows (or two matrices).
+    Halves(StackedLinear),
+    /// Rows in (gate i, up i) pairs (CUDA, where the fused activation kernel applies): a decode
+    /// step's product applies the activation as it writes (`Linear::forward_gated`), others run
+    /// the product, then `act` over its paired columns.
+    Pairs { linear: Linear, act: GatedAct },
 }
 
 impl GatedMlp {
@@ -48,8 +58,14 @@ impl GatedMlp {
                 bias,
             )?
         };
+        let paired = match (GatedAct::for_activation(act), gate_up.merged()) {
+            (Some(a), Some(l)) if w.device().is_cuda() && GatedAct::supports(inter) => {
+                l.interleave_halves()?.map(|linear| GateUp::Pairs { linear, act: GatedAct { interleaved: true, ..a } })
+            }
+            _ => None,
+        };
         Ok(GatedMlp {
-            gate_up,
+            gate_up: paired.unwrap_or(GateUp::Halves(gate_up)),
             down: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, bias)?,
             inter,
             act,
@@ -57,11 +73,21 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(gate_up) = self.gate_up.merged() {
+        let gate_up = match &self.gate_up {
+            GateUp::Pairs { linear, act } => {
+                let h = match linear.forward_gated(x, act.gelu) {
+                    Some(h) => h?,
+                    None => act.forward(&linear.forward(x)?)?,
+                };
+                return self.down.forward(&h);
+            }
+            GateUp::Halves(g) => g,
+        };
+        if let Some(gate_up) = gate_up.merged() {
             return self.down.forward(&gated(self.act, &gate_up.forward(x)?, self.inter)?);
         }
         let [g, up]: [Tensor; 2] =
-            self.gate_up.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("gate/up: 2 parts".into()))?;
+            gate_up.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("gate/up: 2 parts".into()))?;
         self.down.forward(&(self.act.apply(&g)? * up)?)
     }
 }

@@ -1,5 +1,8 @@
 //! `act(gate) * up` over a fused gate/up projection `[T, 2 * inter]`, in one pass on CUDA
-//! (the layer computes the same op by op on the CPU).
+//! (the layer computes the same op by op on the CPU). The projection's columns are the gate
+//! then the up halves, or interleaved pairs (gate i, up i) where the layer stores its weights
+//! that way (`GatedMlp` on CUDA, so that a decode step's product can apply the activation as it
+//! writes: `Gemv::forward_gated`).
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
@@ -8,9 +11,11 @@ use crate::models::config::Activation;
 pub struct GatedAct {
     /// GELU (tanh approximation) instead of SiLU.
     pub gelu: bool,
+    /// Columns (gate i, up i) in pairs instead of the gate half then the up half.
+    pub interleaved: bool,
 }
 
-fn act(x: f32, gelu: bool) -> f32 {
+pub(crate) fn act(x: f32, gelu: bool) -> f32 {
     if gelu {
         0.5 * x * (1.0 + (0.797_884_6 * (x + 0.044715 * x * x * x)).tanh())
     } else {
@@ -22,8 +27,8 @@ impl GatedAct {
     /// The fused kernel for `act`, where it has it (SiLU, tanh-GELU).
     pub fn for_activation(act: Activation) -> Option<Self> {
         match act {
-            Activation::Silu => Some(GatedAct { gelu: false }),
-            Activation::GeluTanh => Some(GatedAct { gelu: true }),
+            Activation::Silu => Some(GatedAct { gelu: false, interleaved: false }),
+            Activation::GeluTanh => Some(GatedAct { gelu: true, interleaved: false }),
             Activation::Gelu | Activation::QuickGelu => None,
         }
     }
@@ -63,8 +68,9 @@ impl CustomOp1 for GatedAct {
         let y = &y[l.start_offset()..];
         let out = (0..t * inter)
             .map(|i| {
-                let row = &y[(i / inter) * stride..];
-                act(row[i % inter], self.gelu) * row[inter + i % inter]
+                let (row, c) = (&y[(i / inter) * stride..], i % inter);
+                let (g, u) = if self.interleaved { (row[2 * c], row[2 * c + 1]) } else { (row[c], row[inter + c]) };
+                act(g, self.gelu) * u
             })
             .collect();
         Ok((CpuStorage::F32(out), Shape::from((t, inter))))
@@ -87,7 +93,7 @@ impl CustomOp1 for GatedAct {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let args = [stride as i32, inter as i32, t as i32, self.gelu as i32];
+        let args = [stride as i32, inter as i32, t as i32, self.gelu as i32, self.interleaved as i32];
         fn launch<T: CudaDType + DeviceRepr>(
             dev: &candle_core::cuda_backend::CudaDevice,
             func: &Kernel,
@@ -95,13 +101,16 @@ impl CustomOp1 for GatedAct {
             y: &CudaSlice<T>,
             off: usize,
             n: usize,
-            args: [i32; 4],
+            args: [i32; 5],
         ) -> Result<CudaStorage> {
             // SAFETY: the kernel writes every element.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
             let y = y.slice(off..);
             let mut b = func.dependent();
-            b.mem(&out).mem(&y).scalar(&args[0]).scalar(&args[1]).scalar(&args[2]).scalar(&args[3]);
+            b.mem(&out).mem(&y);
+            for a in &args {
+                b.scalar(a);
+            }
             // SAFETY: argument types and counts match the kernel's signature; the shape was checked;
             // the kernel waits (pdl_wait) before it reads or writes.
             unsafe { b.launch(cfg) }?;

@@ -35,7 +35,13 @@ fn warps_per_row(n: usize, vectors_per_row: usize) -> usize {
     wpr
 }
 
-pub struct Gemv;
+/// `x W^T`, or with `gated` set, `act(x W_2i^T) * x W_2i+1^T` over W's rows taken in pairs
+/// (gate i, up i): the gated MLP's activation applied as the product is written
+/// (`forward_gated`), rounded as the separate product and `GatedAct` round.
+pub struct Gemv {
+    /// Some(gelu): the pairs' gated activation (tanh-GELU, else SiLU).
+    gated: Option<bool>,
+}
 
 impl Gemv {
     /// Whether `x` (`[M, K]`) times `w^T` (`w`: `[N, K]`) should take this op: on CUDA, a
@@ -56,7 +62,19 @@ impl Gemv {
 
     /// `x`: `[M, K]`, `w`: `[N, K]` (contiguous) -> `[M, N]`.
     pub fn forward(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        x.contiguous()?.apply_op2_no_bwd(w, &Gemv)
+        x.contiguous()?.apply_op2_no_bwd(w, &Gemv { gated: None })
+    }
+
+    /// Whether `forward_gated` takes `x` and `w`: where `applies`, and each pair of rows falls
+    /// in one block of the kernel (at most 4 warps per row).
+    pub fn applies_gated(x: &Tensor, w: &Tensor) -> bool {
+        let (Ok((n, k)), true) = (w.dims2(), Self::applies(x, w)) else { return false };
+        n % 2 == 0 && warps_per_row(n, k / (16 / w.dtype().size_in_bytes())) <= 4
+    }
+
+    /// `x`: `[M, K]`, `w`: `[2 I, K]` rows in (gate, up) pairs -> `act(gate) * up`, `[M, I]`.
+    pub fn forward_gated(x: &Tensor, w: &Tensor, gelu: bool) -> Result<Tensor> {
+        x.contiguous()?.apply_op2_no_bwd(w, &Gemv { gated: Some(gelu) })
     }
 
     fn check(lx: &Layout, lw: &Layout) -> Result<(usize, usize, usize)> {
@@ -84,13 +102,19 @@ impl CustomOp2 for Gemv {
             candle_core::bail!("gemv: the CPU reference takes f32")
         };
         let (x, w) = (&x[lx.start_offset()..], &w[lw.start_offset()..]);
-        let y = (0..m * n)
+        let y: Vec<f32> = (0..m * n)
             .map(|i| {
                 let (xr, wr) = (&x[(i / n) * k..][..k], &w[(i % n) * k..][..k]);
                 xr.iter().zip(wr).map(|(a, b)| a * b).sum()
             })
             .collect();
-        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+        match self.gated {
+            None => Ok((CpuStorage::F32(y), Shape::from((m, n)))),
+            Some(gelu) => {
+                let y = y.chunks_exact(2).map(|p| super::gated_act::act(p[0], gelu) * p[1]).collect();
+                Ok((CpuStorage::F32(y), Shape::from((m, n / 2))))
+            }
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -121,6 +145,12 @@ impl CustomOp2 for Gemv {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
+        // -1: a plain product; else the pairs' activation (0 SiLU, 1 tanh-GELU).
+        let act = self.gated.map_or(-1, |gelu| gelu as i32);
+        if act >= 0 && (n % 2 != 0 || wpr > 4) {
+            candle_core::bail!("gemv: gated pairs need an even row count and at most 4 warps per row");
+        }
+        let out_n = if act >= 0 { n / 2 } else { n };
         #[allow(clippy::too_many_arguments)]
         fn launch<T: CudaDType + DeviceRepr>(
             dev: &CudaDevice,
@@ -129,40 +159,28 @@ impl CustomOp2 for Gemv {
             x: &CudaSlice<T>,
             w: &CudaSlice<T>,
             (ox, ow): (usize, usize),
-            (m, n, k, wpr): (usize, usize, usize, usize),
+            (m, n, k, wpr, act, out_n): (usize, usize, usize, usize, i32, usize),
         ) -> Result<CudaStorage> {
-            use candle_core::cuda_backend::cudarc::driver::DevicePtr;
             // SAFETY: the kernel writes every element of y.
-            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
+            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * out_n)? };
             let (x, w) = (x.slice(ox..), w.slice(ow..));
-            let stream = dev.cuda_stream();
-            // The guards order the launch after pending writes (where cudarc tracks them).
-            let (mut py, _gy) = y.device_ptr(&stream);
-            let (mut px, _gx) = x.device_ptr(&stream);
-            let (mut pw, _gw) = w.device_ptr(&stream);
-            let (mut n, mut k, mut wpr) = (n as i32, k as i32, wpr as i32);
-            let mut params = [
-                &mut py as *mut _ as *mut std::ffi::c_void,
-                &mut px as *mut _ as *mut _,
-                &mut pw as *mut _ as *mut _,
-                &mut n as *mut _ as *mut _,
-                &mut k as *mut _ as *mut _,
-                &mut wpr as *mut _ as *mut _,
-            ];
-            // SAFETY: the parameters are the kernel's (y, x, w, n, k, wpr) in order and type;
-            // shapes were checked; the kernel waits for the kernel before it (pdl_wait) before
-            // reading x or writing y.
-            unsafe { func.launch_dependent(cfg, &mut params) }?;
-            drop((_gy, _gx, _gw));
+            let (n, k, wpr) = (n as i32, k as i32, wpr as i32);
+            let mut b = func.dependent();
+            b.mem(&y).mem(&x).mem(&w).scalar(&n).scalar(&k).scalar(&wpr).scalar(&act);
+            // SAFETY: the parameters are the kernel's (y, x, w, n, k, wpr, act) in order and
+            // type; shapes were checked; the kernel waits for the kernel before it (pdl_wait)
+            // before reading x or writing y.
+            unsafe { b.launch(cfg) }?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
         let offs = (lx.start_offset(), lw.start_offset());
+        let dims = (m, n, k, wpr, act, out_n);
         let y = match (&sx.slice, &sw.slice) {
-            (S::F32(x), S::F32(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k, wpr))?,
-            (S::BF16(x), S::BF16(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k, wpr))?,
-            (S::F16(x), S::F16(w)) => launch(&dev, &func, cfg, x, w, offs, (m, n, k, wpr))?,
+            (S::F32(x), S::F32(w)) => launch(&dev, &func, cfg, x, w, offs, dims)?,
+            (S::BF16(x), S::BF16(w)) => launch(&dev, &func, cfg, x, w, offs, dims)?,
+            (S::F16(x), S::F16(w)) => launch(&dev, &func, cfg, x, w, offs, dims)?,
             _ => candle_core::bail!("gemv: unsupported dtype {dt:?}"),
         };
-        Ok((y, Shape::from((m, n))))
+        Ok((y, Shape::from((m, out_n))))
     }
 }

@@ -352,6 +352,7 @@ impl CustomOp3 for PagedAttention<'_> {
             softcap: self.softcap.unwrap_or(0.0),
             window: self.window.map_or(0, |w| w as i32),
             skip: if prefill.is_some() { PREFILL_MIN_ROWS as i32 } else { i32::MAX },
+            chunk: decode_chunk(),
         };
         let (ko, vo) = (k_l.start_offset(), v_l.start_offset());
 
@@ -371,6 +372,8 @@ impl CustomOp3 for PagedAttention<'_> {
             softcap: f32,
             window: i32,
             skip: i32,
+            /// Positions per chunk of the lane-split kernel.
+            chunk: i32,
         }
         struct Meta<'m> {
             row_seq: CudaView<'m, u32>,
@@ -405,7 +408,7 @@ impl CustomOp3 for PagedAttention<'_> {
                 };
                 b.mem(&part).mem(&q).mem(&k).mem(&v).mem(&m.row_seq).mem(&m.seq_info).mem(&m.block_tables);
                 b.scalar(&hq).scalar(&hkv).scalar(&hb).scalar(&bs);
-                b.scalar(&p.scale).scalar(&p.window).scalar(&p.softcap).scalar(&p.skip);
+                b.scalar(&p.scale).scalar(&p.window).scalar(&p.softcap).scalar(&p.skip).scalar(&p.chunk);
                 // SAFETY: argument types and counts match the kernel's signature; block tables were
                 // checked; the counters hold rows x heads entries (arrival_counters); the kernel
                 // waits (pdl_wait) before it reads or writes.
@@ -556,4 +559,14 @@ mod tests {
             }
         }
     }
+}
+
+/// Positions per chunk of the lane-split decode kernel (its blocks take every 16th chunk): 64,
+/// so that short contexts spread over several blocks (`IRIS_CUDA_DECODE_CHUNK=N`, to compare).
+#[cfg(feature = "cuda")]
+fn decode_chunk() -> i32 {
+    static CHUNK: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *CHUNK.get_or_init(|| {
+        std::env::var("IRIS_CUDA_DECODE_CHUNK").ok().and_then(|v| v.parse().ok()).filter(|&c: &i32| c > 0).unwrap_or(64)
+    })
 }

@@ -4,7 +4,8 @@
 // flight per lane, and uses each loaded weight for all M rows of x (x stays in L1/L2); matrices
 // of few rows split each row over several warps. The
 // sum for a row is taken in the same order whatever M is, so a row's output does not depend on
-// how many rows share the step. f32 accumulation.
+// how many rows share the step. f32 accumulation. With act >= 0 the rows are a gated MLP's
+// (gate, up) pairs and y [M, N / 2] gets the activation's product instead (ops/gemv.rs).
 #include "common.cuh"
 
 #define GEMV_THREADS 256
@@ -38,7 +39,8 @@ template <> __device__ __forceinline__ void unpack16<__half>(const uint4& v, flo
 // warps share a row, each taking every wpr-th run of 32 vectors, so that a matrix of few rows
 // still spreads over every SM; their partial sums are added in warp order.
 template <typename T, int M>
-__device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int n, int k, int wpr) {
+__device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int n, int k, int wpr,
+                     int act) {
     constexpr int V = Vec16<T>::N;
     constexpr int WARPS = GEMV_THREADS / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -91,7 +93,7 @@ __device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __rest
         for (int m = 0; m < M; ++m) partial[warp][m] = acc[m];
     }
     __syncthreads();
-    if (lane == 0 && part == 0 && row < n) {
+    if (act < 0 && lane == 0 && part == 0 && row < n) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float s = 0.f;
@@ -99,12 +101,24 @@ __device__ void gemv(T* __restrict__ y, const T* __restrict__ x, const T* __rest
             y[(size_t)m * n + row] = from_f<T>(s);
         }
     }
+    // Rows (2i, 2i + 1) are (gate i, up i) of a gated MLP, both in this block (wpr <= 4): y
+    // gets act(gate) * up, each rounded to T where the plain product and gated_act.cu round.
+    if (act >= 0 && lane == 0 && part == 0 && row < n && (row & 1) == 0) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float g = 0.f, u = 0.f;
+            for (int p = 0; p < wpr; ++p) g += partial[warp + p][m];
+            for (int p = 0; p < wpr; ++p) u += partial[warp + wpr + p][m];
+            const float gq = to_f(from_f<T>(g)), uq = to_f(from_f<T>(u));
+            y[(size_t)m * (n / 2) + row / 2] = from_f<T>(to_f(from_f<T>(mlp_act(gq, act))) * uq);
+        }
+    }
 }
 
 #define GEMV(TN, T, M)                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
-        gemv_##TN##_##M(T* y, const T* x, const T* w, int n, int k, int wpr) {                                          \
-        gemv<T, M>(y, x, w, n, k, wpr);                                                                           \
+        gemv_##TN##_##M(T* y, const T* x, const T* w, int n, int k, int wpr, int act) {                       \
+        gemv<T, M>(y, x, w, n, k, wpr, act);                                                                   \
     }
 #define GEMV_ROWS(TN, T)                                                                                       \
     GEMV(TN, T, 1) GEMV(TN, T, 2) GEMV(TN, T, 3) GEMV(TN, T, 4)                                                \

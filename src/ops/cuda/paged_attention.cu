@@ -172,13 +172,12 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
 // loads, coalesced), a warp scores KPW keys at once, and each group of LPK lanes keeps its own
 // running softmax over the keys it visits (PD_UNROLL keys' loads in flight), so nothing waits
 // on the block until the end, where the groups' states are merged in a fixed order.
-// Long contexts: the positions are cut into chunks of PD_CHUNK and block z of PD_SPLITS takes
+// Long contexts: the positions are cut into chunks of `chunk` and block z of PD_SPLITS takes
 // the chunks c with c % PD_SPLITS == z, writing its softmax state (m, l, acc) to `part`;
 // paged_decode_merge adds the PD_SPLITS states in order. The split does not depend on the
 // batch, so neither does a row's arithmetic.
 #define PD_THREADS 256
 #define PD_UNROLL 4
-#define PD_CHUNK 256
 #define PD_SPLITS 16
 
 // out = sum_z e^(M_z - M) acc_z / sum_z e^(M_z - M) L_z over the PD_SPLITS states of a
@@ -207,7 +206,7 @@ __device__ void paged_decode(TQ* __restrict__ out, uint32_t* __restrict__ counte
                              const TC* __restrict__ vc, const uint32_t* __restrict__ row_seq,
                              const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
                              int num_heads, int num_kv_heads, int block_size, float scale, int window, float softcap,
-                             int skip_q_len) {
+                             int skip_q_len, int chunk) {
     pdl_launch_dependents();  // the output projection may start streaming its weights
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;  // 16-byte vectors per head row
@@ -248,9 +247,9 @@ __device__ void paged_decode(TQ* __restrict__ out, uint32_t* __restrict__ counte
     // This block's chunks; in each, keys a + warp * KPW + sub + i * G, PD_UNROLL of them per
     // pass. The loop bounds do not depend on the lane, so every lane takes part in every shuffle.
     const int z = blockIdx.z;
-    const int c_lo = lo / PD_CHUNK;
-    for (int c = c_lo + (z - c_lo % PD_SPLITS + PD_SPLITS) % PD_SPLITS; c <= pos / PD_CHUNK; c += PD_SPLITS) {
-    const int a = max(lo, c * PD_CHUNK), b = min(pos, c * PD_CHUNK + PD_CHUNK - 1);
+    const int c_lo = lo / chunk;
+    for (int c = c_lo + (z - c_lo % PD_SPLITS + PD_SPLITS) % PD_SPLITS; c <= pos / chunk; c += PD_SPLITS) {
+    const int a = max(lo, c * chunk), b = min(pos, c * chunk + chunk - 1);
     for (int base = a + warp * KPW; base <= b; base += G * PD_UNROLL) {
         float kf[PD_UNROLL][RPL][V], vf[PD_UNROLL][RPL][V];
         bool ok[PD_UNROLL];
@@ -365,9 +364,10 @@ __device__ void paged_decode_merge(TQ* __restrict__ out, const float* __restrict
     extern "C" __global__ void __launch_bounds__(PD_THREADS)                                                   \
         NAME(TQ* out, uint32_t* counters, float* part, const TQ* q, const TC* kc, const TC* vc,                \
              const uint32_t* row_seq, const uint32_t* seq_info, const uint32_t* block_tables, int num_heads,   \
-             int num_kv_heads, int hb, int block_size, float scale, int window, float softcap, int skip_q_len) { \
-        paged_decode<TQ, TC, D>(out, counters, part, q, kc, vc, row_seq, seq_info, block_tables, num_heads, num_kv_heads,     \
-                                block_size, scale, window, softcap, skip_q_len);                               \
+             int num_kv_heads, int hb, int block_size, float scale, int window, float softcap, int skip_q_len,  \
+             int chunk) {                                                                                       \
+        paged_decode<TQ, TC, D>(out, counters, part, q, kc, vc, row_seq, seq_info, block_tables, num_heads,    \
+                                num_kv_heads, block_size, scale, window, softcap, skip_q_len, chunk);          \
     }
 #define PDM(NAME, TQ, D)                                                                                       \
     extern "C" __global__ void NAME(TQ* out, const float* part, const uint32_t* row_seq,                       \
