@@ -106,10 +106,20 @@ impl DecodeGraphs {
             max_positions,
             buffers: None,
             graphs: HashMap::new(),
-            timing: std::env::var("IRIS_CUDA_STEP_TIMING")
-                .is_ok_and(|v| v == "1")
-                .then_some(StepTiming { steps: 0, gpu_ms: 0.0, wall_ms: 0.0, last: None }),
+            timing: std::env::var("IRIS_CUDA_STEP_TIMING").is_ok_and(|v| v == "1").then_some(StepTiming {
+                steps: 0,
+                gpu_ms: 0.0,
+                wall_ms: 0.0,
+                last: None,
+            }),
         })
+    }
+
+    /// A step ran without a graph: the wall time to the next replay is not a decode step's.
+    pub fn ran_other_step(&mut self) {
+        if let Some(timing) = &mut self.timing {
+            timing.last = None;
+        }
     }
 
     fn max_bucket(&self) -> usize {
@@ -119,21 +129,6 @@ impl DecodeGraphs {
     /// Runs a pure decode step (one row per sequence, every row sampled) through its bucket's
     /// graph; None for any other step (or a bucket that cannot be captured).
     pub fn run(
-        &mut self,
-        model: &dyn TextModel,
-        kv: &KvCache,
-        batch: &Batch,
-        sample_rows: &[u32],
-        draws: Option<&[Draw]>,
-    ) -> Result<Option<StepOutput>> {
-        let out = self.replay(model, kv, batch, sample_rows, draws)?;
-        if let (None, Some(timing)) = (&out, &mut self.timing) {
-            timing.last = None; // the wall time to the next replay is not a decode step's
-        }
-        Ok(out)
-    }
-
-    fn replay(
         &mut self,
         model: &dyn TextModel,
         kv: &KvCache,

@@ -62,6 +62,7 @@ impl StepRunner {
             if let Some(out) = graphs.run(model, kv, &batch, sample_rows, draws)? {
                 return Ok(out);
             }
+            graphs.ran_other_step();
         }
         let hidden = self.forward(model, kv, batch)?;
         if sample_rows.is_empty() {

@@ -26,7 +26,6 @@ const DEFAULT_ROWS: usize = 2;
 
 /// Warps per output row: more where the matrix has few rows, so the grid fills the GPU
 /// (about 2,048 blocks), while each warp keeps at least two 16-byte loads per lane.
-#[cfg(feature = "cuda")]
 fn warps_per_row(n: usize, vectors_per_row: usize) -> usize {
     let mut wpr = 1;
     while wpr < 8 && n * wpr / 8 < 2048 && vectors_per_row / (wpr * 2) >= 64 {

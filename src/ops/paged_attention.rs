@@ -309,9 +309,9 @@ impl CustomOp3 for PagedAttention<'_> {
         // (`IRIS_CUDA_FUSED_MERGE=0`: always, to compare): the count costs each block a fence and
         // an atomic, which only hides when all blocks run together.
         static FUSED_MERGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let fused_merge =
-            *FUSED_MERGE.get_or_init(|| std::env::var("IRIS_CUDA_FUSED_MERGE").map_or(true, |v| v != "0"))
-                && rows * hq * DECODE_SPLITS <= super::cuda::resident_blocks(&dev, 256)?;
+        let fused_merge = *FUSED_MERGE
+            .get_or_init(|| std::env::var("IRIS_CUDA_FUSED_MERGE").map_or(true, |v| v != "0"))
+            && rows * hq * DECODE_SPLITS <= super::cuda::resident_blocks(&dev, 256)?;
         let merge = match (lane_split, fused_merge) {
             (false, _) => None,
             (true, true) => match super::cuda::arrival_counters(&dev, rows * hq)? {

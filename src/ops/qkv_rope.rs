@@ -7,7 +7,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::kv_write::{check_slot_range, KvWrite};
+use super::kv_write::KvWrite;
 use crate::batch::AttentionMeta;
 
 pub struct QkvRope<'a> {
@@ -41,9 +41,12 @@ impl QkvRope<'_> {
     /// head_dim]` each) as `KvWrite` does: returns q. On CUDA with a cache of y's type, one launch
     /// (`IRIS_CUDA_FUSED_KV_WRITE=0`: three, to compare).
     pub fn forward_into_cache(&self, y: &Tensor, kc: &Tensor, vc: &Tensor, meta: &AttentionMeta) -> Result<Tensor> {
-        static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let fused = *FUSED.get_or_init(|| std::env::var("IRIS_CUDA_FUSED_KV_WRITE").map_or(true, |v| v != "0"));
-        if fused && y.device().is_cuda() && kc.dtype() == y.dtype() && vc.dtype() == y.dtype() && meta.device.is_some()
+        #[cfg(feature = "cuda")]
+        if Self::fused_write()
+            && y.device().is_cuda()
+            && kc.dtype() == y.dtype()
+            && vc.dtype() == y.dtype()
+            && meta.device.is_some()
         {
             let t = y.dim(0)?;
             let op = IntoCache { rope: self, kc, vc, meta };
@@ -54,6 +57,12 @@ impl QkvRope<'_> {
         kc.inplace_op2(&k.contiguous()?, &write)?;
         vc.inplace_op2(&v.contiguous()?, &write)?;
         Ok(q)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn fused_write() -> bool {
+        static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *FUSED.get_or_init(|| std::env::var("IRIS_CUDA_FUSED_KV_WRITE").map_or(true, |v| v != "0"))
     }
 
     fn width(&self) -> usize {
@@ -136,6 +145,7 @@ impl CustomOp1 for QkvRope<'_> {
 }
 
 /// `QkvRope::forward_into_cache` on CUDA: the kernel given the cache and the step's slots.
+#[cfg(feature = "cuda")]
 struct IntoCache<'a> {
     rope: &'a QkvRope<'a>,
     kc: &'a Tensor,
@@ -143,6 +153,7 @@ struct IntoCache<'a> {
     meta: &'a AttentionMeta,
 }
 
+#[cfg(feature = "cuda")]
 impl CustomOp1 for IntoCache<'_> {
     fn name(&self) -> &'static str {
         "qkv-rope-into-cache"
@@ -152,7 +163,6 @@ impl CustomOp1 for IntoCache<'_> {
         candle_core::bail!("qkv-rope-into-cache: CUDA only (QkvRope::forward_into_cache goes op by op elsewhere)")
     }
 
-    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         self.rope.launch_cuda(s, l, Some((self.kc, self.vc, self.meta)))
     }
@@ -216,13 +226,17 @@ impl QkvRope<'_> {
                         || cl.start_offset() != 0
                         || st.dtype() != s.dtype()
                     {
-                        candle_core::bail!("qkv-rope: the cache must be whole [slots, {}, {d}] {:?} tensors", self.num_kv_heads, s.dtype());
+                        candle_core::bail!(
+                            "qkv-rope: the cache must be whole [slots, {}, {d}] {:?} tensors",
+                            self.num_kv_heads,
+                            s.dtype()
+                        );
                     }
                 }
                 if meta.slot_mapping.len() != t {
                     candle_core::bail!("qkv-rope: {} slots for {t} rows", meta.slot_mapping.len());
                 }
-                check_slot_range("qkv-rope", &meta.slot_mapping, kl.dims()[0])?;
+                super::kv_write::check_slot_range("qkv-rope", &meta.slot_mapping, kl.dims()[0])?;
                 let dm = meta.device.as_ref().ok_or_else(|| {
                     candle_core::Error::Msg("qkv-rope: the step's metadata is not on the device".into())
                 })?;

@@ -53,7 +53,12 @@ impl Kernel {
 
     /// Arguments for a launch as a programmatic dependent (`DependentArgs::launch`).
     pub fn dependent(&self) -> DependentArgs<'_> {
-        DependentArgs { kernel: self, addrs: Box::new([0; MAX_ARGS]), kinds: Vec::with_capacity(MAX_ARGS), guards: Vec::new() }
+        DependentArgs {
+            kernel: self,
+            addrs: Box::new([0; MAX_ARGS]),
+            kinds: Vec::with_capacity(MAX_ARGS),
+            guards: Vec::new(),
+        }
     }
 
     /// Launches the kernel as a programmatic dependent of the kernel before it on the stream
