@@ -147,7 +147,10 @@ impl<'a> DependentArgs<'a> {
     }
 
     fn push_addr(&mut self, addr: u64) -> &mut Self {
-        self.addrs[self.kinds.iter().filter(|k| matches!(k, Arg::Addr)).count()] = addr;
+        // Past MAX_ARGS the address is dropped; `launch` then refuses the list.
+        if let Some(a) = self.addrs.get_mut(self.kinds.iter().filter(|k| matches!(k, Arg::Addr)).count()) {
+            *a = addr;
+        }
         self.kinds.push(Arg::Addr);
         self
     }
@@ -221,22 +224,23 @@ pub fn resident_blocks(dev: &CudaDevice, threads: usize) -> Result<usize> {
     Ok(sms * (per_sm / threads.max(1)))
 }
 
-/// Zeroed u32 counters on `dev`, made once per device, that kernels count arrivals in and leave
-/// at zero (the split decode attention: the last block of a (row, head) merges). None when `n`
-/// exceed them: the caller takes a way without counters. They live as long as the process.
+/// Zeroed u32 counters for `dev`'s stream, made once per stream (kernels on one stream run in
+/// order, so they never share them), that kernels count arrivals in and leave at zero (the
+/// split decode attention: the last block of a (row, head) merges). None when `n` exceed them:
+/// the caller takes a way without counters. They live as long as the process (64 KiB each).
 pub fn arrival_counters(dev: &CudaDevice, n: usize) -> Result<Option<&'static CudaSlice<u32>>> {
     use std::collections::HashMap;
     use std::sync::Mutex;
     /// Enough for every (row, head) of a step the split decode kernel takes (rows x kv heads <
-    /// 128, so rows x heads < 128 x group size).
-    const COUNTERS: usize = 1 << 16;
+    /// 128, so rows x heads < 128 x group size) for groups of up to 128 query heads.
+    const COUNTERS: usize = 1 << 14;
     static ALL: Mutex<Option<HashMap<usize, &'static CudaSlice<u32>>>> = Mutex::new(None);
     if n > COUNTERS {
         return Ok(None);
     }
     let mut all = ALL.lock().unwrap_or_else(|e| e.into_inner());
     let map = all.get_or_insert_with(HashMap::new);
-    let key = dev.cuda_stream().context().ordinal();
+    let key = dev.cuda_stream().cu_stream() as usize;
     if let Some(&c) = map.get(&key) {
         return Ok(Some(c));
     }
