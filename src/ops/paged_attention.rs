@@ -309,16 +309,16 @@ impl CustomOp3 for PagedAttention<'_> {
         // (`IRIS_CUDA_FUSED_MERGE=0`: always, to compare): the count costs each block a fence and
         // an atomic, which only hides when all blocks run together.
         static FUSED_MERGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let fused_merge = *FUSED_MERGE
-            .get_or_init(|| std::env::var("IRIS_CUDA_FUSED_MERGE").map_or(true, |v| v != "0"))
-            && rows * hq * DECODE_SPLITS <= super::cuda::resident_blocks(&dev, 256)?;
-        let merge = match (lane_split, fused_merge) {
+        let fused_merge =
+            *FUSED_MERGE.get_or_init(|| std::env::var("IRIS_CUDA_FUSED_MERGE").map_or(true, |v| v != "0"));
+        let counters = match fused_merge && lane_split {
+            true => super::cuda::arrival_counters(&dev, rows * hq, rows * hq * DECODE_SPLITS, 256)?,
+            false => None,
+        };
+        let merge = match (lane_split, counters) {
             (false, _) => None,
-            (true, true) => match super::cuda::arrival_counters(&dev, rows * hq)? {
-                Some(c) => Some(SplitMerge::Counters(c)),
-                None => Some(SplitMerge::Kernel(PAGED_ATTENTION.func(&dev, &format!("paged_decode_merge_{qt}_{d}"))?)),
-            },
-            (true, false) => {
+            (true, Some(c)) => Some(SplitMerge::Counters(c)),
+            (true, None) => {
                 Some(SplitMerge::Kernel(PAGED_ATTENTION.func(&dev, &format!("paged_decode_merge_{qt}_{d}"))?))
             }
         };

@@ -55,9 +55,10 @@ impl Kernel {
     pub fn dependent(&self) -> DependentArgs<'_> {
         DependentArgs {
             kernel: self,
-            addrs: Box::new([0; MAX_ARGS]),
-            kinds: Vec::with_capacity(MAX_ARGS),
-            guards: Vec::new(),
+            values: [0; MAX_ARGS],
+            scalars: [None; MAX_ARGS],
+            guards: [const { None }; MAX_ARGS],
+            len: 0,
         }
     }
 
@@ -115,43 +116,42 @@ impl Kernel {
 const MAX_ARGS: usize = 32;
 
 /// A kernel's arguments, in its order, for `Kernel::launch_dependent`: device memory (passed
-/// as its address) or scalars (by reference, alive as long as this).
+/// as its address, held here) or scalars (by reference, alive as long as this). Kept on the
+/// stack: a decode step launches hundreds of kernels.
 pub struct DependentArgs<'a> {
     kernel: &'a Kernel,
-    /// Device addresses, where the parameter list points for memory arguments.
-    addrs: Box<[u64; MAX_ARGS]>,
-    kinds: Vec<Arg>,
-    guards: Vec<SyncOnDrop<'a>>,
-}
-
-enum Arg {
-    Addr,
-    Scalar(*const std::ffi::c_void),
+    /// Argument i's device address (memory arguments).
+    values: [u64; MAX_ARGS],
+    /// Argument i's value (scalar arguments).
+    scalars: [Option<*const std::ffi::c_void>; MAX_ARGS],
+    guards: [Option<SyncOnDrop<'a>>; MAX_ARGS],
+    /// Arguments pushed (past MAX_ARGS: counted only, and `launch` refuses).
+    len: usize,
 }
 
 impl<'a> DependentArgs<'a> {
     pub fn mem<T>(&mut self, m: &'a impl DevicePtr<T>) -> &mut Self {
         let (addr, guard) = m.device_ptr(&self.kernel.stream);
-        self.guards.push(guard);
-        self.push_addr(addr)
+        if let Some(g) = self.guards.get_mut(self.len) {
+            *g = Some(guard);
+        }
+        self.push(addr, None)
     }
 
     /// A null pointer (an input the kernel does without).
     pub fn null(&mut self) -> &mut Self {
-        self.push_addr(0)
+        self.push(0, None)
     }
 
     pub fn scalar<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
-        self.kinds.push(Arg::Scalar(v as *const T as *const _));
-        self
+        self.push(0, Some(v as *const T as *const _))
     }
 
-    fn push_addr(&mut self, addr: u64) -> &mut Self {
-        // Past MAX_ARGS the address is dropped; `launch` then refuses the list.
-        if let Some(a) = self.addrs.get_mut(self.kinds.iter().filter(|k| matches!(k, Arg::Addr)).count()) {
-            *a = addr;
+    fn push(&mut self, addr: u64, scalar: Option<*const std::ffi::c_void>) -> &mut Self {
+        if self.len < MAX_ARGS {
+            (self.values[self.len], self.scalars[self.len]) = (addr, scalar);
         }
-        self.kinds.push(Arg::Addr);
+        self.len += 1;
         self
     }
 
@@ -159,27 +159,19 @@ impl<'a> DependentArgs<'a> {
     /// The arguments are the kernel's, in its order and types, and the kernel calls
     /// `pdl_wait()` before it reads what earlier kernels wrote and before it writes.
     pub unsafe fn launch(mut self, cfg: LaunchConfig) -> Result<()> {
-        if self.kinds.len() > MAX_ARGS {
+        if self.len > MAX_ARGS {
             candle_core::bail!("a dependent launch takes at most {MAX_ARGS} arguments");
         }
-        let mut next = 0;
-        let addrs = self.addrs.as_mut_ptr();
-        let mut params: Vec<*mut std::ffi::c_void> = self
-            .kinds
-            .iter()
-            .map(|k| match k {
-                Arg::Scalar(p) => *p as *mut _,
-                Arg::Addr => {
-                    next += 1;
-                    // SAFETY: next - 1 < MAX_ARGS (checked above); the box outlives the launch.
-                    unsafe { addrs.add(next - 1) as *mut _ }
-                }
-            })
-            .collect();
-        // SAFETY: per the caller; every pointer in `params` is alive until this returns.
-        let r = unsafe { self.kernel.launch_dependent(cfg, &mut params) };
-        drop(std::mem::take(&mut self.guards));
-        r
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_ARGS];
+        for (i, p) in params.iter_mut().enumerate().take(self.len) {
+            *p = match self.scalars[i] {
+                Some(v) => v as *mut _,
+                None => &mut self.values[i] as *mut u64 as *mut _,
+            };
+        }
+        // SAFETY: per the caller; `params` point into `self` and the scalars it borrows, all
+        // alive until this returns; the guards drop after the launch.
+        unsafe { self.kernel.launch_dependent(cfg, &mut params[..self.len]) }
     }
 }
 
@@ -213,38 +205,44 @@ pub fn cuda_slice<'s, T: candle_core::cuda_backend::CudaDType>(s: &'s Storage, w
     }
 }
 
-/// Blocks of `threads` threads the GPU holds at once by its thread limit (registers and shared
-/// memory may allow fewer).
-pub fn resident_blocks(dev: &CudaDevice, threads: usize) -> Result<usize> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-    use candle_core::cuda_backend::WrapErr;
-    let ctx = dev.cuda_stream().context().clone();
-    let sms = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()? as usize;
-    let per_sm = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR).w()? as usize;
-    Ok(sms * (per_sm / threads.max(1)))
-}
-
-/// Zeroed u32 counters for `dev`'s stream, made once per stream (kernels on one stream run in
-/// order, so they never share them), that kernels count arrivals in and leave at zero (the
-/// split decode attention: the last block of a (row, head) merges). None when `n` exceed them:
-/// the caller takes a way without counters. They live as long as the process (64 KiB each).
-pub fn arrival_counters(dev: &CudaDevice, n: usize) -> Result<Option<&'static CudaSlice<u32>>> {
+/// For the split decode attention on `dev`'s stream: zeroed u32 counters that its blocks count
+/// arrivals in and leave at zero (the last block of a (row, head) merges), when the launch's
+/// `blocks` of `threads` threads all fit the GPU at once (by its thread limit) and `n` counters
+/// are enough; None otherwise (the caller merges with a kernel of its own). Made once per
+/// stream (kernels on one stream run in order, so they never share them) and kept for the
+/// process (64 KiB each).
+pub fn arrival_counters(
+    dev: &CudaDevice,
+    n: usize,
+    blocks: usize,
+    threads: usize,
+) -> Result<Option<&'static CudaSlice<u32>>> {
     use std::collections::HashMap;
     use std::sync::Mutex;
+
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    use candle_core::cuda_backend::WrapErr;
     /// Enough for every (row, head) of a step the split decode kernel takes (rows x kv heads <
     /// 128, so rows x heads < 128 x group size) for groups of up to 128 query heads.
     const COUNTERS: usize = 1 << 14;
-    static ALL: Mutex<Option<HashMap<usize, &'static CudaSlice<u32>>>> = Mutex::new(None);
+    /// Per stream: the counters, the GPU's multiprocessors and the threads each holds at once.
+    type Entry = (&'static CudaSlice<u32>, usize, usize);
+    static ALL: Mutex<Option<HashMap<usize, Entry>>> = Mutex::new(None);
     if n > COUNTERS {
         return Ok(None);
     }
     let mut all = ALL.lock().unwrap_or_else(|e| e.into_inner());
     let map = all.get_or_insert_with(HashMap::new);
     let key = dev.cuda_stream().cu_stream() as usize;
-    if let Some(&c) = map.get(&key) {
-        return Ok(Some(c));
-    }
-    let c: &'static CudaSlice<u32> = Box::leak(Box::new(dev.alloc_zeros::<u32>(COUNTERS)?));
-    map.insert(key, c);
-    Ok(Some(c))
+    let (counters, sms, per_sm) = match map.get(&key) {
+        Some(&entry) => entry,
+        None => {
+            let ctx = dev.cuda_stream().context().clone();
+            let sms = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()? as usize;
+            let per_sm = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR).w()? as usize;
+            let c: &'static CudaSlice<u32> = Box::leak(Box::new(dev.alloc_zeros::<u32>(COUNTERS)?));
+            *map.entry(key).or_insert((c, sms, per_sm))
+        }
+    };
+    Ok((blocks <= sms * (per_sm / threads.max(1))).then_some(counters))
 }
