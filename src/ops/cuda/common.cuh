@@ -72,6 +72,38 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
+// One chunk of a running softmax per head, shared by the block-wide attention kernels (dense
+// and TurboQuant): warps take heads in turn (WARPS of them), and head h's N scores in shared
+// memory, p[h * STRIDE + i], become exp(score - m_new); its max m[h] and sum l[h] move on, and
+// corr[h] = exp(m_old - m_new) is left for rescaling what was accumulated before. The caller
+// synchronizes the block before (scores written) and after (p, corr read).
+template <int N, int STRIDE, int WARPS>
+__device__ __forceinline__ void softmax_chunk(float* p, int heads, float* m, float* l, float* corr) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int h = warp; h < heads; h += WARPS) {
+        float* ph = p + h * STRIDE;
+        float mx = -INFINITY;
+        for (int i = lane; i < N; i += 32) mx = fmaxf(mx, ph[i]);
+        mx = warp_max(mx);
+        const float m_old = m[h];
+        const float m_new = fmaxf(m_old, mx);
+        float sum = 0.f;
+        for (int i = lane; i < N; i += 32) {
+            const float e = expf(ph[i] - m_new);
+            ph[i] = e;
+            sum += e;
+        }
+        sum = warp_sum(sum);
+        __syncwarp();
+        if (lane == 0) {
+            const float c = expf(m_old - m_new);
+            corr[h] = c;
+            l[h] = l[h] * c + sum;
+            m[h] = m_new;
+        }
+    }
+}
+
 // Programmatic dependent launch (Hopper): a kernel launched with it may start while the kernel
 // before it finishes; pdl_wait() returns once that kernel has completed and its writes are
 // visible, so everything a kernel reads from earlier kernels, and every write, comes after it.

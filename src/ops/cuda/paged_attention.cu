@@ -33,7 +33,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
     const int per_kv = group / hb;
     const int kvh = blockIdx.y / per_kv;
     const int h0 = kvh * group + (blockIdx.y % per_kv) * hb;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
 
     const uint32_t s = row_seq[t];
     const int q_start = seq_info[4 * s], q_len = seq_info[4 * s + 1], ctx = seq_info[4 * s + 2];
@@ -97,28 +97,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
             for (int h = 0; h < hb; ++h) p_s[h][tid] = -INFINITY;
         }
         __syncthreads();
-        // Running softmax: one warp per head.
-        for (int h = warp; h < hb; h += PA_THREADS / 32) {
-            float mx = -INFINITY;
-            for (int i = lane; i < PA_CHUNK; i += 32) mx = fmaxf(mx, p_s[h][i]);
-            mx = warp_max(mx);
-            const float m_old = m_s[h];
-            const float m_new = fmaxf(m_old, mx);
-            float sum = 0.f;
-            for (int i = lane; i < PA_CHUNK; i += 32) {
-                const float e = expf(p_s[h][i] - m_new);
-                p_s[h][i] = e;
-                sum += e;
-            }
-            sum = warp_sum(sum);
-            __syncwarp();
-            if (lane == 0) {
-                const float c = expf(m_old - m_new);
-                corr_s[h] = c;
-                l_s[h] = l_s[h] * c + sum;
-                m_s[h] = m_new;
-            }
-        }
+        softmax_chunk<PA_CHUNK, PA_CHUNK, PA_THREADS / 32>(&p_s[0][0], hb, m_s, l_s, corr_s);
         __syncthreads();
         if (pv) {
 #pragma unroll

@@ -64,7 +64,7 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
     const int group = num_heads / num_kv_heads, per_kv = group / hb;
     const int kvh = blockIdx.y / per_kv;
     const int h0 = kvh * group + (blockIdx.y % per_kv) * hb;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     const TqRow r = tq_row(t, row_seq, seq_info, window, float_window);
     const uint32_t* bt = block_tables + seq_info[4 * r.s + 3];
     const int n = r.split - r.lo;
@@ -136,28 +136,7 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
             for (int h = 0; h < hb; ++h) p_s[h][tid] = -INFINITY;
         }
         __syncthreads();
-        // Running softmax: one warp per head.
-        for (int h = warp; h < hb; h += TA_THREADS / 32) {
-            float mx = -INFINITY;
-            for (int i = lane; i < TA_THREADS; i += 32) mx = fmaxf(mx, p_s[h][i]);
-            mx = warp_max(mx);
-            const float m_old = m_s[h];
-            const float m_new = fmaxf(m_old, mx);
-            float sum = 0.f;
-            for (int i = lane; i < TA_THREADS; i += 32) {
-                const float e = expf(p_s[h][i] - m_new);
-                p_s[h][i] = e;
-                sum += e;
-            }
-            sum = warp_sum(sum);
-            __syncwarp();
-            if (lane == 0) {
-                const float c = expf(m_old - m_new);
-                corr_s[h] = c;
-                l_s[h] = l_s[h] * c + sum;
-                m_s[h] = m_new;
-            }
-        }
+        softmax_chunk<TA_THREADS, TA_THREADS, TA_THREADS / 32>(&p_s[0][0], hb, m_s, l_s, corr_s);
         __syncthreads();
         if (pv) {
 #pragma unroll
