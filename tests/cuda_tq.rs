@@ -138,7 +138,7 @@ struct TqCase {
 /// codec and copied), for one launch mixing decodes (short, and past several splits), a whole
 /// prompt and prompt chunks over a cached prefix; f32 queries within 1e-4, bf16 within bf16.
 fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol: f32) {
-    use iris::ops::tq_attention::{FloatInputs, TqAttention};
+    use iris::ops::tq_attention::TqAttention;
     use iris::ops::tq_write::TqWrite;
     let mut rng = StdRng::seed_from_u64((c.heads * 1000 + c.head_dim + c.float_window) as u64);
     let (bs, d, hkv) = (16, c.head_dim, c.kv_heads);
@@ -172,23 +172,16 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
         window: c.window,
         softcap: c.softcap,
     };
-    let cpu = TqAttention {
-        attn: paged(&m),
+    // The op over a step's metadata, float window inputs and device codecs.
+    let op = |m, float, device| TqAttention {
+        attn: paged(m),
         key: &codecs.key,
         value: &codecs.value,
         key_scale: codecs.key_scale.as_deref(),
-        float: (fw > 0).then_some(FloatInputs {
-            len: fw,
-            ring_k: &ring_k,
-            ring_v: &ring_v,
-            new_k: &new_k,
-            new_v: &new_v,
-            rings: None,
-        }),
-        device: None,
-    }
-    .forward(&q, &kc, &vc)
-    .unwrap();
+        float,
+        device,
+    };
+    let cpu = op(&m, float_inputs(fw, [&ring_k, &ring_v, &new_k, &new_v], None), None).forward(&q, &kc, &vc).unwrap();
     let mut mg = m.clone();
     mg.upload(dev).unwrap();
     let g = |t: &Tensor| t.to_device(dev).unwrap();
@@ -196,21 +189,7 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
     let on_gpu = codecs.upload(dev).unwrap();
     let rings = Tensor::new(mg.window_rings.as_slice(), dev).unwrap();
     let (gnk, gnv, grk, grv) = (gq(&new_k), gq(&new_v), g(&ring_k), g(&ring_v));
-    let gpu_op = TqAttention {
-        attn: paged(&mg),
-        key: &codecs.key,
-        value: &codecs.value,
-        key_scale: codecs.key_scale.as_deref(),
-        float: (fw > 0).then_some(FloatInputs {
-            len: fw,
-            ring_k: &grk,
-            ring_v: &grv,
-            new_k: &gnk,
-            new_v: &gnv,
-            rings: Some(&rings),
-        }),
-        device: Some(&on_gpu),
-    };
+    let gpu_op = op(&mg, float_inputs(fw, [&grk, &grv, &gnk, &gnv], Some(&rings)), Some(&on_gpu));
     let (gpu_q, gpu_k, gpu_v) = (gq(&q), g(&kc), g(&vc));
     let gpu = gpu_op.forward(&gpu_q, &gpu_k, &gpu_v).unwrap();
     // No atomics in the kernels' sums: the same launch gives the same bits.
@@ -229,6 +208,15 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
         c.softcap,
         c.scaled
     );
+}
+
+/// A float window of `len` positions (None for 0): rings, this step's rows, ring indices.
+fn float_inputs<'t>(
+    len: usize,
+    [ring_k, ring_v, new_k, new_v]: [&'t Tensor; 4],
+    rings: Option<&'t Tensor>,
+) -> Option<iris::ops::tq_attention::FloatInputs<'t>> {
+    (len > 0).then_some(iris::ops::tq_attention::FloatInputs { len, ring_k, ring_v, new_k, new_v, rings })
 }
 
 fn tq_cases() -> Vec<TqCase> {
