@@ -15,5 +15,6 @@ pub mod media;
 pub mod models;
 pub mod ops;
 pub mod server;
+mod switches;
 pub mod tokenizer;
 pub mod weights;

@@ -264,7 +264,7 @@ impl Engine {
     /// logits come to the host). Takes from each row's generator what host sampling would.
     /// `IRIS_DEVICE_SAMPLING=0` sends every step's logits to the host (for comparisons).
     fn device_draws(&mut self, sample_rows: &[(SeqId, usize)]) -> Option<Vec<Draw>> {
-        if self.runner.device().is_cpu() || std::env::var("IRIS_DEVICE_SAMPLING").is_ok_and(|v| v == "0") {
+        if self.runner.device().is_cpu() || !crate::switches::switched_on!("IRIS_DEVICE_SAMPLING") {
             return None;
         }
         let plain = |id: &SeqId| self.scheduler.get(*id).is_some_and(|s| draws_plainly(&s.params, s.output.len()));

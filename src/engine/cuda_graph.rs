@@ -95,7 +95,7 @@ unsafe impl Send for Graph {}
 impl DecodeGraphs {
     /// None when graphs are off: not a CUDA device, or `IRIS_CUDA_GRAPHS=0`.
     pub fn new(device: &Device, max_num_seqs: usize, max_blocks_per_seq: usize, max_positions: usize) -> Option<Self> {
-        if !device.is_cuda() || std::env::var("IRIS_CUDA_GRAPHS").is_ok_and(|v| v == "0") {
+        if !device.is_cuda() || !crate::switches::switched_on!("IRIS_CUDA_GRAPHS") {
             return None;
         }
         let buckets: Vec<usize> = BUCKETS.iter().copied().filter(|&b| b < max_num_seqs).chain([max_num_seqs]).collect();

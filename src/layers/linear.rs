@@ -98,8 +98,7 @@ impl Linear {
     /// `interleave_halves` without bias, where `Gemv::applies_gated` (a decode step's few rows on
     /// CUDA); None where it does not apply (or with `IRIS_CUDA_GATED_GEMV=0`, to compare).
     pub fn forward_gated(&self, x: &Tensor, gelu: bool) -> Option<Result<Tensor>> {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *ON.get_or_init(|| std::env::var("IRIS_CUDA_GATED_GEMV").map_or(true, |v| v != "0"));
+        let on = crate::switches::switched_on!("IRIS_CUDA_GATED_GEMV");
         match &self.w {
             Matrix::Dense(w) if on && self.bias.is_none() && Gemv::applies_gated(x, w) => {
                 Some(Gemv::forward_gated(x, w, gelu))

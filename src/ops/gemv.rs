@@ -6,8 +6,6 @@
 //! H200 (plus a reduction launch each); `cuda/gemv.cu` gives each output row one warp and
 //! streams it in 16-byte loads. The CPU code is the reference it is tested against.
 
-use std::sync::OnceLock;
-
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 /// Rows of x the kernel can take.
@@ -17,10 +15,7 @@ pub const MAX_ROWS: usize = 8;
 /// kernel a load and a multiply per weight, and from a few rows on cuBLAS's tensor-core kernels
 /// win. `IRIS_CUDA_GEMV=N` sets it (0: never), to compare.
 pub fn max_rows() -> usize {
-    static ROWS: OnceLock<usize> = OnceLock::new();
-    *ROWS.get_or_init(|| {
-        std::env::var("IRIS_CUDA_GEMV").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_ROWS).min(MAX_ROWS)
-    })
+    crate::switches::tuned!("IRIS_CUDA_GEMV", usize, DEFAULT_ROWS).min(MAX_ROWS)
 }
 const DEFAULT_ROWS: usize = 2;
 

@@ -297,9 +297,7 @@ impl CustomOp3 for PagedAttention<'_> {
         // per lane group (`paged_decode`) instead of block-wide phases, over DECODE_SPLITS blocks
         // per (row, head) that each take every DECODE_SPLITS-th chunk of positions, then
         // `paged_decode_merge`. `IRIS_CUDA_PAGED_DECODE=0` keeps the block-wide kernel, to compare.
-        static LANE_SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let lane_split =
-            hb == 1 && *LANE_SPLIT.get_or_init(|| std::env::var("IRIS_CUDA_PAGED_DECODE").map_or(true, |v| v != "0"));
+        let lane_split = hb == 1 && crate::switches::switched_on!("IRIS_CUDA_PAGED_DECODE");
         let kernel = if lane_split { "paged_decode" } else { "paged_attention" };
         let decode = PAGED_ATTENTION.func(&dev, &format!("{kernel}_{qt}_{ct}_{d}"))?;
         /// PD_SPLITS in paged_attention.cu.
@@ -308,10 +306,7 @@ impl CustomOp3 for PagedAttention<'_> {
         // on the device) when the blocks fit the GPU at once, or by a kernel of their own
         // (`IRIS_CUDA_FUSED_MERGE=0`: always, to compare): the count costs each block a fence and
         // an atomic, which only hides when all blocks run together.
-        static FUSED_MERGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let fused_merge =
-            *FUSED_MERGE.get_or_init(|| std::env::var("IRIS_CUDA_FUSED_MERGE").map_or(true, |v| v != "0"));
-        let counters = match fused_merge && lane_split {
+        let counters = match lane_split && crate::switches::switched_on!("IRIS_CUDA_FUSED_MERGE") {
             true => super::cuda::arrival_counters(&dev, rows * hq, rows * hq * DECODE_SPLITS, 256)?,
             false => None,
         };
@@ -565,8 +560,5 @@ mod tests {
 /// so that short contexts spread over several blocks (`IRIS_CUDA_DECODE_CHUNK=N`, to compare).
 #[cfg(feature = "cuda")]
 fn decode_chunk() -> i32 {
-    static CHUNK: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *CHUNK.get_or_init(|| {
-        std::env::var("IRIS_CUDA_DECODE_CHUNK").ok().and_then(|v| v.parse().ok()).filter(|&c: &i32| c > 0).unwrap_or(64)
-    })
+    crate::switches::tuned!("IRIS_CUDA_DECODE_CHUNK", i32, 64).max(1)
 }

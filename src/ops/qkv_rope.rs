@@ -61,8 +61,7 @@ impl QkvRope<'_> {
 
     #[cfg(feature = "cuda")]
     fn fused_write() -> bool {
-        static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *FUSED.get_or_init(|| std::env::var("IRIS_CUDA_FUSED_KV_WRITE").map_or(true, |v| v != "0"))
+        crate::switches::switched_on!("IRIS_CUDA_FUSED_KV_WRITE")
     }
 
     fn width(&self) -> usize {

@@ -73,8 +73,7 @@ impl Kernel {
     pub unsafe fn launch_dependent(&self, cfg: LaunchConfig, params: &mut [*mut std::ffi::c_void]) -> Result<()> {
         use candle_core::cuda_backend::cudarc::driver::sys;
         use candle_core::cuda_backend::WrapErr;
-        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let pdl = *ENABLED.get_or_init(|| std::env::var("IRIS_CUDA_PDL").map_or(true, |v| v != "0"));
+        let pdl = crate::switches::switched_on!("IRIS_CUDA_PDL");
         self.stream.context().bind_to_thread().w()?;
         // SAFETY: a zeroed attribute is a valid "no attribute"; id and value are set below.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };

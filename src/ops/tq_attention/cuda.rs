@@ -273,6 +273,5 @@ pub(super) fn forward(
 /// The fewest coded positions a split of tq_attn_partial takes: 64 (`IRIS_TQ_MIN_CHUNK=N` to
 /// compare).
 fn min_chunk() -> i32 {
-    static MIN_CHUNK: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *MIN_CHUNK.get_or_init(|| std::env::var("IRIS_TQ_MIN_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(64))
+    crate::switches::tuned!("IRIS_TQ_MIN_CHUNK", i32, 64)
 }
