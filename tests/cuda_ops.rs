@@ -137,7 +137,10 @@ fn paged_attention_bf16_matches_cpu() {
 
 /// A decode row's attention does not depend on the rows beside it: alone it gives the same bits
 /// as within a few-row mix (the lane-split kernel's position split is fixed, not chosen by the
-/// batch), for contexts within one chunk of positions and past several.
+/// batch), for contexts within one chunk of positions and past several. Alone, a row's 28 x 16
+/// blocks fit the GPU at once and its last block merges the splits (arrival counters); the mix
+/// (13 rows) has more blocks than an H200 holds, so the merge kernel does: equal bits here also
+/// mean the two merges agree.
 #[test]
 fn decode_attention_is_batch_invariant() {
     let Some(dev) = gpu() else { return };
