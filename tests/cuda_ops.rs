@@ -361,7 +361,6 @@ fn qkv_rope_matches_cpu() {
 #[test]
 fn qkv_rope_into_cache_equals_separate_write() {
     use iris::batch::NO_SLOT;
-    use iris::ops::qkv_rope::QkvRope;
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(41);
     let (hq, hkv, d, bs) = (28, 4, 128, 16);
@@ -372,26 +371,15 @@ fn qkv_rope_into_cache_equals_separate_write() {
     let t = m.num_rows();
     for dt in [DType::F32, DType::BF16] {
         let g = |x: Tensor| x.to_dtype(dt).unwrap().to_device(&dev).unwrap();
-        let y = g(random(&mut rng, &[t, (hq + 2 * hkv) * d]));
-        let b = g(random(&mut rng, &[(hq + 2 * hkv) * d]));
-        let (cos, sin) = (g(random(&mut rng, &[t, d / 2])), g(random(&mut rng, &[t, d / 2])));
-        let op = QkvRope {
-            num_heads: hq,
-            num_kv_heads: hkv,
-            head_dim: d,
-            bias: Some(&b),
-            cos: &cos,
-            sin: &sin,
-            qk_norm: None,
-            interleaved: false,
-        };
+        let inputs = common::cuda::QkvInputs::random(&mut rng, &dev, dt, t, (hq, hkv, d));
+        let (y, op) = (&inputs.y, inputs.op((hq, hkv, d), false, false));
         let init = g(random(&mut rng, &[slots, hkv, d]));
         let (kc, vc) = (init.copy().unwrap(), init.copy().unwrap());
-        let (q, k, v) = op.forward(&y).unwrap();
+        let (q, k, v) = op.forward(y).unwrap();
         kc.inplace_op2(&k, &KvWrite::step(&m)).unwrap();
         vc.inplace_op2(&v, &KvWrite::step(&m)).unwrap();
         let (kf, vf) = (init.copy().unwrap(), init.copy().unwrap());
-        let qf = op.forward_into_cache(&y, &kf, &vf, &m).unwrap();
+        let qf = op.forward_into_cache(y, &kf, &vf, &m).unwrap();
         for (name, a, b) in [("q", &qf, &q), ("k cache", &kf, &kc), ("v cache", &vf, &vc)] {
             let e = max_rel_err(a, b);
             assert_eq!(e, 0.0, "qkv-rope into cache {dt:?}: {name} differs (rel err {e})");

@@ -123,6 +123,67 @@ fn tq_write_matches_cpu_codes() {
     }
 }
 
+/// The projection kernel encoding k and v into a TurboQuant cache (`forward_into_tq_cache`, one
+/// launch) leaves the same bytes as the kernel followed by the two cache writes above, returns
+/// the same q, and skips rows without a slot: 1-D and interleaved rotary, q/k norms, key scales,
+/// Hadamard (d = 64, 128, 256) and dense (d = 80) rotations, f32 and bf16.
+#[test]
+fn qkv_rope_into_tq_cache_equals_separate_writes() {
+    use common::cuda::QkvInputs;
+    use iris::batch::NO_SLOT;
+    use iris::kv::TqLayerCache;
+    use iris::ops::tq_write::TqWrite;
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(43);
+    for (hq, hkv, d, bits, scaled, norm, interleaved, dt) in [
+        (28, 4, 128, (3, 4), true, false, false, DType::BF16),
+        (28, 4, 128, (4, 4), false, false, false, DType::F32),
+        (8, 2, 64, (2, 3), true, true, true, DType::F32),
+        (4, 1, 256, (4, 2), true, true, false, DType::BF16),
+        (8, 2, 80, (3, 4), true, false, false, DType::F32),
+    ] {
+        let (mut m, n_slots) = meta(&mut rng, &[(40, 40), (300, 1), (17, 5)], 16);
+        let skipped = m.slot_mapping[3] as usize;
+        m.slot_mapping[3] = NO_SLOT;
+        m.upload(&dev).unwrap();
+        let t = m.num_rows();
+        let inputs = QkvInputs::random(&mut rng, &dev, dt, t, (hq, hkv, d));
+        let (y, op) = (&inputs.y, inputs.op((hq, hkv, d), norm, interleaved));
+        let codecs = tq_codecs(d, hkv, bits, scaled);
+        let cache = || {
+            let init = |row: usize| {
+                let v: Vec<u8> = (0..n_slots * hkv * row).map(|i| (i * 37 % 251) as u8).collect();
+                Tensor::from_vec(v, (n_slots, hkv, row), &dev).unwrap()
+            };
+            TqLayerCache {
+                k: init(codecs.key.row_bytes()),
+                v: init(codecs.value.row_bytes()),
+                codecs: codecs.clone(),
+                window: None,
+                device: Some(codecs.upload(&dev).unwrap()),
+            }
+        };
+        let (separate, fused) = (cache(), cache());
+        let (q, k, v) = op.forward(y).unwrap();
+        let dm = m.device.as_ref();
+        separate.k.inplace_op2(&k.contiguous().unwrap(), &TqWrite::keys(&separate, &m.slot_mapping, dm)).unwrap();
+        separate.v.inplace_op2(&v.contiguous().unwrap(), &TqWrite::values(&separate, &m.slot_mapping, dm)).unwrap();
+        let qf = op.forward_into_tq_cache(y, &fused, &m).unwrap();
+        let what = format!("qkv-rope into a tq cache {hq}x{hkv}x{d} bits {bits:?} {dt:?}");
+        assert_eq!(max_rel_err(&qf, &q), 0.0, "{what}: q differs");
+        for (name, a, b) in [("keys", &fused.k, &separate.k), ("values", &fused.v, &separate.v)] {
+            let (a, b) = (bytes(a), bytes(b));
+            let differ = (0..a.len()).filter(|&i| a[i] != b[i]).count();
+            assert_eq!(differ, 0, "{what}: {differ} of {} {name} bytes differ", a.len());
+        }
+        // The row without a slot left its would-be slot as it was.
+        let untouched = cache();
+        for (a, b) in [(&fused.k, &untouched.k), (&fused.v, &untouched.v)] {
+            assert_eq!(bytes(&a.get(skipped).unwrap()), bytes(&b.get(skipped).unwrap()), "{what}: a NO_SLOT row wrote");
+        }
+    }
+}
+
 struct TqCase {
     heads: usize,
     kv_heads: usize,

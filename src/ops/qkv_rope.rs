@@ -8,7 +8,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::kv_write::KvWrite;
+use super::tq_write::TqWrite;
 use crate::batch::AttentionMeta;
+use crate::kv::TqLayerCache;
 
 pub struct QkvRope<'a> {
     pub num_heads: usize,
@@ -49,13 +51,34 @@ impl QkvRope<'_> {
             && meta.device.is_some()
         {
             let t = y.dim(0)?;
-            let op = IntoCache { rope: self, kc, vc, meta };
+            let op = IntoCache { rope: self, dst: CacheDst::Dense(kc, vc), meta };
             return y.apply_op1_no_bwd(&op)?.reshape((t, self.num_heads, self.head_dim));
         }
         let (q, k, v) = self.forward(y)?;
         let write = KvWrite::step(meta);
         kc.inplace_op2(&k.contiguous()?, &write)?;
         vc.inplace_op2(&v.contiguous()?, &write)?;
+        Ok(q)
+    }
+
+    /// `forward`, then k and v encoded into their slots of a TurboQuant cache as `TqWrite` does:
+    /// returns q. On CUDA one launch, bit-identical to `forward` and the two writes (with a
+    /// Hadamard rotation; `IRIS_CUDA_FUSED_KV_WRITE=0`: three launches, to compare). The float
+    /// window's rows are not kept: a cache with one takes `forward` and `write_and_attend`.
+    pub fn forward_into_tq_cache(&self, y: &Tensor, c: &TqLayerCache, meta: &AttentionMeta) -> Result<Tensor> {
+        if c.window.is_some() {
+            candle_core::bail!("qkv-rope: a TurboQuant cache with a float window needs the step's k and v");
+        }
+        #[cfg(feature = "cuda")]
+        if Self::fused_write() && y.device().is_cuda() && meta.device.is_some() && c.device.is_some() {
+            let t = y.dim(0)?;
+            let op = IntoCache { rope: self, dst: CacheDst::TurboQuant(c), meta };
+            return y.apply_op1_no_bwd(&op)?.reshape((t, self.num_heads, self.head_dim));
+        }
+        let (q, k, v) = self.forward(y)?;
+        let dm = meta.device.as_ref();
+        c.k.inplace_op2(&k.contiguous()?, &TqWrite::keys(c, &meta.slot_mapping, dm))?;
+        c.v.inplace_op2(&v.contiguous()?, &TqWrite::values(c, &meta.slot_mapping, dm))?;
         Ok(q)
     }
 
@@ -143,13 +166,22 @@ impl CustomOp1 for QkvRope<'_> {
     }
 }
 
-/// `QkvRope::forward_into_cache` on CUDA: the kernel given the cache and the step's slots.
+/// `QkvRope::forward_into_cache` and `forward_into_tq_cache` on CUDA: the kernel given the
+/// cache and the step's slots.
 #[cfg(feature = "cuda")]
 struct IntoCache<'a> {
     rope: &'a QkvRope<'a>,
-    kc: &'a Tensor,
-    vc: &'a Tensor,
+    dst: CacheDst<'a>,
     meta: &'a AttentionMeta,
+}
+
+/// Where the fused kernel puts k and v.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy)]
+enum CacheDst<'a> {
+    /// Dense `[slots, kv_heads, head_dim]` key and value caches of y's type.
+    Dense(&'a Tensor, &'a Tensor),
+    TurboQuant(&'a TqLayerCache),
 }
 
 #[cfg(feature = "cuda")]
@@ -163,7 +195,7 @@ impl CustomOp1 for IntoCache<'_> {
     }
 
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.rope.launch_cuda(s, l, Some((self.kc, self.vc, self.meta)))
+        self.rope.launch_cuda(s, l, Some((self.dst, self.meta)))
     }
 }
 
@@ -174,7 +206,7 @@ impl QkvRope<'_> {
         &self,
         s: &candle_core::CudaStorage,
         l: &Layout,
-        cache: Option<(&Tensor, &Tensor, &AttentionMeta)>,
+        cache: Option<(CacheDst, &AttentionMeta)>,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
         use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S};
@@ -188,7 +220,9 @@ impl QkvRope<'_> {
             candle_core::bail!("qkv-rope: no CUDA kernel for head_dim {d}");
         }
         let dev = s.device().clone();
-        let func = QKV_ROPE.func(&dev, &format!("qkv_rope_{}_{d}", dtype_name(s.dtype())?))?;
+        let tq = matches!(cache, Some((CacheDst::TurboQuant(_), _)));
+        let func =
+            QKV_ROPE.func(&dev, &format!("qkv_rope_{}_{d}{}", dtype_name(s.dtype())?, if tq { "_tq" } else { "" }))?;
         let heads = self.num_heads + 2 * self.num_kv_heads;
         let cfg = LaunchConfig {
             grid_dim: (t as u32, heads.div_ceil(4) as u32, 1),
@@ -210,26 +244,29 @@ impl QkvRope<'_> {
             }
         }
 
-        // The cache: two whole [slots, kv_heads, head_dim] tensors of y's type, and the step's
-        // slots (the first rows of its device metadata), each checked.
+        // The cache: two whole [slots, kv_heads, row] tensors (row: head_dim values of y's type,
+        // or a TurboQuant row of codes and norm), the step's slots (the first rows of its device
+        // metadata), and for TurboQuant the codecs' device tables, each checked.
+        let hkv = self.num_kv_heads;
         let cache_guards = match cache {
-            Some((kc, vc, meta)) => {
+            Some((dst, meta)) => {
+                let (kc, vc, rows) = match dst {
+                    CacheDst::Dense(kc, vc) => (kc, vc, [d; 2]),
+                    CacheDst::TurboQuant(c) => (&c.k, &c.v, [c.codecs.key.row_bytes(), c.codecs.value.row_bytes()]),
+                };
+                let want = if tq { candle_core::DType::U8 } else { s.dtype() };
                 let (ks, kl) = kc.storage_and_layout();
                 let (vs, vl) = vc.storage_and_layout();
-                let row = self.num_kv_heads * d;
-                for (st, cl) in [(&ks, kl), (&vs, vl)] {
+                for ((st, cl), row) in [(&ks, kl), (&vs, vl)].into_iter().zip(rows) {
                     let dims = cl.dims();
                     if dims.len() != 3
-                        || dims[1] * dims[2] != row
+                        || dims[1] * dims[2] != hkv * row
+                        || dims[0] != kl.dims()[0]
                         || !cl.is_contiguous()
                         || cl.start_offset() != 0
-                        || st.dtype() != s.dtype()
+                        || st.dtype() != want
                     {
-                        candle_core::bail!(
-                            "qkv-rope: the cache must be whole [slots, {}, {d}] {:?} tensors",
-                            self.num_kv_heads,
-                            s.dtype()
-                        );
+                        candle_core::bail!("qkv-rope: the cache must be whole [slots, {hkv}, {row}] {want:?} tensors");
                     }
                 }
                 if meta.slot_mapping.len() != t {
@@ -243,7 +280,11 @@ impl QkvRope<'_> {
                 if !ml.is_contiguous() || ml.start_offset() != 0 {
                     candle_core::bail!("qkv-rope: step metadata must be a whole contiguous tensor");
                 }
-                Some((ks, vs, ms))
+                let codecs = match dst {
+                    CacheDst::Dense(..) => None,
+                    CacheDst::TurboQuant(c) => Some(TqArgs::check(c, d, hkv)?),
+                };
+                Some((ks, vs, ms, codecs))
             }
             None => None,
         };
@@ -258,8 +299,9 @@ impl QkvRope<'_> {
             (off, t, stride): (usize, usize, usize),
             small: &[Option<&Tensor>],
             guards: &[(candle_core::StorageRef, &Layout)],
-            cache: Option<(&Storage, &Storage, &Storage)>,
+            cache: Option<(&Storage, &Storage, &Storage, Option<&TqArgs>)>,
         ) -> Result<CudaStorage> {
+            use super::cuda::cuda_slice;
             let mut ptrs = Vec::new();
             let mut g = guards.iter();
             for present in small {
@@ -278,15 +320,9 @@ impl QkvRope<'_> {
             let y = y.slice(off..);
             let ints = [stride as i32, t as i32, op.num_heads as i32, op.num_kv_heads as i32, op.interleaved as i32];
             let eps = op.qk_norm.map_or(0.0, |n| n.2);
-            let slices = match cache {
-                Some((ks, vs, ms)) => {
-                    let kc = super::cuda::cuda_slice::<T>(ks, "the key cache")?;
-                    let vc = super::cuda::cuda_slice::<T>(vs, "the value cache")?;
-                    Some((kc, vc, super::cuda::cuda_slice::<u32>(ms, "the step's metadata")?))
-                }
-                None => None,
-            };
-            let slots = slices.as_ref().map(|(_, _, m)| m.slice(0..t));
+            // Views the launch borrows, set below.
+            let slots;
+            let tq_tabs;
             let mut b = func.dependent();
             b.mem(&out).mem(&y).scalar(&ints[0]);
             // Order of the kernel's pointer arguments: bias, cos, sin, q norm, k norm.
@@ -297,17 +333,38 @@ impl QkvRope<'_> {
                 };
             }
             b.scalar(&eps).scalar(&ints[1]).scalar(&ints[2]).scalar(&ints[3]).scalar(&ints[4]);
-            match (&slices, &slots) {
-                (Some((kc, vc, _)), Some(slots)) => b.mem(*kc).mem(*vc).mem(slots),
-                _ => b.null().null().null(),
-            };
-            // SAFETY: argument types and counts match the kernel's signature; shapes and slots
-            // were checked; the kernel waits (pdl_wait) before it reads or writes.
+            match cache {
+                Some((ks, vs, ms, None)) => {
+                    slots = cuda_slice::<u32>(ms, "the step's metadata")?.slice(0..t);
+                    b.mem(cuda_slice::<T>(ks, "the key cache")?).mem(cuda_slice::<T>(vs, "the value cache")?);
+                    b.mem(&slots);
+                }
+                Some((ks, vs, ms, Some(tq))) => {
+                    slots = cuda_slice::<u32>(ms, "the step's metadata")?.slice(0..t);
+                    b.mem(cuda_slice::<u8>(ks, "the key codes")?).mem(cuda_slice::<u8>(vs, "the value codes")?);
+                    b.mem(&slots);
+                    tq_tabs = tq.slices()?;
+                    b.mem(tq_tabs.0).mem(tq_tabs.1);
+                    match tq_tabs.2 {
+                        Some(s) => b.mem(s),
+                        None => b.null(),
+                    };
+                    for i in &tq.ints {
+                        b.scalar(i);
+                    }
+                }
+                None => {
+                    b.null().null().null();
+                }
+            }
+            // SAFETY: argument types and counts match the kernel's signature (qkv_rope_*, or
+            // qkv_rope_*_tq for a TurboQuant cache); shapes, slots and codec tables were
+            // checked; the kernel waits (pdl_wait) before it reads or writes.
             unsafe { b.launch(cfg) }?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
         let args = (l.start_offset(), t, stride);
-        let cache = cache_guards.as_ref().map(|(k, v, m)| (&**k, &**v, &**m));
+        let cache = cache_guards.as_ref().map(|(k, v, m, c)| (&**k, &**v, &**m, c.as_ref()));
         let out = match &s.slice {
             S::F32(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0, cache)?,
             S::BF16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0, cache)?,
@@ -316,5 +373,72 @@ impl QkvRope<'_> {
         };
         let len = if cache.is_some() { t * self.num_heads * d } else { t * self.width() };
         Ok((out, Shape::from(len)))
+    }
+}
+
+#[cfg(feature = "cuda")]
+type F32Slice = candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>;
+
+/// A TurboQuant cache's codec tables on the device, checked against the codecs, and the
+/// kernel's integer arguments (key bits, value bits, and whether each rotation is dense).
+#[cfg(feature = "cuda")]
+struct TqArgs<'a> {
+    key: candle_core::StorageRef<'a>,
+    value: candle_core::StorageRef<'a>,
+    scale: Option<candle_core::StorageRef<'a>>,
+    ints: [i32; 4],
+}
+
+#[cfg(feature = "cuda")]
+impl<'a> TqArgs<'a> {
+    fn check(c: &'a TqLayerCache, d: usize, hkv: usize) -> Result<Self> {
+        let dc = c
+            .device
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("qkv-rope: the TurboQuant codecs are not on the device".into()))?;
+        let (kcodec, vcodec) = (&c.codecs.key, &c.codecs.value);
+        for codec in [kcodec, vcodec] {
+            let dense = codec.rotation().is_dense();
+            if codec.dim() != d || !(2..=4).contains(&codec.bits()) || (!d.is_power_of_two() && !dense) {
+                candle_core::bail!("qkv-rope: no CUDA kernel for {d}-dim {}-bit codes", codec.bits());
+            }
+        }
+        let table_len =
+            |codec: &crate::kv::turboquant::TqCodec| 32 + if codec.rotation().is_dense() { d * d } else { 2 * d };
+        if dc.key.elem_count() != table_len(kcodec) || dc.value.elem_count() != table_len(vcodec) {
+            candle_core::bail!("qkv-rope: device codec tables of the wrong size");
+        }
+        if dc.key_scale.is_some() != c.codecs.key_scale.is_some()
+            || dc.key_scale.as_ref().is_some_and(|s| s.elem_count() != hkv * d)
+        {
+            candle_core::bail!("qkv-rope: device key scales disagree with the codecs");
+        }
+        for t in [Some(&dc.key), Some(&dc.value), dc.key_scale.as_ref()].into_iter().flatten() {
+            if t.dtype() != candle_core::DType::F32 || !t.is_contiguous() || t.layout().start_offset() != 0 {
+                candle_core::bail!("qkv-rope: device codec tables must be contiguous f32");
+            }
+        }
+        Ok(TqArgs {
+            key: dc.key.storage_and_layout().0,
+            value: dc.value.storage_and_layout().0,
+            scale: dc.key_scale.as_ref().map(|s| s.storage_and_layout().0),
+            ints: [
+                kcodec.bits() as i32,
+                vcodec.bits() as i32,
+                kcodec.rotation().is_dense() as i32,
+                vcodec.rotation().is_dense() as i32,
+            ],
+        })
+    }
+
+    /// The key table, the value table, the key scales.
+    #[allow(clippy::type_complexity)]
+    fn slices(&self) -> Result<(&F32Slice, &F32Slice, Option<&F32Slice>)> {
+        use super::cuda::cuda_slice;
+        Ok((
+            cuda_slice::<f32>(&self.key, "the key codec")?,
+            cuda_slice::<f32>(&self.value, "the value codec")?,
+            self.scale.as_ref().map(|s| cuda_slice::<f32>(s, "the key scales")).transpose()?,
+        ))
     }
 }

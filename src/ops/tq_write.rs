@@ -135,7 +135,10 @@ impl InplaceOp2 for TqWrite<'_> {
         if rows == 0 {
             return Ok(());
         }
-        if d > 256 || !(2..=4).contains(&bits) || (!d.is_power_of_two() && !self.codec.rotation().is_dense()) {
+        if ![16, 32, 64, 80, 96, 128, 256].contains(&d)
+            || !(2..=4).contains(&bits)
+            || (!d.is_power_of_two() && !self.codec.rotation().is_dense())
+        {
             candle_core::bail!("tq-write: no CUDA kernel for head_dim {d} with {bits}-bit codes");
         }
         if dev_in.scale.is_some() != self.scale.is_some() {
@@ -154,8 +157,12 @@ impl InplaceOp2 for TqWrite<'_> {
         }
         let dev = cache.device().clone();
         let func = TQ_WRITE.func(&dev, &format!("tq_write_{}", dtype_name(new.dtype())?))?;
-        let cfg =
-            LaunchConfig { grid_dim: (rows as u32, heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // A warp per (row, head), TW_WARPS = 4 of them per block.
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, heads.div_ceil(4) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let ints = [
             heads as i32,
             d as i32,

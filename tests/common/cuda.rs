@@ -49,3 +49,47 @@ pub fn max_rel_err(a: &Tensor, b: &Tensor) -> f32 {
     assert!(diff.is_finite(), "non-finite output");
     diff / scale.max(1e-12)
 }
+
+/// Random inputs of the fused q/k/v projection split (`QkvRope`) for `t` rows, in `dt` on `dev`.
+pub struct QkvInputs {
+    pub y: Tensor,
+    pub bias: Tensor,
+    pub cos: Tensor,
+    pub sin: Tensor,
+    pub q_norm: Tensor,
+    pub k_norm: Tensor,
+}
+
+impl QkvInputs {
+    pub fn random(rng: &mut StdRng, dev: &Device, dt: DType, t: usize, (hq, hkv, d): (usize, usize, usize)) -> Self {
+        let mut g = |shape: &[usize]| random(rng, shape).to_dtype(dt).unwrap().to_device(dev).unwrap();
+        let w = (hq + 2 * hkv) * d;
+        QkvInputs {
+            y: g(&[t, w]),
+            bias: g(&[w]),
+            cos: g(&[t, d / 2]),
+            sin: g(&[t, d / 2]),
+            q_norm: g(&[d]),
+            k_norm: g(&[d]),
+        }
+    }
+
+    /// The op over these inputs (with the bias; with the q/k norms when `norm`).
+    pub fn op(
+        &self,
+        (hq, hkv, d): (usize, usize, usize),
+        norm: bool,
+        interleaved: bool,
+    ) -> iris::ops::qkv_rope::QkvRope<'_> {
+        iris::ops::qkv_rope::QkvRope {
+            num_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+            bias: Some(&self.bias),
+            cos: &self.cos,
+            sin: &self.sin,
+            qk_norm: norm.then_some((&self.q_norm, &self.k_norm, 1e-6)),
+            interleaved,
+        }
+    }
+}

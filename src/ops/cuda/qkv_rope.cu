@@ -2,30 +2,62 @@
 // optional per-head RMSNorm of q and k, and rotates q and k (see ops/qkv_rope.rs, the
 // reference). One warp per (row, head); the head's values go through shared memory because
 // rotary pairs element i with i + D/2 (or 2i with 2i + 1), which another lane holds.
-#include "common.cuh"
+#include "tq_common.cuh"
 
 #define QR_WARPS 4
+
+// A TurboQuant cache that k and v are encoded into (qkv_rope_tq): codes [slots, hkv, row bytes]
+// (row bytes: D bits / 8 of codes, then the f32 norm), codec tables (TqCodec::device_table),
+// and the keys' scales ([hkv, D] or null).
+struct TqDst {
+    uint8_t* codes[2];
+    const float* table[2];
+    const float* kscale;
+    int bits[2];
+    int dense[2];
+};
 
 // y: [rows, (hq + 2 hkv) * D] with row stride y_stride (q heads, then k, then v).
 // bias: [(hq + 2 hkv) * D] or null. cos, sin: [rows, D / 2]. qn, kn: [D] or null.
 // out: q [rows, hq, D], then k [rows, hkv, D], then v [rows, hkv, D]; or, given a dense cache
 // (kc, vc: [slots, hkv, D], slots: a slot per row, 0xffffffff for none), q only, with k and v
-// stored in their slots (the separate cache write's two launches saved).
-template <typename T, int D>
+// stored in their slots (the separate cache write's two launches saved); or, given a TurboQuant
+// cache (TQC), q only, with k and v encoded into their slots as tq_write.cu does from the T
+// values the kernel would have returned (bit-identical to the two separate launches).
+template <typename T, int D, bool TQC>
 __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_stride, const T* __restrict__ bias,
                          const T* __restrict__ cos, const T* __restrict__ sin, const T* __restrict__ qn,
                          const T* __restrict__ kn, float eps, int rows, int hq, int hkv, int interleaved,
-                         T* __restrict__ kc, T* __restrict__ vc, const uint32_t* __restrict__ slots) {
+                         T* __restrict__ kc, T* __restrict__ vc, const uint32_t* __restrict__ slots,
+                         const TqDst& tq) {
     constexpr int E = (D + 31) / 32;
     constexpr int H = D / 2;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t = blockIdx.x;
     const int head = blockIdx.y * QR_WARPS + warp;
     __shared__ float buf[QR_WARPS][D];
+    // TurboQuant: the codecs' boundaries, centroids and rotation signs (dense rotations stay in
+    // global memory), and the key scales of a key head, read before the wait: they are written
+    // once at start-up, so their latency overlaps the kernel before.
+    constexpr int TAB = TQC ? TQ_ROTATION + 2 * D : 1;
+    __shared__ float tab_s[TQC ? 2 : 1][TAB];
+    float ks[E];
     pdl_launch_dependents();
+    if constexpr (TQC) {
+        for (int i = threadIdx.x; i < 2 * TAB; i += blockDim.x) {
+            const int which = i / TAB, j = i % TAB;
+            if (j < TQ_ROTATION || !tq.dense[which]) tab_s[which][j] = tq.table[which][j];
+        }
+#pragma unroll
+        for (int k = 0; k < E; ++k) {
+            const int e = lane + 32 * k;
+            ks[k] = tq.kscale && head >= hq && head < hq + hkv && e < D ? tq.kscale[(head - hq) * D + e] : 1.f;
+        }
+        __syncthreads();
+    }
     pdl_wait();  // launched as a dependent (ops/qkv_rope.rs): y comes after this
     if (head >= hq + 2 * hkv) return;
-    const uint32_t slot = kc && head >= hq ? slots[t] : 0u;
+    const uint32_t slot = (TQC || kc) && head >= hq ? slots[t] : 0u;
     if (slot == 0xffffffffu) return;  // a padding row: its k and v are not kept
     const T* src = y + (size_t)t * y_stride + (size_t)head * D;
     float x[E];
@@ -40,6 +72,22 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
         }
     }
     T* dst;
+    if (TQC && head >= hq + hkv) {  // v: encoded as it is (x holds T values)
+        if constexpr (TQC) {
+            __shared__ float tmp_s[QR_WARPS][D];
+            __shared__ uint8_t code_s[QR_WARPS][D];
+#pragma unroll
+            for (int k = 0; k < E; ++k) {
+                const int e = lane + 32 * k;
+                if (e < D) buf[warp][e] = x[k];
+            }
+            const int cb = D * tq.bits[1] / 8;
+            uint8_t* row = tq.codes[1] + ((size_t)slot * hkv + head - hq - hkv) * (cb + 4);
+            tq_encode_warp<D>(buf[warp], tmp_s[warp], code_s[warp], row, tq.dense[1] ? tq.table[1] : tab_s[1],
+                              tq.bits[1], tq.dense[1] != 0);
+        }
+        return;
+    }
     if (head >= hq + hkv) {  // v: passed through
         dst = kc ? vc + ((size_t)slot * hkv + head - hq - hkv) * D
                  : out + (size_t)rows * (hq + hkv) * D + ((size_t)t * hkv + head - hq - hkv) * D;
@@ -90,7 +138,24 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
             const float cc = to_f(c[i]), ss = to_f(s[i]);
             o = e < H ? x[k] * cc - buf[warp][e + H] * ss : buf[warp][e - H] * ss + x[k] * cc;
         }
-        dst[e] = from_f<T>(o);
+        if (TQC && !is_q) x[k] = to_f(from_f<T>(o));  // the key as the separate write would read it
+        else dst[e] = from_f<T>(o);
+    }
+    if constexpr (TQC) {
+        if (is_q) return;
+        __shared__ float tmp_s[QR_WARPS][D];
+        __shared__ uint8_t code_s[QR_WARPS][D];
+        const int kvh = head - hq;
+        __syncwarp();  // every lane has read buf
+#pragma unroll
+        for (int k = 0; k < E; ++k) {
+            const int e = lane + 32 * k;
+            if (e < D) buf[warp][e] = tq.kscale ? __fmul_rn(x[k], ks[k]) : x[k];
+        }
+        const int cb = D * tq.bits[0] / 8;
+        uint8_t* row = tq.codes[0] + ((size_t)slot * hkv + kvh) * (cb + 4);
+        tq_encode_warp<D>(buf[warp], tmp_s[warp], code_s[warp], row, tq.dense[0] ? tq.table[0] : tab_s[0], tq.bits[0],
+                          tq.dense[0] != 0);
     }
 }
 
@@ -99,7 +164,17 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
         NAME(T* out, const T* y, int y_stride, const T* bias, const T* cos, const T* sin, const T* qn,          \
              const T* kn, float eps, int rows, int hq, int hkv, int interleaved, T* kc, T* vc,                  \
              const uint32_t* slots) {                                                                           \
-        qkv_rope<T, D>(out, y, y_stride, bias, cos, sin, qn, kn, eps, rows, hq, hkv, interleaved, kc, vc, slots); \
+        qkv_rope<T, D, false>(out, y, y_stride, bias, cos, sin, qn, kn, eps, rows, hq, hkv, interleaved, kc, vc, \
+                              slots, TqDst{});                                                                  \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(QR_WARPS * 32)                                                \
+        NAME##_tq(T* out, const T* y, int y_stride, const T* bias, const T* cos, const T* sin, const T* qn,     \
+                  const T* kn, float eps, int rows, int hq, int hkv, int interleaved, uint8_t* kq, uint8_t* vq, \
+                  const uint32_t* slots, const float* ktab, const float* vtab, const float* kscale, int kbits,  \
+                  int vbits, int kdense, int vdense) {                                                          \
+        const TqDst tq{{kq, vq}, {ktab, vtab}, kscale, {kbits, vbits}, {kdense, vdense}};                       \
+        qkv_rope<T, D, true>(out, y, y_stride, bias, cos, sin, qn, kn, eps, rows, hq, hkv, interleaved, nullptr, \
+                             nullptr, slots, tq);                                                               \
     }
 
 #define QR_DIMS(N, T)                                                                                          \

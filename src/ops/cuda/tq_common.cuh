@@ -11,13 +11,26 @@
 #define TQ_CENTROIDS 16
 #define TQ_ROTATION 32
 
+// The threads that run a rotation: the whole block, or (WARP) the calling warp alone, which
+// lets the warps of a block rotate different vectors without waiting on each other.
+template <bool WARP> struct TqTeam {
+    __device__ __forceinline__ static int id() { return WARP ? (threadIdx.x & 31) : threadIdx.x; }
+    __device__ __forceinline__ static int size() { return WARP ? 32 : blockDim.x; }
+    __device__ __forceinline__ static void sync() {
+        if (WARP) __syncwarp(); else __syncthreads();
+    }
+};
+
 // In place, the unnormalised Walsh-Hadamard transform of `count` vectors of D values (D a
-// power of two) in shared memory, by the whole block. Each butterfly computes u + v and u - v
-// as the reference's fwht does, so the results are bit-identical to it.
-__device__ __forceinline__ void tq_fwht(float* y, int count, int D) {
+// power of two) in shared memory, by the team. Each butterfly computes u + v and u - v as the
+// reference's fwht does, so the results are bit-identical to it.
+template <bool WARP, int D>
+__device__ __forceinline__ void tq_fwht(float* y, int count) {
+    using T = TqTeam<WARP>;
+#pragma unroll
     for (int h = 1; h < D; h <<= 1) {
-        __syncthreads();
-        for (int b = threadIdx.x; b < count * (D / 2); b += blockDim.x) {
+        T::sync();
+        for (int b = T::id(); b < count * (D / 2); b += T::size()) {
             const int v = b / (D / 2), k = b % (D / 2);
             float* x = y + v * D;
             const int i = (k / h) * 2 * h + k % h;
@@ -26,26 +39,34 @@ __device__ __forceinline__ void tq_fwht(float* y, int count, int D) {
             x[i + h] = __fsub_rn(u, w);
         }
     }
-    __syncthreads();
+    T::sync();
 }
 
-// y <- R y for `count` vectors of D values in shared memory (Rotation::apply); `tmp` is shared
-// scratch of count * D values (dense rotations only). Hadamard: bit-identical to the reference
-// (the sign flips and the scaling by 1 / D, a power of two, are exact). Dense: each output sums
-// its D products in order, which rounds differently from the reference's vectorised dot product.
-__device__ __forceinline__ void tq_rotate(float* y, float* tmp, int count, int D, const float* rot, bool dense) {
-    __syncthreads();
-    if (!dense) {
-        for (int i = threadIdx.x; i < count * D; i += blockDim.x) y[i] = __fmul_rn(y[i], rot[i % D]);
-        tq_fwht(y, count, D);
-        for (int i = threadIdx.x; i < count * D; i += blockDim.x) y[i] = __fmul_rn(y[i], rot[D + i % D]);
-        tq_fwht(y, count, D);
-        const float inv = 1.f / (float)D;
-        for (int i = threadIdx.x; i < count * D; i += blockDim.x) y[i] = __fmul_rn(y[i], inv);
-    } else {
-        for (int i = threadIdx.x; i < count * D; i += blockDim.x) tmp[i] = y[i];
-        __syncthreads();
-        for (int i = threadIdx.x; i < count * D; i += blockDim.x) {
+// y <- R y for `count` vectors of D values in shared memory (Rotation::apply), by the team;
+// `tmp` is shared scratch of count * D values (dense rotations only). Hadamard: bit-identical to
+// the reference (the sign flips and the scaling by 1 / D, a power of two, are exact). Dense:
+// each output sums its D products in order, which rounds differently from the reference's
+// vectorised dot product.
+template <bool WARP, int D>
+__device__ __forceinline__ void tq_rotate(float* y, float* tmp, int count, const float* rot, bool dense) {
+    using T = TqTeam<WARP>;
+    T::sync();
+    if constexpr ((D & (D - 1)) == 0) {
+        if (!dense) {
+            for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], rot[i % D]);
+            tq_fwht<WARP, D>(y, count);
+            for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], rot[D + i % D]);
+            tq_fwht<WARP, D>(y, count);
+            const float inv = 1.f / (float)D;
+            for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], inv);
+            T::sync();
+            return;
+        }
+    }
+    {
+        for (int i = T::id(); i < count * D; i += T::size()) tmp[i] = y[i];
+        T::sync();
+        for (int i = T::id(); i < count * D; i += T::size()) {
             const float* m = rot + (size_t)(i % D) * D;
             const float* x = tmp + (i / D) * D;
             float s = 0.f;
@@ -53,23 +74,29 @@ __device__ __forceinline__ void tq_rotate(float* y, float* tmp, int count, int D
             y[i] = s;
         }
     }
-    __syncthreads();
+    T::sync();
 }
 
 // y <- R^T y (Rotation::apply_inverse), as `tq_rotate`.
-__device__ __forceinline__ void tq_rotate_inverse(float* y, float* tmp, int count, int D, const float* rot,
-                                                  bool dense) {
-    __syncthreads();
-    if (!dense) {
-        tq_fwht(y, count, D);
-        for (int i = threadIdx.x; i < count * D; i += blockDim.x) y[i] = __fmul_rn(y[i], rot[D + i % D]);
-        tq_fwht(y, count, D);
-        const float inv = 1.f / (float)D;
-        for (int i = threadIdx.x; i < count * D; i += blockDim.x) y[i] = __fmul_rn(y[i], rot[i % D] * inv);
-    } else {
-        for (int i = threadIdx.x; i < count * D; i += blockDim.x) tmp[i] = y[i];
-        __syncthreads();
-        for (int i = threadIdx.x; i < count * D; i += blockDim.x) {
+template <bool WARP, int D>
+__device__ __forceinline__ void tq_rotate_inverse(float* y, float* tmp, int count, const float* rot, bool dense) {
+    using T = TqTeam<WARP>;
+    T::sync();
+    if constexpr ((D & (D - 1)) == 0) {
+        if (!dense) {
+            tq_fwht<WARP, D>(y, count);
+            for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], rot[D + i % D]);
+            tq_fwht<WARP, D>(y, count);
+            const float inv = 1.f / (float)D;
+            for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], rot[i % D] * inv);
+            T::sync();
+            return;
+        }
+    }
+    {
+        for (int i = T::id(); i < count * D; i += T::size()) tmp[i] = y[i];
+        T::sync();
+        for (int i = T::id(); i < count * D; i += T::size()) {
             const int c = i % D;
             const float* x = tmp + (i / D) * D;
             float s = 0.f;
@@ -77,7 +104,59 @@ __device__ __forceinline__ void tq_rotate_inverse(float* y, float* tmp, int coun
             y[i] = s;
         }
     }
-    __syncthreads();
+    T::sync();
+}
+
+// TqCodec::encode of one head vector by the calling warp: y (shared, D values, already scaled
+// by the key scales) becomes the packed codes and f32 norm of `row`; y is overwritten, `tmp`
+// (D values) and `codes` (D bytes) are shared scratch. The codes and the norm are bit-identical
+// to the reference's with a Hadamard rotation: the norm sums the squares in the same order
+// with the same roundings (no fused multiply-adds), the butterflies are the same additions,
+// and a code counts the boundaries strictly below the coordinate, as the reference does.
+template <int D, int BITS>
+__device__ __forceinline__ void tq_pack_warp(const uint8_t* codes, uint8_t* row) {
+    constexpr int CB = D * BITS / 8;
+    for (int k = threadIdx.x & 31; k < CB; k += 32) {
+        uint32_t byte = 0;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            const int g = 8 * k + b, i = g / BITS;
+            byte |= ((codes[i] >> (g % BITS)) & 1u) << b;
+        }
+        row[k] = (uint8_t)byte;
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void tq_encode_warp(float* y, float* tmp, uint8_t* codes, uint8_t* row,
+                                               const float* table, int bits, bool dense) {
+    const int code_bytes = D * bits / 8;
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+    float norm = 0.f;
+    if (lane == 0) {
+        // In order, as the reference's f32 sum of squares.
+        float n = 0.f;
+#pragma unroll 16
+        for (int i = 0; i < D; ++i) n = __fadd_rn(n, __fmul_rn(y[i], y[i]));
+        norm = __fsqrt_rn(n);
+    }
+    norm = __shfl_sync(0xffffffffu, norm, 0);
+    const float inv = __fdiv_rn(1.f, fmaxf(norm, 1e-6f));
+    tq_rotate<true, D>(y, tmp, 1, table + TQ_ROTATION, dense);
+    for (int i = lane; i < D; i += 32) {
+        const float v = __fmul_rn(y[i], inv);
+        int idx = 0;
+#pragma unroll
+        for (int k = 0; k < 15; ++k) idx += v > table[TQ_BOUNDS + k];  // unused boundaries are +inf
+        codes[i] = (uint8_t)idx;
+    }
+    __syncwarp();
+    if (bits == 2) tq_pack_warp<D, 2>(codes, row);
+    else if (bits == 3) tq_pack_warp<D, 3>(codes, row);
+    else tq_pack_warp<D, 4>(codes, row);
+    if (lane < 4) row[code_bytes + lane] = (uint8_t)(__float_as_uint(norm) >> (8 * lane));
+    __syncwarp();
 }
 
 // The 8 codes of coordinates 8 g .. 8 g + 7 of a packed row (least significant bits first):

@@ -1,68 +1,49 @@
 // cache[slots[t]] = encode(new[t] * scale) for every row t and kv head of a step, padding rows
 // (slot NO_SLOT) skipped (see ops/tq_write.rs and TqCodec::encode, the reference).
 //
-// One block per (row, kv head). With a Hadamard rotation the codes and the norm are
-// bit-identical to the reference's: the norm sums the squares in the same order with the same
-// roundings (no fused multiply-adds), the rotation's butterflies are the same additions, and a
-// code counts the boundaries strictly below the coordinate, as the reference does.
+// One warp per (row, kv head), TW_WARPS of them per block: each encodes its head vector on its
+// own (tq_encode_warp), bit-identical to the reference with a Hadamard rotation. Head dims: those
+// of the attention kernels (16, 32, 64, 80, 96, 128, 256; ops/tq_write.rs checks).
 #include "tq_common.cuh"
 
-#define TW_THREADS 128
-#define TW_MAXD 256
+#define TW_WARPS 4
 
-template <typename TN>
+template <typename TN, int D>
 __device__ void tq_write(uint8_t* __restrict__ cache, const TN* __restrict__ src, const uint32_t* __restrict__ slots,
-                         const float* __restrict__ table, const float* __restrict__ scale, int heads, int D,
-                         int bits, int code_bytes, int dense) {
-    __shared__ float y_s[TW_MAXD], tmp_s[TW_MAXD];
-    __shared__ uint8_t code_s[TW_MAXD];
-    __shared__ float inv_s, norm_s;
-    pdl_launch_dependents();
-    pdl_wait();  // launched as a dependent (ops/tq_write.rs): inputs after this
-    const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+                         const float* __restrict__ table, const float* __restrict__ scale, int heads, int bits,
+                         int code_bytes, int dense) {
+    __shared__ float y_s[TW_WARPS][D], tmp_s[TW_WARPS][D];
+    __shared__ uint8_t code_s[TW_WARPS][D];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = blockIdx.x, h = blockIdx.y * TW_WARPS + warp;
+    if (h >= heads) return;
     const uint32_t slot = slots[t];
     if (slot == 0xffffffffu) return;  // a padding row (NO_SLOT)
     const TN* x = src + ((size_t)t * heads + h) * D;
-    for (int i = tid; i < D; i += blockDim.x) {
+    for (int i = lane; i < D; i += 32) {
         float v = to_f(x[i]);
         if (scale) v = __fmul_rn(v, scale[h * D + i]);
-        y_s[i] = v;
+        y_s[warp][i] = v;
     }
-    __syncthreads();
-    if (tid == 0) {
-        // In order, as the reference's f32 sum of squares.
-        float n = 0.f;
-        for (int i = 0; i < D; ++i) n = __fadd_rn(n, __fmul_rn(y_s[i], y_s[i]));
-        norm_s = __fsqrt_rn(n);
-        inv_s = __fdiv_rn(1.f, fmaxf(norm_s, 1e-6f));
-    }
-    tq_rotate(y_s, tmp_s, 1, D, table + TQ_ROTATION, dense != 0);
-    const float inv = inv_s;
-    for (int i = tid; i < D; i += blockDim.x) {
-        const float v = __fmul_rn(y_s[i], inv);
-        int idx = 0;
-#pragma unroll
-        for (int k = 0; k < 15; ++k) idx += v > table[TQ_BOUNDS + k];  // unused boundaries are +inf
-        code_s[i] = (uint8_t)idx;
-    }
-    __syncthreads();
     uint8_t* row = cache + ((size_t)slot * heads + h) * (code_bytes + 4);
-    for (int k = tid; k < code_bytes; k += blockDim.x) {
-        uint32_t byte = 0;
-        for (int b = 0; b < 8; ++b) {
-            const int g = 8 * k + b, i = g / bits;
-            if (i < D) byte |= ((code_s[i] >> (g % bits)) & 1u) << b;
-        }
-        row[k] = (uint8_t)byte;
-    }
-    for (int k = tid; k < 4; k += blockDim.x) row[code_bytes + k] = (uint8_t)(__float_as_uint(norm_s) >> (8 * k));
+    tq_encode_warp<D>(y_s[warp], tmp_s[warp], code_s[warp], row, table, bits, dense != 0);
 }
 
 #define TQ_WRITE(NAME, TN)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(TW_THREADS)                                                   \
+    extern "C" __global__ void __launch_bounds__(TW_WARPS * 32)                                                \
         NAME(uint8_t* cache, const TN* src, const uint32_t* slots, const float* table, const float* scale,     \
              int heads, int D, int bits, int code_bytes, int dense) {                                          \
-        tq_write<TN>(cache, src, slots, table, scale, heads, D, bits, code_bytes, dense);                      \
+        pdl_launch_dependents();                                                                               \
+        pdl_wait(); /* launched as a dependent (ops/tq_write.rs): inputs after this */                         \
+        switch (D) {                                                                                           \
+            case 16: return tq_write<TN, 16>(cache, src, slots, table, scale, heads, bits, code_bytes, dense);  \
+            case 32: return tq_write<TN, 32>(cache, src, slots, table, scale, heads, bits, code_bytes, dense);  \
+            case 64: return tq_write<TN, 64>(cache, src, slots, table, scale, heads, bits, code_bytes, dense);  \
+            case 80: return tq_write<TN, 80>(cache, src, slots, table, scale, heads, bits, code_bytes, dense);  \
+            case 96: return tq_write<TN, 96>(cache, src, slots, table, scale, heads, bits, code_bytes, dense);  \
+            case 128: return tq_write<TN, 128>(cache, src, slots, table, scale, heads, bits, code_bytes, dense); \
+            case 256: return tq_write<TN, 256>(cache, src, slots, table, scale, heads, bits, code_bytes, dense); \
+        }                                                                                                      \
     }
 
 TQ_WRITE(tq_write_f32, float)

@@ -68,9 +68,13 @@ pub(super) fn forward(
     // key is decoded once for all of them).
     let hb = (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1);
     let blocks_y = hkv * group / hb;
-    // Splits of each row's coded positions: enough blocks to fill the GPU (~130
-    // multiprocessors, two blocks each) for few rows; a split covers >= min_chunk() positions.
-    let nsplit = (264usize.div_ceil(rows * blocks_y)).clamp(1, 64);
+    // Splits of each row's coded positions (a split covers >= min_chunk() positions). Steps of
+    // few rows (up to 64 blocks per split, e.g. 16 rows of a 7B model) always take 64
+    // (TA_MAXSPLIT in the kernels): a row's split points then depend on its own context only,
+    // so its result does not depend on the rest of the batch (batch invariance), and one long
+    // decode still fills the GPU. Larger steps take enough splits to fill it (~130
+    // multiprocessors, two blocks each).
+    let nsplit = if rows * blocks_y <= 64 { 64 } else { 264usize.div_ceil(rows * blocks_y).clamp(1, 64) };
 
     fn guard(t: &Tensor) -> impl std::ops::Deref<Target = Storage> + '_ {
         t.storage_and_layout().0
@@ -155,8 +159,9 @@ pub(super) fn forward(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
+    // TC_THREADS in the kernels.
     let cfg_combine =
-        LaunchConfig { grid_dim: (rows as u32, hq as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        LaunchConfig { grid_dim: (rows as u32, hq as u32, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
     let vdense = op.value.rotation().is_dense() as i32;
     let (kc, vc) = match (&k.slice, &v.slice) {
         (S::U8(k), S::U8(v)) => (k, v),
@@ -198,8 +203,9 @@ pub(super) fn forward(
         }
         b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw).scalar(&nsplit).scalar(&min_chunk);
         // SAFETY: argument types and counts match tq_attn_partial; block tables, table
-        // sizes and the partial buffer's size were checked or made above; the kernel waits
-        // (pdl_wait) before it reads or writes.
+        // sizes and the partial buffer's size were checked or made above; the kernel reads
+        // only the codec tables and key scales (written at start-up) before it waits
+        // (pdl_wait), everything else after.
         unsafe { b.launch(cfg_partial) }?;
         // SAFETY: the combine kernel writes every element of the output.
         let out: CudaSlice<Q> = unsafe { dev.alloc::<Q>(n_out)? };

@@ -94,7 +94,19 @@ struct RowSpan {
     end: usize,
 }
 
-impl TqAttention<'_> {
+impl<'a> TqAttention<'a> {
+    /// The op over a layer's cache.
+    pub fn over(attn: PagedAttention<'a>, c: &'a TqLayerCache, float: Option<FloatInputs<'a>>) -> Self {
+        TqAttention {
+            attn,
+            key: &c.codecs.key,
+            value: &c.codecs.value,
+            key_scale: c.codecs.key_scale.as_deref(),
+            float,
+            device: c.device.as_ref(),
+        }
+    }
+
     /// q: `[T, heads, head_dim]` f32; codes `[slots, kv_heads, row]` u8. Returns `[T, heads, head_dim]` f32.
     pub fn forward(&self, q: &Tensor, k_codes: &Tensor, v_codes: &Tensor) -> Result<Tensor> {
         q.apply_op3_no_bwd(k_codes, v_codes, self)
@@ -661,6 +673,15 @@ impl<const DV: usize> Kernel for Avx512<DV> {
     }
 }
 
+/// Attention over a TurboQuant cache without a float window that already holds the step's keys
+/// and values (`QkvRope::forward_into_tq_cache`).
+pub fn attend_written(attn: PagedAttention<'_>, c: &TqLayerCache, q: &Tensor) -> Result<Tensor> {
+    if c.window.is_some() {
+        candle_core::bail!("tq-attention: a float window reads the step's rows (write_and_attend)");
+    }
+    TqAttention::over(attn, c, None).forward(q, &c.k, &c.v)
+}
+
 /// A layer's whole step on a TurboQuant cache: quantizes the step's keys and values into
 /// their slots, attends over the codes (and the float window), then keeps the step's last
 /// tokens in the sequences' rings. `q`, `k`, `v` are the step's contiguous f32 rows.
@@ -672,7 +693,6 @@ pub fn write_and_attend(
     v: &Tensor,
 ) -> Result<Tensor> {
     let meta = attn.meta;
-    let codecs = &c.codecs;
     c.k.inplace_op2(k, &TqWrite::keys(c, &meta.slot_mapping, meta.device.as_ref()))?;
     c.v.inplace_op2(v, &TqWrite::values(c, &meta.slot_mapping, meta.device.as_ref()))?;
     // On a GPU the rings' indices and the rows staying in them go up as small tensors (steps
@@ -690,15 +710,7 @@ pub fn write_and_attend(
         new_v: v,
         rings: rings.as_ref(),
     });
-    let op = TqAttention {
-        attn,
-        key: &codecs.key,
-        value: &codecs.value,
-        key_scale: codecs.key_scale.as_deref(),
-        float,
-        device: c.device.as_ref(),
-    };
-    let out = op.forward(q, &c.k, &c.v)?;
+    let out = TqAttention::over(attn, c, float).forward(q, &c.k, &c.v)?;
     // After the op: it reads the rings' older positions, which these writes may replace.
     if let Some(w) = &c.window {
         let slots = ring_slots(meta, w.len)?;
