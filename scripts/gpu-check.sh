@@ -4,7 +4,7 @@
 # reference ops (tests/cuda_ops.rs, cuda_moe.rs, cuda_tq.rs; bf16 tolerances where the kernel computes in bf16), the CLI
 # and server tests with iris picking the GPU (--device auto). A missing GPU fails the run.
 #
-#   scripts/gpu-check.sh [LOG_DIR]
+#   scripts/gpu-check.sh [LOG_DIR]        (ONLY="cuda_tq kv_quant": just those test binaries)
 #
 # With .gpu/tests.tar.xz (scripts/gpu-build.sh) it runs those prebuilt binaries, so the GPU
 # machine needs no Rust toolchain; else `cargo test --release --features cuda`.
@@ -35,6 +35,8 @@ for t in "$bin"/tests/*; do
     echo "| $name | skipped (needs network) | |" >> "$LOG/summary.md"
     continue
   fi
+  # ONLY="cuda_tq batch_invariance": these binaries alone (a quick re-check).
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then continue; fi
   s=$(date +%s)
   # One test at a time: an engine captures CUDA graphs on its first decode steps, and another
   # test thread's synchronizing call on the same context invalidates a capture in flight (a

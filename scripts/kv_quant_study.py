@@ -27,6 +27,8 @@ Methods (per setting, comma-separated `key=value` pairs):
                   calibration text in bf16 (per layer and kv head) and quantize the rest (an
                   outlier-channel split; costs 32 N bits per key vector)
   sink=N          positions j < N are read unquantized too (attention sinks)
+  ncorr=1         store n / ||c[idx]|| instead of n, so the decoded vector has the true norm
+                  (a Lloyd-Max reconstruction is shorter than its input by about sqrt(1 - D))
   seed=S          another draw of the random rotations
   shift=N         turn queries and keys by N more rotary positions (exact attention only sees
                   relative positions and does not change; a scaling fitted on the calibration
@@ -81,7 +83,10 @@ def turboquant(x, bits, seed):
     rot = _rotations[(d, seed)]
     n = x.norm(dim=-1, keepdim=True)
     y = (x / n.clamp_min(1e-6)) @ rot.T
-    return (c[torch.bucketize(y, bounds)] @ rot) * n
+    cy = c[torch.bucketize(y, bounds)]
+    if SETTING.get("ncorr"):
+        n = n / cy.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return (cy @ rot) * n
 
 
 def absmax_blocks(x, bits, block=32):
