@@ -62,9 +62,9 @@ impl QkvRope<'_> {
     }
 
     /// `forward`, then k and v encoded into their slots of a TurboQuant cache as `TqWrite` does:
-    /// returns q. On CUDA one launch, bit-identical to `forward` and the two writes (with a
-    /// Hadamard rotation; `IRIS_CUDA_FUSED_KV_WRITE=0`: three launches, to compare). The float
-    /// window's rows are not kept: a cache with one takes `forward` and `write_and_attend`.
+    /// returns q. On CUDA one launch, bit-identical to `forward` and the two writes
+    /// (`IRIS_CUDA_FUSED_KV_WRITE=0`: three launches, to compare). The float window's rows are
+    /// not kept: a cache with one takes `forward` and `write_and_attend`.
     pub fn forward_into_tq_cache(&self, y: &Tensor, c: &TqLayerCache, meta: &AttentionMeta) -> Result<Tensor> {
         if c.window.is_some() {
             candle_core::bail!("qkv-rope: a TurboQuant cache with a float window needs the step's k and v");
@@ -359,7 +359,8 @@ impl QkvRope<'_> {
             }
             // SAFETY: argument types and counts match the kernel's signature (qkv_rope_*, or
             // qkv_rope_*_tq for a TurboQuant cache); shapes, slots and codec tables were
-            // checked; the kernel waits (pdl_wait) before it reads or writes.
+            // checked; the kernel reads only the codec tables and key scales (written at
+            // start-up) before it waits (pdl_wait), everything else after.
             unsafe { b.launch(cfg) }?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
