@@ -279,7 +279,7 @@ impl CustomOp3 for PagedAttention<'_> {
             let empty = unsafe { dev.alloc::<f32>(0)? };
             return Ok((CudaStorage::wrap_cuda_slice(empty, dev), shape));
         }
-        if ![16, 32, 64, 80, 96, 128, 256].contains(&d) {
+        if !super::cuda::HEAD_DIMS.contains(&d) {
             candle_core::bail!("paged-attention: no CUDA kernel for head_dim {d}");
         }
         let dm = self.meta.device.as_ref().ok_or_else(|| {

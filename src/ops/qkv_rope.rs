@@ -216,7 +216,7 @@ impl QkvRope<'_> {
 
         let (t, stride) = self.check(l)?;
         let d = self.head_dim;
-        if ![16, 32, 64, 80, 96, 128, 256].contains(&d) {
+        if !super::cuda::HEAD_DIMS.contains(&d) {
             candle_core::bail!("qkv-rope: no CUDA kernel for head_dim {d}");
         }
         let dev = s.device().clone();
@@ -398,16 +398,11 @@ impl<'a> TqArgs<'a> {
             .as_ref()
             .ok_or_else(|| candle_core::Error::Msg("qkv-rope: the TurboQuant codecs are not on the device".into()))?;
         let (kcodec, vcodec) = (&c.codecs.key, &c.codecs.value);
-        for codec in [kcodec, vcodec] {
-            let dense = codec.rotation().is_dense();
-            if codec.dim() != d || !(2..=4).contains(&codec.bits()) || (!d.is_power_of_two() && !dense) {
-                candle_core::bail!("qkv-rope: no CUDA kernel for {d}-dim {}-bit codes", codec.bits());
+        for (codec, table) in [(kcodec, &dc.key), (vcodec, &dc.value)] {
+            if codec.dim() != d {
+                candle_core::bail!("qkv-rope: {}-dim codes for {d}-dim heads", codec.dim());
             }
-        }
-        let table_len =
-            |codec: &crate::kv::turboquant::TqCodec| 32 + if codec.rotation().is_dense() { d * d } else { 2 * d };
-        if dc.key.elem_count() != table_len(kcodec) || dc.value.elem_count() != table_len(vcodec) {
-            candle_core::bail!("qkv-rope: device codec tables of the wrong size");
+            super::cuda::check_tq_codec("qkv-rope", codec, table.elem_count())?;
         }
         if dc.key_scale.is_some() != c.codecs.key_scale.is_some()
             || dc.key_scale.as_ref().is_some_and(|s| s.elem_count() != hkv * d)

@@ -135,12 +135,6 @@ impl InplaceOp2 for TqWrite<'_> {
         if rows == 0 {
             return Ok(());
         }
-        if ![16, 32, 64, 80, 96, 128, 256].contains(&d)
-            || !(2..=4).contains(&bits)
-            || (!d.is_power_of_two() && !self.codec.rotation().is_dense())
-        {
-            candle_core::bail!("tq-write: no CUDA kernel for head_dim {d} with {bits}-bit codes");
-        }
         if dev_in.scale.is_some() != self.scale.is_some() {
             candle_core::bail!("tq-write: key scales on the host and the device disagree");
         }
@@ -151,9 +145,9 @@ impl InplaceOp2 for TqWrite<'_> {
         let table = cuda_slice::<f32>(&table_g, "tq-write codec table")?;
         let scale_g = dev_in.scale.map(|s| s.storage_and_layout().0);
         let scale = scale_g.as_ref().map(|g| cuda_slice::<f32>(g, "tq-write key scales")).transpose()?;
-        let rotation_len = if self.codec.rotation().is_dense() { d * d } else { 2 * d };
-        if table.len() != 32 + rotation_len || scale.is_some_and(|s| s.len() != heads * d) {
-            candle_core::bail!("tq-write: device codec tables of the wrong size");
+        super::cuda::check_tq_codec("tq-write", self.codec, table.len())?;
+        if scale.is_some_and(|s| s.len() != heads * d) {
+            candle_core::bail!("tq-write: device key scales of the wrong size");
         }
         let dev = cache.device().clone();
         let func = TQ_WRITE.func(&dev, &format!("tq_write_{}", dtype_name(new.dtype())?))?;

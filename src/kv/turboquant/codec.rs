@@ -66,6 +66,13 @@ impl TqCodec {
         t
     }
 
+    /// The length of `device_table`: 32, then 2 d (signs) or d^2 (a dense matrix); what the
+    /// CUDA ops check a device table against.
+    pub fn device_table_len(&self) -> usize {
+        let d = self.dim();
+        32 + if self.rotation.is_dense() { d * d } else { 2 * d }
+    }
+
     /// Bytes of packed codes in a row.
     pub fn code_bytes(&self) -> usize {
         self.code_bytes
@@ -201,6 +208,16 @@ mod tests {
             ((seed >> 11) as f64 + 0.5) / (1u64 << 53) as f64
         };
         (0..n).map(|_| ((-2.0 * unit().ln()).sqrt() * (std::f64::consts::TAU * unit()).cos()) as f32).collect()
+    }
+
+    /// The device table has the length the CUDA ops check it against, for Hadamard (powers of
+    /// two) and dense rotations.
+    #[test]
+    fn device_table_len_is_its_length() {
+        for dim in [16, 64, 80, 96, 128] {
+            let codec = TqCodec::new(Rotation::seeded(dim, 3), Arc::new(Codebook::lloyd_max(dim, 3)));
+            assert_eq!(codec.device_table().len(), codec.device_table_len(), "d = {dim}");
+        }
     }
 
     /// Mean squared error of encode + decode over random unit vectors.

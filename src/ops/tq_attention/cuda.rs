@@ -47,9 +47,6 @@ pub(super) fn forward(
         return Ok((CudaStorage::wrap_cuda_slice(empty, dev), shape));
     }
     let bits = [op.key.bits(), op.value.bits()];
-    if ![16, 32, 64, 80, 96, 128, 256].contains(&d) || !bits.iter().all(|b| (2..=4).contains(b)) {
-        candle_core::bail!("tq-attention: no CUDA kernel for head_dim {d} with {bits:?}-bit codes");
-    }
     let codecs = op.device.ok_or_else(|| {
         candle_core::Error::Msg("tq-attention: the codecs are not on the device (TqLayerCache::device)".into())
     })?;
@@ -82,10 +79,8 @@ pub(super) fn forward(
     let (ktab_g, vtab_g) = (guard(&codecs.key), guard(&codecs.value));
     let (ktab, vtab) =
         (cuda_slice::<f32>(&ktab_g, "key codec table")?, cuda_slice::<f32>(&vtab_g, "value codec table")?);
-    let table_len = |c: &TqCodec| 32 + if c.rotation().is_dense() { d * d } else { 2 * d };
-    if ktab.len() != table_len(op.key) || vtab.len() != table_len(op.value) {
-        candle_core::bail!("tq-attention: device codec tables of the wrong size");
-    }
+    crate::ops::cuda::check_tq_codec("tq-attention", op.key, ktab.len())?;
+    crate::ops::cuda::check_tq_codec("tq-attention", op.value, vtab.len())?;
     let scale_g = codecs.key_scale.as_ref().map(guard);
     let kscale = scale_g.as_ref().map(|g| cuda_slice::<f32>(g, "key scales")).transpose()?;
     if kscale.is_some_and(|s| s.len() != hkv * d) {
