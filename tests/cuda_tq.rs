@@ -325,3 +325,59 @@ fn tq_attention_bf16_matches_cpu() {
         check_tq_attention(&dev, &c, DType::BF16, DType::BF16, 8e-3);
     }
 }
+
+/// Batch invariance of attention on codes: in a step of few rows (here decodes of 1 to 3,000
+/// tokens, with a prompt chunk among them), every decode row gives the same bits as when it is
+/// decoded alone. The split of a row's positions must depend on the row alone for that (steps
+/// of up to 64 blocks per split always take 64 splits).
+#[test]
+fn tq_decode_attention_is_batch_invariant() {
+    use iris::batch::{AttentionMeta, SeqSlice};
+    use iris::ops::tq_attention::TqAttention;
+    use iris::ops::tq_write::TqWrite;
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(12);
+    let (hq, hkv, d, bs) = (28, 4, 128, 16);
+    let (mut m, slots) = meta(&mut rng, &[(1, 1), (17, 1), (700, 1), (3000, 1), (33, 7)], bs);
+    let codecs = tq_codecs(d, hkv, (3, 4), true);
+    let all: Vec<u32> = (0..slots as u32).collect();
+    let write = |codec: &iris::kv::turboquant::TqCodec, scale: Option<&[f32]>, seed: u64| {
+        let x = random(&mut StdRng::seed_from_u64(seed), &[slots, hkv, d]);
+        let t = Tensor::zeros((slots, hkv, codec.row_bytes()), DType::U8, &Device::Cpu).unwrap();
+        t.inplace_op2(&x, &TqWrite { slot_mapping: &all, codec, scale, device: None }).unwrap();
+        t.to_device(&dev).unwrap()
+    };
+    let (kc, vc) = (write(&codecs.key, codecs.key_scale.as_deref(), 1), write(&codecs.value, None, 2));
+    let on_gpu = codecs.upload(&dev).unwrap();
+    let q = random(&mut rng, &[m.num_rows(), hq, d]).to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap();
+    let attend = |m: &AttentionMeta, q: &Tensor| {
+        let attn = PagedAttention {
+            meta: m,
+            num_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            window: None,
+            softcap: None,
+        };
+        let op = TqAttention {
+            attn,
+            key: &codecs.key,
+            value: &codecs.value,
+            key_scale: codecs.key_scale.as_deref(),
+            float: None,
+            device: Some(&on_gpu),
+        };
+        op.forward(q, &kc, &vc).unwrap()
+    };
+    m.upload(&dev).unwrap();
+    let mixed = attend(&m, &q);
+    for s in m.seqs.iter().filter(|s| s.q_len == 1) {
+        let solo = SeqSlice { q_start: 0, q_len: 1, context_len: s.context_len, block_table: s.block_table.clone() };
+        let mut one = AttentionMeta::new(bs, vec![solo]);
+        one.upload(&dev).unwrap();
+        let alone = attend(&one, &q.narrow(0, s.q_start, 1).unwrap());
+        let e = max_rel_err(&alone, &mixed.narrow(0, s.q_start, 1).unwrap());
+        assert_eq!(e, 0.0, "context {}: alone differs from within the batch", s.context_len);
+    }
+}
