@@ -332,7 +332,7 @@ fn tq_attention_bf16_matches_cpu() {
 /// of up to 64 blocks per split always take 64 splits).
 #[test]
 fn tq_decode_attention_is_batch_invariant() {
-    use iris::batch::{AttentionMeta, SeqSlice};
+    use iris::batch::AttentionMeta;
     use iris::ops::tq_attention::TqAttention;
     use iris::ops::tq_write::TqWrite;
     let Some(dev) = gpu() else { return };
@@ -371,13 +371,5 @@ fn tq_decode_attention_is_batch_invariant() {
         op.forward(q, &kc, &vc).unwrap()
     };
     m.upload(&dev).unwrap();
-    let mixed = attend(&m, &q);
-    for s in m.seqs.iter().filter(|s| s.q_len == 1) {
-        let solo = SeqSlice { q_start: 0, q_len: 1, context_len: s.context_len, block_table: s.block_table.clone() };
-        let mut one = AttentionMeta::new(bs, vec![solo]);
-        one.upload(&dev).unwrap();
-        let alone = attend(&one, &q.narrow(0, s.q_start, 1).unwrap());
-        let e = max_rel_err(&alone, &mixed.narrow(0, s.q_start, 1).unwrap());
-        assert_eq!(e, 0.0, "context {}: alone differs from within the batch", s.context_len);
-    }
+    common::cuda::assert_decodes_batch_invariant(&dev, &m, &q, attend);
 }

@@ -93,3 +93,23 @@ impl QkvInputs {
         }
     }
 }
+
+/// Every decode row (q_len 1) of the step `m` (uploaded to `dev`) gets the same bits from
+/// `attend` alone as within the step: `attend(meta, q)` runs an attention op over a step's
+/// metadata and queries.
+pub fn assert_decodes_batch_invariant(
+    dev: &Device,
+    m: &AttentionMeta,
+    q: &Tensor,
+    attend: impl Fn(&AttentionMeta, &Tensor) -> Tensor,
+) {
+    let mixed = attend(m, q);
+    for s in m.seqs.iter().filter(|s| s.q_len == 1) {
+        let solo = SeqSlice { q_start: 0, q_len: 1, context_len: s.context_len, block_table: s.block_table.clone() };
+        let mut one = AttentionMeta::new(m.block_size, vec![solo]);
+        one.upload(dev).unwrap();
+        let alone = attend(&one, &q.narrow(0, s.q_start, 1).unwrap());
+        let e = max_rel_err(&alone, &mixed.narrow(0, s.q_start, 1).unwrap());
+        assert_eq!(e, 0.0, "context {}: alone differs from within the batch", s.context_len);
+    }
+}
