@@ -302,6 +302,9 @@ fn tq_cases() -> Vec<TqCase> {
         TqCase { window: Some(300), softcap: Some(30.0), float_window: 16, scaled: true, ..c(4, 2, 64, (2, 4)) },
         TqCase { window: Some(7), ..c(32, 2, 32, (3, 4)) },
         TqCase { float_window: 600, ..c(6, 2, 16, (4, 3)) },
+        // Key rows of 10 and 34 bytes ahead of 4-bit values (4-aligned loads).
+        c(4, 2, 16, (3, 4)),
+        TqCase { scaled: true, ..c(8, 2, 80, (3, 4)) },
     ]
 }
 

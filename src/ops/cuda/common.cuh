@@ -72,8 +72,7 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
-// One chunk of a running softmax per head, shared by the block-wide attention kernels (dense
-// and TurboQuant): warps take heads in turn (WARPS of them), and head h's N scores in shared
+// One chunk of a running softmax per head, for the block-wide dense attention kernel: warps take heads in turn (WARPS of them), and head h's N scores in shared
 // memory, p[h * STRIDE + i], become exp(score - m_new); its max m[h] and sum l[h] move on, and
 // corr[h] = exp(m_old - m_new) is left for rescaling what was accumulated before. The caller
 // synchronizes the block before (scores written) and after (p, corr read).
