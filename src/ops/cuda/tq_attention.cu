@@ -290,30 +290,24 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
             for (int e = 0; e < 8; ++e) acc[g][e] = acc[g][e] * w1 + __shfl_xor_sync(0xffffffffu, acc[g][e], o) * w2;
         m = M;
     }
-    if (ks_n == 1) {
-        float* oh = out + hh * head_stride;
-        if (sub == 0) {
-#pragma unroll
-            for (int g = 0; g < GPL; ++g)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const int c = (kl + LPK * g) * 8 + e;
-                    if (c < D) oh[2 + c] = acc[g][e];
-                }
-            if (kl == 0) { oh[0] = m; oh[1] = l; }
-        }
-        return;
-    }
+    // One warp per head: its state is the head's, straight to `out`; else to shared memory.
     if (sub == 0) {
+        float* oh = out + hh * head_stride;
+        const bool own = ks_n == 1;
+        float* vals = own ? oh + 2 : &sum_s[warp][0];
 #pragma unroll
         for (int g = 0; g < GPL; ++g)
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const int c = (kl + LPK * g) * 8 + e;
-                if (c < D) sum_s[warp][c] = acc[g][e];
+                if (c < D) vals[c] = acc[g][e];
             }
-        if (kl == 0) { st_m[warp] = m; st_l[warp] = l; }
+        if (kl == 0) {
+            *(own ? oh : &st_m[warp]) = m;
+            *(own ? oh + 1 : &st_l[warp]) = l;
+        }
     }
+    if (ks_n == 1) return;
     __syncthreads();
     for (int i = tid; i < hb * (D + 1); i += nthreads) {
         const int h = i / (D + 1), c = i % (D + 1);
