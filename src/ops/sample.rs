@@ -54,6 +54,9 @@ impl Draw {
 /// exp(x): range reduction by ln 2 and a degree-7 polynomial, each step one IEEE operation so
 /// the kernels' `exp_det` (cuda/common.cuh) gives the same bits. Accurate to a few ulp; 0 at or
 /// below -87 (and for NaN), infinite above 89.
+// The constants are spelled digit for digit as in the kernel, so that the two can be compared
+// by eye (1.44269504 is log2(e); both round to the same f32 as the named constants).
+#[allow(clippy::excessive_precision, clippy::approx_constant)]
 pub fn exp_det(x: f32) -> f32 {
     if !(x > -87.0) {
         return 0.0;
