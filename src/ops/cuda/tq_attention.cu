@@ -58,7 +58,7 @@ __device__ __forceinline__ float tq_logit(float dot, float scale, float softcap)
 // the rotated query in registers, and each group of LPK lanes its own running softmax and
 // value sums, merged at the end in a fixed order (the result does not depend on the threads'
 // timing). A thread per key, decoding each key once for all the block's heads, was slower:
-// ~35 us per layer for 64 keys of a 7B decode on an H200 (against ~15 us now), ~900 dependent
+// ~35 us per layer for 64 keys of a 7B decode on an H200 (against ~11 us now), ~900 dependent
 // shared-memory reads and FMAs per thread with one warp per scheduler to hide them.
 #define TL_WARPS 8
 #define TL_UNROLL 4
@@ -101,12 +101,12 @@ __device__ __forceinline__ void cp_async_wait_prev() { asm volatile("cp.async.wa
 
 template <typename TQ, int D>
 __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__ q, const uint8_t* __restrict__ kc,
-                              const uint8_t* __restrict__ vc, const uint32_t* __restrict__ row_seq,
-                              const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
-                              const float* __restrict__ ktab, const float* __restrict__ vtab,
-                              const float* __restrict__ kscale, int num_heads, int num_kv_heads, int hb,
-                              int block_size, int kbits, int vbits, int kdense, float scale, int window,
-                              float softcap, int float_window, int nsplit, int min_chunk) {
+                                const uint8_t* __restrict__ vc, const uint32_t* __restrict__ row_seq,
+                                const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
+                                const float* __restrict__ ktab, const float* __restrict__ vtab,
+                                const float* __restrict__ kscale, int num_heads, int num_kv_heads, int hb,
+                                int block_size, int kbits, int vbits, int kdense, float scale, int window,
+                                float softcap, int float_window, int nsplit, int min_chunk) {
     using L = TqLanes<D>;
     constexpr int G = L::G, LPK = L::LPK, GPL = L::GPL, KPW = L::KPW, U = TL_UNROLL;
     constexpr int QPL = (D + 31) / 32;  // query coordinates a lane loads
