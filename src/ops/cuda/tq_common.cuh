@@ -107,12 +107,8 @@ __device__ __forceinline__ void tq_rotate_inverse(float* y, float* tmp, int coun
     T::sync();
 }
 
-// TqCodec::encode of one head vector by the calling warp: y (shared, D values, already scaled
-// by the key scales) becomes the packed codes and f32 norm of `row`; y is overwritten, `tmp`
-// (D values) and `codes` (D bytes) are shared scratch. The codes and the norm are bit-identical
-// to the reference's with a Hadamard rotation: the norm sums the squares in the same order
-// with the same roundings (no fused multiply-adds), the butterflies are the same additions,
-// and a code counts the boundaries strictly below the coordinate, as the reference does.
+// The codes of one head vector (codes[i] for coordinate i) packed into `row` by the calling
+// warp, least significant bits first.
 template <int D, int BITS>
 __device__ __forceinline__ void tq_pack_warp(const uint8_t* codes, uint8_t* row) {
     constexpr int CB = D * BITS / 8;
@@ -127,6 +123,12 @@ __device__ __forceinline__ void tq_pack_warp(const uint8_t* codes, uint8_t* row)
     }
 }
 
+// TqCodec::encode of one head vector by the calling warp: y (shared, D values, already scaled
+// by the key scales) becomes the packed codes and f32 norm of `row`; y is overwritten, `tmp`
+// (D values) and `codes` (D bytes) are shared scratch. The codes and the norm are bit-identical
+// to the reference's with a Hadamard rotation: the norm sums the squares in the same order
+// with the same roundings (no fused multiply-adds), the butterflies are the same additions,
+// and a code counts the boundaries strictly below the coordinate, as the reference does.
 template <int D>
 __device__ __forceinline__ void tq_encode_warp(float* y, float* tmp, uint8_t* codes, uint8_t* row,
                                                const float* table, int bits, bool dense) {
