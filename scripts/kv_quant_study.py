@@ -26,6 +26,12 @@ Methods (per setting, comma-separated `key=value` pairs):
   outl=N          keep the N rotary pairs of key channels with the most energy on the
                   calibration text in bf16 (per layer and kv head) and quantize the rest (an
                   outlier-channel split; costs 32 N bits per key vector)
+  split=G,khi=B   keys in two groups, each its own rotation, norm and codebook: the G rotary
+                  pairs with the largest sqrt(E[q^2] E[k^2]) (per layer and kv head, calibration
+                  text) at B bits, the rest at k bits (a bit allocation by importance)
+  bmean=B         quantize k - m_b, m_b the mean of each block of B positions per kv head and
+                  channel (stored in bf16: 16 / B more bits per coordinate); exact for the
+                  same reason as kmean, but local, so rotary's turning does not matter
   sink=N          positions j < N are read unquantized too (attention sinks)
   ncorr=1         store n / ||c[idx]|| instead of n, so the decoded vector has the true norm
                   (a Lloyd-Max reconstruction is shorter than its input by about sqrt(1 - D))
@@ -152,7 +158,26 @@ def attention(module, q, k, v, mask, scaling=None, dropout=0.0, **kw):
     scale = SETTING.get("scale")
     t = SCALES[(li, scale, bool(SETTING.get("kmean")), bool(SETTING.get("pair")))] if scale and kb is not None else 1.0
     seed = 2 * li + 1000 * SETTING.get("seed", 0)
+    if SETTING.get("bmean") and kb is not None:
+        B, T0 = SETTING["bmean"], k.shape[2]
+        pad = (-T0) % B
+        kp = torch.nn.functional.pad(k, (0, 0, 0, pad))
+        blocks = kp.reshape(k.shape[0], k.shape[1], -1, B, k.shape[3])
+        cnt = torch.ones(T0 + pad).reshape(-1, B)
+        cnt[-1, B - pad:] = 0 if pad else 1
+        m = (blocks.sum(3, keepdim=True) / cnt.sum(1)[None, None, :, None, None]).bfloat16().float()
+        km = m.expand_as(blocks).reshape(kp.shape)[:, :, :T0]
     kq = quantize((k - km) * t, kb, seed, method) / t + km if kb is not None else k
+    if SETTING.get("split") and kb is not None:
+        hi_mask = SCALES[(li, "imp", SETTING["split"])]  # [1, hkv, 1, d]
+        kt = (k - km) * t * torch.ones_like(k)
+        kq = torch.empty_like(k)
+        for h in range(k.shape[1]):
+            hi = hi_mask[0, h, 0].nonzero().flatten()
+            lo = (~hi_mask[0, h, 0]).nonzero().flatten()
+            kq[:, h][..., hi] = quantize(kt[:, h][..., hi], SETTING["khi"], seed + 7, method)
+            kq[:, h][..., lo] = quantize(kt[:, h][..., lo], kb, seed, method)
+        kq = kq / t + km
     if SETTING.get("outl") and kb is not None:
         keep = SCALES[(li, "outl", SETTING["outl"])]
         kq = quantize(k * t * ~keep, kb, seed, method) / t * ~keep + (k * keep).bfloat16().float()
@@ -214,6 +239,14 @@ def main():
             keep.scatter_(-1, top, True)
             keep.scatter_(-1, top + half, True)
             SCALES[(li, "outl", pairs)] = keep.unsqueeze(2)
+        pair_q = eq[:, :, 0] + eq[:, :, 0].roll(half, -1)
+        imp = (pair_q * pair_k).sqrt()
+        for pairs in range(1, half):
+            top = imp[..., :half].topk(pairs, -1).indices
+            keep = torch.zeros_like(imp, dtype=torch.bool)
+            keep.scatter_(-1, top, True)
+            keep.scatter_(-1, top + half, True)
+            SCALES[(li, "imp", pairs)] = keep.unsqueeze(2)
         for centred in (False, True):
             kc = k - SCALES[(li, "kmean")] if centred else k
             ek = kc.pow(2).mean(2, keepdim=True)
