@@ -36,7 +36,7 @@ fn fill(kv: &KvCache, layers: usize, context: usize, kv_heads: usize, dim: usize
             let v = Tensor::randn(0f32, 1.0, (n, kv_heads, dim), dev).unwrap();
             match kv.layer(l) {
                 LayerCache::Dense { k: kc, v: vc } => {
-                    let write = KvWrite { slot_mapping: &slots, device_meta: dm.as_ref() };
+                    let write = KvWrite { slot_mapping: &slots, device_meta: dm.as_ref(), device_at: 0 };
                     kc.inplace_op2(&k, &write).unwrap();
                     vc.inplace_op2(&v, &write).unwrap();
                 }
@@ -48,20 +48,53 @@ fn fill(kv: &KvCache, layers: usize, context: usize, kv_heads: usize, dim: usize
             }
             start += n;
         }
+        // A float window's ring (one sequence's) holds random rows too.
+        if let LayerCache::TurboQuant(c) = kv.layer(l) {
+            if let Some(w) = &c.window {
+                for ring in [&w.k, &w.v] {
+                    ring.slice_set(
+                        &Tensor::randn(0f32, 1.0, ring.shape(), dev).unwrap().to_dtype(ring.dtype()).unwrap(),
+                        0,
+                        0,
+                    )
+                    .unwrap();
+                }
+            }
+        }
     }
 }
 
+/// A cache format of the table: a `--kv-cache-dtype` value, for TurboQuant optionally with
+/// `/wN` (a float window of N positions, as `--kv-float-window N`).
+#[derive(Clone, Copy)]
+struct Cache {
+    dtype: KvCacheDtype,
+    float_window: usize,
+}
+
+impl std::fmt::Display for Cache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.float_window {
+            0 => write!(f, "{}", self.dtype),
+            w => write!(f, "{}/w{w}", self.dtype),
+        }
+    }
+}
+
+fn parse_cache(s: &str) -> Cache {
+    let (dtype, window) = s.split_once("/w").map_or((s, None), |(d, w)| (d, Some(w)));
+    let dtype: KvCacheDtype = dtype.parse().unwrap_or_else(|e| panic!("cache `{s}`: {e}"));
+    let float_window = window.map_or(0, |w| w.parse().unwrap_or_else(|_| panic!("cache `{s}`: /wN with a number")));
+    if float_window > 0 && !matches!(dtype, KvCacheDtype::TurboQuant(_)) {
+        panic!("cache `{s}`: a float window needs a TurboQuant cache");
+    }
+    Cache { dtype, float_window }
+}
+
 /// Median seconds of one decode step at `context` tokens.
-fn decode_step(
-    model: &dyn TextModel,
-    dev: &Device,
-    float: KvDtype,
-    cache: KvCacheDtype,
-    context: usize,
-    steps: usize,
-) -> f64 {
+fn decode_step(model: &dyn TextModel, dev: &Device, float: KvDtype, cache: Cache, context: usize, steps: usize) -> f64 {
     let cfg = model.config();
-    let (float, tq) = match cache {
+    let (float, tq) = match cache.dtype {
         KvCacheDtype::Auto => (float, None),
         KvCacheDtype::Float(d) => (d, None),
         // Key scales as calibration sets them by default (their values do not change the speed).
@@ -69,6 +102,8 @@ fn decode_step(
             float,
             Some(TqSpec {
                 key_scales: vec![vec![1.0; cfg.num_kv_heads * cfg.head_dim]; cfg.num_layers],
+                float_window: cache.float_window,
+                window_rings: 1,
                 ..TqSpec::new(bits)
             }),
         ),
@@ -88,7 +123,9 @@ fn decode_step(
             block_table: (0..spec.num_blocks as u32).collect(),
         };
         let mut batch = Batch::from_tokens(&Device::Cpu, BLOCK, vec![seq], &[42]).unwrap();
-        batch.attn.window_rings = vec![0];
+        if let Some(w) = kv.turboquant().map(|t| t.float_window).filter(|&w| w > 0) {
+            batch.attn.set_float_window(w, vec![0]).unwrap();
+        }
         let t = Instant::now();
         let draws = (!dev.is_cpu()).then_some(&greedy[..]);
         let _ = runner.run(model, &kv, batch, &[0], draws).unwrap();
@@ -104,7 +141,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
     let Some(model_path) = args.first() else {
         eprintln!(
-            "usage: cargo bench --bench kv_decode -- MODEL [--contexts 1024,8192] [--caches bf16,tq-k3v4] [--steps 8] [--device cpu|cuda] [--dtype f32|bf16]"
+            "usage: cargo bench --bench kv_decode -- MODEL [--contexts 1024,8192] [--caches bf16,tq-k3v4,tq-k3v4/w128] [--steps 8] [--device cpu|cuda] [--dtype f32|bf16]"
         );
         std::process::exit(2);
     };
@@ -129,8 +166,7 @@ fn main() {
     let contexts: Vec<usize> =
         opt("--contexts", "1024,8192,32768").split(',').map(|s| s.parse().expect("a context length")).collect();
     let default_caches = if on_gpu { "bf16,tq-k4v4,tq-k3v4" } else { "bf16,f32,tq-k4v4,tq-k3v4,tq-k2v3" };
-    let caches: Vec<KvCacheDtype> =
-        opt("--caches", default_caches).split(',').map(|s| s.parse().expect("a cache dtype")).collect();
+    let caches: Vec<Cache> = opt("--caches", default_caches).split(',').map(parse_cache).collect();
     let steps: usize = opt("--steps", "8").parse().expect("a step count");
     let loaded = iris::loader::load(std::path::Path::new(model_path), &dev, dtype).expect("model loads");
     let model = loaded.model.as_ref();
@@ -151,7 +187,7 @@ fn main() {
         let mut bf16 = None;
         for &cache in &caches {
             let t = decode_step(model, &dev, float, cache, context, steps);
-            if cache == KvCacheDtype::Float(KvDtype::Bf16) {
+            if cache.dtype == KvCacheDtype::Float(KvDtype::Bf16) {
                 bf16 = Some(t);
             }
             let rel = bf16.map_or("-".to_string(), |b| format!("{:.2}x", b / t));

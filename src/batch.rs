@@ -35,10 +35,23 @@ pub struct AttentionMeta {
     pub slot_mapping: Vec<u32>,
     /// Index into `seqs` for each row.
     pub row_seq: Vec<u32>,
-    /// Per sequence, its float-window ring in a TurboQuant cache (empty when there is none).
-    pub window_rings: Vec<u32>,
+    /// A TurboQuant cache's float window, when it has one (`set_float_window`).
+    pub window: Option<WindowMeta>,
     /// The same metadata in device memory, for kernels that run there (`upload`); None on CPU.
     pub device: Option<DeviceAttentionMeta>,
+}
+
+/// Where a step's rows sit in the rings of a TurboQuant cache's float window (the most recent
+/// `len` keys and values of each running sequence, unquantized; see `kv::FloatWindow`).
+#[derive(Debug, Clone)]
+pub struct WindowMeta {
+    pub len: usize,
+    /// Per sequence, its ring.
+    pub rings: Vec<u32>,
+    /// Per row, its ring row (`ring * len + position % len`) when its position is among its
+    /// sequence's last `len` after the step, else `NO_SLOT` (a longer prompt chunk's first
+    /// rows leave the window within the step).
+    pub slots: Vec<u32>,
 }
 
 /// A slot that means "do not store this row": padding rows (CUDA graphs run fixed batch sizes),
@@ -52,15 +65,19 @@ pub const PREFILL_MIN_ROWS: usize = 16;
 pub const PREFILL_TILE_ROWS: usize = 64;
 
 /// Where each part of a step's metadata sits in its device copy (u32 offsets): `slot_mapping
-/// [rows]` at 0, `row_seq [rows]`, `positions [rows]`, per sequence `(q_start, q_len,
-/// context_len, offset of its block table)` `[4 seqs]`, the prompt-chunk tiles `(sequence,
-/// first row)` `[2 num_tiles]`, then the block tables end to end.
+/// [rows]` at 0, `row_seq [rows]`, `positions [rows]`, the float window's `ring_slots [rows]`
+/// (`NO_SLOT` without one), per sequence `(q_start, q_len, context_len, offset of its block
+/// table)` `[4 seqs]`, the float window's `rings [seqs]` (0 without one), the prompt-chunk
+/// tiles `(sequence, first row)` `[2 num_tiles]`, then the block tables end to end. Everything
+/// a step's kernels read is in it, so a CUDA graph replays a step by rewriting this buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetaLayout {
     pub rows: usize,
     pub row_seq: usize,
     pub positions: usize,
+    pub ring_slots: usize,
     pub seq_info: usize,
+    pub rings: usize,
     pub tiles: usize,
     pub num_tiles: usize,
     pub block_tables: usize,
@@ -68,16 +85,24 @@ pub struct MetaLayout {
 
 impl MetaLayout {
     pub fn new(rows: usize, seqs: usize, num_tiles: usize) -> Self {
-        let tiles = 3 * rows + 4 * seqs;
+        let rings = 4 * rows + 4 * seqs;
+        let tiles = rings + seqs;
         MetaLayout {
             rows,
             row_seq: rows,
             positions: 2 * rows,
-            seq_info: 3 * rows,
+            ring_slots: 3 * rows,
+            seq_info: 4 * rows,
+            rings,
             tiles,
             num_tiles,
             block_tables: tiles + 2 * num_tiles,
         }
+    }
+
+    /// Sequences the layout has room for (the step's and any padding).
+    pub fn seqs(&self) -> usize {
+        self.tiles - self.rings
     }
 }
 
@@ -117,7 +142,35 @@ impl AttentionMeta {
                 row_seq.push(i as u32);
             }
         }
-        AttentionMeta { block_size, seqs, slot_mapping, row_seq, window_rings: Vec::new(), device: None }
+        AttentionMeta { block_size, seqs, slot_mapping, row_seq, window: None, device: None }
+    }
+
+    /// Gives each sequence its float-window ring (`rings[i]` for `seqs[i]`) in a TurboQuant
+    /// cache whose window holds `len` positions; updates the device copy if there is one.
+    pub fn set_float_window(&mut self, len: usize, rings: Vec<u32>) -> candle_core::Result<()> {
+        if len == 0 || rings.len() != self.seqs.len() {
+            candle_core::bail!(
+                "a float window of {len} positions needs a ring per sequence ({} for {})",
+                rings.len(),
+                self.seqs.len()
+            );
+        }
+        let mut slots = Vec::with_capacity(self.num_rows());
+        for (s, &ring) in self.seqs.iter().zip(&rings) {
+            let keep = s.context_len.saturating_sub(len);
+            slots.extend((s.first_position()..s.context_len).map(|p| {
+                if p >= keep {
+                    (ring as usize * len + p % len) as u32
+                } else {
+                    NO_SLOT
+                }
+            }));
+        }
+        self.window = Some(WindowMeta { len, rings, slots });
+        match self.device.as_ref().map(|d| d.data.device().clone()) {
+            Some(device) => self.upload(&device),
+            None => Ok(()),
+        }
     }
 
     /// Copies the metadata to `device` for the kernels there; nothing to do on the CPU.
@@ -136,7 +189,7 @@ impl AttentionMeta {
     /// of one token in block 0, whose table entry follows the real tables).
     pub fn packed(&self, layout: &MetaLayout) -> Vec<u32> {
         let t = self.num_rows();
-        let pad_seqs = (layout.tiles - layout.seq_info) / 4 - self.seqs.len();
+        let pad_seqs = layout.seqs() - self.seqs.len();
         let tables: usize = self.seqs.iter().map(|s| s.block_table.len()).sum();
         let mut data = Vec::with_capacity(layout.block_tables + tables + 1);
         data.extend_from_slice(&self.slot_mapping);
@@ -146,7 +199,11 @@ impl AttentionMeta {
         for s in &self.seqs {
             data.extend((s.first_position()..s.context_len).map(|p| p as u32));
         }
-        data.resize(layout.seq_info, 0);
+        data.resize(layout.ring_slots, 0);
+        if let Some(w) = &self.window {
+            data.extend_from_slice(&w.slots);
+        }
+        data.resize(layout.seq_info, NO_SLOT);
         let mut offset = 0;
         for s in &self.seqs {
             data.extend([s.q_start, s.q_len, s.context_len, offset].map(|v| v as u32));
@@ -155,6 +212,10 @@ impl AttentionMeta {
         for p in 0..pad_seqs {
             data.extend([(t + p) as u32, 1, 1, tables as u32]);
         }
+        if let Some(w) = &self.window {
+            data.extend_from_slice(&w.rings);
+        }
+        data.resize(layout.tiles, 0);
         data.extend(self.prefill_tiles().take(layout.num_tiles).flat_map(|(s, r)| [s as u32, r as u32]));
         for s in &self.seqs {
             data.extend_from_slice(&s.block_table);
@@ -305,5 +366,41 @@ impl Batch {
             img.to_device(device)?;
         }
         self.attn.upload(device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prompt chunk longer than the window and a decode: the chunk's first rows leave the
+    /// window within the step (no ring row), the rest go to `ring * len + position % len`;
+    /// the device copy holds them, and each sequence's ring, where its layout says, with
+    /// padding rows and sequences writing nothing and reading ring 0.
+    #[test]
+    fn float_window_rows_and_rings_are_packed_where_the_layout_says() {
+        let seqs = vec![
+            SeqSlice { q_start: 0, q_len: 6, context_len: 8, block_table: vec![0, 1] },
+            SeqSlice { q_start: 6, q_len: 1, context_len: 11, block_table: vec![2, 3, 4] },
+        ];
+        let mut meta = AttentionMeta::new(4, seqs);
+        assert!(meta.set_float_window(4, vec![3]).is_err(), "a ring per sequence");
+        assert!(meta.set_float_window(0, vec![3, 1]).is_err(), "a window of no positions");
+        meta.set_float_window(4, vec![3, 1]).unwrap();
+        let w = meta.window.as_ref().unwrap();
+        // Positions 2..8 of the first sequence, 4..8 kept (ring 3 starts at row 12); position
+        // 10 of the second (ring 1 starts at row 4; 10 % 4 = 2).
+        assert_eq!(w.slots, vec![NO_SLOT, NO_SLOT, 12, 13, 14, 15, 6]);
+        let layout = MetaLayout::new(9, 3, 0);
+        let data = meta.packed(&layout);
+        assert_eq!(&data[layout.ring_slots..layout.ring_slots + 7], &w.slots[..]);
+        assert_eq!(&data[layout.ring_slots + 7..layout.seq_info], &[NO_SLOT, NO_SLOT]);
+        assert_eq!(&data[layout.rings..layout.tiles], &[3, 1, 0]);
+        assert_eq!(&data[layout.seq_info..layout.seq_info + 4], &[0, 6, 8, 0]);
+        assert_eq!(&data[layout.block_tables..], &[0, 1, 2, 3, 4, 0]);
+        // Without a window: no ring rows, ring 0.
+        let plain = AttentionMeta::new(4, meta.seqs.clone()).packed(&layout);
+        assert!(plain[layout.ring_slots..layout.seq_info].iter().all(|&s| s == NO_SLOT));
+        assert!(plain[layout.rings..layout.tiles].iter().all(|&r| r == 0));
     }
 }

@@ -205,7 +205,9 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
     let (bs, d, hkv) = (16, c.head_dim, c.kv_heads);
     let seqs = [(1, 1), (17, 1), (700, 1), (3000, 1), (40, 40), (300, 45), (33, 7)];
     let (mut m, slots) = meta(&mut rng, &seqs, bs);
-    m.window_rings = (0..seqs.len() as u32).rev().collect();
+    if c.float_window > 0 {
+        m.set_float_window(c.float_window, (0..seqs.len() as u32).rev().collect()).unwrap();
+    }
     let codecs = tq_codecs(d, hkv, c.bits, c.scaled);
     let all: Vec<u32> = (0..slots as u32).collect();
     let write = |codec: &iris::kv::turboquant::TqCodec, scale: Option<&[f32]>| {
@@ -242,15 +244,14 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
         float,
         device,
     };
-    let cpu = op(&m, float_inputs(fw, [&ring_k, &ring_v, &new_k, &new_v], None), None).forward(&q, &kc, &vc).unwrap();
+    let cpu = op(&m, float_inputs(fw, [&ring_k, &ring_v, &new_k, &new_v]), None).forward(&q, &kc, &vc).unwrap();
     let mut mg = m.clone();
     mg.upload(dev).unwrap();
     let g = |t: &Tensor| t.to_device(dev).unwrap();
     let gq = |t: &Tensor| t.to_dtype(q_dt).unwrap().to_device(dev).unwrap();
     let on_gpu = codecs.upload(dev).unwrap();
-    let rings = Tensor::new(mg.window_rings.as_slice(), dev).unwrap();
     let (gnk, gnv, grk, grv) = (gq(&new_k), gq(&new_v), g(&ring_k), g(&ring_v));
-    let gpu_op = op(&mg, float_inputs(fw, [&grk, &grv, &gnk, &gnv], Some(&rings)), Some(&on_gpu));
+    let gpu_op = op(&mg, float_inputs(fw, [&grk, &grv, &gnk, &gnv]), Some(&on_gpu));
     let (gpu_q, gpu_k, gpu_v) = (gq(&q), g(&kc), g(&vc));
     let gpu = gpu_op.forward(&gpu_q, &gpu_k, &gpu_v).unwrap();
     // No atomics in the kernels' sums: the same launch gives the same bits.
@@ -275,9 +276,8 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
 fn float_inputs<'t>(
     len: usize,
     [ring_k, ring_v, new_k, new_v]: [&'t Tensor; 4],
-    rings: Option<&'t Tensor>,
 ) -> Option<iris::ops::tq_attention::FloatInputs<'t>> {
-    (len > 0).then_some(iris::ops::tq_attention::FloatInputs { len, ring_k, ring_v, new_k, new_v, rings })
+    (len > 0).then_some(iris::ops::tq_attention::FloatInputs { len, ring_k, ring_v, new_k, new_v })
 }
 
 fn tq_cases() -> Vec<TqCase> {

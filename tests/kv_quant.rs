@@ -73,7 +73,9 @@ fn forward_chunked(name: &str, tokens: &[u32], chunk: usize, spec: Option<&TqSpe
         let n = chunk.min(tokens.len() - start);
         let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
         let mut batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
-        batch.attn.window_rings = vec![2];
+        if let Some(w) = spec.map(|s| s.float_window).filter(|&w| w > 0) {
+            batch.attn.set_float_window(w, vec![2]).unwrap();
+        }
         hidden.push(loaded.model.forward(&batch, &kv, None).unwrap());
         start += n;
     }

@@ -139,7 +139,9 @@ fn score(
         let n = chunk.min(tokens.len() - start);
         let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
         let mut batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n])?;
-        batch.attn.window_rings = vec![0];
+        if v.float_window > 0 {
+            batch.attn.set_float_window(v.float_window, vec![0])?;
+        }
         let logits: Vec<Vec<f32>> = model.logits(&model.forward(&batch, &kv, None)?)?.to_vec2()?;
         for (i, row) in logits.iter().enumerate() {
             let (best, max) =

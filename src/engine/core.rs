@@ -365,12 +365,15 @@ impl Engine {
         };
         let block_size = self.scheduler.config().block_size;
         let mut batch = Batch::new(&Device::Cpu, block_size, slices, &tokens, positions, images)?;
-        batch.attn.window_rings = plan
-            .items
-            .iter()
-            .map(|&(id, _)| self.scheduler.get(id).and_then(|s| s.window_ring))
-            .collect::<Option<Vec<u32>>>()
-            .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no window ring".into()))?;
+        if let Some(len) = self.kv.turboquant().map(|t| t.float_window).filter(|&w| w > 0) {
+            let rings = plan
+                .items
+                .iter()
+                .map(|&(id, _)| self.scheduler.get(id).and_then(|s| s.window_ring))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no window ring".into()))?;
+            batch.attn.set_float_window(len, rings)?;
+        }
         Ok((batch, sample_rows))
     }
 

@@ -137,9 +137,7 @@ impl DecodeGraphs {
         draws: Option<&[Draw]>,
     ) -> Result<Option<StepOutput>> {
         // Graphs replay text steps with 1-D positions (the rotary table's); others run op by op.
-        // A TurboQuant float window uploads its rings' indices each step, which a graph cannot.
-        let float_window = kv.turboquant().is_some_and(|t| t.float_window > 0);
-        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() || float_window {
+        if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() {
             return Ok(None);
         }
         let meta = &batch.attn;
@@ -225,6 +223,10 @@ impl DecodeGraphs {
             }
         });
         let mut attn = AttentionMeta::new(meta.block_size, pads.collect());
+        if let Some(w) = &meta.window {
+            let rings = (0..bucket).map(|i| w.rings.get(i).copied().unwrap_or(0)).collect();
+            attn.set_float_window(w.len, rings)?;
+        }
         attn.device = Some(DeviceAttentionMeta { data: bufs.meta.clone(), layout });
         let positions = attn.seqs.iter().map(|s| s.first_position() as u32).collect();
         let batch = Batch {

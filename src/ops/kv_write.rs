@@ -11,19 +11,35 @@ use crate::batch::{AttentionMeta, DeviceAttentionMeta, NO_SLOT};
 /// or the cache's type on CUDA.
 pub struct KvWrite<'a> {
     pub slot_mapping: &'a [u32],
-    /// On CUDA: the step's metadata on the device, whose first rows are `slot_mapping`.
+    /// On CUDA: the step's metadata on the device, holding `slot_mapping` from `device_at`.
     pub device_meta: Option<&'a DeviceAttentionMeta>,
+    pub device_at: usize,
 }
 
 impl<'a> KvWrite<'a> {
     /// Writes a step's rows to the slots its metadata assigns.
     pub fn step(meta: &'a AttentionMeta) -> Self {
-        KvWrite { slot_mapping: &meta.slot_mapping, device_meta: meta.device.as_ref() }
+        KvWrite { slot_mapping: &meta.slot_mapping, device_meta: meta.device.as_ref(), device_at: 0 }
+    }
+
+    /// Writes the rows that stay in a float window of `len` positions to their sequences'
+    /// rings (`AttentionMeta::set_float_window`).
+    pub fn to_ring(meta: &'a AttentionMeta, len: usize) -> Result<Self> {
+        match &meta.window {
+            Some(w) if w.len == len => Ok(KvWrite {
+                slot_mapping: &w.slots,
+                device_meta: meta.device.as_ref(),
+                device_at: meta.device.as_ref().map_or(0, |d| d.layout.ring_slots),
+            }),
+            _ => {
+                candle_core::bail!("kv-write: a float window of {len} positions needs its rings in the step's metadata")
+            }
+        }
     }
 
     /// Writes rows to slots given on the host (CPU caches only).
     pub fn to_slots(slot_mapping: &'a [u32]) -> Self {
-        KvWrite { slot_mapping, device_meta: None }
+        KvWrite { slot_mapping, device_meta: None, device_at: 0 }
     }
 
     /// Checks the shapes and every slot; returns (slots in the cache, values per slot).
@@ -125,7 +141,8 @@ impl InplaceOp2 for KvWrite<'_> {
             Ok(())
         }
         with_u32_slice(&dm.data, |meta| {
-            let slots = meta.slice(0..rows);
+            let at = self.device_at;
+            let slots = meta.slice(at..at + rows);
             match (&mut cache.slice, &new.slice) {
                 (S::F32(c), S::F32(n)) => launch(&func, cfg, c, n, (a, b), &slots, row),
                 (S::BF16(c), S::F32(n)) => launch(&func, cfg, c, n, (a, b), &slots, row),

@@ -438,7 +438,7 @@ impl CustomOp3 for PagedAttention<'_> {
         let out = with_u32_slice(&dm.data, |data| {
             let m = Meta {
                 row_seq: data.slice(l.row_seq..l.row_seq + rows),
-                seq_info: data.slice(l.seq_info..l.tiles),
+                seq_info: data.slice(l.seq_info..l.rings),
                 tiles: data.slice(l.tiles..l.block_tables),
                 block_tables: data.slice(l.block_tables..),
             };

@@ -90,23 +90,16 @@ pub(super) fn forward(
         candle_core::bail!("tq-attention: device key scales of the wrong size");
     }
 
-    // The float window: this step's rows (q's type), the rings, the rings' indices.
+    // The float window: this step's rows (q's type) and the rings.
     struct FloatArgs<G> {
         len: usize,
         new: [(G, (usize, usize)); 2],
         ring: [(G, usize); 2],
         ring_dtype: DType,
-        rings: G,
     }
     let fl = match &op.float {
         None => None,
         Some(f) => {
-            let rings = f.rings.ok_or_else(|| {
-                candle_core::Error::Msg("tq-attention: the float window's ring indices are not on the device".into())
-            })?;
-            if rings.dims() != [a.meta.seqs.len()] || rings.dtype() != DType::U32 {
-                candle_core::bail!("tq-attention: a float window needs a ring per sequence");
-            }
             let new = |t: &'_ Tensor| -> Result<(usize, usize)> {
                 let (_, l) = t.storage_and_layout();
                 if t.dims() != [rows, hkv, d] || t.dtype() != q.dtype() {
@@ -117,15 +110,14 @@ pub(super) fn forward(
             };
             let ring = |t: &'_ Tensor| -> Result<usize> {
                 let (_, l) = t.storage_and_layout();
-                let ring_rows = t.dims().first().copied().unwrap_or(0);
-                let fits = a.meta.window_rings.iter().all(|&r| (r as usize + 1) * f.len <= ring_rows);
-                if f.len == 0 || !l.is_contiguous() || t.dims()[1..] != [hkv, d] || !fits {
-                    candle_core::bail!("tq-attention: float rings must be contiguous [rings * {}, {hkv}, {d}] and hold every sequence's ring", f.len);
+                if !l.is_contiguous() || t.dims().len() != 3 || t.dims()[1..] != [hkv, d] {
+                    candle_core::bail!("tq-attention: float rings must be contiguous [rings * {}, {hkv}, {d}]", f.len);
                 }
+                f.rings(a.meta, t.dims()[0])?;
                 Ok(l.start_offset())
             };
-            if a.meta.window_rings.len() != a.meta.seqs.len() || f.ring_k.dtype() != f.ring_v.dtype() {
-                candle_core::bail!("tq-attention: a float window needs a ring per sequence");
+            if f.ring_k.dtype() != f.ring_v.dtype() {
+                candle_core::bail!("tq-attention: key and value rings of different types");
             }
             let (nk, nv, rk, rv) = (new(f.new_k)?, new(f.new_v)?, ring(f.ring_k)?, ring(f.ring_v)?);
             Some(FloatArgs {
@@ -133,7 +125,6 @@ pub(super) fn forward(
                 new: [(guard(f.new_k), nk), (guard(f.new_v), nv)],
                 ring: [(guard(f.ring_k), rk), (guard(f.ring_v), rv)],
                 ring_dtype: f.ring_k.dtype(),
-                rings: guard(rings),
             })
         }
     };
@@ -231,11 +222,11 @@ pub(super) fn forward(
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
-    let rings_slice = fl.as_ref().map(|f| cuda_slice::<u32>(&f.rings, "ring indices")).transpose()?;
     let out = with_u32_slice(&dm.data, |data| {
         let meta =
-            [data.slice(l.row_seq..l.row_seq + rows), data.slice(l.seq_info..l.tiles), data.slice(l.block_tables..)];
-        let rings = rings_slice.map(|r| r.slice(..));
+            [data.slice(l.row_seq..l.row_seq + rows), data.slice(l.seq_info..l.rings), data.slice(l.block_tables..)];
+        // Each sequence's ring (the step's metadata holds them; checked above).
+        let rings = fl.as_ref().map(|_| data.slice(l.rings..l.tiles));
         let common = ((&partial, &combine), (cfg_partial, cfg_combine), (kc, vc, &part), (ktab, vtab, kscale));
         let floats = (scale, window, softcap, fw, nsplit as i32, vdense);
         let n = rows * hq * d;

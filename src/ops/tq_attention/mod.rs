@@ -26,7 +26,7 @@ use super::paged_attention::{exp_shifted, PagedAttention};
 use super::simd::{axpy_f32, dot_f32};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
-use crate::batch::{AttentionMeta, DeviceAttentionMeta, NO_SLOT};
+use crate::batch::AttentionMeta;
 use crate::kv::turboquant::{DeviceCodecs, TqCodec};
 use crate::kv::TqLayerCache;
 
@@ -54,16 +54,34 @@ pub struct TqAttention<'a> {
 }
 
 /// The unquantized recent tokens (see the module doc). Rings are `[rings * len, kv_heads,
-/// head_dim]` in a float type, the sequence's ring index in `meta.window_rings`; `new_k`,
-/// `new_v` are this step's `[T, kv_heads, head_dim]` f32.
+/// head_dim]` in a float type, each sequence's ring in `meta.window` (which must be of
+/// `len`); `new_k`, `new_v` are this step's `[T, kv_heads, head_dim]` (f32 on the CPU).
 pub struct FloatInputs<'a> {
     pub len: usize,
     pub ring_k: &'a Tensor,
     pub ring_v: &'a Tensor,
     pub new_k: &'a Tensor,
     pub new_v: &'a Tensor,
-    /// On a GPU: `meta.window_rings` in device memory (`[seqs]` u32).
-    pub rings: Option<&'a Tensor>,
+}
+
+impl FloatInputs<'_> {
+    /// The step's rings when `meta` gives every sequence one of this window's, each inside
+    /// rings of `ring_rows` rows.
+    fn rings<'m>(&self, meta: &'m AttentionMeta, ring_rows: usize) -> Result<&'m [u32]> {
+        match &meta.window {
+            Some(w)
+                if w.len == self.len
+                    && w.rings.len() == meta.seqs.len()
+                    && w.rings.iter().all(|&r| (r as usize + 1) * self.len <= ring_rows) =>
+            {
+                Ok(&w.rings)
+            }
+            _ => candle_core::bail!(
+                "tq-attention: a float window of {} positions needs a ring per sequence inside its {ring_rows} rows (AttentionMeta::set_float_window)",
+                self.len
+            ),
+        }
+    }
 }
 
 /// `FloatInputs` as slices.
@@ -125,12 +143,8 @@ impl<'a> TqAttention<'a> {
         let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
         let rows = meta.num_rows();
         self.check(q.len(), n_slots)?;
-        if let Some(f) = &fl {
-            let ring_rows = f.k.ring.len() / (hkv * d);
-            let fits = |r: &u32| (*r as usize + 1) * f.len <= ring_rows;
-            if f.len == 0 || meta.window_rings.len() != meta.seqs.len() || !meta.window_rings.iter().all(fits) {
-                candle_core::bail!("tq-attention: a float window needs a ring per sequence");
-            }
+        if let (Some(f), Some(inputs)) = (&fl, &self.float) {
+            inputs.rings(meta, f.k.ring.len() / (hkv * d))?;
             let new = rows * hkv * d;
             if f.k.new.len() != new || f.v.new.len() != new || f.v.ring.len() != f.k.ring.len() {
                 candle_core::bail!("tq-attention: float window inputs of the wrong size");
@@ -364,7 +378,9 @@ impl<'a> TqAttention<'a> {
             let first = seq.first_position();
             let float_row = |j: usize| {
                 if j < first {
-                    FloatRow::Ring(a.meta.window_rings[tile.si] as usize * f.len + j % f.len)
+                    // `run` checked that every sequence has a ring.
+                    let ring = a.meta.window.as_ref().map_or(0, |w| w.rings[tile.si] as usize);
+                    FloatRow::Ring(ring * f.len + j % f.len)
                 } else {
                     FloatRow::New(seq.q_start + j - first)
                 }
@@ -695,55 +711,15 @@ pub fn write_and_attend(
     let meta = attn.meta;
     c.k.inplace_op2(k, &TqWrite::keys(c, &meta.slot_mapping, meta.device.as_ref()))?;
     c.v.inplace_op2(v, &TqWrite::values(c, &meta.slot_mapping, meta.device.as_ref()))?;
-    // On a GPU the rings' indices and the rows staying in them go up as small tensors (steps
-    // with a float window do not run as CUDA graphs).
-    let on_device = !q.device().is_cpu();
-    let rings = match &c.window {
-        Some(_) if on_device => Some(Tensor::new(meta.window_rings.as_slice(), q.device())?),
-        _ => None,
-    };
-    let float = c.window.as_ref().map(|w| FloatInputs {
-        len: w.len,
-        ring_k: &w.k,
-        ring_v: &w.v,
-        new_k: k,
-        new_v: v,
-        rings: rings.as_ref(),
-    });
+    let float = c.window.as_ref().map(|w| FloatInputs { len: w.len, ring_k: &w.k, ring_v: &w.v, new_k: k, new_v: v });
     let out = TqAttention::over(attn, c, float).forward(q, &c.k, &c.v)?;
     // After the op: it reads the rings' older positions, which these writes may replace.
     if let Some(w) = &c.window {
-        let slots = ring_slots(meta, w.len)?;
-        let device_slots = if on_device { Some(DeviceAttentionMeta::slots(&slots, q.device())?) } else { None };
-        let write = KvWrite { slot_mapping: &slots, device_meta: device_slots.as_ref() };
+        let write = KvWrite::to_ring(meta, w.len)?;
         w.k.inplace_op2(k, &write)?;
         w.v.inplace_op2(v, &write)?;
     }
     Ok(out)
-}
-
-/// The ring row of each batch row whose position stays among its sequence's last `len`
-/// after this step, `NO_SLOT` for the others.
-fn ring_slots(meta: &AttentionMeta, len: usize) -> Result<Vec<u32>> {
-    if meta.window_rings.len() != meta.seqs.len() {
-        candle_core::bail!(
-            "a float window needs a ring per sequence ({} for {})",
-            meta.window_rings.len(),
-            meta.seqs.len()
-        );
-    }
-    let mut slots = Vec::with_capacity(meta.num_rows());
-    for (s, &ring) in meta.seqs.iter().zip(&meta.window_rings) {
-        let keep = s.context_len.saturating_sub(len);
-        slots.extend((s.first_position()..s.context_len).map(|p| {
-            if p >= keep {
-                (ring as usize * len + p % len) as u32
-            } else {
-                NO_SLOT
-            }
-        }));
-    }
-    Ok(slots)
 }
 
 /// The parts [j0, j1) of [lo, hi) in each block b, as (b, j0, j1), in order. (A loop over

@@ -94,7 +94,9 @@ fn codes_match_dequantize_then_attend() {
         for sliding in [None, Some(7), Some(300)] {
             for fw in [0, 3, 9] {
                 let mut meta = AttentionMeta::new(bs, seqs.clone());
-                meta.window_rings = vec![1, 0];
+                if fw > 0 {
+                    meta.set_float_window(fw, vec![1, 0]).unwrap();
+                }
                 let slots = meta.seqs.iter().map(|s| s.block_table.len()).sum::<usize>() * bs;
                 let c = layer(d, hkv, slots, bits, fw, 2, DType::F32);
                 // Original keys and values of every slot, all quantized into the cache.
@@ -137,7 +139,7 @@ fn codes_match_dequantize_then_attend() {
                     for (si, s) in meta.seqs.iter().enumerate() {
                         let first = s.first_position();
                         for j in first.saturating_sub(fw)..first {
-                            let r = meta.window_rings[si] as usize * fw + j % fw;
+                            let r = meta.window.as_ref().unwrap().rings[si] as usize * fw + j % fw;
                             rk[r * hkv * d..][..hkv * d].copy_from_slice(&ko[slot(si, j) * hkv * d..][..hkv * d]);
                             rv[r * hkv * d..][..hkv * d].copy_from_slice(&vo[slot(si, j) * hkv * d..][..hkv * d]);
                         }
@@ -155,7 +157,6 @@ fn codes_match_dequantize_then_attend() {
                     ring_v: &w.v,
                     new_k: &new_kt,
                     new_v: &new_vt,
-                    rings: None,
                 });
                 let op = TqAttention {
                     attn: a,
@@ -247,7 +248,9 @@ fn prefill_equals_token_by_token_for(n: usize) {
                 let end = (start + chunk).min(n);
                 let seq = SeqSlice { q_start: 0, q_len: end - start, context_len: end, block_table: table.clone() };
                 let mut meta = AttentionMeta::new(bs, vec![seq]);
-                meta.window_rings = vec![2];
+                if fw > 0 {
+                    meta.set_float_window(fw, vec![2]).unwrap();
+                }
                 let rows = |src: &[f32], h: usize| {
                     Tensor::from_vec(src[start * h * d..end * h * d].to_vec(), (end - start, h, d), &dev).unwrap()
                 };
