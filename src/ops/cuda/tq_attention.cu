@@ -347,17 +347,26 @@ __device__ __forceinline__ float block_sum(float x, float* red) {
     return r;
 }
 
-// A float-window vector of kv head `kvh` at position j: this step's row (rounded to the ring's
-// type, so it reads the same before and after it moves into the ring) or the ring's.
+// Eight coordinates [c, c + 8) of a float-window vector of kv head `kvh` at position j, into
+// `dst` (16-byte aligned): this step's row (rounded to the ring's type, so it reads the same
+// before and after it moves into the ring) or the ring's. The row's address is worked out
+// once per eight coordinates: per coordinate, the index arithmetic cost more than the loads.
 template <typename TQ, typename TR>
-__device__ __forceinline__ float tq_float_at(const TQ* fresh, const TR* ring, const TqRow& r, int j, int ring_idx,
-                                             int float_window, int num_kv_heads, int kvh, int D, int c) {
+__device__ __forceinline__ void tq_float_chunk8(float* dst, const TQ* fresh, const TR* ring, const TqRow& r, int j,
+                                                int ring_idx, int float_window, int num_kv_heads, int kvh, int D,
+                                                int c) {
+    float x[8];
     if (j < r.first) {
-        const size_t row = (size_t)ring_idx * float_window + j % float_window;
-        return to_f(ring[(row * num_kv_heads + kvh) * D + c]);
+        const TR* src = ring + (((size_t)ring_idx * float_window + j % float_window) * num_kv_heads + kvh) * D + c;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = to_f(src[e]);
+    } else {
+        const TQ* src = fresh + (((size_t)r.q_start + (j - r.first)) * num_kv_heads + kvh) * D + c;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = to_f(from_f<TR>(to_f(src[e])));
     }
-    const size_t row = (size_t)r.q_start + (j - r.first);
-    return to_f(from_f<TR>(to_f(fresh[(row * num_kv_heads + kvh) * D + c])));
+    reinterpret_cast<float4*>(dst)[0] = make_float4(x[0], x[1], x[2], x[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(x[4], x[5], x[6], x[7]);
 }
 
 template <typename TQ, typename TR, int D>
@@ -368,12 +377,14 @@ __device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, 
                                 const TR* __restrict__ ring_v, const uint32_t* __restrict__ window_rings,
                                 int num_heads, int num_kv_heads, float scale, int window, float softcap,
                                 int float_window, int nsplit, int vdense) {
-    constexpr int PER = (D + TC_THREADS - 1) / TC_THREADS;  // output coordinates per thread
     constexpr int ZQ = TC_THREADS / D;                          // threads per coordinate (split ranges)
     constexpr int ZPT = (TA_MAXSPLIT + ZQ - 1) / ZQ;            // splits per thread
     static_assert(D <= TC_THREADS, "a thread per coordinate at least");
     __shared__ float o_s[D], tmp_s[D], q_s[D], p_s[TC_THREADS], red_s[TC_THREADS / 32], sign_s[2 * D];
     __shared__ float m_s[TA_MAXSPLIT], w_s[TA_MAXSPLIT], sum_s[ZQ][D], ml_s[2];
+    constexpr int TW = 4096 / D < TC_THREADS ? 4096 / D : TC_THREADS;  // float-window positions per tile
+    static_assert(D % 8 == 0, "float-window rows are copied eight coordinates at a time");
+    __shared__ __align__(16) float kw_s[TW * D], vw_s[TW * D];
     pdl_launch_dependents();
     const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     if (!vdense)  // written once at start-up: read before the wait
@@ -427,53 +438,57 @@ __device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, 
         for (int g = 0; g < ZQ; ++g) o += sum_s[g][tid];
         o_s[tid] = o;
     }
-    tq_rotate_inverse<false, D>(o_s, tmp_s, 1, vdense ? vtab + TQ_ROTATION : sign_s, vdense != 0);
-    float acc[PER];
-#pragma unroll
-    for (int k = 0; k < PER; ++k) acc[k] = tid + k * TC_THREADS < D ? o_s[tid + k * TC_THREADS] : 0.f;
+    tq_rotate<false, D, true>(o_s, tmp_s, 1, vdense ? vtab + TQ_ROTATION : sign_s, vdense != 0);
+    float acc = tid < D ? o_s[tid] : 0.f;  // a thread per output coordinate
 
-    // The float window's positions, folded into the same softmax.
+    // The float window's positions, folded into the same softmax, in tiles of TW positions:
+    // the tile's keys and values copied to shared memory by the whole block at once (one
+    // round trip to memory per tile, not one per position), a warp per position for the
+    // scores, then each group of D threads sums every ZQ-th position's values.
     const TqRow r = tq_row(t, row_seq, seq_info, window, float_window);
     const int kvh = h / (num_heads / num_kv_heads);
     if (r.split < r.end) {
         const int ring_idx = window_rings[r.s];
+        const int warp = tid >> 5, lane = tid & 31;
         for (int c = tid; c < D; c += TC_THREADS) q_s[c] = to_f(q[((size_t)t * num_heads + h) * D + c]);
         __syncthreads();
-        for (int c0 = r.split; c0 < r.end; c0 += TC_THREADS) {
-            const int j = c0 + tid;
-            float x = -INFINITY;
-            if (j < r.end) {
-                float dot = 0.f;
-                for (int c = 0; c < D; ++c)
-                    dot = fmaf(q_s[c], tq_float_at(new_k, ring_k, r, j, ring_idx, float_window, num_kv_heads, kvh, D, c),
-                               dot);
-                x = tq_logit(dot, scale, softcap);
+        for (int c0 = r.split; c0 < r.end; c0 += TW) {
+            const int nk = min(TW, r.end - c0);
+            for (int i = tid; i < nk * (D / 8); i += TC_THREADS) {
+                const int jj = i / (D / 8), cc = (i % (D / 8)) * 8;
+                const int o = jj * D + cc;
+                tq_float_chunk8(kw_s + o, new_k, ring_k, r, c0 + jj, ring_idx, float_window, num_kv_heads, kvh, D, cc);
+                tq_float_chunk8(vw_s + o, new_v, ring_v, r, c0 + jj, ring_idx, float_window, num_kv_heads, kvh, D, cc);
             }
-            const float mn = fmaxf(M, block_max<TC_THREADS / 32>(x, red_s));
+            __syncthreads();
+            for (int jj = warp; jj < nk; jj += TC_THREADS / 32) {
+                float dot = 0.f;
+                for (int c = lane; c < D; c += 32) dot = fmaf(q_s[c], kw_s[jj * D + c], dot);
+                dot = warp_sum(dot);
+                if (lane == 0) p_s[jj] = tq_logit(dot, scale, softcap);
+            }
+            __syncthreads();
+            const float x = tid < nk ? p_s[tid] : -INFINITY;
+            const float mn = fmaxf(M, block_max<TC_THREADS / 32>(x, red_s));  // its barriers: x read
             const float corr = expf(M - mn);
-            const float p = j < r.end ? expf(x - mn) : 0.f;
-            p_s[tid] = p;
-            L = L * corr + block_sum<TC_THREADS / 32>(p, red_s);  // its barrier also publishes p_s
+            p_s[tid] = tid < nk ? expf(x - mn) : 0.f;
+            L = L * corr + block_sum<TC_THREADS / 32>(p_s[tid], red_s);  // its barrier publishes p_s
             M = mn;
-            const int nk = min(TC_THREADS, r.end - c0);
-#pragma unroll
-            for (int k = 0; k < PER; ++k) {
-                const int c = tid + k * TC_THREADS;
-                if (c >= D) continue;
-                float a = acc[k] * corr;
-                for (int jj = 0; jj < nk; ++jj)
-                    a = fmaf(p_s[jj],
-                             tq_float_at(new_v, ring_v, r, c0 + jj, ring_idx, float_window, num_kv_heads, kvh, D, c), a);
-                acc[k] = a;
+            if (zq < ZQ) {
+                float a = 0.f;
+                for (int jj = zq; jj < nk; jj += ZQ) a = fmaf(p_s[jj], vw_s[jj * D + c], a);
+                sum_s[zq][c] = a;
+            }
+            __syncthreads();
+            if (tid < D) {
+                float a = acc * corr;
+                for (int g = 0; g < ZQ; ++g) a += sum_s[g][tid];
+                acc = a;
             }
             __syncthreads();
         }
     }
-#pragma unroll
-    for (int k = 0; k < PER; ++k) {
-        const int c = tid + k * TC_THREADS;
-        if (c < D) out[((size_t)t * num_heads + h) * D + c] = from_f<TQ>(acc[k] / L);
-    }
+    if (tid < D) out[((size_t)t * num_heads + h) * D + tid] = from_f<TQ>(acc / L);
 }
 
 #define TQ_PARTIAL(NAME, TQ, D)                                                                                  \
