@@ -157,13 +157,7 @@ impl InplaceOp2 for TqWrite<'_> {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let ints = [
-            heads as i32,
-            d as i32,
-            bits as i32,
-            self.codec.code_bytes() as i32,
-            self.codec.rotation().is_dense() as i32,
-        ];
+        let ints = [heads as i32, d as i32, bits as i32, self.codec.rotation().is_dense() as i32];
         let S::U8(codes) = &mut cache.slice else { candle_core::bail!("tq-write: the cache must be u8 codes") };
         fn launch<N>(
             func: &super::cuda::Kernel,
@@ -172,7 +166,7 @@ impl InplaceOp2 for TqWrite<'_> {
             (new, (a, b)): (&CudaSlice<N>, (usize, usize)),
             slots: &candle_core::cuda_backend::cudarc::driver::CudaView<u32>,
             (table, scale): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
-            ints: [i32; 5],
+            ints: [i32; 4],
         ) -> Result<()> {
             let new = new.slice(a..b);
             let mut b = func.dependent();

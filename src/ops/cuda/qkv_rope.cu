@@ -17,6 +17,27 @@ struct TqDst {
     int dense[2];
 };
 
+// Encodes the calling warp's head vector, x[k] at coordinate lane + 32 k (times ks[k] when
+// `scaled`), into the row of kv head `kvh` at `slot` of a TurboQuant cache, `which` = 0 for
+// keys, 1 for values; `tab` is the codec's table in shared memory, `buf` the warp's D floats.
+template <int D, int E>
+__device__ __forceinline__ void qkv_encode_tq(const TqDst& tq, int which, const float* tab, float* buf,
+                                              const float (&x)[E], const float (&ks)[E], bool scaled, uint32_t slot,
+                                              int hkv, int kvh) {
+    __shared__ float tmp_s[QR_WARPS][D];
+    __shared__ uint8_t code_s[QR_WARPS][D];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncwarp();  // every lane has read buf
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+        const int e = lane + 32 * k;
+        if (e < D) buf[e] = scaled ? __fmul_rn(x[k], ks[k]) : x[k];
+    }
+    uint8_t* row = tq.codes[which] + ((size_t)slot * hkv + kvh) * (D * tq.bits[which] / 8 + 4);
+    tq_encode_warp<D>(buf, tmp_s[warp], code_s[warp], row, tq.dense[which] ? tq.table[which] : tab, tq.bits[which],
+                      tq.dense[which] != 0);
+}
+
 // y: [rows, (hq + 2 hkv) * D] with row stride y_stride (q heads, then k, then v).
 // bias: [(hq + 2 hkv) * D] or null. cos, sin: [rows, D / 2]. qn, kn: [D] or null.
 // out: q [rows, hq, D], then k [rows, hkv, D], then v [rows, hkv, D]; or, given a dense cache
@@ -73,19 +94,7 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
     }
     T* dst;
     if (TQC && head >= hq + hkv) {  // v: encoded as it is (x holds T values)
-        if constexpr (TQC) {
-            __shared__ float tmp_s[QR_WARPS][D];
-            __shared__ uint8_t code_s[QR_WARPS][D];
-#pragma unroll
-            for (int k = 0; k < E; ++k) {
-                const int e = lane + 32 * k;
-                if (e < D) buf[warp][e] = x[k];
-            }
-            const int cb = D * tq.bits[1] / 8;
-            uint8_t* row = tq.codes[1] + ((size_t)slot * hkv + head - hq - hkv) * (cb + 4);
-            tq_encode_warp<D>(buf[warp], tmp_s[warp], code_s[warp], row, tq.dense[1] ? tq.table[1] : tab_s[1],
-                              tq.bits[1], tq.dense[1] != 0);
-        }
+        if constexpr (TQC) qkv_encode_tq<D, E>(tq, 1, tab_s[1], buf[warp], x, ks, false, slot, hkv, head - hq - hkv);
         return;
     }
     if (head >= hq + hkv) {  // v: passed through
@@ -141,22 +150,8 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
         if (TQC && !is_q) x[k] = to_f(from_f<T>(o));  // the key as the separate write would read it
         else dst[e] = from_f<T>(o);
     }
-    if constexpr (TQC) {
-        if (is_q) return;
-        __shared__ float tmp_s[QR_WARPS][D];
-        __shared__ uint8_t code_s[QR_WARPS][D];
-        const int kvh = head - hq;
-        __syncwarp();  // every lane has read buf
-#pragma unroll
-        for (int k = 0; k < E; ++k) {
-            const int e = lane + 32 * k;
-            if (e < D) buf[warp][e] = tq.kscale ? __fmul_rn(x[k], ks[k]) : x[k];
-        }
-        const int cb = D * tq.bits[0] / 8;
-        uint8_t* row = tq.codes[0] + ((size_t)slot * hkv + kvh) * (cb + 4);
-        tq_encode_warp<D>(buf[warp], tmp_s[warp], code_s[warp], row, tq.dense[0] ? tq.table[0] : tab_s[0], tq.bits[0],
-                          tq.dense[0] != 0);
-    }
+    if constexpr (TQC)
+        if (!is_q) qkv_encode_tq<D, E>(tq, 0, tab_s[0], buf[warp], x, ks, tq.kscale != nullptr, slot, hkv, head - hq);
 }
 
 #define QR(NAME, T, D)                                                                                         \

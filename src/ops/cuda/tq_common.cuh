@@ -42,67 +42,38 @@ __device__ __forceinline__ void tq_fwht(float* y, int count) {
     T::sync();
 }
 
-// y <- R y for `count` vectors of D values in shared memory (Rotation::apply), by the team;
-// `tmp` is shared scratch of count * D values (dense rotations only). Hadamard: bit-identical to
-// the reference (the sign flips and the scaling by 1 / D, a power of two, are exact). Dense:
-// each output sums its D products in order, which rounds differently from the reference's
-// vectorised dot product.
-template <bool WARP, int D>
+// y <- R y for `count` vectors of D values in shared memory (Rotation::apply), or R^T y with
+// INVERSE (Rotation::apply_inverse), by the team; `tmp` is shared scratch of count * D values
+// (dense rotations only). Hadamard, R = H S2 H S1 / D (H unnormalised, S1 and S2 the sign
+// diagonals): bit-identical to the reference (the sign flips and the scaling by 1 / D, a power
+// of two, are exact). Dense: each output sums its D products in order, which rounds
+// differently from the reference's vectorised dot product.
+template <bool WARP, int D, bool INVERSE = false>
 __device__ __forceinline__ void tq_rotate(float* y, float* tmp, int count, const float* rot, bool dense) {
     using T = TqTeam<WARP>;
     T::sync();
     if constexpr ((D & (D - 1)) == 0) {
         if (!dense) {
-            for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], rot[i % D]);
+            if (!INVERSE)
+                for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], rot[i % D]);
             tq_fwht<WARP, D>(y, count);
             for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], rot[D + i % D]);
             tq_fwht<WARP, D>(y, count);
             const float inv = 1.f / (float)D;
-            for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], inv);
+            for (int i = T::id(); i < count * D; i += T::size())
+                y[i] = __fmul_rn(y[i], INVERSE ? rot[i % D] * inv : inv);
             T::sync();
             return;
         }
     }
-    {
-        for (int i = T::id(); i < count * D; i += T::size()) tmp[i] = y[i];
-        T::sync();
-        for (int i = T::id(); i < count * D; i += T::size()) {
-            const float* m = rot + (size_t)(i % D) * D;
-            const float* x = tmp + (i / D) * D;
-            float s = 0.f;
-            for (int j = 0; j < D; ++j) s = fmaf(m[j], x[j], s);
-            y[i] = s;
-        }
-    }
+    for (int i = T::id(); i < count * D; i += T::size()) tmp[i] = y[i];
     T::sync();
-}
-
-// y <- R^T y (Rotation::apply_inverse), as `tq_rotate`.
-template <bool WARP, int D>
-__device__ __forceinline__ void tq_rotate_inverse(float* y, float* tmp, int count, const float* rot, bool dense) {
-    using T = TqTeam<WARP>;
-    T::sync();
-    if constexpr ((D & (D - 1)) == 0) {
-        if (!dense) {
-            tq_fwht<WARP, D>(y, count);
-            for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], rot[D + i % D]);
-            tq_fwht<WARP, D>(y, count);
-            const float inv = 1.f / (float)D;
-            for (int i = T::id(); i < count * D; i += T::size()) y[i] = __fmul_rn(y[i], rot[i % D] * inv);
-            T::sync();
-            return;
-        }
-    }
-    {
-        for (int i = T::id(); i < count * D; i += T::size()) tmp[i] = y[i];
-        T::sync();
-        for (int i = T::id(); i < count * D; i += T::size()) {
-            const int c = i % D;
-            const float* x = tmp + (i / D) * D;
-            float s = 0.f;
-            for (int r = 0; r < D; ++r) s = fmaf(rot[(size_t)r * D + c], x[r], s);
-            y[i] = s;
-        }
+    for (int i = T::id(); i < count * D; i += T::size()) {
+        const int c = i % D;
+        const float* x = tmp + (i / D) * D;
+        float s = 0.f;
+        for (int j = 0; j < D; ++j) s = fmaf(INVERSE ? rot[(size_t)j * D + c] : rot[(size_t)c * D + j], x[j], s);
+        y[i] = s;
     }
     T::sync();
 }
