@@ -9,7 +9,7 @@
 # - The bench binary: $KV_BENCH_BIN, else .gpu/kv_decode.xz (scripts/gpu-build.sh) unpacked,
 #   else `cargo bench` (needs a toolchain there).
 # - KV_MODEL (default qwen2.5-7b; or smollm2-135m), KV_CONTEXTS (default 1024,8192,32768),
-#   KV_CACHES (default bf16,tq-k3v4,tq-k4v4), KV_STEPS (default 20). The checkpoint goes to
+#   KV_CACHES (default bf16,tq-k3v4,tq-k4v4; tq-kXvY/wN: with a float window of N), KV_STEPS (default 20). The checkpoint goes to
 #   $BENCH_DIR (default /tmp/iris-bench, shared with gpu-bench.sh) and is made once; its
 #   config's max_position_embeddings is raised to 65536 in a copy, so that 32k tokens of
 #   context (past Qwen2.5-7B's 32768) still use the device rotary table and CUDA graphs
@@ -59,9 +59,12 @@ if [ "${E2E:-0}" = 1 ]; then
   IRIS=${IRIS_BIN:-}
   if [ -z "$IRIS" ] && [ -f .gpu/iris.xz ]; then xz -dc .gpu/iris.xz > "$DIR/iris" && chmod +x "$DIR/iris" && IRIS="$DIR/iris"; fi
   for c in $(echo "${KV_CACHES:-bf16,tq-k3v4,tq-k4v4}" | tr , ' '); do
-    "$IRIS" bench --model "$md" --device cuda --dtype bf16 --kv-cache-dtype "$c" --batch-sizes 1,8 \
-      --prompt-len 1024 --gen-len 64 --repeats 3 > "$RES/e2e-$MODEL-$c.txt" 2>&1 || tail -3 "$RES/e2e-$MODEL-$c.txt"
-    echo "-- iris bench, KV cache $c:"; grep -E '^\|' "$RES/e2e-$MODEL-$c.txt" || tail -5 "$RES/e2e-$MODEL-$c.txt"
+    # tq-kXvY/wN: with a float window of N positions.
+    win=0; case "$c" in */w*) win=${c##*/w} ;; esac
+    "$IRIS" bench --model "$md" --device cuda --dtype bf16 --kv-cache-dtype "${c%%/*}" --kv-float-window "$win" \
+      --batch-sizes 1,8 --prompt-len 1024 --gen-len 64 --repeats 3 > "$RES/e2e-$MODEL-${c//\//-}.txt" 2>&1 \
+      || tail -3 "$RES/e2e-$MODEL-${c//\//-}.txt"
+    echo "-- iris bench, KV cache $c:"; grep -E '^\|' "$RES/e2e-$MODEL-${c//\//-}.txt" || tail -5 "$RES/e2e-$MODEL-${c//\//-}.txt"
   done
 fi
 echo "== done in $(( $(date +%s) - t0 )) s"
