@@ -125,23 +125,27 @@ fn tq_write_matches_cpu_codes() {
 
 /// The projection kernel encoding k and v into a TurboQuant cache (`forward_into_tq_cache`, one
 /// launch) leaves the same bytes as the kernel followed by the two cache writes above, returns
-/// the same q, and skips rows without a slot: 1-D and interleaved rotary, q/k norms, key scales,
+/// the same q (and for a cache with a float window the same k and v, a row without a slot's
+/// included), and skips rows without a slot: 1-D and interleaved rotary, q/k norms, key scales,
 /// Hadamard (d = 64, 128, 256) and dense (d = 80) rotations, f32 and bf16.
 #[test]
 fn qkv_rope_into_tq_cache_equals_separate_writes() {
     use common::cuda::QkvInputs;
     use iris::batch::NO_SLOT;
-    use iris::kv::TqLayerCache;
+    use iris::kv::{FloatWindow, TqLayerCache};
     use iris::ops::tq_write::TqWrite;
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(43);
-    for (hq, hkv, d, bits, scaled, norm, interleaved, dt) in [
+    let cases = [
         (28, 4, 128, (3, 4), true, false, false, DType::BF16),
         (28, 4, 128, (4, 4), false, false, false, DType::F32),
         (8, 2, 64, (2, 3), true, true, true, DType::F32),
         (4, 1, 256, (4, 2), true, true, false, DType::BF16),
         (8, 2, 80, (3, 4), true, false, false, DType::F32),
-    ] {
+    ];
+    for ((hq, hkv, d, bits, scaled, norm, interleaved, dt), windowed) in
+        cases.into_iter().flat_map(|c| [(c, false), (c, true)])
+    {
         let (mut m, n_slots) = meta(&mut rng, &[(40, 40), (300, 1), (17, 5)], 16);
         let skipped = m.slot_mapping[3] as usize;
         m.slot_mapping[3] = NO_SLOT;
@@ -159,7 +163,12 @@ fn qkv_rope_into_tq_cache_equals_separate_writes() {
                 k: init(codecs.key.row_bytes()),
                 v: init(codecs.value.row_bytes()),
                 codecs: codecs.clone(),
-                window: None,
+                // Only its presence matters here: k and v come back too.
+                window: windowed.then(|| FloatWindow {
+                    len: 4,
+                    k: Tensor::zeros((4, hkv, d), dt, &dev).unwrap(),
+                    v: Tensor::zeros((4, hkv, d), dt, &dev).unwrap(),
+                }),
                 device: Some(codecs.upload(&dev).unwrap()),
             }
         };
@@ -168,9 +177,17 @@ fn qkv_rope_into_tq_cache_equals_separate_writes() {
         let dm = m.device.as_ref();
         separate.k.inplace_op2(&k.contiguous().unwrap(), &TqWrite::keys(&separate, &m.slot_mapping, dm)).unwrap();
         separate.v.inplace_op2(&v.contiguous().unwrap(), &TqWrite::values(&separate, &m.slot_mapping, dm)).unwrap();
-        let qf = op.forward_into_tq_cache(y, &fused, &m).unwrap();
-        let what = format!("qkv-rope into a tq cache {hq}x{hkv}x{d} bits {bits:?} {dt:?}");
+        let (qf, fresh) = op.forward_into_tq_cache(y, &fused, &m).unwrap();
+        let what = format!("qkv-rope into a tq cache {hq}x{hkv}x{d} bits {bits:?} {dt:?} window {windowed}");
         assert_eq!(max_rel_err(&qf, &q), 0.0, "{what}: q differs");
+        match fresh {
+            Some((kf, vf)) => {
+                assert!(windowed, "{what}: k and v returned without a float window");
+                assert_eq!(max_rel_err(&kf, &k), 0.0, "{what}: k differs");
+                assert_eq!(max_rel_err(&vf, &v), 0.0, "{what}: v differs");
+            }
+            None => assert!(!windowed, "{what}: a float window needs k and v back"),
+        }
         for (name, a, b) in [("keys", &fused.k, &separate.k), ("values", &fused.v, &separate.v)] {
             let (a, b) = (bytes(a), bytes(b));
             let differ = (0..a.len()).filter(|&i| a[i] != b[i]).count();

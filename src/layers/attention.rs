@@ -91,10 +91,10 @@ impl SelfAttention {
                 let q = rope.forward_into_cache(&qkv.forward_unbiased(x)?, kc, vc, meta)?;
                 self.paged(meta).forward(&q, kc, vc)?
             }
-            // So does a TurboQuant cache without a float window (it encodes them).
-            (Some((qkv, rope)), LayerCache::TurboQuant(c)) if c.window.is_none() => {
-                let q = rope.forward_into_tq_cache(&qkv.forward_unbiased(x)?, c, meta)?;
-                tq_attention::attend_written(self.paged(meta), c, &q)?
+            // So does a TurboQuant cache (it encodes them; a float window also reads them).
+            (Some((qkv, rope)), LayerCache::TurboQuant(c)) => {
+                let (q, fresh) = rope.forward_into_tq_cache(&qkv.forward_unbiased(x)?, c, meta)?;
+                tq_attention::attend_written(self.paged(meta), c, &q, fresh.as_ref().map(|(k, v)| (k, v)))?
             }
             _ => self.attend(x, rot, rope.as_ref().map(|(qkv, op)| (*qkv, op)), cache, meta)?,
         };

@@ -30,9 +30,12 @@ pub struct QkvRope<'a> {
 impl QkvRope<'_> {
     /// `y`: `[T, (heads + 2 kv_heads) * head_dim]` -> q `[T, heads, d]`, k and v `[T, kv_heads, d]`.
     pub fn forward(&self, y: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let t = y.dim(0)?;
+        self.split(&y.apply_op1_no_bwd(self)?, y.dim(0)?)
+    }
+
+    /// The kernel's output for `t` rows, q then k then v, as three tensors.
+    fn split(&self, out: &Tensor, t: usize) -> Result<(Tensor, Tensor, Tensor)> {
         let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let out = y.apply_op1_no_bwd(self)?;
         let q = out.narrow(0, 0, t * hq * d)?.reshape((t, hq, d))?;
         let k = out.narrow(0, t * hq * d, t * hkv * d)?.reshape((t, hkv, d))?;
         let v = out.narrow(0, t * (hq + hkv) * d, t * hkv * d)?.reshape((t, hkv, d))?;
@@ -62,24 +65,32 @@ impl QkvRope<'_> {
     }
 
     /// `forward`, then k and v encoded into their slots of a TurboQuant cache as `TqWrite` does:
-    /// returns q. On CUDA one launch, bit-identical to `forward` and the two writes
-    /// (`IRIS_CUDA_FUSED_KV_WRITE=0`: three launches, to compare). The float window's rows are
-    /// not kept: a cache with one takes `forward` and `write_and_attend`.
-    pub fn forward_into_tq_cache(&self, y: &Tensor, c: &TqLayerCache, meta: &AttentionMeta) -> Result<Tensor> {
-        if c.window.is_some() {
-            candle_core::bail!("qkv-rope: a TurboQuant cache with a float window needs the step's k and v");
-        }
+    /// returns q, and for a cache with a float window (which reads them) k and v too. On CUDA
+    /// one launch, bit-identical to `forward` and the two writes (`IRIS_CUDA_FUSED_KV_WRITE=0`:
+    /// three launches, to compare).
+    pub fn forward_into_tq_cache(
+        &self,
+        y: &Tensor,
+        c: &TqLayerCache,
+        meta: &AttentionMeta,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         #[cfg(feature = "cuda")]
         if Self::fused_write() && y.device().is_cuda() && meta.device.is_some() && c.device.is_some() {
             let t = y.dim(0)?;
             let op = IntoCache { rope: self, dst: CacheDst::TurboQuant(c), meta };
-            return y.apply_op1_no_bwd(&op)?.reshape((t, self.num_heads, self.head_dim));
+            let out = y.apply_op1_no_bwd(&op)?;
+            if c.window.is_none() {
+                return Ok((out.reshape((t, self.num_heads, self.head_dim))?, None));
+            }
+            let (q, k, v) = self.split(&out, t)?;
+            return Ok((q, Some((k, v))));
         }
         let (q, k, v) = self.forward(y)?;
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
         let dm = meta.device.as_ref();
-        c.k.inplace_op2(&k.contiguous()?, &TqWrite::keys(c, &meta.slot_mapping, dm))?;
-        c.v.inplace_op2(&v.contiguous()?, &TqWrite::values(c, &meta.slot_mapping, dm))?;
-        Ok(q)
+        c.k.inplace_op2(&k, &TqWrite::keys(c, &meta.slot_mapping, dm))?;
+        c.v.inplace_op2(&v, &TqWrite::values(c, &meta.slot_mapping, dm))?;
+        Ok((q, c.window.is_some().then_some((k, v))))
     }
 
     #[cfg(feature = "cuda")]
@@ -200,7 +211,8 @@ impl CustomOp1 for IntoCache<'_> {
 }
 
 impl QkvRope<'_> {
-    /// Launches the kernel on y; with a cache, it writes k and v there and returns q only.
+    /// Launches the kernel on y; with a cache, it writes k and v there and returns q only (q, k
+    /// and v for a TurboQuant cache with a float window).
     #[cfg(feature = "cuda")]
     fn launch_cuda(
         &self,
@@ -314,7 +326,11 @@ impl QkvRope<'_> {
                     None => None,
                 });
             }
-            let out_len = if cache.is_some() { t * op.num_heads * op.head_dim } else { t * op.width() };
+            let out_len = if cache.is_some_and(|c| !c.3.is_some_and(|tq| tq.keeps())) {
+                t * op.num_heads * op.head_dim
+            } else {
+                t * op.width()
+            };
             // SAFETY: the kernel writes every element.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(out_len)? };
             let y = y.slice(off..);
@@ -372,7 +388,11 @@ impl QkvRope<'_> {
             S::F16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0, cache)?,
             _ => candle_core::bail!("qkv-rope: unsupported dtype {:?}", s.dtype()),
         };
-        let len = if cache.is_some() { t * self.num_heads * d } else { t * self.width() };
+        let len = if cache.is_some_and(|c| !c.3.is_some_and(|tq| tq.keeps())) {
+            t * self.num_heads * d
+        } else {
+            t * self.width()
+        };
         Ok((out, Shape::from(len)))
     }
 }
@@ -381,13 +401,14 @@ impl QkvRope<'_> {
 type F32Slice = candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>;
 
 /// A TurboQuant cache's codec tables on the device, checked against the codecs, and the
-/// kernel's integer arguments (key bits, value bits, and whether each rotation is dense).
+/// kernel's integer arguments.
 #[cfg(feature = "cuda")]
 struct TqArgs<'a> {
     key: candle_core::StorageRef<'a>,
     value: candle_core::StorageRef<'a>,
     scale: Option<candle_core::StorageRef<'a>>,
-    ints: [i32; 4],
+    /// Key bits, value bits, whether each rotation is dense, whether k and v are also returned.
+    ints: [i32; 5],
 }
 
 #[cfg(feature = "cuda")]
@@ -423,8 +444,14 @@ impl<'a> TqArgs<'a> {
                 vcodec.bits() as i32,
                 kcodec.rotation().is_dense() as i32,
                 vcodec.rotation().is_dense() as i32,
+                c.window.is_some() as i32,
             ],
         })
+    }
+
+    /// Whether the kernel also returns k and v (a float window reads them).
+    fn keeps(&self) -> bool {
+        self.ints[4] != 0
     }
 
     /// The key table, the value table, the key scales.

@@ -8,13 +8,15 @@
 
 // A TurboQuant cache that k and v are encoded into (qkv_rope_tq): codes [slots, hkv, row bytes]
 // (row bytes: D bits / 8 of codes, then the f32 norm), codec tables (TqCodec::device_table),
-// and the keys' scales ([hkv, D] or null).
+// and the keys' scales ([hkv, D] or null). `keep`: k and v are also returned, after q, as
+// the plain kernel returns them (a float window reads them), padding rows' included.
 struct TqDst {
     uint8_t* codes[2];
     const float* table[2];
     const float* kscale;
     int bits[2];
     int dense[2];
+    int keep;
 };
 
 // Encodes the calling warp's head vector, x[k] at coordinate lane + 32 k (times ks[k] when
@@ -43,8 +45,9 @@ __device__ __forceinline__ void qkv_encode_tq(const TqDst& tq, int which, const 
 // out: q [rows, hq, D], then k [rows, hkv, D], then v [rows, hkv, D]; or, given a dense cache
 // (kc, vc: [slots, hkv, D], slots: a slot per row, 0xffffffff for none), q only, with k and v
 // stored in their slots (the separate cache write's two launches saved); or, given a TurboQuant
-// cache (TQC), q only, with k and v encoded into their slots as tq_write.cu does from the T
-// values the kernel would have returned (bit-identical to the two separate launches).
+// cache (TQC), q (and with tq.keep k and v too), with k and v encoded into their slots as
+// tq_write.cu does from the T values the kernel would have returned (bit-identical to the two
+// separate launches).
 template <typename T, int D, bool TQC>
 __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_stride, const T* __restrict__ bias,
                          const T* __restrict__ cos, const T* __restrict__ sin, const T* __restrict__ qn,
@@ -79,7 +82,8 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
     pdl_wait();  // launched as a dependent (ops/qkv_rope.rs): y comes after this
     if (head >= hq + 2 * hkv) return;
     const uint32_t slot = (TQC || kc) && head >= hq ? slots[t] : 0u;
-    if (slot == 0xffffffffu) return;  // a padding row: its k and v are not kept
+    const bool stored = slot != 0xffffffffu;  // else a padding row: its k and v are not kept
+    if (!stored && !(TQC && tq.keep)) return;
     const T* src = y + (size_t)t * y_stride + (size_t)head * D;
     float x[E];
 #pragma unroll
@@ -94,7 +98,15 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
     }
     T* dst;
     if (TQC && head >= hq + hkv) {  // v: encoded as it is (x holds T values)
-        if constexpr (TQC) qkv_encode_tq<D, E>(tq, 1, tab_s[1], buf[warp], x, ks, false, slot, hkv, head - hq - hkv);
+        if constexpr (TQC) {
+            if (tq.keep) {
+                T* o = out + (size_t)rows * (hq + hkv) * D + ((size_t)t * hkv + head - hq - hkv) * D;
+#pragma unroll
+                for (int k = 0; k < E; ++k)
+                    if (lane + 32 * k < D) o[lane + 32 * k] = from_f<T>(x[k]);
+            }
+            if (stored) qkv_encode_tq<D, E>(tq, 1, tab_s[1], buf[warp], x, ks, false, slot, hkv, head - hq - hkv);
+        }
         return;
     }
     if (head >= hq + hkv) {  // v: passed through
@@ -147,11 +159,16 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
             const float cc = to_f(c[i]), ss = to_f(s[i]);
             o = e < H ? x[k] * cc - buf[warp][e + H] * ss : buf[warp][e - H] * ss + x[k] * cc;
         }
-        if (TQC && !is_q) x[k] = to_f(from_f<T>(o));  // the key as the separate write would read it
-        else dst[e] = from_f<T>(o);
+        if (TQC && !is_q) {
+            x[k] = to_f(from_f<T>(o));  // the key as the separate write would read it
+            if (tq.keep) dst[e] = from_f<T>(o);
+        } else {
+            dst[e] = from_f<T>(o);
+        }
     }
     if constexpr (TQC)
-        if (!is_q) qkv_encode_tq<D, E>(tq, 0, tab_s[0], buf[warp], x, ks, tq.kscale != nullptr, slot, hkv, head - hq);
+        if (!is_q && stored)
+            qkv_encode_tq<D, E>(tq, 0, tab_s[0], buf[warp], x, ks, tq.kscale != nullptr, slot, hkv, head - hq);
 }
 
 #define QR(NAME, T, D)                                                                                         \
@@ -166,8 +183,8 @@ __device__ void qkv_rope(T* __restrict__ out, const T* __restrict__ y, int y_str
         NAME##_tq(T* out, const T* y, int y_stride, const T* bias, const T* cos, const T* sin, const T* qn,     \
                   const T* kn, float eps, int rows, int hq, int hkv, int interleaved, uint8_t* kq, uint8_t* vq, \
                   const uint32_t* slots, const float* ktab, const float* vtab, const float* kscale, int kbits,  \
-                  int vbits, int kdense, int vdense) {                                                          \
-        const TqDst tq{{kq, vq}, {ktab, vtab}, kscale, {kbits, vbits}, {kdense, vdense}};                       \
+                  int vbits, int kdense, int vdense, int keep) {                                                \
+        const TqDst tq{{kq, vq}, {ktab, vtab}, kscale, {kbits, vbits}, {kdense, vdense}, keep};                 \
         qkv_rope<T, D, true>(out, y, y_stride, bias, cos, sin, qn, kn, eps, rows, hq, hkv, interleaved, nullptr, \
                              nullptr, slots, tq);                                                               \
     }

@@ -689,18 +689,34 @@ impl<const DV: usize> Kernel for Avx512<DV> {
     }
 }
 
-/// Attention over a TurboQuant cache without a float window that already holds the step's keys
-/// and values (`QkvRope::forward_into_tq_cache`).
-pub fn attend_written(attn: PagedAttention<'_>, c: &TqLayerCache, q: &Tensor) -> Result<Tensor> {
-    if c.window.is_some() {
-        candle_core::bail!("tq-attention: a float window reads the step's rows (write_and_attend)");
+/// Attention over a TurboQuant cache that already holds the step's keys and values
+/// (`QkvRope::forward_into_tq_cache`), then the step's last tokens kept in the sequences'
+/// rings. `fresh`: the step's k and v rows, which a float window reads (the model's type on
+/// a GPU, f32 on the CPU).
+pub fn attend_written(
+    attn: PagedAttention<'_>,
+    c: &TqLayerCache,
+    q: &Tensor,
+    fresh: Option<(&Tensor, &Tensor)>,
+) -> Result<Tensor> {
+    let meta = attn.meta;
+    let float = match (&c.window, fresh) {
+        (None, _) => None,
+        (Some(w), Some((k, v))) => Some(FloatInputs { len: w.len, ring_k: &w.k, ring_v: &w.v, new_k: k, new_v: v }),
+        (Some(_), None) => candle_core::bail!("tq-attention: a float window reads the step's keys and values"),
+    };
+    let out = TqAttention::over(attn, c, float).forward(q, &c.k, &c.v)?;
+    // After the op: it reads the rings' older positions, which these writes may replace.
+    if let (Some(w), Some((k, v))) = (&c.window, fresh) {
+        let write = KvWrite::to_ring(meta, w.len)?;
+        w.k.inplace_op2(k, &write)?;
+        w.v.inplace_op2(v, &write)?;
     }
-    TqAttention::over(attn, c, None).forward(q, &c.k, &c.v)
+    Ok(out)
 }
 
 /// A layer's whole step on a TurboQuant cache: quantizes the step's keys and values into
-/// their slots, attends over the codes (and the float window), then keeps the step's last
-/// tokens in the sequences' rings. `q`, `k`, `v` are the step's contiguous f32 rows.
+/// their slots, then `attend_written`. `q`, `k`, `v` are the step's contiguous rows.
 pub fn write_and_attend(
     attn: PagedAttention<'_>,
     c: &TqLayerCache,
@@ -711,15 +727,7 @@ pub fn write_and_attend(
     let meta = attn.meta;
     c.k.inplace_op2(k, &TqWrite::keys(c, &meta.slot_mapping, meta.device.as_ref()))?;
     c.v.inplace_op2(v, &TqWrite::values(c, &meta.slot_mapping, meta.device.as_ref()))?;
-    let float = c.window.as_ref().map(|w| FloatInputs { len: w.len, ring_k: &w.k, ring_v: &w.v, new_k: k, new_v: v });
-    let out = TqAttention::over(attn, c, float).forward(q, &c.k, &c.v)?;
-    // After the op: it reads the rings' older positions, which these writes may replace.
-    if let Some(w) = &c.window {
-        let write = KvWrite::to_ring(meta, w.len)?;
-        w.k.inplace_op2(k, &write)?;
-        w.v.inplace_op2(v, &write)?;
-    }
-    Ok(out)
+    attend_written(attn, c, q, Some((k, v)))
 }
 
 /// The parts [j0, j1) of [lo, hi) in each block b, as (b, j0, j1), in order. (A loop over
