@@ -272,3 +272,35 @@ fn prefill_equals_token_by_token_for(n: usize) {
         assert_eq!(whole, run(7), "n={n} float window {fw}: chunks of 7 differ from one prefill");
     }
 }
+
+/// A cache with a float window refuses a step whose metadata gives no rings, rings of another
+/// window length, or a ring past the cache's rings, and a step without the rows the window
+/// reads; none of them writes a ring.
+#[test]
+fn float_window_without_its_rings_is_refused() {
+    let dev = Device::Cpu;
+    let (bs, hq, hkv, d, fw) = (4, 2, 1, 32, 3);
+    let c = layer(d, hkv, 16, (3, 4), fw, 2, DType::F32);
+    let seq = SeqSlice { q_start: 0, q_len: 2, context_len: 2, block_table: vec![0] };
+    let rows = |h: usize, seed: u64| Tensor::from_vec(randn((2, h, d), seed), (2, h, d), &dev).unwrap();
+    let (q, k, v) = (rows(hq, 1), rows(hkv, 2), rows(hkv, 3));
+    let ring_bits = || c.window.as_ref().unwrap().k.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let before = ring_bits();
+    let no_rings = AttentionMeta::new(bs, vec![seq.clone()]);
+    let mut other_len = AttentionMeta::new(bs, vec![seq.clone()]);
+    other_len.set_float_window(fw + 1, vec![0]).unwrap();
+    let mut past_the_rings = AttentionMeta::new(bs, vec![seq.clone()]);
+    past_the_rings.set_float_window(fw, vec![2]).unwrap();
+    for (what, meta) in [("no rings", &no_rings), ("another length", &other_len), ("ring 2 of 2", &past_the_rings)] {
+        let err = write_and_attend(attn(meta, hq, hkv, d, None), &c, &q, &k, &v).unwrap_err().to_string();
+        assert!(err.contains("float window"), "{what}: {err}");
+    }
+    let mut good = AttentionMeta::new(bs, vec![seq]);
+    good.set_float_window(fw, vec![1]).unwrap();
+    let err = attend_written(attn(&good, hq, hkv, d, None), &c, &q, None).unwrap_err().to_string();
+    assert!(err.contains("reads the step's keys and values"), "{err}");
+    assert_eq!(ring_bits(), before, "a refused step wrote a ring");
+    // The same step with its rings goes through and keeps its rows in ring 1.
+    write_and_attend(attn(&good, hq, hkv, d, None), &c, &q, &k, &v).unwrap();
+    assert_ne!(ring_bits(), before);
+}
