@@ -81,14 +81,23 @@ impl std::fmt::Display for Cache {
     }
 }
 
-fn parse_cache(s: &str) -> Cache {
+fn parse_cache(s: &str) -> Result<Cache, String> {
     let (dtype, window) = s.split_once("/w").map_or((s, None), |(d, w)| (d, Some(w)));
-    let dtype: KvCacheDtype = dtype.parse().unwrap_or_else(|e| panic!("cache `{s}`: {e}"));
-    let float_window = window.map_or(0, |w| w.parse().unwrap_or_else(|_| panic!("cache `{s}`: /wN with a number")));
+    let dtype: KvCacheDtype = dtype.parse().map_err(|e| format!("cache `{s}`: {e}"))?;
+    let float_window = match window {
+        None => 0,
+        Some(w) => w.parse().map_err(|_| format!("cache `{s}`: /wN takes a number of positions"))?,
+    };
     if float_window > 0 && !matches!(dtype, KvCacheDtype::TurboQuant(_)) {
-        panic!("cache `{s}`: a float window needs a TurboQuant cache");
+        return Err(format!("cache `{s}`: a float window needs a TurboQuant cache"));
     }
-    Cache { dtype, float_window }
+    Ok(Cache { dtype, float_window })
+}
+
+/// Bad arguments: one line, exit status 2.
+fn fail(msg: impl std::fmt::Display) -> ! {
+    eprintln!("kv_decode: {msg}");
+    std::process::exit(2);
 }
 
 /// Median seconds of one decode step at `context` tokens.
@@ -148,27 +157,26 @@ fn main() {
     let opt = |name: &str, default: &str| -> String {
         args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or(default.to_string())
     };
-    let dev = iris::device::open(&opt("--device", "cpu")).unwrap_or_else(|e| {
-        eprintln!("{e}");
-        std::process::exit(2);
-    });
+    let dev = iris::device::open(&opt("--device", "cpu")).unwrap_or_else(|e| fail(e));
     let on_gpu = !dev.is_cpu();
     let dtype = match opt("--dtype", if on_gpu { "bf16" } else { "f32" }).as_str() {
         "f32" => DType::F32,
         "bf16" => DType::BF16,
         "f16" => DType::F16,
-        other => {
-            eprintln!("unknown --dtype {other} (f32, bf16, f16)");
-            std::process::exit(2);
-        }
+        other => fail(format!("unknown --dtype {other} (f32, bf16, f16)")),
     };
     let float = KvDtype::from_dtype(dtype).expect("a float type");
-    let contexts: Vec<usize> =
-        opt("--contexts", "1024,8192,32768").split(',').map(|s| s.parse().expect("a context length")).collect();
+    let contexts: Vec<usize> = opt("--contexts", "1024,8192,32768")
+        .split(',')
+        .map(|s| s.parse().unwrap_or_else(|_| fail(format!("--contexts: `{s}` is not a number of tokens"))))
+        .collect();
     let default_caches = if on_gpu { "bf16,tq-k4v4,tq-k3v4" } else { "bf16,f32,tq-k4v4,tq-k3v4,tq-k2v3" };
-    let caches: Vec<Cache> = opt("--caches", default_caches).split(',').map(parse_cache).collect();
-    let steps: usize = opt("--steps", "8").parse().expect("a step count");
-    let loaded = iris::loader::load(std::path::Path::new(model_path), &dev, dtype).expect("model loads");
+    let caches: Vec<Cache> =
+        opt("--caches", default_caches).split(',').map(|c| parse_cache(c).unwrap_or_else(|e| fail(e))).collect();
+    let steps: usize =
+        opt("--steps", "8").parse().ok().filter(|&n| n > 0).unwrap_or_else(|| fail("--steps takes a positive number"));
+    let loaded = iris::loader::load(std::path::Path::new(model_path), &dev, dtype)
+        .unwrap_or_else(|e| fail(format!("loading {model_path}: {e}")));
     let model = loaded.model.as_ref();
     let threads = iris::ops::team::team().threads();
     let graphs = on_gpu && std::env::var("IRIS_CUDA_GRAPHS").map_or(true, |v| v != "0");
