@@ -163,14 +163,13 @@ def attention(module, q, k, v, mask, scaling=None, dropout=0.0, **kw):
         pad = (-T0) % B
         kp = torch.nn.functional.pad(k, (0, 0, 0, pad))
         blocks = kp.reshape(k.shape[0], k.shape[1], -1, B, k.shape[3])
-        cnt = torch.ones(T0 + pad).reshape(-1, B)
-        cnt[-1, B - pad:] = 0 if pad else 1
-        m = (blocks.sum(3, keepdim=True) / cnt.sum(1)[None, None, :, None, None]).bfloat16().float()
+        n = (torch.arange(T0 + pad) < T0).reshape(-1, B).sum(1)  # positions per block (the last may be short)
+        m = (blocks.sum(3, keepdim=True) / n[None, None, :, None, None]).bfloat16().float()
         km = m.expand_as(blocks).reshape(kp.shape)[:, :, :T0]
     kq = quantize((k - km) * t, kb, seed, method) / t + km if kb is not None else k
     if SETTING.get("split") and kb is not None:
         hi_mask = SCALES[(li, "imp", SETTING["split"])]  # [1, hkv, 1, d]
-        kt = (k - km) * t * torch.ones_like(k)
+        kt = (k - km) * t
         kq = torch.empty_like(k)
         for h in range(k.shape[1]):
             hi = hi_mask[0, h, 0].nonzero().flatten()
