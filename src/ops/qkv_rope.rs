@@ -308,7 +308,7 @@ impl QkvRope<'_> {
             cfg: LaunchConfig,
             dev: &candle_core::cuda_backend::CudaDevice,
             y: &CudaSlice<T>,
-            (off, t, stride): (usize, usize, usize),
+            (off, t, stride, out_len): (usize, usize, usize, usize),
             small: &[Option<&Tensor>],
             guards: &[(candle_core::StorageRef, &Layout)],
             cache: Option<(&Storage, &Storage, &Storage, Option<&TqArgs>)>,
@@ -326,11 +326,6 @@ impl QkvRope<'_> {
                     None => None,
                 });
             }
-            let out_len = if cache.is_some_and(|c| !c.3.is_some_and(|tq| tq.keeps())) {
-                t * op.num_heads * op.head_dim
-            } else {
-                t * op.width()
-            };
             // SAFETY: the kernel writes every element.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(out_len)? };
             let y = y.slice(off..);
@@ -380,18 +375,19 @@ impl QkvRope<'_> {
             unsafe { b.launch(cfg) }?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
-        let args = (l.start_offset(), t, stride);
         let cache = cache_guards.as_ref().map(|(k, v, m, c)| (&**k, &**v, &**m, c.as_ref()));
+        // q alone when k and v go to a cache, unless a float window also reads them.
+        let len = if cache.is_some_and(|c| !c.3.is_some_and(|tq| tq.keeps())) {
+            t * self.num_heads * d
+        } else {
+            t * self.width()
+        };
+        let args = (l.start_offset(), t, stride, len);
         let out = match &s.slice {
             S::F32(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0, cache)?,
             S::BF16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0, cache)?,
             S::F16(y) => launch(self, &func, cfg, &dev, y, args, &small, &guards.0, cache)?,
             _ => candle_core::bail!("qkv-rope: unsupported dtype {:?}", s.dtype()),
-        };
-        let len = if cache.is_some_and(|c| !c.3.is_some_and(|tq| tq.keeps())) {
-            t * self.num_heads * d
-        } else {
-            t * self.width()
         };
         Ok((out, Shape::from(len)))
     }
