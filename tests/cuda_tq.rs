@@ -214,13 +214,16 @@ struct TqCase {
 
 /// Attention on codes on the GPU against the CPU op over the same codes (written by the CPU
 /// codec and copied), for one launch mixing decodes (short, and past several splits), a whole
-/// prompt and prompt chunks over a cached prefix; f32 queries within 1e-4, bf16 within bf16.
+/// prompt and prompt chunks over a cached prefix (with 16-bit queries, those of 16 rows or more
+/// run in tensor-core tiles of 64 rows: one, part of one, three; the other rows' kernels then
+/// run over the span from the first decode to the last, here past the first prompt and
+/// around a chunk); f32 queries within 1e-4, bf16 within bf16.
 fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol: f32) {
     use iris::ops::tq_attention::TqAttention;
     use iris::ops::tq_write::TqWrite;
     let mut rng = StdRng::seed_from_u64((c.heads * 1000 + c.head_dim + c.float_window) as u64);
     let (bs, d, hkv) = (16, c.head_dim, c.kv_heads);
-    let seqs = [(1, 1), (17, 1), (700, 1), (3000, 1), (40, 40), (300, 45), (33, 7)];
+    let seqs = [(40, 40), (1, 1), (17, 1), (700, 1), (3000, 1), (300, 45), (33, 7), (200, 130)];
     let (mut m, slots) = meta(&mut rng, &seqs, bs);
     if c.float_window > 0 {
         m.set_float_window(c.float_window, (0..seqs.len() as u32).rev().collect()).unwrap();

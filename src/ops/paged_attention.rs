@@ -257,7 +257,7 @@ impl CustomOp3 for PagedAttention<'_> {
         use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
 
-        use super::cuda::{dtype_name, with_u32_slice, PAGED_ATTENTION, PREFILL_ATTENTION};
+        use super::cuda::{dtype_name, with_u32_slice, PAGED_ATTENTION};
         use crate::batch::PREFILL_MIN_ROWS;
 
         let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -322,16 +322,8 @@ impl CustomOp3 for PagedAttention<'_> {
             candle_core::bail!("paged-attention: device metadata has {} rows, the step {rows}", l.rows);
         }
         // Prompt chunks of 16-bit models go to the tensor-core kernel, the other rows here.
-        let prefill = if l.num_tiles > 0 && qt == ct && qt != "f32" && [64, 80, 96, 128, 256].contains(&d) {
-            let f = PREFILL_ATTENTION.func(&dev, &format!("prefill_attention_{qt}_{d}"))?;
-            let smem = (640 * d + 30720) as u32;
-            f.set_max_dynamic_shared(smem)?;
-            let cfg = LaunchConfig {
-                grid_dim: (l.num_tiles as u32, hq as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: smem,
-            };
-            Some((f, cfg))
+        let prefill = if l.num_tiles > 0 && qt == ct && qt != "f32" && super::cuda::PREFILL_HEAD_DIMS.contains(&d) {
+            Some(super::cuda::prefill_launch(&dev, "prefill_attention", qt, d, l.num_tiles, hq)?)
         } else {
             None
         };

@@ -12,6 +12,11 @@
 // - tq_attn_combine: one block per (row, query head). It merges the splits, rotates the sum
 //   back once, adds the float window's positions (this step's rows, or the sequence's ring)
 //   to the same softmax, and writes the output.
+// Rows of prompt chunks (sequences computing `skip` rows or more) are left to
+// tq_prefill_attention (prefill_attention.cu), which uses tensor cores; both kernels run over
+// rows [row0, row0 + gridDim.x) only, the span of the others (the partial states are indexed
+// from row0).
+//
 // Splits let a single long decode use the whole GPU; the number of splits is fixed by the
 // launch (rows and heads only, so a CUDA graph replays it at any context length) and a split
 // covers at least `min_chunk` positions, so short contexts leave the extra blocks idle.
@@ -71,27 +76,6 @@ template <int D> struct TqLanes {
     static constexpr int KPW = 32 / LPK;             // keys a warp scores at once
 };
 
-// The 8 codes of group g as tq_codes8, in one or two loads where the row's layout aligns them:
-// rows of D bits / 8 + 4 bytes are 4-aligned for 4 bits, 2-aligned for 2 bits and, when D is
-// a multiple of 16, for 3 bits (tiles start 16-aligned and keep the cache's row sizes).
-template <int D>
-__device__ __forceinline__ uint32_t tq_codes8_aligned(const uint8_t* row, int g, int bits) {
-    const uint8_t* p = row + g * bits;
-    if (bits == 4) return *reinterpret_cast<const uint32_t*>(p);
-    if (bits == 2) return *reinterpret_cast<const uint16_t*>(p);
-    if (D % 16 == 0) {
-        if (g & 1) return p[0] | ((uint32_t)*reinterpret_cast<const uint16_t*>(p + 1) << 8);
-        return *reinterpret_cast<const uint16_t*>(p) | ((uint32_t)p[2] << 16);
-    }
-    return tq_codes8(row, g, bits);
-}
-
-__device__ __forceinline__ float tq_norm_aligned(const uint8_t* row, int code_bytes) {
-    const uint8_t* p = row + code_bytes;
-    if (((uintptr_t)p & 3) == 0) return *reinterpret_cast<const float*>(p);
-    return tq_norm(row, code_bytes);
-}
-
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
@@ -106,7 +90,7 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
                                 const float* __restrict__ ktab, const float* __restrict__ vtab,
                                 const float* __restrict__ kscale, int num_heads, int num_kv_heads, int hb,
                                 int block_size, int kbits, int vbits, int kdense, float scale, int window,
-                                float softcap, int float_window, int nsplit, int min_chunk) {
+                                float softcap, int float_window, int nsplit, int min_chunk, int row0, int skip) {
     using L = TqLanes<D>;
     constexpr int G = L::G, LPK = L::LPK, GPL = L::GPL, KPW = L::KPW, U = TL_UNROLL;
     constexpr int QPL = (D + 31) / 32;  // query coordinates a lane loads
@@ -123,7 +107,7 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
     float(*sum_s)[D] = reinterpret_cast<float(*)[D]>(&tile_s[0][0]);
 
     pdl_launch_dependents();
-    const int t = blockIdx.x, z = blockIdx.z;
+    const int t = row0 + blockIdx.x, z = blockIdx.z;
     const int group = num_heads / num_kv_heads, per_kv = group / hb;
     const int kvh = blockIdx.y / per_kv;
     const int h0 = kvh * group + (blockIdx.y % per_kv) * hb;
@@ -139,11 +123,12 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
     pdl_wait();  // launched as a dependent (ops/tq_attention/cuda.rs): inputs after this
 
     const TqRow r = tq_row(t, row_seq, seq_info, window, float_window);
+    if ((int)seq_info[4 * r.s + 1] >= skip) return;  // a prompt chunk's row: tq_prefill_attention's
     const uint32_t* bt = block_tables + seq_info[4 * r.s + 3];
     const int n = r.split - r.lo;
     const int chunk = max((n + nsplit - 1) / nsplit, min_chunk);
     const int a = r.lo + z * chunk, b = min(a + chunk, r.split);
-    float* out = part + (((size_t)t * num_heads + h0) * nsplit + z) * (D + 2);
+    float* out = part + (((size_t)blockIdx.x * num_heads + h0) * nsplit + z) * (D + 2);
     const size_t head_stride = (size_t)nsplit * (D + 2);
     if (a >= b) {  // the whole block: nothing in this split
         for (int i = tid; i < hb * (D + 2); i += nthreads) {
@@ -376,7 +361,7 @@ __device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, 
                                 const TQ* __restrict__ new_v, const TR* __restrict__ ring_k,
                                 const TR* __restrict__ ring_v, const uint32_t* __restrict__ window_rings,
                                 int num_heads, int num_kv_heads, float scale, int window, float softcap,
-                                int float_window, int nsplit, int vdense) {
+                                int float_window, int nsplit, int vdense, int row0, int skip) {
     constexpr int ZQ = TC_THREADS / D;                          // threads per coordinate (split ranges)
     constexpr int ZPT = (TA_MAXSPLIT + ZQ - 1) / ZQ;            // splits per thread
     static_assert(D <= TC_THREADS, "a thread per coordinate at least");
@@ -386,15 +371,17 @@ __device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, 
     static_assert(D % 8 == 0, "float-window rows are copied eight coordinates at a time");
     __shared__ __align__(16) float kw_s[TW * D], vw_s[TW * D];
     pdl_launch_dependents();
-    const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int t = row0 + blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     if (!vdense)  // written once at start-up: read before the wait
         for (int i = tid; i < 2 * D; i += TC_THREADS) sign_s[i] = vtab[TQ_ROTATION + i];
     pdl_wait();  // launched as a dependent: the partial states after this
+    // As in tq_attn_partial; a decode step (no skip) does not wait on these loads.
+    if (skip != INT_MAX && (int)seq_info[4 * row_seq[t] + 1] >= skip) return;
 
     // The coded positions: every split's max and sum and this thread's coordinate of its sums
     // for its range of splits, all loaded in one round (a split without positions holds -inf,
     // 0 and zeros), then merged in split order and rotated back once.
-    const float* pp = part + ((size_t)t * num_heads + h) * nsplit * (D + 2);
+    const float* pp = part + ((size_t)blockIdx.x * num_heads + h) * nsplit * (D + 2);
     const int c = tid % D, zq = tid / D;  // threads past ZQ * D only help with the rest
     float v[ZPT];
 #pragma unroll
@@ -496,10 +483,11 @@ __device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, 
         float* part, const TQ* q, const uint8_t* kc, const uint8_t* vc, const uint32_t* row_seq,              \
         const uint32_t* seq_info, const uint32_t* block_tables, const float* ktab, const float* vtab,         \
         const float* kscale, int num_heads, int num_kv_heads, int hb, int block_size, int kbits, int vbits,   \
-        int kdense, float scale, int window, float softcap, int float_window, int nsplit, int min_chunk) {    \
+        int kdense, float scale, int window, float softcap, int float_window, int nsplit, int min_chunk,      \
+        int row0, int skip) {                                                                                 \
         tq_attn_partial<TQ, D>(part, q, kc, vc, row_seq, seq_info, block_tables, ktab, vtab, kscale,            \
                              num_heads, num_kv_heads, hb, block_size, kbits, vbits, kdense, scale, window,    \
-                             softcap, float_window, nsplit, min_chunk);                                       \
+                             softcap, float_window, nsplit, min_chunk, row0, skip);                               \
     }
 
 #define TQ_COMBINE(NAME, TQ, TR, D)                                                                            \
@@ -507,10 +495,10 @@ __device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, 
         TQ* out, const TQ* q, const float* part, const uint32_t* row_seq, const uint32_t* seq_info,           \
         const float* vtab, const TQ* new_k, const TQ* new_v, const TR* ring_k, const TR* ring_v,              \
         const uint32_t* window_rings, int num_heads, int num_kv_heads, float scale, int window, float softcap, \
-        int float_window, int nsplit, int vdense) {                                                           \
+        int float_window, int nsplit, int vdense, int row0, int skip) {                                       \
         tq_attn_combine<TQ, TR, D>(out, q, part, row_seq, seq_info, vtab, new_k, new_v, ring_k, ring_v,       \
                                    window_rings, num_heads, num_kv_heads, scale, window, softcap,             \
-                                   float_window, nsplit, vdense);                                             \
+                                   float_window, nsplit, vdense, row0, skip);                                      \
     }
 
 #define TQ_DIMS(M, ...)                                                                                        \

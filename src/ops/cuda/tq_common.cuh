@@ -78,6 +78,46 @@ __device__ __forceinline__ void tq_rotate(float* y, float* tmp, int count, const
     T::sync();
 }
 
+// The randomized Hadamard rotation of tq_rotate (y <- R y, or R^T y with INVERSE) of one
+// vector held by the calling warp in registers, coordinate 32 j + lane in x[j] (power-of-two
+// D >= 32): butterflies across lanes by shuffles, within a lane past 32, so no shared memory
+// and no barriers. The stages run in another order than tq_fwht's, which rounds differently:
+// for attention, not for the codec's bit-exact encoding.
+template <int D, bool INVERSE = false>
+__device__ __forceinline__ void tq_rotate_regs(float (&x)[D / 32], const float* signs) {
+    static_assert(D >= 32 && (D & (D - 1)) == 0, "a power-of-two head dim of 32 or more");
+    constexpr int J = D / 32;
+    const int lane = threadIdx.x & 31;
+    auto fwht = [&]() {
+#pragma unroll
+        for (int h = 1; h < 32; h <<= 1)
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                const float p = __shfl_xor_sync(0xffffffffu, x[j], h);
+                x[j] = (lane & h) ? p - x[j] : x[j] + p;
+            }
+#pragma unroll
+        for (int h = 1; h < J; h <<= 1)
+#pragma unroll
+            for (int j = 0; j < J; ++j)
+                if ((j & h) == 0) {
+                    const float u = x[j], w = x[j + h];
+                    x[j] = u + w;
+                    x[j + h] = u - w;
+                }
+    };
+    if (!INVERSE)
+#pragma unroll
+        for (int j = 0; j < J; ++j) x[j] *= signs[32 * j + lane];
+    fwht();
+#pragma unroll
+    for (int j = 0; j < J; ++j) x[j] *= signs[D + 32 * j + lane];
+    fwht();
+    const float inv = 1.f / (float)D;
+#pragma unroll
+    for (int j = 0; j < J; ++j) x[j] *= INVERSE ? signs[32 * j + lane] * inv : inv;
+}
+
 // The codes of one head vector (codes[i] for coordinate i) packed into `row` by the calling
 // warp, least significant bits first.
 template <int D, int BITS>
@@ -146,4 +186,26 @@ __device__ __forceinline__ uint32_t tq_codes8(const uint8_t* row, int g, int bit
 __device__ __forceinline__ float tq_norm(const uint8_t* row, int code_bytes) {
     const uint8_t* p = row + code_bytes;
     return __uint_as_float(p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24));
+}
+
+// The 8 codes of group g as tq_codes8, in one or two loads where the row's layout aligns them:
+// rows of D bits / 8 + 4 bytes are 4-aligned for 4 bits, 2-aligned for 2 bits and, when D is
+// a multiple of 16, for 3 bits (in the cache, and in tiles that start 16-aligned and keep its
+// row sizes).
+template <int D>
+__device__ __forceinline__ uint32_t tq_codes8_aligned(const uint8_t* row, int g, int bits) {
+    const uint8_t* p = row + g * bits;
+    if (bits == 4) return *reinterpret_cast<const uint32_t*>(p);
+    if (bits == 2) return *reinterpret_cast<const uint16_t*>(p);
+    if (D % 16 == 0) {
+        if (g & 1) return p[0] | ((uint32_t)*reinterpret_cast<const uint16_t*>(p + 1) << 8);
+        return *reinterpret_cast<const uint16_t*>(p) | ((uint32_t)p[2] << 16);
+    }
+    return tq_codes8(row, g, bits);
+}
+
+__device__ __forceinline__ float tq_norm_aligned(const uint8_t* row, int code_bytes) {
+    const uint8_t* p = row + code_bytes;
+    if (((uintptr_t)p & 3) == 0) return *reinterpret_cast<const float*>(p);
+    return tq_norm(row, code_bytes);
 }

@@ -19,7 +19,8 @@ pub(super) fn forward(
     use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S};
     use candle_core::DType;
 
-    use crate::ops::cuda::{cuda_slice, dtype_name, with_u32_slice, TQ_ATTENTION};
+    use crate::batch::PREFILL_MIN_ROWS;
+    use crate::ops::cuda::{cuda_slice, dtype_name, prefill_launch, with_u32_slice, PREFILL_HEAD_DIMS, TQ_ATTENTION};
 
     let a = &op.attn;
     let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
@@ -68,13 +69,34 @@ pub(super) fn forward(
     // A warp per query head, or 8 / hb of them (TL_WARPS in the kernels: at most 8 warps).
     let partial_threads = 32 * hb * (8 / hb).max(1);
     let blocks_y = hkv * group / hb;
-    // Splits of each row's coded positions (a split covers >= min_chunk() positions). Steps of
-    // few rows (up to 64 blocks per split, e.g. 16 rows of a 7B model) always take 64
-    // (TA_MAXSPLIT in the kernels): a row's split points then depend on its own context only,
-    // so its result does not depend on the rest of the batch (batch invariance), and one long
-    // decode still fills the GPU. Larger steps take enough splits to fill it (~130
-    // multiprocessors, two blocks each).
-    let nsplit = if rows * blocks_y <= 64 { 64 } else { 264usize.div_ceil(rows * blocks_y).clamp(1, 64) };
+    // Prompt chunks of 16-bit models go to the tensor-core kernel (prefill_attention.cu) when
+    // their rings, if any, are in q's type too; the other rows to tq_attn_partial and
+    // tq_attn_combine. Which kernel takes a row depends on its own sequence alone.
+    let float_dtype = op.float.as_ref().map(|f| f.ring_k.dtype());
+    let prefill = l.num_tiles > 0
+        && q.dtype() != DType::F32
+        && float_dtype.is_none_or(|t| t == q.dtype())
+        && PREFILL_HEAD_DIMS.contains(&d);
+    let skip = if prefill { PREFILL_MIN_ROWS } else { usize::MAX };
+    // Splits of each of those rows' coded positions (a split covers >= min_chunk() positions).
+    // Steps of few such rows (up to 64 blocks per split, e.g. 16 rows of a 7B model) always
+    // take 64 (TA_MAXSPLIT in the kernels): a row's split points then depend on its own
+    // context only, so its result does not depend on the rest of the batch (batch
+    // invariance), and one long decode still fills the GPU. Larger steps take enough splits
+    // to fill it (~130 multiprocessors, two blocks each).
+    let untiled = a.meta.seqs.iter().filter(|s| s.q_len < skip);
+    let decode_rows: usize = untiled.clone().map(|s| s.q_len).sum();
+    // Those kernels run over the span of rows from the first such row to the last (the
+    // scheduler puts running sequences, mostly decodes, first).
+    let span = untiled.fold(None, |acc: Option<(usize, usize)>, s| {
+        let (a, b) = (s.q_start, s.q_start + s.q_len);
+        Some(acc.map_or((a, b), |(x, y)| (x.min(a), y.max(b))))
+    });
+    let (row0, span_rows) = span.map_or((0, 0), |(a, b)| (a, b - a));
+    let nsplit = match decode_rows * blocks_y {
+        0..=64 => 64,
+        n => 264usize.div_ceil(n).clamp(1, 64),
+    };
 
     fn guard(t: &Tensor) -> impl std::ops::Deref<Target = Storage> + '_ {
         t.storage_and_layout().0
@@ -132,6 +154,10 @@ pub(super) fn forward(
     let (qt, rt) = (dtype_name(q.dtype())?, dtype_name(fl.as_ref().map_or(q.dtype(), |f| f.ring_dtype))?);
     let partial = TQ_ATTENTION.func(&dev, &format!("tq_attn_partial_{qt}_{d}"))?;
     let combine = TQ_ATTENTION.func(&dev, &format!("tq_attn_combine_{qt}_{rt}_{d}"))?;
+    let prefill = match prefill {
+        true => Some(prefill_launch(&dev, "tq_prefill_attention", qt, d, l.num_tiles, hq)?),
+        false => None,
+    };
     let ints_partial = [
         hq as i32,
         hkv as i32,
@@ -144,20 +170,21 @@ pub(super) fn forward(
     let (scale, window, softcap) = (a.scale, a.window.map_or(0, |w| w as i32), a.softcap.unwrap_or(0.0));
     let fw = fl.as_ref().map_or(0, |f| f.len as i32);
     let cfg_partial = LaunchConfig {
-        grid_dim: (rows as u32, blocks_y as u32, nsplit as u32),
+        grid_dim: (span_rows as u32, blocks_y as u32, nsplit as u32),
         block_dim: (partial_threads as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     // TC_THREADS in the kernels.
     let cfg_combine =
-        LaunchConfig { grid_dim: (rows as u32, hq as u32, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        LaunchConfig { grid_dim: (span_rows as u32, hq as u32, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
     let vdense = op.value.rotation().is_dense() as i32;
     let (kc, vc) = match (&k.slice, &v.slice) {
         (S::U8(k), S::U8(v)) => (k, v),
         _ => candle_core::bail!("tq-attention: the caches must be u8 codes"),
     };
-    // SAFETY: the partial kernel writes every (row, head, split) entry.
-    let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows * hq * nsplit * (d + 2))? };
+    // SAFETY: the partial kernel writes every (row, head, split) entry of its span's rows that
+    // the combine kernel reads.
+    let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>((span_rows * hq * nsplit * (d + 2)).max(1))? };
 
     /// The kernels' pointer arguments that depend on the element types.
     struct Typed<'v, Q, R> {
@@ -165,70 +192,116 @@ pub(super) fn forward(
         new: Option<[CudaView<'v, Q>; 2]>,
         ring: Option<[CudaView<'v, R>; 2]>,
     }
+    use crate::ops::cuda::Kernel;
     #[allow(clippy::too_many_arguments)]
     fn launch<Q: CudaDType + DeviceRepr, R: DeviceRepr>(
         dev: &candle_core::cuda_backend::CudaDevice,
-        (partial, combine): (&crate::ops::cuda::Kernel, &crate::ops::cuda::Kernel),
+        (partial, combine, prefill): (&Kernel, &Kernel, Option<&(Kernel, LaunchConfig)>),
         (cfg_partial, cfg_combine): (LaunchConfig, LaunchConfig),
         typed: Typed<Q, R>,
         (kc, vc, part): (&CudaSlice<u8>, &CudaSlice<u8>, &CudaSlice<f32>),
         (ktab, vtab, kscale): (&CudaSlice<f32>, &CudaSlice<f32>, Option<&CudaSlice<f32>>),
-        meta: [CudaView<u32>; 3],
+        meta: [CudaView<u32>; 4],
         rings: Option<CudaView<u32>>,
         ints_partial: [i32; 7],
-        (scale, window, softcap, fw, nsplit, vdense): (f32, i32, f32, i32, i32, i32),
+        (scale, window, softcap, fw, nsplit, vdense, row0, skip): (f32, i32, f32, i32, i32, i32, i32, i32),
         n_out: usize,
     ) -> Result<CudaStorage> {
-        let [row_seq, seq_info, block_tables] = &meta;
-        let min_chunk = min_chunk();
-        let mut b = partial.dependent();
-        b.mem(part).mem(&typed.q).mem(kc).mem(vc).mem(row_seq).mem(seq_info).mem(block_tables).mem(ktab).mem(vtab);
-        match kscale {
-            Some(s) => b.mem(s),
-            None => b.null(),
-        };
-        for i in &ints_partial {
-            b.scalar(i);
-        }
-        b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw).scalar(&nsplit).scalar(&min_chunk);
-        // SAFETY: argument types and counts match tq_attn_partial; block tables, table
-        // sizes and the partial buffer's size were checked or made above; the kernel reads
-        // only the codec tables and key scales (written at start-up) before it waits
-        // (pdl_wait), everything else after.
-        unsafe { b.launch(cfg_partial) }?;
-        // SAFETY: the combine kernel writes every element of the output.
-        let out: CudaSlice<Q> = unsafe { dev.alloc::<Q>(n_out)? };
+        let [row_seq, seq_info, block_tables, tiles] = &meta;
+        // SAFETY: the kernels below together write every row of the output: the combine
+        // kernel those of its span it does not skip, the prefill kernel the others (the same
+        // `skip`).
+        let alloc_out = || unsafe { dev.alloc::<Q>(n_out) };
         let (hq, hkv) = (ints_partial[0], ints_partial[1]);
-        let mut b = combine.dependent();
-        b.mem(&out).mem(&typed.q).mem(part).mem(row_seq).mem(seq_info).mem(vtab);
-        match &typed.new {
-            Some([k, v]) => b.mem(k).mem(v),
-            None => b.null().null(),
+        // Nothing but prompt chunks: no span.
+        let out = if cfg_partial.grid_dim.0 == 0 {
+            alloc_out()?
+        } else {
+            let min_chunk = min_chunk();
+            let mut b = partial.dependent();
+            b.mem(part).mem(&typed.q).mem(kc).mem(vc).mem(row_seq).mem(seq_info).mem(block_tables);
+            b.mem(ktab).mem(vtab);
+            match kscale {
+                Some(s) => b.mem(s),
+                None => b.null(),
+            };
+            for i in &ints_partial {
+                b.scalar(i);
+            }
+            b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw).scalar(&nsplit).scalar(&min_chunk);
+            b.scalar(&row0).scalar(&skip);
+            // SAFETY: argument types and counts match tq_attn_partial; block tables, table
+            // sizes and the partial buffer's size were checked or made above; the kernel reads
+            // only the codec tables and key scales (written at start-up) before it waits
+            // (pdl_wait), everything else after.
+            unsafe { b.launch(cfg_partial) }?;
+            // Allocated here, between the two launches (a stream-ordered allocation), which
+            // keeps the combine from starting while the partial kernel runs: launched right
+            // after it, steps with a 512-token float window ran 15% slower on an H200 (the
+            // combine 97 against 53 us per layer, CUPTI, a 7B at 1k tokens).
+            let out = alloc_out()?;
+            let mut b = combine.dependent();
+            b.mem(&out).mem(&typed.q).mem(part).mem(row_seq).mem(seq_info).mem(vtab);
+            match &typed.new {
+                Some([k, v]) => b.mem(k).mem(v),
+                None => b.null().null(),
+            };
+            match &typed.ring {
+                Some([k, v]) => b.mem(k).mem(v),
+                None => b.null().null(),
+            };
+            match &rings {
+                Some(r) => b.mem(r),
+                None => b.null(),
+            };
+            b.scalar(&hq).scalar(&hkv).scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw);
+            b.scalar(&nsplit).scalar(&vdense).scalar(&row0).scalar(&skip);
+            // SAFETY: argument types and counts match tq_attn_combine; the float inputs' shapes
+            // and the rings' sizes were checked above; the kernel waits (pdl_wait) before it
+            // reads or writes.
+            unsafe { b.launch(cfg_combine) }?;
+            out
         };
-        match &typed.ring {
-            Some([k, v]) => b.mem(k).mem(v),
-            None => b.null().null(),
-        };
-        match &rings {
-            Some(r) => b.mem(r),
-            None => b.null(),
-        };
-        b.scalar(&hq).scalar(&hkv).scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw);
-        b.scalar(&nsplit).scalar(&vdense);
-        // SAFETY: argument types and counts match tq_attn_combine; the float inputs' shapes
-        // and the rings' sizes were checked above; the kernel waits (pdl_wait) before it reads
-        // or writes.
-        unsafe { b.launch(cfg_combine) }?;
+        if let Some((f, cfg)) = prefill {
+            let mut b = f.dependent();
+            b.mem(&out).mem(&typed.q).mem(kc).mem(vc).mem(tiles).mem(seq_info).mem(block_tables).mem(ktab).mem(vtab);
+            match kscale {
+                Some(s) => b.mem(s),
+                None => b.null(),
+            };
+            // The rings share q's type here (checked where the kernel was chosen).
+            match (&typed.new, &typed.ring) {
+                (Some([nk, nv]), Some([rk, rv])) => b.mem(nk).mem(nv).mem(rk).mem(rv),
+                _ => b.null().null().null().null(),
+            };
+            match &rings {
+                Some(r) => b.mem(r),
+                None => b.null(),
+            };
+            let [_, _, _, bs, kbits, vbits, kdense] = &ints_partial;
+            b.scalar(&hq).scalar(&hkv).scalar(bs).scalar(kbits).scalar(vbits).scalar(kdense).scalar(&vdense);
+            b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw);
+            // SAFETY: argument types and counts match tq_prefill_attention; its shared memory
+            // was allowed above; the tiles cover exactly the rows the kernels above skip; it
+            // reads only the codec tables and key scales before it waits (pdl_wait).
+            unsafe { b.launch(*cfg) }?;
+        }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
     let out = with_u32_slice(&dm.data, |data| {
-        let meta =
-            [data.slice(l.row_seq..l.row_seq + rows), data.slice(l.seq_info..l.rings), data.slice(l.block_tables..)];
+        let meta = [
+            data.slice(l.row_seq..l.row_seq + rows),
+            data.slice(l.seq_info..l.rings),
+            data.slice(l.block_tables..),
+            data.slice(l.tiles..l.block_tables),
+        ];
         // Each sequence's ring (the step's metadata holds them; checked above).
         let rings = fl.as_ref().map(|_| data.slice(l.rings..l.tiles));
-        let common = ((&partial, &combine), (cfg_partial, cfg_combine), (kc, vc, &part), (ktab, vtab, kscale));
-        let floats = (scale, window, softcap, fw, nsplit as i32, vdense);
+        let common =
+            ((&partial, &combine, prefill.as_ref()), (cfg_partial, cfg_combine), (kc, vc, &part), (ktab, vtab, kscale));
+        let skip = skip.min(i32::MAX as usize) as i32;
+        let floats = (scale, window, softcap, fw, nsplit as i32, vdense, row0 as i32, skip);
         let n = rows * hq * d;
         // The typed views of q, this step's float rows and the rings.
         macro_rules! go {
