@@ -15,7 +15,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::sample::exp_det;
+use super::simd::exp_det;
 use crate::models::config::MoeConfig;
 
 /// The routing parameters of a layer.

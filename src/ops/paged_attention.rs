@@ -124,16 +124,12 @@ impl PagedAttention<'_> {
 }
 
 /// In place: s <- exp(s - max s); returns (max, sum): a softmax before its division, which
-/// the attention on TurboQuant codes merges per segment.
+/// the attention on TurboQuant codes merges per segment. Vectorised (`simd::exp_sub_sum`),
+/// with the same bits on every machine.
 #[inline(always)]
 pub(super) fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
     let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut l = 0f32;
-    for x in s.iter_mut() {
-        *x = (*x - m).exp();
-        l += *x;
-    }
-    (m, l)
+    (m, super::simd::exp_sub_sum(s, m))
 }
 
 /// In place: `x <- softmax(x)`.

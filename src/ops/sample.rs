@@ -19,6 +19,7 @@ use std::cmp::Ordering;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::kv_elem::f32_slice;
+use super::simd::exp_det;
 
 /// How one row picks its token.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -49,37 +50,6 @@ impl Draw {
     fn from_params(p: &[f32]) -> Self {
         Draw { inv_temperature: p[0], top_k: p[1] as u32, top_p: p[2], min_p: p[3], u: p[4] }
     }
-}
-
-/// exp(x): range reduction by ln 2 and a degree-7 polynomial, each step one IEEE operation so
-/// the kernels' `exp_det` (cuda/common.cuh) gives the same bits. Accurate to a few ulp; 0 at or
-/// below -87 (and for NaN), infinite above 89.
-// The constants are spelled digit for digit as in the kernel, so that the two can be compared
-// by eye (1.44269504 is log2(e); both round to the same f32 as the named constants).
-#[allow(clippy::excessive_precision, clippy::approx_constant)]
-pub fn exp_det(x: f32) -> f32 {
-    if !(x > -87.0) {
-        return 0.0;
-    }
-    if x > 89.0 {
-        return f32::INFINITY;
-    }
-    let n = (x * 1.442_695_04_f32).round_ties_even();
-    let r = (-n).mul_add(0.693_145_752_f32, x);
-    let r = (-n).mul_add(1.428_606_77e-6_f32, r);
-    let mut p = 1.984_126_98e-4_f32;
-    for c in [1.388_888_89e-3_f32, 8.333_333_33e-3, 4.166_666_67e-2, 1.666_666_67e-1, 0.5, 1.0, 1.0] {
-        p = p.mul_add(r, c);
-    }
-    let e = n as i32;
-    if e < -126 {
-        return 0.0;
-    }
-    if e > 127 {
-        // 2^128 has no f32: scale by 2^127, then by 2.
-        return p * f32::from_bits(254 << 23) * 2.0;
-    }
-    p * f32::from_bits(((e + 127) as u32) << 23)
 }
 
 /// Orders floats as integers: a > b <=> key(a) > key(b), for finite a and b.
@@ -248,19 +218,6 @@ mod tests {
 
     fn logits(n: usize, seed: &mut u64) -> Vec<f32> {
         (0..n).map(|_| (lcg(seed) - 0.5) * 12.0).collect()
-    }
-
-    #[test]
-    fn exp_det_is_exp_within_a_few_ulp() {
-        let mut x = 0.0f32;
-        while x > -87.0 {
-            let (a, b) = (exp_det(x), x.exp());
-            assert!((a - b).abs() <= 4.0 * f32::EPSILON * b.max(f32::MIN_POSITIVE), "exp({x}): {a} vs {b}");
-            x -= 0.0137;
-        }
-        assert_eq!(exp_det(0.0), 1.0);
-        // Below e^-87 (near f32's smallest normal) weights count as nothing.
-        assert_eq!(exp_det(-87.5), 0.0);
     }
 
     #[test]

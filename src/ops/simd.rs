@@ -90,6 +90,122 @@ unsafe fn axpy_f32_avx512(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
+/// exp(x): range reduction by ln 2 and a degree-7 polynomial, each step one IEEE operation so
+/// the kernels' `exp_det` (cuda/common.cuh) gives the same bits, and so does [`exp_sub_sum`]'s
+/// AVX-512 path, lane for lane. Accurate to a few ulp; 0 at or below -87 (and for NaN),
+/// infinite above 89.
+pub fn exp_det(x: f32) -> f32 {
+    if !(x > -87.0) {
+        return 0.0;
+    }
+    if x > 89.0 {
+        return f32::INFINITY;
+    }
+    let n = (x * EXP_LOG2E).round_ties_even();
+    let r = (-n).mul_add(EXP_LN2_HI, x);
+    let r = (-n).mul_add(EXP_LN2_LO, r);
+    let mut p = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = p.mul_add(r, *c);
+    }
+    let e = n as i32;
+    if e < -126 {
+        return 0.0;
+    }
+    if e > 127 {
+        // 2^128 has no f32: scale by 2^127, then by 2.
+        return p * f32::from_bits(254 << 23) * 2.0;
+    }
+    p * f32::from_bits(((e + 127) as u32) << 23)
+}
+
+// exp_det's constants, spelled digit for digit as in the kernel so that the two can be compared
+// by eye (1.44269504 is log2(e); both round to the same f32 as the named constants).
+#[allow(clippy::excessive_precision, clippy::approx_constant)]
+const EXP_LOG2E: f32 = 1.442_695_04;
+#[allow(clippy::excessive_precision)]
+const EXP_LN2_HI: f32 = 0.693_145_752;
+#[allow(clippy::excessive_precision)]
+const EXP_LN2_LO: f32 = 1.428_606_77e-6;
+/// The polynomial's coefficients, highest degree first (Horner).
+#[allow(clippy::excessive_precision)]
+const EXP_POLY: [f32; 8] =
+    [1.984_126_98e-4, 1.388_888_89e-3, 8.333_333_33e-3, 4.166_666_67e-2, 1.666_666_67e-1, 0.5, 1.0, 1.0];
+
+/// In place: x <- exp_det(x - m); returns the sum of the results, accumulated in 16 running
+/// sums (element i into sum i mod 16) added in order at the end, which the AVX-512 path and the
+/// portable one both do: the same bits on every machine. (A softmax's exponentials: libm's
+/// scalar expf was a fifth of the time of attention on TurboQuant codes in a CPU prefill.)
+#[inline]
+pub fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked above).
+            return unsafe { exp_sub_sum_avx512(x, m) };
+        }
+    }
+    exp_sub_sum_portable(x, m)
+}
+
+fn exp_sub_sum_portable(x: &mut [f32], m: f32) -> f32 {
+    let mut acc = [0f32; 16];
+    for (i, v) in x.iter_mut().enumerate() {
+        *v = exp_det(*v - m);
+        acc[i % 16] += *v;
+    }
+    acc.iter().fold(0.0, |s, &a| s + a)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_sub_sum_avx512(x: &mut [f32], m: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let mv = _mm512_set1_ps(m);
+    let mut acc = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let k: __mmask16 = if n - i >= 16 { 0xffff } else { ((1u32 << (n - i)) - 1) as u16 };
+        let e = exp_det_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.add(i)), mv));
+        _mm512_mask_storeu_ps(p.add(i), k, e);
+        acc = _mm512_mask_add_ps(acc, k, acc, e);
+        i += 16;
+    }
+    let mut lanes = [0f32; 16];
+    _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+    lanes.iter().fold(0.0, |s, &a| s + a)
+}
+
+/// exp_det of each lane, by the same operations in the same order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_det_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let valid = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(-87.0));
+    let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(89.0));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(EXP_LOG2E),
+    ));
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    let mut q = _mm512_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(*c));
+    }
+    let e = _mm512_cvtps_epi32(n);
+    let tiny = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(-126));
+    let huge = _mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(127));
+    let ec = _mm512_max_epi32(_mm512_min_epi32(e, _mm512_set1_epi32(127)), _mm512_set1_epi32(-126));
+    let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(ec, _mm512_set1_epi32(127))));
+    let y = _mm512_mul_ps(q, scale);
+    let y = _mm512_mask_mul_ps(y, huge, y, _mm512_set1_ps(2.0));
+    let y = _mm512_maskz_mov_ps(valid & !tiny, y);
+    _mm512_mask_mov_ps(y, big, _mm512_set1_ps(f32::INFINITY))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,6 +218,51 @@ mod tests {
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             assert!((dot_f32(&a, &b) as f64 - want).abs() < 1e-4, "n={n}");
             assert!((dot_f32_portable(&a, &b) as f64 - want).abs() < 1e-4, "n={n}");
+        }
+    }
+
+    #[test]
+    fn exp_det_is_exp_within_a_few_ulp() {
+        let mut x = 0.0f32;
+        while x > -87.0 {
+            let (a, b) = (exp_det(x), x.exp());
+            assert!((a - b).abs() <= 4.0 * f32::EPSILON * b.max(f32::MIN_POSITIVE), "exp({x}): {a} vs {b}");
+            x -= 0.0137;
+        }
+        assert_eq!(exp_det(0.0), 1.0);
+        // Below e^-87 (near f32's smallest normal) weights count as nothing.
+        assert_eq!(exp_det(-87.5), 0.0);
+        assert_eq!(exp_det(f32::NAN), 0.0);
+        assert_eq!(exp_det(90.0), f32::INFINITY);
+    }
+
+    /// The AVX-512 path gives exp_det's bits in every lane, and the same sum as the portable
+    /// path, at every tail length and over the whole range (underflow, -inf and NaN included).
+    #[test]
+    fn exp_sub_sum_is_the_same_on_every_path() {
+        for n in [0, 1, 15, 16, 17, 31, 33, 100, 257] {
+            let base: Vec<f32> = (0..n)
+                .map(|i| match i % 11 {
+                    3 => f32::NEG_INFINITY,
+                    7 => -200.0,
+                    _ => (i as f32 * 0.7).sin() * 90.0 - 3.0,
+                })
+                .collect();
+            let m = base.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut portable = base.clone();
+            let sp = exp_sub_sum_portable(&mut portable, m);
+            for (x, y) in base.iter().zip(&portable) {
+                assert_eq!(exp_det(x - m).to_bits(), y.to_bits(), "n={n} x={x}");
+            }
+            let mut fast = base.clone();
+            let sf = exp_sub_sum(&mut fast, m);
+            assert_eq!(sf.to_bits(), sp.to_bits(), "n={n}");
+            assert_eq!(
+                fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                portable.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+            let want: f64 = base.iter().map(|x| ((x - m) as f64).exp()).sum();
+            assert!((sf as f64 - want).abs() <= 1e-5 * want.max(1.0), "n={n}: {sf} vs {want}");
         }
     }
 
