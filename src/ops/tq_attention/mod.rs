@@ -143,8 +143,9 @@ impl<'a> TqAttention<'a> {
         let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
         let rows = meta.num_rows();
         self.check(q.len(), n_slots)?;
+        let mut rings: &[u32] = &[];
         if let (Some(f), Some(inputs)) = (&fl, &self.float) {
-            inputs.rings(meta, f.k.ring.len() / (hkv * d))?;
+            rings = inputs.rings(meta, f.k.ring.len() / (hkv * d))?;
             let new = rows * hkv * d;
             if f.k.new.len() != new || f.v.new.len() != new || f.v.ring.len() != f.k.ring.len() {
                 candle_core::bail!("tq-attention: float window inputs of the wrong size");
@@ -186,7 +187,7 @@ impl<'a> TqAttention<'a> {
         let pdst = OutPtr(partials.as_mut_ptr());
         let mut out = vec![0f32; q.len()];
         let dst = OutPtr(out.as_mut_ptr());
-        let io = Io { q, kc, vc, fl: fl.as_ref(), dst };
+        let io = Io { q, kc, vc, fl: fl.as_ref(), rings, dst };
         #[cfg(target_arch = "x86_64")]
         let avx512 = d % 16 == 0
             && [self.key.bits(), self.value.bits()].iter().all(|b| (2..=4).contains(b))
@@ -378,9 +379,7 @@ impl<'a> TqAttention<'a> {
             let first = seq.first_position();
             let float_row = |j: usize| {
                 if j < first {
-                    // `run` checked that every sequence has a ring.
-                    let ring = a.meta.window.as_ref().map_or(0, |w| w.rings[tile.si] as usize);
-                    FloatRow::Ring(ring * f.len + j % f.len)
+                    FloatRow::Ring(io.rings[tile.si] as usize * f.len + j % f.len)
                 } else {
                     FloatRow::New(seq.q_start + j - first)
                 }
@@ -509,6 +508,8 @@ struct Io<'s, T> {
     kc: &'s [u8],
     vc: &'s [u8],
     fl: Option<&'s Floats<'s, T>>,
+    /// Each sequence's float-window ring (checked against the rings' size), with `fl`.
+    rings: &'s [u32],
     dst: OutPtr,
 }
 
