@@ -138,10 +138,12 @@ fn score(
     while start < tokens.len() {
         let n = chunk.min(tokens.len() - start);
         let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
-        let mut batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n])?;
+        // Built on the host and moved once its metadata is whole (one upload per chunk).
+        let mut batch = Batch::from_tokens(&Device::Cpu, bs, vec![seq], &tokens[start..start + n])?;
         if v.float_window > 0 {
             batch.attn.set_float_window(v.float_window, vec![0])?;
         }
+        batch.to_device(&dev)?;
         let logits: Vec<Vec<f32>> = model.logits(&model.forward(&batch, &kv, None)?)?.to_vec2()?;
         for (i, row) in logits.iter().enumerate() {
             let (best, max) =
