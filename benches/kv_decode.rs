@@ -36,7 +36,7 @@ fn fill(kv: &KvCache, layers: usize, context: usize, kv_heads: usize, dim: usize
             let v = Tensor::randn(0f32, 1.0, (n, kv_heads, dim), dev).unwrap();
             match kv.layer(l) {
                 LayerCache::Dense { k: kc, v: vc } => {
-                    let write = KvWrite { slot_mapping: &slots, device_meta: dm.as_ref(), device_at: 0 };
+                    let write = KvWrite::to_slots(&slots, dm.as_ref());
                     kc.inplace_op2(&k, &write).unwrap();
                     vc.inplace_op2(&v, &write).unwrap();
                 }

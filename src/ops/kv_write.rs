@@ -37,9 +37,10 @@ impl<'a> KvWrite<'a> {
         }
     }
 
-    /// Writes rows to slots given on the host (CPU caches only).
-    pub fn to_slots(slot_mapping: &'a [u32]) -> Self {
-        KvWrite { slot_mapping, device_meta: None, device_at: 0 }
+    /// Writes rows to slots given on the host, and for a GPU cache the same slots in device
+    /// memory (`DeviceAttentionMeta::slots`).
+    pub fn to_slots(slot_mapping: &'a [u32], device_meta: Option<&'a DeviceAttentionMeta>) -> Self {
+        KvWrite { slot_mapping, device_meta, device_at: 0 }
     }
 
     /// Checks the shapes and every slot; returns (slots in the cache, values per slot).
