@@ -226,6 +226,7 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
     let seqs = [(40, 40), (1, 1), (17, 1), (700, 1), (3000, 1), (300, 45), (33, 7), (200, 130)];
     let (mut m, slots) = meta(&mut rng, &seqs, bs);
     if c.float_window > 0 {
+        // Sequence i in ring n - 1 - i (the batch invariance check below gives it the same).
         m.set_float_window(c.float_window, (0..seqs.len() as u32).rev().collect()).unwrap();
     }
     let codecs = tq_codecs(d, hkv, c.bits, c.scaled);
@@ -290,6 +291,40 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
         c.softcap,
         c.scaled
     );
+    if q_dt == DType::F32 || !iris::ops::cuda::PREFILL_HEAD_DIMS.contains(&d) {
+        return;
+    }
+    // Batch invariance: with 16-bit queries and a head dim the tensor-core tiles take, this
+    // step has few rows outside them, so every sequence (decode, short chunk, prompt, chunk over
+    // a prefix; float window too) gets the same bits alone as within it. (Steps of many rows
+    // outside the tiles take fewer splits per row: tq_decode_attention_is_batch_invariant.)
+    for (i, s) in m.seqs.iter().enumerate() {
+        let solo = iris::batch::SeqSlice { q_start: 0, ..s.clone() };
+        let mut one = iris::batch::AttentionMeta::new(bs, vec![solo]);
+        if fw > 0 {
+            one.set_float_window(fw, vec![(seqs.len() - 1 - i) as u32]).unwrap();
+        }
+        one.upload(dev).unwrap();
+        let rows_of = |t: &Tensor| t.narrow(0, s.q_start, s.q_len).unwrap();
+        let (sq, snk, snv) = (rows_of(&gpu_q), rows_of(&gnk), rows_of(&gnv));
+        let alone = TqAttention {
+            attn: PagedAttention { meta: &one, ..paged(&m) },
+            key: &codecs.key,
+            value: &codecs.value,
+            key_scale: codecs.key_scale.as_deref(),
+            float: float_inputs(fw, [&grk, &grv, &snk, &snv]),
+            device: Some(&on_gpu),
+        }
+        .forward(&sq, &gpu_k, &gpu_v);
+        assert_eq!(
+            bits(&alone.unwrap()),
+            bits(&rows_of(&gpu)),
+            "tq attention {}x{hkv}x{d} float window {fw}: sequence of {} rows at {} positions differs alone",
+            c.heads,
+            s.q_len,
+            s.context_len
+        );
+    }
 }
 
 /// A float window of `len` positions (None for 0): rings, this step's rows, ring indices.

@@ -4,14 +4,15 @@
 // lo = p + 1 - window for sliding layers (else 0) and split = max(p + 1 - float_window, lo).
 //
 // Two kernels:
-// - tq_attn_partial: one block per (row, group of query heads sharing a kv head, split of the
-//   row's coded positions), a warp or more per query head. It rotates each query (divided by
-//   the key scales) once, scores each key as norm * <R q, c[idx]> by codebook lookups, keeps a
-//   running softmax, and sums p * norm * c[idx] of the values in the rotated space. It writes
-//   (max, sum, rotated values) per head and split.
-// - tq_attn_combine: one block per (row, query head). It merges the splits, rotates the sum
-//   back once, adds the float window's positions (this step's rows, or the sequence's ring)
-//   to the same softmax, and writes the output.
+// - tq_attn_partial: one block per (row, group of query heads sharing a kv head, split), a
+//   warp or more per query head. The first `nsplit` splits cover the row's coded positions:
+//   the block rotates each query (divided by the key scales) once, scores each key as
+//   norm * <R q, c[idx]> by codebook lookups, keeps a running softmax, and sums
+//   p * norm * c[idx] of the values in the rotated space. The others cover its float window
+//   (this step's rows or the sequence's ring), `wchunk` positions each, in the model's space.
+//   Each writes (max, sum, values) per head and split.
+// - tq_attn_combine: one block per (row, query head). It merges the splits, rotates the coded
+//   splits' sum back once, adds the window splits' sum, and writes the output.
 // Rows of prompt chunks (sequences computing `skip` rows or more) are left to
 // tq_prefill_attention (prefill_attention.cu), which uses tensor cores; both kernels run over
 // rows [row0, row0 + gridDim.x) only, the span of the others (the partial states are indexed
@@ -27,7 +28,8 @@
 // their other loads in as few rounds as they can.
 #include "tq_common.cuh"
 
-#define TA_MAXSPLIT 64
+// Splits per (row, head): up to 64 over the coded positions, up to 32 over the float window.
+#define TA_MAXSPLIT 96
 #define TC_THREADS 512
 
 // Position bounds of row t: (first position of its sequence's chunk, end = p + 1, lo, split).
@@ -83,14 +85,53 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
-template <typename TQ, int D>
+// Eight coordinates [c, c + 8) of a float-window vector of kv head `kvh` at position j: this
+// step's row (rounded to the ring's type, so it reads the same before and after it moves into
+// the ring) or the ring's. The row's address is worked out once per eight coordinates: per
+// coordinate, the index arithmetic cost more than the loads.
+template <typename TQ, typename TR>
+__device__ __forceinline__ void tq_float8(float (&x)[8], const TQ* fresh, const TR* ring, const TqRow& r, int j,
+                                          int ring_idx, int float_window, int num_kv_heads, int kvh, int D, int c) {
+    if (j < r.first) {
+        const TR* src = ring + (((size_t)ring_idx * float_window + j % float_window) * num_kv_heads + kvh) * D + c;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = to_f(src[e]);
+    } else {
+        const TQ* src = fresh + (((size_t)r.q_start + (j - r.first)) * num_kv_heads + kvh) * D + c;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = to_f(from_f<TR>(to_f(src[e])));
+    }
+}
+
+// A pass's U logits join a running softmax (max m, sum l, value sums acc): the sums are
+// rescaled once, when the max moves; the pass's own terms are the caller's to add.
+template <int U, int GPL>
+__device__ __forceinline__ void tq_softmax_rescale(const float (&x)[U], float& m, float& l, float (&acc)[GPL][8]) {
+    float mx = m;
+#pragma unroll
+    for (int u = 0; u < U; ++u) mx = fmaxf(mx, x[u]);
+    if (mx > m) {
+        const float c = expf(m - mx);
+        l *= c;
+#pragma unroll
+        for (int g = 0; g < GPL; ++g)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[g][e] *= c;
+        m = mx;
+    }
+}
+
+template <typename TQ, typename TR, int D>
 __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__ q, const uint8_t* __restrict__ kc,
                                 const uint8_t* __restrict__ vc, const uint32_t* __restrict__ row_seq,
                                 const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
                                 const float* __restrict__ ktab, const float* __restrict__ vtab,
-                                const float* __restrict__ kscale, int num_heads, int num_kv_heads, int hb,
-                                int block_size, int kbits, int vbits, int kdense, float scale, int window,
-                                float softcap, int float_window, int nsplit, int min_chunk, int row0, int skip) {
+                                const float* __restrict__ kscale, const TQ* __restrict__ new_k,
+                                const TQ* __restrict__ new_v, const TR* __restrict__ ring_k,
+                                const TR* __restrict__ ring_v, const uint32_t* __restrict__ window_rings,
+                                int num_heads, int num_kv_heads, int hb, int block_size, int kbits, int vbits,
+                                int kdense, float scale, int window, float softcap, int float_window, int nsplit,
+                                int min_chunk, int wchunk, int row0, int skip) {
     using L = TqLanes<D>;
     constexpr int G = L::G, LPK = L::LPK, GPL = L::GPL, KPW = L::KPW, U = TL_UNROLL;
     constexpr int QPL = (D + 31) / 32;  // query coordinates a lane loads
@@ -108,6 +149,7 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
 
     pdl_launch_dependents();
     const int t = row0 + blockIdx.x, z = blockIdx.z;
+    const bool win = z >= nsplit;  // a split of the float window
     const int group = num_heads / num_kv_heads, per_kv = group / hb;
     const int kvh = blockIdx.y / per_kv;
     const int h0 = kvh * group + (blockIdx.y % per_kv) * hb;
@@ -116,20 +158,28 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
     const int hh = warp / ks_n, ks = warp % ks_n;
     const int sub = lane / LPK, kl = lane % LPK;
     // Written once at start-up, not by the kernels before: read before the wait.
-    if (tid < 16) { ktab_s[tid] = ktab[TQ_CENTROIDS + tid]; vtab_s[tid] = vtab[TQ_CENTROIDS + tid]; }
-    if (!kdense)
-        for (int i = tid; i < 2 * D; i += nthreads) sign_s[i] = ktab[TQ_ROTATION + i];
-    for (int i = tid; i < D; i += nthreads) kscale_s[i] = kscale ? kscale[kvh * D + i] : 1.f;
+    if (!win) {
+        if (tid < 16) { ktab_s[tid] = ktab[TQ_CENTROIDS + tid]; vtab_s[tid] = vtab[TQ_CENTROIDS + tid]; }
+        if (!kdense)
+            for (int i = tid; i < 2 * D; i += nthreads) sign_s[i] = ktab[TQ_ROTATION + i];
+        for (int i = tid; i < D; i += nthreads) kscale_s[i] = kscale ? kscale[kvh * D + i] : 1.f;
+    }
     pdl_wait();  // launched as a dependent (ops/tq_attention/cuda.rs): inputs after this
 
     const TqRow r = tq_row(t, row_seq, seq_info, window, float_window);
     if ((int)seq_info[4 * r.s + 1] >= skip) return;  // a prompt chunk's row: tq_prefill_attention's
-    const uint32_t* bt = block_tables + seq_info[4 * r.s + 3];
-    const int n = r.split - r.lo;
-    const int chunk = max((n + nsplit - 1) / nsplit, min_chunk);
-    const int a = r.lo + z * chunk, b = min(a + chunk, r.split);
-    float* out = part + (((size_t)blockIdx.x * num_heads + h0) * nsplit + z) * (D + 2);
-    const size_t head_stride = (size_t)nsplit * (D + 2);
+    int a, b;
+    if (win) {
+        a = r.split + (z - nsplit) * wchunk;
+        b = min(a + wchunk, r.end);
+    } else {
+        const int n = r.split - r.lo;
+        const int chunk = max((n + nsplit - 1) / nsplit, min_chunk);
+        a = r.lo + z * chunk;
+        b = min(a + chunk, r.split);
+    }
+    float* out = part + (((size_t)blockIdx.x * num_heads + h0) * gridDim.z + z) * (D + 2);
+    const size_t head_stride = (size_t)gridDim.z * (D + 2);
     if (a >= b) {  // the whole block: nothing in this split
         for (int i = tid; i < hb * (D + 2); i += nthreads) {
             const int h = i / (D + 2), c = i % (D + 2);
@@ -137,72 +187,24 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
         }
         return;
     }
-    // This warp's query head, on its way while the first tile is.
-    float qv_in[QPL];
-#pragma unroll
-    for (int k = 0; k < QPL; ++k) {
-        const int c = lane + 32 * k;
-        qv_in[k] = c < D ? to_f(q[((size_t)t * num_heads + h0 + hh) * D + c]) : 0.f;
-    }
-
-    const int kcb = D * kbits / 8, vcb = D * vbits / 8;
-    const int krow = kcb + 4, vrow = vcb + 4;
-    const uint32_t kmask = (1u << kbits) - 1, vmask = (1u << vbits) - 1;
-    // Keys per tile: their key rows, then (from a 16-aligned offset, so that each row keeps
-    // its alignment in the cache) their value rows.
-    const int tk = (TL_TILE_BYTES - 16) / (krow + vrow);
-    const int voff = (tk * krow + 15) & ~15;
-    const int ntiles = (b - a + tk - 1) / tk;
-    // Tile i into buffer i % 2: by asynchronous copies of 4 bytes where every row is 4-aligned,
-    // else (3-bit codes at d = 16 or 80) through registers.
-    const bool async = krow % 4 == 0 && vrow % 4 == 0;
-    auto issue = [&](int i) {
-        uint8_t* dst = &tile_s[i & 1][0];
-        const int ta = a + i * tk, nk = min(tk, b - ta);
-        const int unit = async ? 4 : 2;
-        const int kw = krow / unit, vw = vrow / unit, per = kw + vw;
-        for (int x = tid; x < nk * per; x += nthreads) {
-            const int k = x / per, w = x % per, j = ta + k;
-            const size_t row = ((size_t)bt[j / block_size] * block_size + j % block_size) * num_kv_heads + kvh;
-            const uint8_t* src = w < kw ? kc + row * krow + w * unit : vc + row * vrow + (w - kw) * unit;
-            uint8_t* d = w < kw ? dst + k * krow + w * unit : dst + voff + k * vrow + (w - kw) * unit;
-            if (async) cp_async4(d, src);
-            else *reinterpret_cast<uint16_t*>(d) = *reinterpret_cast<const uint16_t*>(src);
-        }
-        cp_async_commit();
-    };
-    issue(0);
-
-    // The query, divided by the key scales and rotated by its warp (buffer 1, free until the
-    // second tile is issued); this lane's groups into registers.
-    __syncthreads();  // the tables read before the wait, by other threads
-#pragma unroll
-    for (int k = 0; k < QPL; ++k) {
-        const int c = lane + 32 * k;
-        if (c < D) q_s[warp][c] = qv_in[k] / kscale_s[c];
-    }
-    tq_rotate<true, D>(&q_s[warp][0], &tmp_s[warp][0], 1, kdense ? ktab + TQ_ROTATION : sign_s, kdense != 0);
-    float qv[GPL][8], acc[GPL][8];
-#pragma unroll
-    for (int g = 0; g < GPL; ++g)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int c = (kl + LPK * g) * 8 + e;
-            qv[g][e] = c < D ? q_s[warp][c] : 0.f;
-            acc[g][e] = 0.f;
-        }
-    float m = -INFINITY, l = 0.f;
-    __syncthreads();  // every warp has its query: buffer 1 may take tile 1
-
+    float m = -INFINITY, l = 0.f, acc[GPL][8];
     const int step = ks_n * KPW;  // keys per pass of a head's warps
-    for (int i = 0; i < ntiles; ++i) {
-        if (i + 1 < ntiles) issue(i + 1);
-        else cp_async_commit();  // an empty group: "all but the newest" is then tile i
-        cp_async_wait_prev();
-        __syncthreads();  // tile i in shared memory for every thread
-        const uint8_t* ks_base = &tile_s[i & 1][0];
-        const int ta = a + i * tk, nk = min(tk, b - ta);
-        const uint8_t* vs_base = ks_base + voff;
+
+    if (win) {
+        // The window's positions in the model's space: the query as it is, each pass's keys
+        // loaded into registers at once, then its values (holding both at once spilled
+        // registers in the 16-bit kernels).
+        const int ring_idx = window_rings[r.s];
+        float qv[GPL][8];
+#pragma unroll
+        for (int g = 0; g < GPL; ++g)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int c = (kl + LPK * g) * 8 + e;
+                qv[g][e] = c < D ? to_f(q[((size_t)t * num_heads + h0 + hh) * D + c]) : 0.f;
+                acc[g][e] = 0.f;
+            }
+        const int nk = b - a;
         for (int k0 = ks * KPW; k0 < nk; k0 += U * step) {
             float x[U];
 #pragma unroll
@@ -210,55 +212,155 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
                 const int k = k0 + u * step + sub;
                 float sc = 0.f;
                 if (k < nk) {
-                    const uint8_t* kr = ks_base + k * krow;
 #pragma unroll
                     for (int g = 0; g < GPL; ++g) {
                         const int gi = kl + LPK * g;
                         if (gi < G) {
-                            const uint32_t w = tq_codes8_aligned<D>(kr, gi, kbits);
+                            float kv[8];
+                            tq_float8(kv, new_k, ring_k, r, a + k, ring_idx, float_window, num_kv_heads, kvh, D, gi * 8);
 #pragma unroll
-                            for (int e = 0; e < 8; ++e) sc = fmaf(qv[g][e], ktab_s[(w >> (e * kbits)) & kmask], sc);
+                            for (int e = 0; e < 8; ++e) sc = fmaf(qv[g][e], kv[e], sc);
                         }
                     }
                 }
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                x[u] = k < nk ? tq_logit(tq_norm_aligned(ks_base + k * krow, kcb) * sc, scale, softcap) : -INFINITY;
+                x[u] = k < nk ? tq_logit(sc, scale, softcap) : -INFINITY;
             }
-            // The pass's keys join the running softmax: the sums rescaled once, when the max moves.
-            float mx = m;
-#pragma unroll
-            for (int u = 0; u < U; ++u) mx = fmaxf(mx, x[u]);
-            if (mx > m) {
-                const float c = expf(m - mx);
-                l *= c;
-#pragma unroll
-                for (int g = 0; g < GPL; ++g)
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[g][e] *= c;
-                m = mx;
-            }
+            tq_softmax_rescale<U, GPL>(x, m, l, acc);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int k = k0 + u * step + sub;
                 if (k < nk) {
                     const float p = expf(x[u] - m);
                     l += p;
-                    const uint8_t* vr = vs_base + k * vrow;
-                    const float pv = p * tq_norm_aligned(vr, vcb);
 #pragma unroll
                     for (int g = 0; g < GPL; ++g) {
                         const int gi = kl + LPK * g;
                         if (gi < G) {
-                            const uint32_t w = tq_codes8_aligned<D>(vr, gi, vbits);
+                            float vv[8];
+                            tq_float8(vv, new_v, ring_v, r, a + k, ring_idx, float_window, num_kv_heads, kvh, D, gi * 8);
 #pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(pv, vtab_s[(w >> (e * vbits)) & vmask], acc[g][e]);
+                            for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vv[e], acc[g][e]);
                         }
                     }
                 }
             }
         }
-        __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2 goes there
+    } else {
+        // This warp's query head, on its way while the first tile is.
+        float qv_in[QPL];
+#pragma unroll
+        for (int k = 0; k < QPL; ++k) {
+            const int c = lane + 32 * k;
+            qv_in[k] = c < D ? to_f(q[((size_t)t * num_heads + h0 + hh) * D + c]) : 0.f;
+        }
+
+        const uint32_t* bt = block_tables + seq_info[4 * r.s + 3];
+        const int kcb = D * kbits / 8, vcb = D * vbits / 8;
+        const int krow = kcb + 4, vrow = vcb + 4;
+        const uint32_t kmask = (1u << kbits) - 1, vmask = (1u << vbits) - 1;
+        // Keys per tile: their key rows, then (from a 16-aligned offset, so that each row keeps
+        // its alignment in the cache) their value rows.
+        const int tk = (TL_TILE_BYTES - 16) / (krow + vrow);
+        const int voff = (tk * krow + 15) & ~15;
+        const int ntiles = (b - a + tk - 1) / tk;
+        // Tile i into buffer i % 2: by asynchronous copies of 4 bytes where every row is
+        // 4-aligned, else (3-bit codes at d = 16 or 80) through registers.
+        const bool async = krow % 4 == 0 && vrow % 4 == 0;
+        auto issue = [&](int i) {
+            uint8_t* dst = &tile_s[i & 1][0];
+            const int ta = a + i * tk, nk = min(tk, b - ta);
+            const int unit = async ? 4 : 2;
+            const int kw = krow / unit, vw = vrow / unit, per = kw + vw;
+            for (int x = tid; x < nk * per; x += nthreads) {
+                const int k = x / per, w = x % per, j = ta + k;
+                const size_t row = ((size_t)bt[j / block_size] * block_size + j % block_size) * num_kv_heads + kvh;
+                const uint8_t* src = w < kw ? kc + row * krow + w * unit : vc + row * vrow + (w - kw) * unit;
+                uint8_t* d = w < kw ? dst + k * krow + w * unit : dst + voff + k * vrow + (w - kw) * unit;
+                if (async) cp_async4(d, src);
+                else *reinterpret_cast<uint16_t*>(d) = *reinterpret_cast<const uint16_t*>(src);
+            }
+            cp_async_commit();
+        };
+        issue(0);
+
+        // The query, divided by the key scales and rotated by its warp (buffer 1, free until the
+        // second tile is issued); this lane's groups into registers.
+        __syncthreads();  // the tables read before the wait, by other threads
+#pragma unroll
+        for (int k = 0; k < QPL; ++k) {
+            const int c = lane + 32 * k;
+            if (c < D) q_s[warp][c] = qv_in[k] / kscale_s[c];
+        }
+        tq_rotate<true, D>(&q_s[warp][0], &tmp_s[warp][0], 1, kdense ? ktab + TQ_ROTATION : sign_s, kdense != 0);
+        float qv[GPL][8];
+#pragma unroll
+        for (int g = 0; g < GPL; ++g)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int c = (kl + LPK * g) * 8 + e;
+                qv[g][e] = c < D ? q_s[warp][c] : 0.f;
+                acc[g][e] = 0.f;
+            }
+        __syncthreads();  // every warp has its query: buffer 1 may take tile 1
+
+        for (int i = 0; i < ntiles; ++i) {
+            if (i + 1 < ntiles) issue(i + 1);
+            else cp_async_commit();  // an empty group: "all but the newest" is then tile i
+            cp_async_wait_prev();
+            __syncthreads();  // tile i in shared memory for every thread
+            const uint8_t* ks_base = &tile_s[i & 1][0];
+            const int ta = a + i * tk, nk = min(tk, b - ta);
+            const uint8_t* vs_base = ks_base + voff;
+            for (int k0 = ks * KPW; k0 < nk; k0 += U * step) {
+                float x[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int k = k0 + u * step + sub;
+                    float sc = 0.f;
+                    if (k < nk) {
+                        const uint8_t* kr = ks_base + k * krow;
+#pragma unroll
+                        for (int g = 0; g < GPL; ++g) {
+                            const int gi = kl + LPK * g;
+                            if (gi < G) {
+                                const uint32_t w = tq_codes8_aligned<D>(kr, gi, kbits);
+#pragma unroll
+                                for (int e = 0; e < 8; ++e)
+                                    sc = fmaf(qv[g][e], ktab_s[(w >> (e * kbits)) & kmask], sc);
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+                    x[u] = k < nk ? tq_logit(tq_norm_aligned(ks_base + k * krow, kcb) * sc, scale, softcap)
+                                  : -INFINITY;
+                }
+                tq_softmax_rescale<U, GPL>(x, m, l, acc);
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int k = k0 + u * step + sub;
+                    if (k < nk) {
+                        const float p = expf(x[u] - m);
+                        l += p;
+                        const uint8_t* vr = vs_base + k * vrow;
+                        const float pv = p * tq_norm_aligned(vr, vcb);
+#pragma unroll
+                        for (int g = 0; g < GPL; ++g) {
+                            const int gi = kl + LPK * g;
+                            if (gi < G) {
+                                const uint32_t w = tq_codes8_aligned<D>(vr, gi, vbits);
+#pragma unroll
+                                for (int e = 0; e < 8; ++e)
+                                    acc[g][e] = fmaf(pv, vtab_s[(w >> (e * vbits)) & vmask], acc[g][e]);
+                            }
+                        }
+                    }
+                }
+            }
+            __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2 goes there
+        }
     }
 
     // The lane groups' states merged within the warp (butterfly over the groups, the same
@@ -310,66 +412,17 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
     }
 }
 
-template <int WARPS>
-__device__ __forceinline__ float block_max(float x, float* red) {
-    x = warp_max(x);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
-    __syncthreads();
-    float r = red[0];
-    for (int w = 1; w < WARPS; ++w) r = fmaxf(r, red[w]);
-    __syncthreads();
-    return r;
-}
-
-template <int WARPS>
-__device__ __forceinline__ float block_sum(float x, float* red) {
-    x = warp_sum(x);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
-    __syncthreads();
-    float r = 0.f;
-    for (int w = 0; w < WARPS; ++w) r += red[w];
-    __syncthreads();
-    return r;
-}
-
-// Eight coordinates [c, c + 8) of a float-window vector of kv head `kvh` at position j, into
-// `dst` (16-byte aligned): this step's row (rounded to the ring's type, so it reads the same
-// before and after it moves into the ring) or the ring's. The row's address is worked out
-// once per eight coordinates: per coordinate, the index arithmetic cost more than the loads.
-template <typename TQ, typename TR>
-__device__ __forceinline__ void tq_float_chunk8(float* dst, const TQ* fresh, const TR* ring, const TqRow& r, int j,
-                                                int ring_idx, int float_window, int num_kv_heads, int kvh, int D,
-                                                int c) {
-    float x[8];
-    if (j < r.first) {
-        const TR* src = ring + (((size_t)ring_idx * float_window + j % float_window) * num_kv_heads + kvh) * D + c;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) x[e] = to_f(src[e]);
-    } else {
-        const TQ* src = fresh + (((size_t)r.q_start + (j - r.first)) * num_kv_heads + kvh) * D + c;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) x[e] = to_f(from_f<TR>(to_f(src[e])));
-    }
-    reinterpret_cast<float4*>(dst)[0] = make_float4(x[0], x[1], x[2], x[3]);
-    reinterpret_cast<float4*>(dst)[1] = make_float4(x[4], x[5], x[6], x[7]);
-}
-
-template <typename TQ, typename TR, int D>
-__device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, const float* __restrict__ part,
+template <typename TQ, int D>
+__device__ void tq_attn_combine(TQ* __restrict__ out, const float* __restrict__ part,
                                 const uint32_t* __restrict__ row_seq, const uint32_t* __restrict__ seq_info,
-                                const float* __restrict__ vtab, const TQ* __restrict__ new_k,
-                                const TQ* __restrict__ new_v, const TR* __restrict__ ring_k,
-                                const TR* __restrict__ ring_v, const uint32_t* __restrict__ window_rings,
-                                int num_heads, int num_kv_heads, float scale, int window, float softcap,
-                                int float_window, int nsplit, int vdense, int row0, int skip) {
+                                const float* __restrict__ vtab, int num_heads, int nsplit, int ntot, int vdense,
+                                int row0, int skip) {
     constexpr int ZQ = TC_THREADS / D;                          // threads per coordinate (split ranges)
     constexpr int ZPT = (TA_MAXSPLIT + ZQ - 1) / ZQ;            // splits per thread
     static_assert(D <= TC_THREADS, "a thread per coordinate at least");
-    __shared__ float o_s[D], tmp_s[D], q_s[D], p_s[TC_THREADS], red_s[TC_THREADS / 32], sign_s[2 * D];
-    __shared__ float m_s[TA_MAXSPLIT], w_s[TA_MAXSPLIT], sum_s[ZQ][D], ml_s[2];
-    constexpr int TW = 4096 / D < TC_THREADS ? 4096 / D : TC_THREADS;  // float-window positions per tile
-    static_assert(D % 8 == 0, "float-window rows are copied eight coordinates at a time");
-    __shared__ __align__(16) float kw_s[TW * D], vw_s[TW * D];
+    static_assert(TA_MAXSPLIT % 32 == 0 && TA_MAXSPLIT <= TC_THREADS, "a thread per split, whole warps");
+    __shared__ float o_s[D], tmp_s[D], red_s[TA_MAXSPLIT / 32], sign_s[2 * D];
+    __shared__ float m_s[TA_MAXSPLIT], w_s[TA_MAXSPLIT], sum_s[ZQ][D], sumw_s[ZQ][D], ml_s[2];
     pdl_launch_dependents();
     const int t = row0 + blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     if (!vdense)  // written once at start-up: read before the wait
@@ -378,21 +431,21 @@ __device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, 
     // As in tq_attn_partial; a decode step (no skip) does not wait on these loads.
     if (skip != INT_MAX && (int)seq_info[4 * row_seq[t] + 1] >= skip) return;
 
-    // The coded positions: every split's max and sum and this thread's coordinate of its sums
-    // for its range of splits, all loaded in one round (a split without positions holds -inf,
-    // 0 and zeros), then merged in split order and rotated back once.
-    const float* pp = part + ((size_t)blockIdx.x * num_heads + h) * nsplit * (D + 2);
+    // Every split's max and sum and this thread's coordinate of its sums for its range of
+    // splits, all loaded in one round (a split without positions holds -inf, 0 and zeros), then
+    // merged in split order: the coded splits' sum rotated back once, the window's added.
+    const float* pp = part + ((size_t)blockIdx.x * num_heads + h) * ntot * (D + 2);
     const int c = tid % D, zq = tid / D;  // threads past ZQ * D only help with the rest
     float v[ZPT];
 #pragma unroll
     for (int k = 0; k < ZPT; ++k) {
         const int z = zq * ZPT + k;
-        v[k] = zq < ZQ && z < nsplit ? __ldcg(pp + (size_t)z * (D + 2) + 2 + c) : 0.f;
+        v[k] = zq < ZQ && z < ntot ? __ldcg(pp + (size_t)z * (D + 2) + 2 + c) : 0.f;
     }
     float lz = 0.f;
     if (tid < TA_MAXSPLIT) {
-        m_s[tid] = tid < nsplit ? __ldcg(pp + (size_t)tid * (D + 2)) : -INFINITY;
-        lz = tid < nsplit ? __ldcg(pp + (size_t)tid * (D + 2) + 1) : 0.f;
+        m_s[tid] = tid < ntot ? __ldcg(pp + (size_t)tid * (D + 2)) : -INFINITY;
+        lz = tid < ntot ? __ldcg(pp + (size_t)tid * (D + 2) + 1) : 0.f;
     }
     __syncthreads();
     if (tid < 32) {
@@ -402,117 +455,80 @@ __device__ void tq_attn_combine(TQ* __restrict__ out, const TQ* __restrict__ q, 
         if (tid == 0) ml_s[0] = M;
     }
     __syncthreads();
-    float M = ml_s[0];
+    const float M = ml_s[0];
     if (tid < TA_MAXSPLIT) {
         const float e = m_s[tid] == -INFINITY ? 0.f : expf(m_s[tid] - M);
         w_s[tid] = e;
-        float l = warp_sum(lz * e);  // lanes 0-31 and 32-63: two warps
+        const float l = warp_sum(lz * e);
         if ((tid & 31) == 0) red_s[tid >> 5] = l;
     }
     __syncthreads();
-    if (tid == 0) ml_s[1] = red_s[0] + red_s[1];
+    if (tid == 0) {
+        float L = 0.f;
+        for (int w = 0; w < TA_MAXSPLIT / 32; ++w) L += red_s[w];
+        ml_s[1] = L;
+    }
     if (zq < ZQ) {
-        float s = 0.f;
+        float s = 0.f, sw = 0.f;
 #pragma unroll
-        for (int k = 0; k < ZPT; ++k)
-            if (zq * ZPT + k < TA_MAXSPLIT) s = fmaf(v[k], w_s[zq * ZPT + k], s);
+        for (int k = 0; k < ZPT; ++k) {
+            const int z = zq * ZPT + k;
+            if (z < TA_MAXSPLIT) {
+                if (z < nsplit) s = fmaf(v[k], w_s[z], s);
+                else sw = fmaf(v[k], w_s[z], sw);
+            }
+        }
         sum_s[zq][c] = s;
+        sumw_s[zq][c] = sw;
     }
     __syncthreads();
-    float L = ml_s[1];
+    const float L = ml_s[1];
     if (tid < D) {
         float o = 0.f;
         for (int g = 0; g < ZQ; ++g) o += sum_s[g][tid];
         o_s[tid] = o;
     }
     tq_rotate<false, D, true>(o_s, tmp_s, 1, vdense ? vtab + TQ_ROTATION : sign_s, vdense != 0);
-    float acc = tid < D ? o_s[tid] : 0.f;  // a thread per output coordinate
-
-    // The float window's positions, folded into the same softmax, in tiles of TW positions:
-    // the tile's keys and values copied to shared memory by the whole block at once (one
-    // round trip to memory per tile, not one per position), a warp per position for the
-    // scores, then each group of D threads sums every ZQ-th position's values.
-    const TqRow r = tq_row(t, row_seq, seq_info, window, float_window);
-    const int kvh = h / (num_heads / num_kv_heads);
-    if (r.split < r.end) {
-        const int ring_idx = window_rings[r.s];
-        const int warp = tid >> 5, lane = tid & 31;
-        for (int c = tid; c < D; c += TC_THREADS) q_s[c] = to_f(q[((size_t)t * num_heads + h) * D + c]);
-        __syncthreads();
-        for (int c0 = r.split; c0 < r.end; c0 += TW) {
-            const int nk = min(TW, r.end - c0);
-            for (int i = tid; i < nk * (D / 8); i += TC_THREADS) {
-                const int jj = i / (D / 8), cc = (i % (D / 8)) * 8;
-                const int o = jj * D + cc;
-                tq_float_chunk8(kw_s + o, new_k, ring_k, r, c0 + jj, ring_idx, float_window, num_kv_heads, kvh, D, cc);
-                tq_float_chunk8(vw_s + o, new_v, ring_v, r, c0 + jj, ring_idx, float_window, num_kv_heads, kvh, D, cc);
-            }
-            __syncthreads();
-            for (int jj = warp; jj < nk; jj += TC_THREADS / 32) {
-                float dot = 0.f;
-                for (int c = lane; c < D; c += 32) dot = fmaf(q_s[c], kw_s[jj * D + c], dot);
-                dot = warp_sum(dot);
-                if (lane == 0) p_s[jj] = tq_logit(dot, scale, softcap);
-            }
-            __syncthreads();
-            const float x = tid < nk ? p_s[tid] : -INFINITY;
-            const float mn = fmaxf(M, block_max<TC_THREADS / 32>(x, red_s));  // its barriers: x read
-            const float corr = expf(M - mn);
-            p_s[tid] = tid < nk ? expf(x - mn) : 0.f;
-            L = L * corr + block_sum<TC_THREADS / 32>(p_s[tid], red_s);  // its barrier publishes p_s
-            M = mn;
-            if (zq < ZQ) {
-                float a = 0.f;
-                for (int jj = zq; jj < nk; jj += ZQ) a = fmaf(p_s[jj], vw_s[jj * D + c], a);
-                sum_s[zq][c] = a;
-            }
-            __syncthreads();
-            if (tid < D) {
-                float a = acc * corr;
-                for (int g = 0; g < ZQ; ++g) a += sum_s[g][tid];
-                acc = a;
-            }
-            __syncthreads();
-        }
+    if (tid < D) {
+        float o = o_s[tid];
+        for (int g = 0; g < ZQ; ++g) o += sumw_s[g][tid];
+        out[((size_t)t * num_heads + h) * D + tid] = from_f<TQ>(o / L);
     }
-    if (tid < D) out[((size_t)t * num_heads + h) * D + tid] = from_f<TQ>(acc / L);
 }
 
-#define TQ_PARTIAL(NAME, TQ, D)                                                                                  \
+#define TQ_PARTIAL(NAME, TQ, TR, D)                                                                            \
     extern "C" __global__ void __launch_bounds__(TL_WARPS * 32) NAME(                                         \
         float* part, const TQ* q, const uint8_t* kc, const uint8_t* vc, const uint32_t* row_seq,              \
         const uint32_t* seq_info, const uint32_t* block_tables, const float* ktab, const float* vtab,         \
-        const float* kscale, int num_heads, int num_kv_heads, int hb, int block_size, int kbits, int vbits,   \
-        int kdense, float scale, int window, float softcap, int float_window, int nsplit, int min_chunk,      \
-        int row0, int skip) {                                                                                 \
-        tq_attn_partial<TQ, D>(part, q, kc, vc, row_seq, seq_info, block_tables, ktab, vtab, kscale,            \
-                             num_heads, num_kv_heads, hb, block_size, kbits, vbits, kdense, scale, window,    \
-                             softcap, float_window, nsplit, min_chunk, row0, skip);                               \
+        const float* kscale, const TQ* new_k, const TQ* new_v, const TR* ring_k, const TR* ring_v,            \
+        const uint32_t* window_rings, int num_heads, int num_kv_heads, int hb, int block_size, int kbits,     \
+        int vbits, int kdense, float scale, int window, float softcap, int float_window, int nsplit,          \
+        int min_chunk, int wchunk, int row0, int skip) {                                                      \
+        tq_attn_partial<TQ, TR, D>(part, q, kc, vc, row_seq, seq_info, block_tables, ktab, vtab, kscale, new_k, \
+                                   new_v, ring_k, ring_v, window_rings, num_heads, num_kv_heads, hb,          \
+                                   block_size, kbits, vbits, kdense, scale, window, softcap, float_window,    \
+                                   nsplit, min_chunk, wchunk, row0, skip);                                    \
     }
 
-#define TQ_COMBINE(NAME, TQ, TR, D)                                                                            \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) NAME(                                            \
-        TQ* out, const TQ* q, const float* part, const uint32_t* row_seq, const uint32_t* seq_info,           \
-        const float* vtab, const TQ* new_k, const TQ* new_v, const TR* ring_k, const TR* ring_v,              \
-        const uint32_t* window_rings, int num_heads, int num_kv_heads, float scale, int window, float softcap, \
-        int float_window, int nsplit, int vdense, int row0, int skip) {                                       \
-        tq_attn_combine<TQ, TR, D>(out, q, part, row_seq, seq_info, vtab, new_k, new_v, ring_k, ring_v,       \
-                                   window_rings, num_heads, num_kv_heads, scale, window, softcap,             \
-                                   float_window, nsplit, vdense, row0, skip);                                      \
+#define TQ_COMBINE(NAME, TQ, D)                                                                                \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                  \
+        NAME(TQ* out, const float* part, const uint32_t* row_seq, const uint32_t* seq_info, const float* vtab, \
+             int num_heads, int nsplit, int ntot, int vdense, int row0, int skip) {                           \
+        tq_attn_combine<TQ, D>(out, part, row_seq, seq_info, vtab, num_heads, nsplit, ntot, vdense, row0, skip); \
     }
 
 #define TQ_DIMS(M, ...)                                                                                        \
     M(16, __VA_ARGS__) M(32, __VA_ARGS__) M(64, __VA_ARGS__) M(80, __VA_ARGS__) M(96, __VA_ARGS__)            \
     M(128, __VA_ARGS__) M(256, __VA_ARGS__)
 
-#define TQ_PARTIAL_D(D, N, TQ) TQ_PARTIAL(tq_attn_partial_##N##_##D, TQ, D)
-#define TQ_COMBINE_D(D, N, R, TQ, TR) TQ_COMBINE(tq_attn_combine_##N##_##R##_##D, TQ, TR, D)
+#define TQ_PARTIAL_D(D, N, R, TQ, TR) TQ_PARTIAL(tq_attn_partial_##N##_##R##_##D, TQ, TR, D)
+#define TQ_COMBINE_D(D, N, TQ) TQ_COMBINE(tq_attn_combine_##N##_##D, TQ, D)
 
-TQ_DIMS(TQ_PARTIAL_D, f32, float)
-TQ_DIMS(TQ_PARTIAL_D, bf16, __nv_bfloat16)
-TQ_DIMS(TQ_PARTIAL_D, f16, __half)
-TQ_DIMS(TQ_COMBINE_D, f32, f32, float, float)
-TQ_DIMS(TQ_COMBINE_D, f32, bf16, float, __nv_bfloat16)
-TQ_DIMS(TQ_COMBINE_D, f32, f16, float, __half)
-TQ_DIMS(TQ_COMBINE_D, bf16, bf16, __nv_bfloat16, __nv_bfloat16)
-TQ_DIMS(TQ_COMBINE_D, f16, f16, __half, __half)
+TQ_DIMS(TQ_PARTIAL_D, f32, f32, float, float)
+TQ_DIMS(TQ_PARTIAL_D, f32, bf16, float, __nv_bfloat16)
+TQ_DIMS(TQ_PARTIAL_D, f32, f16, float, __half)
+TQ_DIMS(TQ_PARTIAL_D, bf16, bf16, __nv_bfloat16, __nv_bfloat16)
+TQ_DIMS(TQ_PARTIAL_D, f16, f16, __half, __half)
+TQ_DIMS(TQ_COMBINE_D, f32, float)
+TQ_DIMS(TQ_COMBINE_D, bf16, __nv_bfloat16)
+TQ_DIMS(TQ_COMBINE_D, f16, __half)

@@ -80,7 +80,7 @@ pub(super) fn forward(
     let skip = if prefill { PREFILL_MIN_ROWS } else { usize::MAX };
     // Splits of each of those rows' coded positions (a split covers >= min_chunk() positions).
     // Steps of few such rows (up to 64 blocks per split, e.g. 16 rows of a 7B model) always
-    // take 64 (TA_MAXSPLIT in the kernels): a row's split points then depend on its own
+    // take 64 (the most the kernels take over codes): a row's split points then depend on its own
     // context only, so its result does not depend on the rest of the batch (batch
     // invariance), and one long decode still fills the GPU. Larger steps take enough splits
     // to fill it (~130 multiprocessors, two blocks each).
@@ -152,8 +152,8 @@ pub(super) fn forward(
     };
 
     let (qt, rt) = (dtype_name(q.dtype())?, dtype_name(fl.as_ref().map_or(q.dtype(), |f| f.ring_dtype))?);
-    let partial = TQ_ATTENTION.func(&dev, &format!("tq_attn_partial_{qt}_{d}"))?;
-    let combine = TQ_ATTENTION.func(&dev, &format!("tq_attn_combine_{qt}_{rt}_{d}"))?;
+    let partial = TQ_ATTENTION.func(&dev, &format!("tq_attn_partial_{qt}_{rt}_{d}"))?;
+    let combine = TQ_ATTENTION.func(&dev, &format!("tq_attn_combine_{qt}_{d}"))?;
     let prefill = match prefill {
         true => Some(prefill_launch(&dev, "tq_prefill_attention", qt, d, l.num_tiles, hq)?),
         false => None,
@@ -169,8 +169,14 @@ pub(super) fn forward(
     ];
     let (scale, window, softcap) = (a.scale, a.window.map_or(0, |w| w as i32), a.softcap.unwrap_or(0.0));
     let fw = fl.as_ref().map_or(0, |f| f.len as i32);
+    // The float window's splits: at most 32 (TA_MAXSPLIT = 64 + 32 in the kernels) of at
+    // least 16 positions, fixed by the window's length alone (batch invariance; a CUDA graph
+    // replays them at any context length).
+    let wchunk = (fw.max(1) as usize).div_ceil(32).max(16);
+    let wsplit = (fw as usize).div_ceil(wchunk);
+    let ntot = nsplit + wsplit;
     let cfg_partial = LaunchConfig {
-        grid_dim: (span_rows as u32, blocks_y as u32, nsplit as u32),
+        grid_dim: (span_rows as u32, blocks_y as u32, ntot as u32),
         block_dim: (partial_threads as u32, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -184,7 +190,7 @@ pub(super) fn forward(
     };
     // SAFETY: the partial kernel writes every (row, head, split) entry of its span's rows that
     // the combine kernel reads.
-    let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>((span_rows * hq * nsplit * (d + 2)).max(1))? };
+    let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>((span_rows * hq * ntot * (d + 2)).max(1))? };
 
     /// The kernels' pointer arguments that depend on the element types.
     struct Typed<'v, Q, R> {
@@ -204,7 +210,8 @@ pub(super) fn forward(
         meta: [CudaView<u32>; 4],
         rings: Option<CudaView<u32>>,
         ints_partial: [i32; 7],
-        (scale, window, softcap, fw, nsplit, vdense, row0, skip): (f32, i32, f32, i32, i32, i32, i32, i32),
+        (scale, window, softcap, fw, vdense, row0, skip): (f32, i32, f32, i32, i32, i32, i32),
+        (nsplit, ntot, wchunk): (i32, i32, i32),
         n_out: usize,
     ) -> Result<CudaStorage> {
         let [row_seq, seq_info, block_tables, tiles] = &meta;
@@ -225,23 +232,6 @@ pub(super) fn forward(
                 Some(s) => b.mem(s),
                 None => b.null(),
             };
-            for i in &ints_partial {
-                b.scalar(i);
-            }
-            b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw).scalar(&nsplit).scalar(&min_chunk);
-            b.scalar(&row0).scalar(&skip);
-            // SAFETY: argument types and counts match tq_attn_partial; block tables, table
-            // sizes and the partial buffer's size were checked or made above; the kernel reads
-            // only the codec tables and key scales (written at start-up) before it waits
-            // (pdl_wait), everything else after.
-            unsafe { b.launch(cfg_partial) }?;
-            // Allocated here, between the two launches (a stream-ordered allocation), which
-            // keeps the combine from starting while the partial kernel runs: launched right
-            // after it, steps with a 512-token float window ran 15% slower on an H200 (the
-            // combine 97 against 53 us per layer, CUPTI, a 7B at 1k tokens).
-            let out = alloc_out()?;
-            let mut b = combine.dependent();
-            b.mem(&out).mem(&typed.q).mem(part).mem(row_seq).mem(seq_info).mem(vtab);
             match &typed.new {
                 Some([k, v]) => b.mem(k).mem(v),
                 None => b.null().null(),
@@ -254,11 +244,28 @@ pub(super) fn forward(
                 Some(r) => b.mem(r),
                 None => b.null(),
             };
-            b.scalar(&hq).scalar(&hkv).scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw);
-            b.scalar(&nsplit).scalar(&vdense).scalar(&row0).scalar(&skip);
-            // SAFETY: argument types and counts match tq_attn_combine; the float inputs' shapes
-            // and the rings' sizes were checked above; the kernel waits (pdl_wait) before it
-            // reads or writes.
+            for i in &ints_partial {
+                b.scalar(i);
+            }
+            b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw).scalar(&nsplit).scalar(&min_chunk);
+            b.scalar(&wchunk).scalar(&row0).scalar(&skip);
+            // SAFETY: argument types and counts match tq_attn_partial; block tables, table
+            // sizes, the float inputs' shapes, the rings' sizes and the partial buffer's size
+            // were checked or made above (window splits only where the float inputs exist);
+            // the kernel reads only the codec tables and key scales (written at start-up)
+            // before it waits (pdl_wait), everything else after.
+            unsafe { b.launch(cfg_partial) }?;
+            // Allocated here, between the two launches (a stream-ordered allocation), which
+            // keeps the combine from starting while the partial kernel runs: launched right
+            // after it, steps with a 512-token float window ran 15% slower on an H200 (the
+            // combine 97 against 53 us per layer, CUPTI, a 7B at 1k tokens).
+            let out = alloc_out()?;
+            let mut b = combine.dependent();
+            b.mem(&out).mem(part).mem(row_seq).mem(seq_info).mem(vtab);
+            b.scalar(&hq).scalar(&nsplit).scalar(&ntot).scalar(&vdense).scalar(&row0).scalar(&skip);
+            // SAFETY: argument types and counts match tq_attn_combine; the partial buffer holds
+            // `ntot` splits per (row, head) of the span; the kernel waits (pdl_wait) before it
+            // reads or writes anything the step wrote.
             unsafe { b.launch(cfg_combine) }?;
             out
         };
@@ -301,7 +308,8 @@ pub(super) fn forward(
         let common =
             ((&partial, &combine, prefill.as_ref()), (cfg_partial, cfg_combine), (kc, vc, &part), (ktab, vtab, kscale));
         let skip = skip.min(i32::MAX as usize) as i32;
-        let floats = (scale, window, softcap, fw, nsplit as i32, vdense, row0 as i32, skip);
+        let floats = (scale, window, softcap, fw, vdense, row0 as i32, skip);
+        let splits = (nsplit as i32, ntot as i32, wchunk as i32);
         let n = rows * hq * d;
         // The typed views of q, this step's float rows and the rings.
         macro_rules! go {
@@ -322,7 +330,7 @@ pub(super) fn forward(
                 };
                 let typed = Typed::<$q, $r> { q: $qs.slice(qa..qb), new, ring };
                 let (fns, cfgs, codes, tabs) = common;
-                launch(&dev, fns, cfgs, typed, codes, tabs, meta, rings, ints_partial, floats, n)
+                launch(&dev, fns, cfgs, typed, codes, tabs, meta, rings, ints_partial, floats, splits, n)
             }};
         }
         use half::{bf16, f16};
