@@ -129,18 +129,15 @@ template <typename T, int D> struct PfBlock {
 
 // A tile's position bounds: its sequence's rows and this block's rows of it.
 struct PfTile {
-    int q_start, r0, n_rows, pos0;
-    const uint32_t* bt;
+    int s, q_start, r0, n_rows, pos0;
 };
 
-__device__ __forceinline__ PfTile pf_tile(const uint32_t* tiles, const uint32_t* seq_info,
-                                          const uint32_t* block_tables) {
+__device__ __forceinline__ PfTile pf_tile(const uint32_t* tiles, const uint32_t* seq_info) {
     PfTile t;
-    const uint32_t s = tiles[2 * blockIdx.x];
+    t.s = tiles[2 * blockIdx.x];
     t.r0 = tiles[2 * blockIdx.x + 1];
-    t.q_start = seq_info[4 * s];
-    const int q_len = seq_info[4 * s + 1], ctx = seq_info[4 * s + 2];
-    t.bt = block_tables + seq_info[4 * s + 3];
+    t.q_start = seq_info[4 * t.s];
+    const int q_len = seq_info[4 * t.s + 1], ctx = seq_info[4 * t.s + 2];
     t.n_rows = min(PF_ROWS, t.q_start + q_len - t.r0);
     t.pos0 = ctx - q_len + (t.r0 - t.q_start);  // position of the tile's first row
     return t;
@@ -158,7 +155,8 @@ __device__ void prefill_attention(T* __restrict__ out, const T* __restrict__ q, 
     extern __shared__ __align__(128) unsigned char smem[];
     PfBlock<T, D> B(smem);
     const int tid = threadIdx.x;
-    const PfTile tl = pf_tile(tiles, seq_info, block_tables);
+    const PfTile tl = pf_tile(tiles, seq_info);
+    const uint32_t* bt = block_tables + seq_info[4 * tl.s + 3];
     const int h = blockIdx.y;
     const int kvh = h / (num_heads / num_kv_heads);
     const int hi = tl.pos0 + tl.n_rows - 1;
@@ -183,7 +181,7 @@ __device__ void prefill_attention(T* __restrict__ out, const T* __restrict__ q, 
             const int j = k0 + r;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
             if (j <= hi) {
-                const size_t slot = (size_t)tl.bt[j / block_size] * block_size + j % block_size;
+                const size_t slot = (size_t)bt[j / block_size] * block_size + j % block_size;
                 const size_t off = (slot * num_kv_heads + kvh) * D + c;
                 kv = *reinterpret_cast<const uint4*>(kc + off);
                 vv = *reinterpret_cast<const uint4*>(vc + off);
@@ -233,28 +231,153 @@ __device__ __forceinline__ void pf_rotate(In in, Out out, const float* rot, bool
 // All in the rotated spaces: a key's codes dequantize to norm * c[idx], about R (s k) with s
 // the key scales, so queries enter as R (q / s) and scores are unchanged; values' sums stay
 // rotated until each output row is rotated back once (R_v^T). The float window's keys and
-// values are rotated the same way as their tile is loaded, so one running softmax takes both:
-// a key tile holds either codes or floats, and each row's bounds pick what it reads as which
-// (tiles where the rows disagree are visited twice, once as each).
+// values are rotated the same way, so one running softmax takes both: a key tile holds either
+// codes or floats, and each row's bounds pick what it reads as which (tiles where the rows
+// disagree are visited twice, once as each).
+//
+// Two kernels. tq_prefill_stage dequantizes the positions the step's prompt chunks read, once
+// per kv head, into scratch buffers in the input type (and rotates their float-window
+// positions); tq_prefill_attention then reads those like a dense cache, a block per (tile of
+// rows, query head). Dequantizing in the attention kernel itself did it once per query head (7
+// times per kv head on a 7B), which made a 1,024-token prompt's attention ~1.5x the dense
+// cache's on an H200.
+
+// A prompt chunk's bounds: the position of its first row, and where its codes start and end
+// and its float positions start, [lo(first), split(last)) and [split(first), ctx).
+struct TqStaged {
+    int first, ctx, code_lo, code_end, float_lo;
+};
+
+__device__ __forceinline__ int tq_lo_of(int p, int window) { return window > 0 ? max(0, p + 1 - window) : 0; }
+__device__ __forceinline__ int tq_split_of(int p, int window, int float_window) {
+    return max(p + 1 - float_window, tq_lo_of(p, window));
+}
+
+__device__ __forceinline__ TqStaged tq_staged(const uint32_t* seq_info, int s, int window, int float_window) {
+    TqStaged g;
+    g.ctx = seq_info[4 * s + 2];
+    g.first = g.ctx - (int)seq_info[4 * s + 1];
+    g.code_lo = tq_lo_of(g.first, window);
+    g.code_end = tq_split_of(g.ctx - 1, window, float_window);
+    g.float_lo = tq_split_of(g.first, window, float_window);
+    return g;
+}
+
+// Where prompt chunk s's positions sit in the scratch buffers: after those of the prompt
+// chunks before it (ctx positions of codes each, indexed by position; ctx - float_lo float
+// positions each with a float window). ops/tq_attention/cuda.rs sizes the buffers the same way.
+__device__ __forceinline__ void tq_stage_offsets(const uint32_t* seq_info, int s, int skip, int window,
+                                                 int float_window, int& code_off, int& float_off) {
+    code_off = 0, float_off = 0;
+    for (int i = 0; i < s; ++i) {
+        if ((int)seq_info[4 * i + 1] < skip) continue;
+        const TqStaged g = tq_staged(seq_info, i, window, float_window);
+        code_off += g.ctx;
+        if (float_window > 0) float_off += g.ctx - g.float_lo;
+    }
+}
+
+// Grid: (chunks of 64 positions, prompt chunks of the step, kv heads). A prompt chunk's first
+// blocks take its codes, the next its float positions; the others return.
 template <typename T, int D>
-__device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ q, const uint8_t* __restrict__ kc,
-                                     const uint8_t* __restrict__ vc, const uint32_t* __restrict__ tiles,
-                                     const uint32_t* __restrict__ seq_info,
-                                     const uint32_t* __restrict__ block_tables, const float* __restrict__ ktab,
-                                     const float* __restrict__ vtab, const float* __restrict__ kscale,
-                                     const T* __restrict__ new_k, const T* __restrict__ new_v,
-                                     const T* __restrict__ ring_k, const T* __restrict__ ring_v,
-                                     const uint32_t* __restrict__ window_rings, int num_heads, int num_kv_heads,
-                                     int block_size, int kbits, int vbits, int kdense, int vdense, float scale,
-                                     int window, float softcap, int float_window) {
-    using L = PfLayout<D>;
-    extern __shared__ __align__(128) unsigned char smem[];
+__device__ void tq_prefill_stage(T* __restrict__ kcs, T* __restrict__ vcs, T* __restrict__ kfs, T* __restrict__ vfs,
+                                 const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
+                                 const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
+                                 const float* __restrict__ ktab, const float* __restrict__ vtab,
+                                 const float* __restrict__ kscale, const T* __restrict__ new_k,
+                                 const T* __restrict__ new_v, const T* __restrict__ ring_k,
+                                 const T* __restrict__ ring_v, const uint32_t* __restrict__ window_rings,
+                                 int num_seqs, int num_kv_heads, int block_size, int kbits, int vbits, int kdense,
+                                 int vdense, int window, int float_window, int skip) {
     __shared__ float ktab_s[16], vtab_s[16], ksign_s[2 * D], vsign_s[2 * D], kscale_s[D];
-    PfBlock<T, D> B(smem);
+    __shared__ float x_s[PF_WARPS][2 * D];  // each warp's scratch for dense rotations
     pdl_launch_dependents();
-    const int tid = threadIdx.x, lane = B.lane, warp = B.warp;
+    const int tid = threadIdx.x, warp = tid / 32, kvh = blockIdx.z;
     // Written once at start-up, not by the kernels before: read before the wait.
     if (tid < 16) { ktab_s[tid] = ktab[TQ_CENTROIDS + tid]; vtab_s[tid] = vtab[TQ_CENTROIDS + tid]; }
+    for (int i = tid; i < 2 * D; i += PF_WARPS * 32) {
+        if (!kdense) ksign_s[i] = ktab[TQ_ROTATION + i];
+        if (!vdense) vsign_s[i] = vtab[TQ_ROTATION + i];
+    }
+    for (int i = tid; i < D; i += PF_WARPS * 32) kscale_s[i] = kscale ? kscale[kvh * D + i] : 1.f;
+    pdl_wait();  // launched as a dependent (ops/tq_attention/cuda.rs): inputs after this
+    __syncthreads();  // the tables
+
+    // This block's prompt chunk: the blockIdx.y-th of the step.
+    int s = -1, code_off = 0, float_off = 0;
+    for (int i = 0, n = 0; i < num_seqs; ++i) {
+        if ((int)seq_info[4 * i + 1] < skip) continue;
+        if (n++ == (int)blockIdx.y) { s = i; break; }
+        const TqStaged g = tq_staged(seq_info, i, window, float_window);
+        code_off += g.ctx;
+        if (float_window > 0) float_off += g.ctx - g.float_lo;
+    }
+    if (s < 0) return;
+    const TqStaged g = tq_staged(seq_info, s, window, float_window);
+    const uint32_t* bt = block_tables + seq_info[4 * s + 3];
+    const int code_chunks = (max(g.code_end - g.code_lo, 0) + PF_KEYS - 1) / PF_KEYS;
+    const int chunk = blockIdx.x;
+    if (chunk < code_chunks) {
+        // A thread per 8 coordinates of a position: dequantized to norm * centroid, in T.
+        const int kcb = D * kbits / 8, vcb = D * vbits / 8;
+        const uint32_t kmask = (1u << kbits) - 1, vmask = (1u << vbits) - 1;
+        for (int i = tid; i < PF_KEYS * (D / 8); i += PF_WARPS * 32) {
+            const int r = i / (D / 8), c = i % (D / 8);
+            const int j = g.code_lo + chunk * PF_KEYS + r;
+            if (j >= g.code_end) break;
+            const size_t row = ((size_t)bt[j / block_size] * block_size + j % block_size) * num_kv_heads + kvh;
+            const uint8_t* kr = kc + row * (kcb + 4);
+            const uint8_t* vr = vc + row * (vcb + 4);
+            const uint32_t kw = tq_codes8_aligned<D>(kr, c, kbits), vw = tq_codes8_aligned<D>(vr, c, vbits);
+            const float kn = tq_norm_aligned(kr, kcb), vn = tq_norm_aligned(vr, vcb);
+            float kv[8], vv[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                kv[e] = kn * ktab_s[(kw >> (e * kbits)) & kmask];
+                vv[e] = vn * vtab_s[(vw >> (e * vbits)) & vmask];
+            }
+            const size_t dst = ((size_t)(code_off + j) * num_kv_heads + kvh) * D + c * 8;
+            store16<T>(kcs + dst, kv);
+            store16<T>(vcs + dst, vv);
+        }
+        return;
+    }
+    if (float_window == 0) return;
+    // Float positions: each warp rotates 16 of the chunk's keys (times the key scales) and
+    // values, each a ring's (before this step) or this step's row.
+    const int j0 = g.float_lo + (chunk - code_chunks) * PF_KEYS;
+    const int ring_idx = window_rings[s];
+    const int q_start = seq_info[4 * s];
+    const float* krot = kdense ? ktab + TQ_ROTATION : ksign_s;
+    const float* vrot = vdense ? vtab + TQ_ROTATION : vsign_s;
+    for (int j = j0 + warp * 16; j < min(j0 + warp * 16 + 16, g.ctx); ++j) {
+        const size_t src = j < g.first ? ((size_t)ring_idx * float_window + j % float_window) * num_kv_heads + kvh
+                                       : ((size_t)q_start + (j - g.first)) * num_kv_heads + kvh;
+        const T* kp = (j < g.first ? ring_k : new_k) + src * D;
+        const T* vp = (j < g.first ? ring_v : new_v) + src * D;
+        const size_t dst = ((size_t)(float_off + j - g.float_lo) * num_kv_heads + kvh) * D;
+        pf_rotate<D, false>([&](int c) { return to_f(kp[c]) * kscale_s[c]; },
+                            [&](int c, float v) { kfs[dst + c] = from_f<T>(v); }, krot, kdense != 0, x_s[warp]);
+        pf_rotate<D, false>([&](int c) { return to_f(vp[c]); }, [&](int c, float v) { vfs[dst + c] = from_f<T>(v); },
+                            vrot, vdense != 0, x_s[warp]);
+    }
+}
+
+template <typename T, int D>
+__device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ kcs,
+                                     const T* __restrict__ vcs, const T* __restrict__ kfs, const T* __restrict__ vfs,
+                                     const uint32_t* __restrict__ tiles, const uint32_t* __restrict__ seq_info,
+                                     const float* __restrict__ ktab, const float* __restrict__ vtab,
+                                     const float* __restrict__ kscale, int num_heads, int num_kv_heads, int kdense,
+                                     int vdense, float scale, int window, float softcap, int float_window, int skip) {
+    using L = PfLayout<D>;
+    constexpr int V16 = 8;  // 16-bit elements per 16-byte vector
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ float ksign_s[2 * D], vsign_s[2 * D], kscale_s[D];
+    PfBlock<T, D> B(smem);
+    pdl_launch_dependents();
+    const int tid = threadIdx.x, warp = B.warp;
+    // Written once at start-up, not by the kernels before: read before the wait.
     for (int i = tid; i < 2 * D; i += PF_WARPS * 32) {
         if (!kdense) ksign_s[i] = ktab[TQ_ROTATION + i];
         if (!vdense) vsign_s[i] = vtab[TQ_ROTATION + i];
@@ -264,14 +387,12 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
     for (int i = tid; i < D; i += PF_WARPS * 32) kscale_s[i] = kscale ? kscale[kvh * D + i] : 1.f;
     const float* krot = kdense ? ktab + TQ_ROTATION : ksign_s;
     const float* vrot = vdense ? vtab + TQ_ROTATION : vsign_s;
-    pdl_wait();  // launched as a dependent (ops/tq_attention/cuda.rs): inputs after this
-    const PfTile tl = pf_tile(tiles, seq_info, block_tables);
-    const int s = tiles[2 * blockIdx.x];
-    const int first = seq_info[4 * s + 2] - seq_info[4 * s + 1];  // the sequence's first position this step
+    pdl_wait();  // launched after tq_prefill_stage, as a dependent: inputs after this
+    const PfTile tl = pf_tile(tiles, seq_info);
+    const TqStaged g = tq_staged(seq_info, tl.s, window, float_window);
+    int code_off, float_off;
+    tq_stage_offsets(seq_info, tl.s, skip, window, float_window, code_off, float_off);
     const int hi = tl.pos0 + tl.n_rows - 1;
-    // Codes for [lo, split), floats for [split, p] (split = p + 1 without a float window).
-    auto lo_of = [&](int p) { return window > 0 ? max(0, p + 1 - window) : 0; };
-    auto split_of = [&](int p) { return max(p + 1 - float_window, lo_of(p)); };
     float* x = B.S_w;  // this warp's rotation scratch (dense rotations): x[0, D), tmp[D, 2 D)
     __syncthreads();  // the tables
 
@@ -287,63 +408,35 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
 
     const int pos = tl.pos0 + B.row;
     const bool live = B.row < tl.n_rows;
-    const int row_lo = lo_of(pos), row_split = split_of(pos);
+    const int row_split = tq_split_of(pos, window, float_window);
 
-    // The coded positions, [lo of the first row, split of the last).
-    const int kcb = D * kbits / 8, vcb = D * vbits / 8;
-    const uint32_t kmask = (1u << kbits) - 1, vmask = (1u << vbits) - 1;
-    const int code_end = split_of(hi);
-    for (int k0 = lo_of(tl.pos0); k0 < code_end; k0 += PF_KEYS) {
-        // A thread per 8 coordinates of a position: dequantized to norm * centroid, in T.
-        for (int i = tid; i < PF_KEYS * (D / 8); i += PF_WARPS * 32) {
-            const int r = i / (D / 8), g = i % (D / 8);
+    // A tile of 64 staged positions from k0, those before `end` (zeros past it), into K_s / V_s.
+    auto load = [&](const T* ks, const T* vs, int k0, int end, int base) {
+        for (int i = tid; i < PF_KEYS * (D / V16); i += PF_WARPS * 32) {
+            const int r = i / (D / V16), c = (i % (D / V16)) * V16;
             const int j = k0 + r;
-            float kv[8], vv[8];
-            if (j < code_end) {
-                const size_t row = ((size_t)tl.bt[j / block_size] * block_size + j % block_size) * num_kv_heads + kvh;
-                const uint8_t* kr = kc + row * (kcb + 4);
-                const uint8_t* vr = vc + row * (vcb + 4);
-                const uint32_t kw = tq_codes8_aligned<D>(kr, g, kbits), vw = tq_codes8_aligned<D>(vr, g, vbits);
-                const float kn = tq_norm_aligned(kr, kcb), vn = tq_norm_aligned(vr, vcb);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    kv[e] = kn * ktab_s[(kw >> (e * kbits)) & kmask];
-                    vv[e] = vn * vtab_s[(vw >> (e * vbits)) & vmask];
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) kv[e] = vv[e] = 0.f;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
+            if (j < end) {
+                const size_t off = ((size_t)(base + j) * num_kv_heads + kvh) * D + c;
+                kv = *reinterpret_cast<const uint4*>(ks + off);
+                vv = *reinterpret_cast<const uint4*>(vs + off);
             }
-            store16<T>(B.K_s + r * L::LD + g * 8, kv);
-            store16<T>(B.V_s + r * L::LD + g * 8, vv);
+            *reinterpret_cast<uint4*>(B.K_s + r * L::LD + c) = kv;
+            *reinterpret_cast<uint4*>(B.V_s + r * L::LD + c) = vv;
         }
         __syncthreads();
-        B.attend(k0, row_lo, live ? row_split - 1 : -1, scale, softcap);
+    };
+    // The coded positions, [lo of the first row, split of the last).
+    const int code_end = tq_split_of(hi, window, float_window);
+    for (int k0 = tq_lo_of(tl.pos0, window); k0 < code_end; k0 += PF_KEYS) {
+        load(kcs, vcs, k0, code_end, code_off);
+        B.attend(k0, tq_lo_of(pos, window), live ? row_split - 1 : -1, scale, softcap);
         __syncthreads();
     }
-
-    // The float window's positions, [split of the first row, the last row's position]: each
-    // warp rotates 16 of a tile's keys (times the key scales) and values.
+    // The float window's positions, [split of the first row, the last row's position].
     if (float_window > 0) {
-        const int ring_idx = window_rings[s];
-        for (int k0 = split_of(tl.pos0); k0 <= hi; k0 += PF_KEYS) {
-            for (int r = warp * 16; r < warp * 16 + 16; ++r) {
-                const int j = k0 + r;
-                const bool in = j <= hi;
-                // Position j's vector: a ring's (before this step) or this step's row.
-                const size_t src = j < first
-                    ? ((size_t)ring_idx * float_window + j % float_window) * num_kv_heads + kvh
-                    : ((size_t)tl.q_start + (j - first)) * num_kv_heads + kvh;
-                const T* kp = (j < first ? ring_k : new_k) + src * D;
-                const T* vp = (j < first ? ring_v : new_v) + src * D;
-                pf_rotate<D, false>([&](int c) { return in ? to_f(kp[c]) * kscale_s[c] : 0.f; },
-                                    [&](int c, float v) { B.K_s[r * L::LD + c] = from_f<T>(v); }, krot,
-                                    kdense != 0, x);
-                pf_rotate<D, false>([&](int c) { return in ? to_f(vp[c]) : 0.f; },
-                                    [&](int c, float v) { B.V_s[r * L::LD + c] = from_f<T>(v); }, vrot,
-                                    vdense != 0, x);
-            }
-            __syncthreads();
+        for (int k0 = tq_split_of(tl.pos0, window, float_window); k0 <= hi; k0 += PF_KEYS) {
+            load(kfs, vfs, k0, hi + 1, float_off - g.float_lo);
             B.attend(k0, row_split, live ? pos : -1, scale, softcap);
             __syncthreads();
         }
@@ -373,15 +466,25 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
     }
 
 #define TQ_PF(NAME, T, D)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(PF_WARPS * 32)                                                \
+        NAME(T* out, const T* q, const T* kcs, const T* vcs, const T* kfs, const T* vfs, const uint32_t* tiles, \
+             const uint32_t* seq_info, const float* ktab, const float* vtab, const float* kscale, int num_heads, \
+             int num_kv_heads, int kdense, int vdense, float scale, int window, float softcap, int float_window, \
+             int skip) {                                                                                       \
+        tq_prefill_attention<T, D>(out, q, kcs, vcs, kfs, vfs, tiles, seq_info, ktab, vtab, kscale, num_heads,  \
+                                   num_kv_heads, kdense, vdense, scale, window, softcap, float_window, skip);    \
+    }
+
+#define TQ_STAGE(NAME, T, D)                                                                                   \
     extern "C" __global__ void __launch_bounds__(PF_WARPS * 32) NAME(                                          \
-        T* out, const T* q, const uint8_t* kc, const uint8_t* vc, const uint32_t* tiles, const uint32_t* seq_info, \
+        T* kcs, T* vcs, T* kfs, T* vfs, const uint8_t* kc, const uint8_t* vc, const uint32_t* seq_info,          \
         const uint32_t* block_tables, const float* ktab, const float* vtab, const float* kscale, const T* new_k, \
-        const T* new_v, const T* ring_k, const T* ring_v, const uint32_t* window_rings, int num_heads,           \
-        int num_kv_heads, int block_size, int kbits, int vbits, int kdense, int vdense, float scale, int window, \
-        float softcap, int float_window) {                                                                     \
-        tq_prefill_attention<T, D>(out, q, kc, vc, tiles, seq_info, block_tables, ktab, vtab, kscale, new_k,    \
-                                   new_v, ring_k, ring_v, window_rings, num_heads, num_kv_heads, block_size,    \
-                                   kbits, vbits, kdense, vdense, scale, window, softcap, float_window);         \
+        const T* new_v, const T* ring_k, const T* ring_v, const uint32_t* window_rings, int num_seqs,           \
+        int num_kv_heads, int block_size, int kbits, int vbits, int kdense, int vdense, int window,             \
+        int float_window, int skip) {                                                                          \
+        tq_prefill_stage<T, D>(kcs, vcs, kfs, vfs, kc, vc, seq_info, block_tables, ktab, vtab, kscale, new_k,   \
+                               new_v, ring_k, ring_v, window_rings, num_seqs, num_kv_heads, block_size, kbits,  \
+                               vbits, kdense, vdense, window, float_window, skip);                              \
     }
 
 #define PF_DIMS(M, NAME, N, T)                                                                                 \
@@ -392,3 +495,5 @@ PF_DIMS(PF, prefill_attention, bf16, __nv_bfloat16)
 PF_DIMS(PF, prefill_attention, f16, __half)
 PF_DIMS(TQ_PF, tq_prefill_attention, bf16, __nv_bfloat16)
 PF_DIMS(TQ_PF, tq_prefill_attention, f16, __half)
+PF_DIMS(TQ_STAGE, tq_prefill_stage, bf16, __nv_bfloat16)
+PF_DIMS(TQ_STAGE, tq_prefill_stage, f16, __half)

@@ -20,7 +20,9 @@ pub(super) fn forward(
     use candle_core::DType;
 
     use crate::batch::PREFILL_MIN_ROWS;
-    use crate::ops::cuda::{cuda_slice, dtype_name, prefill_launch, with_u32_slice, PREFILL_HEAD_DIMS, TQ_ATTENTION};
+    use crate::ops::cuda::{
+        cuda_slice, dtype_name, prefill_launch, with_u32_slice, PREFILL_ATTENTION, PREFILL_HEAD_DIMS, TQ_ATTENTION,
+    };
 
     let a = &op.attn;
     let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
@@ -155,7 +157,18 @@ pub(super) fn forward(
     let partial = TQ_ATTENTION.func(&dev, &format!("tq_attn_partial_{qt}_{rt}_{d}"))?;
     let combine = TQ_ATTENTION.func(&dev, &format!("tq_attn_combine_{qt}_{d}"))?;
     let prefill = match prefill {
-        true => Some(prefill_launch(&dev, "tq_prefill_attention", qt, d, l.num_tiles, hq)?),
+        true => {
+            let (attend, cfg) = prefill_launch(&dev, "tq_prefill_attention", qt, d, l.num_tiles, hq)?;
+            let stage = PREFILL_ATTENTION.func(&dev, &format!("tq_prefill_stage_{qt}_{d}"))?;
+            let fw = op.float.as_ref().map_or(0, |f| f.len);
+            let staged = StagedPositions::of(&a.meta.seqs, skip, a.window.unwrap_or(0), fw);
+            let stage_cfg = LaunchConfig {
+                grid_dim: (staged.chunks.max(1) as u32, staged.seqs as u32, hkv as u32),
+                block_dim: (128, 1, 1), // PF_WARPS warps
+                shared_mem_bytes: 0,
+            };
+            Some(TqPrefill { stage, stage_cfg, attend, cfg, staged, vector: hkv * d })
+        }
         false => None,
     };
     let ints_partial = [
@@ -202,7 +215,7 @@ pub(super) fn forward(
     #[allow(clippy::too_many_arguments)]
     fn launch<Q: CudaDType + DeviceRepr, R: DeviceRepr>(
         dev: &candle_core::cuda_backend::CudaDevice,
-        (partial, combine, prefill): (&Kernel, &Kernel, Option<&(Kernel, LaunchConfig)>),
+        (partial, combine, prefill): (&Kernel, &Kernel, Option<&TqPrefill>),
         (cfg_partial, cfg_combine): (LaunchConfig, LaunchConfig),
         typed: Typed<Q, R>,
         (kc, vc, part): (&CudaSlice<u8>, &CudaSlice<u8>, &CudaSlice<f32>),
@@ -269,14 +282,22 @@ pub(super) fn forward(
             unsafe { b.launch(cfg_combine) }?;
             out
         };
-        if let Some((f, cfg)) = prefill {
-            let mut b = f.dependent();
-            b.mem(&out).mem(&typed.q).mem(kc).mem(vc).mem(tiles).mem(seq_info).mem(block_tables).mem(ktab).mem(vtab);
+        if let Some(p) = prefill {
+            let [_, _, _, bs, kbits, vbits, kdense] = &ints_partial;
+            // The positions the prompt chunks read, once per kv head, in q's type (the rings
+            // share it here: checked where the kernel was chosen).
+            let scratch = |n: usize| unsafe { dev.alloc::<Q>((n * p.vector).max(1)) };
+            // SAFETY (these four): tq_prefill_stage writes every position tq_prefill_attention
+            // reads, [lo, split) of codes and [split, p] of floats of each prompt chunk's rows.
+            let (kcs, vcs) = (scratch(p.staged.codes)?, scratch(p.staged.codes)?);
+            let (kfs, vfs) = (scratch(p.staged.floats)?, scratch(p.staged.floats)?);
+            let mut b = p.stage.dependent();
+            b.mem(&kcs).mem(&vcs).mem(&kfs).mem(&vfs).mem(kc).mem(vc).mem(seq_info).mem(block_tables);
+            b.mem(ktab).mem(vtab);
             match kscale {
                 Some(s) => b.mem(s),
                 None => b.null(),
             };
-            // The rings share q's type here (checked where the kernel was chosen).
             match (&typed.new, &typed.ring) {
                 (Some([nk, nv]), Some([rk, rv])) => b.mem(nk).mem(nv).mem(rk).mem(rv),
                 _ => b.null().null().null().null(),
@@ -285,13 +306,27 @@ pub(super) fn forward(
                 Some(r) => b.mem(r),
                 None => b.null(),
             };
-            let [_, _, _, bs, kbits, vbits, kdense] = &ints_partial;
-            b.scalar(&hq).scalar(&hkv).scalar(bs).scalar(kbits).scalar(vbits).scalar(kdense).scalar(&vdense);
-            b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw);
+            let num_seqs = p.staged.num_seqs as i32;
+            b.scalar(&num_seqs).scalar(&hkv).scalar(bs).scalar(kbits).scalar(vbits).scalar(kdense).scalar(&vdense);
+            b.scalar(&window).scalar(&fw).scalar(&skip);
+            // SAFETY: argument types and counts match tq_prefill_stage; the scratch buffers hold
+            // the positions `StagedPositions` counts, as the kernel lays them out; it reads only
+            // the codec tables and key scales before it waits (pdl_wait).
+            unsafe { b.launch(p.stage_cfg) }?;
+            let mut b = p.attend.dependent();
+            b.mem(&out).mem(&typed.q).mem(&kcs).mem(&vcs).mem(&kfs).mem(&vfs).mem(tiles).mem(seq_info);
+            b.mem(ktab).mem(vtab);
+            match kscale {
+                Some(s) => b.mem(s),
+                None => b.null(),
+            };
+            b.scalar(&hq).scalar(&hkv).scalar(kdense).scalar(&vdense);
+            b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw).scalar(&skip);
             // SAFETY: argument types and counts match tq_prefill_attention; its shared memory
             // was allowed above; the tiles cover exactly the rows the kernels above skip; it
-            // reads only the codec tables and key scales before it waits (pdl_wait).
-            unsafe { b.launch(*cfg) }?;
+            // reads only the codec tables and key scales before it waits (pdl_wait) on the
+            // staging kernel.
+            unsafe { b.launch(p.cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
@@ -350,4 +385,76 @@ pub(super) fn forward(
 /// compare; on an H200 a 7B decode at 1k tokens ran at 214 / 222 / 221 tok/s with 64 / 32 / 16).
 fn min_chunk() -> i32 {
     crate::switches::tuned!("IRIS_TQ_MIN_CHUNK", i32, 32)
+}
+
+/// The tensor-core kernels for prompt chunks: tq_prefill_stage, then tq_prefill_attention.
+struct TqPrefill {
+    stage: crate::ops::cuda::Kernel,
+    stage_cfg: candle_core::cuda_backend::cudarc::driver::LaunchConfig,
+    attend: crate::ops::cuda::Kernel,
+    cfg: candle_core::cuda_backend::cudarc::driver::LaunchConfig,
+    staged: StagedPositions,
+    /// Elements per staged position (all kv heads).
+    vector: usize,
+}
+
+/// What tq_prefill_stage writes for a step's prompt chunks (sequences computing `skip` rows or
+/// more), counted as the kernels count it (`tq_staged`, `tq_stage_offsets` in
+/// prefill_attention.cu): each chunk's codes by position, `context_len` positions, and its
+/// float positions from the first row's split to the end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StagedPositions {
+    /// The step's sequences (the kernels scan them for the prompt chunks).
+    num_seqs: usize,
+    /// Prompt chunks.
+    seqs: usize,
+    /// Positions in the code and float scratch buffers (per kv head).
+    codes: usize,
+    floats: usize,
+    /// The most blocks of 64 positions one prompt chunk stages.
+    chunks: usize,
+}
+
+impl StagedPositions {
+    fn of(seqs: &[crate::batch::SeqSlice], skip: usize, window: usize, float_window: usize) -> Self {
+        let lo_of = |p: usize| if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+        let split_of = |p: usize| (p + 1).saturating_sub(float_window).max(lo_of(p));
+        let mut out = StagedPositions { num_seqs: seqs.len(), seqs: 0, codes: 0, floats: 0, chunks: 0 };
+        for s in seqs.iter().filter(|s| s.q_len >= skip && s.q_len > 0) {
+            let (ctx, first) = (s.context_len, s.context_len - s.q_len);
+            let codes = split_of(ctx - 1).saturating_sub(lo_of(first));
+            let floats = if float_window > 0 { ctx - split_of(first) } else { 0 };
+            out.seqs += 1;
+            out.codes += ctx;
+            out.floats += floats;
+            out.chunks = out.chunks.max(codes.div_ceil(64) + floats.div_ceil(64));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StagedPositions;
+    use crate::batch::SeqSlice;
+
+    fn seq(q_len: usize, context_len: usize) -> SeqSlice {
+        SeqSlice { q_start: 0, q_len, context_len, block_table: vec![] }
+    }
+
+    #[test]
+    fn staged_positions_count_what_the_prompt_chunks_read() {
+        // A decode (not staged), a 40-token prompt, a 45-row chunk after 255 positions.
+        let seqs = [seq(1, 700), seq(40, 40), seq(45, 300)];
+        let none = StagedPositions::of(&seqs, 16, 0, 0);
+        assert_eq!(none, StagedPositions { num_seqs: 3, seqs: 2, codes: 340, floats: 0, chunks: 5 });
+        // A float window of 16: the prompt's codes end at its last row's split, 39 + 1 - 16 = 24,
+        // its floats start at its first row's, 0; the chunk's floats at 255 + 1 - 16 = 240.
+        let w = StagedPositions::of(&seqs, 16, 0, 16);
+        assert_eq!(w, StagedPositions { num_seqs: 3, seqs: 2, codes: 340, floats: 40 + 60, chunks: 5 + 1 });
+        // A sliding window of 32 starts the chunk's codes at 255 + 1 - 32 = 224 (they end at
+        // 284): one block of codes and one of floats each.
+        let sw = StagedPositions::of(&seqs, 16, 32, 16);
+        assert_eq!(sw, StagedPositions { num_seqs: 3, seqs: 2, codes: 340, floats: 100, chunks: 2 });
+    }
 }
