@@ -103,21 +103,72 @@ __device__ __forceinline__ void tq_float8(float (&x)[8], const TQ* fresh, const 
     }
 }
 
-// A pass's U logits join a running softmax (max m, sum l, value sums acc): the sums are
-// rescaled once, when the max moves; the pass's own terms are the caller's to add.
-template <int U, int GPL>
-__device__ __forceinline__ void tq_softmax_rescale(const float (&x)[U], float& m, float& l, float (&acc)[GPL][8]) {
-    float mx = m;
+// A warp's passes over a split's nk keys, TL_UNROLL keys per group of lanes at a time (key
+// first + u * step + the group's index): each key's score is knorm(k) * <q, key> with the
+// key's 8-coordinate groups from key8(k, group, out), then the pass's keys join the running
+// softmax (m, l) and the value sums acc, p * vnorm(k) times val8's groups. Codes and the float
+// window differ only in these four.
+template <int D, typename Key8, typename KNorm, typename Val8, typename VNorm>
+__device__ __forceinline__ void tq_pass(int nk, int first, int step, const float (&qv)[TqLanes<D>::GPL][8],
+                                        float scale, float softcap, Key8 key8, KNorm knorm, Val8 val8, VNorm vnorm,
+                                        float& m, float& l, float (&acc)[TqLanes<D>::GPL][8]) {
+    using L = TqLanes<D>;
+    constexpr int G = L::G, LPK = L::LPK, GPL = L::GPL, U = TL_UNROLL;
+    const int lane = threadIdx.x & 31, sub = lane / LPK, kl = lane % LPK;
+    for (int k0 = first; k0 < nk; k0 += U * step) {
+        float x[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) mx = fmaxf(mx, x[u]);
-    if (mx > m) {
-        const float c = expf(m - mx);
-        l *= c;
+        for (int u = 0; u < U; ++u) {
+            const int k = k0 + u * step + sub;
+            float sc = 0.f;
+            if (k < nk) {
 #pragma unroll
-        for (int g = 0; g < GPL; ++g)
+                for (int g = 0; g < GPL; ++g) {
+                    const int gi = kl + LPK * g;
+                    if (gi < G) {
+                        float kv[8];
+                        key8(k, gi, kv);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[g][e] *= c;
-        m = mx;
+                        for (int e = 0; e < 8; ++e) sc = fmaf(qv[g][e], kv[e], sc);
+                    }
+                }
+            }
+#pragma unroll
+            for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+            x[u] = k < nk ? tq_logit(knorm(k) * sc, scale, softcap) : -INFINITY;
+        }
+        // The sums rescaled once, when the max moves.
+        float mx = m;
+#pragma unroll
+        for (int u = 0; u < U; ++u) mx = fmaxf(mx, x[u]);
+        if (mx > m) {
+            const float c = expf(m - mx);
+            l *= c;
+#pragma unroll
+            for (int g = 0; g < GPL; ++g)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[g][e] *= c;
+            m = mx;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = k0 + u * step + sub;
+            if (k < nk) {
+                const float p = expf(x[u] - m);
+                l += p;
+                const float pv = p * vnorm(k);
+#pragma unroll
+                for (int g = 0; g < GPL; ++g) {
+                    const int gi = kl + LPK * g;
+                    if (gi < G) {
+                        float vv[8];
+                        val8(k, gi, vv);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(pv, vv[e], acc[g][e]);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -133,7 +184,7 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
                                 int kdense, float scale, int window, float softcap, int float_window, int nsplit,
                                 int min_chunk, int wchunk, int row0, int skip) {
     using L = TqLanes<D>;
-    constexpr int G = L::G, LPK = L::LPK, GPL = L::GPL, KPW = L::KPW, U = TL_UNROLL;
+    constexpr int LPK = L::LPK, GPL = L::GPL, KPW = L::KPW;
     constexpr int QPL = (D + 31) / 32;  // query coordinates a lane loads
     static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
     static_assert(2 * TL_WARPS * D * 4 <= TL_TILE_BYTES, "the rotation scratch lives in the second tile buffer");
@@ -204,49 +255,15 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
                 qv[g][e] = c < D ? to_f(q[((size_t)t * num_heads + h0 + hh) * D + c]) : 0.f;
                 acc[g][e] = 0.f;
             }
-        const int nk = b - a;
-        for (int k0 = ks * KPW; k0 < nk; k0 += U * step) {
-            float x[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int k = k0 + u * step + sub;
-                float sc = 0.f;
-                if (k < nk) {
-#pragma unroll
-                    for (int g = 0; g < GPL; ++g) {
-                        const int gi = kl + LPK * g;
-                        if (gi < G) {
-                            float kv[8];
-                            tq_float8(kv, new_k, ring_k, r, a + k, ring_idx, float_window, num_kv_heads, kvh, D, gi * 8);
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) sc = fmaf(qv[g][e], kv[e], sc);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                x[u] = k < nk ? tq_logit(sc, scale, softcap) : -INFINITY;
-            }
-            tq_softmax_rescale<U, GPL>(x, m, l, acc);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int k = k0 + u * step + sub;
-                if (k < nk) {
-                    const float p = expf(x[u] - m);
-                    l += p;
-#pragma unroll
-                    for (int g = 0; g < GPL; ++g) {
-                        const int gi = kl + LPK * g;
-                        if (gi < G) {
-                            float vv[8];
-                            tq_float8(vv, new_v, ring_v, r, a + k, ring_idx, float_window, num_kv_heads, kvh, D, gi * 8);
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vv[e], acc[g][e]);
-                        }
-                    }
-                }
-            }
-        }
+        // Keys and values as they are: no norms.
+        auto key8 = [&](int k, int gi, float(&kv)[8]) {
+            tq_float8(kv, new_k, ring_k, r, a + k, ring_idx, float_window, num_kv_heads, kvh, D, gi * 8);
+        };
+        auto val8 = [&](int k, int gi, float(&vv)[8]) {
+            tq_float8(vv, new_v, ring_v, r, a + k, ring_idx, float_window, num_kv_heads, kvh, D, gi * 8);
+        };
+        auto one = [](int) { return 1.f; };
+        tq_pass<D>(b - a, ks * KPW, step, qv, scale, softcap, key8, one, val8, one, m, l, acc);
     } else {
         // This warp's query head, on its way while the first tile is.
         float qv_in[QPL];
@@ -313,52 +330,20 @@ __device__ void tq_attn_partial(float* __restrict__ part, const TQ* __restrict__
             const uint8_t* ks_base = &tile_s[i & 1][0];
             const int ta = a + i * tk, nk = min(tk, b - ta);
             const uint8_t* vs_base = ks_base + voff;
-            for (int k0 = ks * KPW; k0 < nk; k0 += U * step) {
-                float x[U];
+            // Codebook lookups, times each row's norm.
+            auto key8 = [&](int k, int gi, float(&kv)[8]) {
+                const uint32_t w = tq_codes8_aligned<D>(ks_base + k * krow, gi, kbits);
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int k = k0 + u * step + sub;
-                    float sc = 0.f;
-                    if (k < nk) {
-                        const uint8_t* kr = ks_base + k * krow;
+                for (int e = 0; e < 8; ++e) kv[e] = ktab_s[(w >> (e * kbits)) & kmask];
+            };
+            auto val8 = [&](int k, int gi, float(&vv)[8]) {
+                const uint32_t w = tq_codes8_aligned<D>(vs_base + k * vrow, gi, vbits);
 #pragma unroll
-                        for (int g = 0; g < GPL; ++g) {
-                            const int gi = kl + LPK * g;
-                            if (gi < G) {
-                                const uint32_t w = tq_codes8_aligned<D>(kr, gi, kbits);
-#pragma unroll
-                                for (int e = 0; e < 8; ++e)
-                                    sc = fmaf(qv[g][e], ktab_s[(w >> (e * kbits)) & kmask], sc);
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                    x[u] = k < nk ? tq_logit(tq_norm_aligned(ks_base + k * krow, kcb) * sc, scale, softcap)
-                                  : -INFINITY;
-                }
-                tq_softmax_rescale<U, GPL>(x, m, l, acc);
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int k = k0 + u * step + sub;
-                    if (k < nk) {
-                        const float p = expf(x[u] - m);
-                        l += p;
-                        const uint8_t* vr = vs_base + k * vrow;
-                        const float pv = p * tq_norm_aligned(vr, vcb);
-#pragma unroll
-                        for (int g = 0; g < GPL; ++g) {
-                            const int gi = kl + LPK * g;
-                            if (gi < G) {
-                                const uint32_t w = tq_codes8_aligned<D>(vr, gi, vbits);
-#pragma unroll
-                                for (int e = 0; e < 8; ++e)
-                                    acc[g][e] = fmaf(pv, vtab_s[(w >> (e * vbits)) & vmask], acc[g][e]);
-                            }
-                        }
-                    }
-                }
-            }
+                for (int e = 0; e < 8; ++e) vv[e] = vtab_s[(w >> (e * vbits)) & vmask];
+            };
+            auto knorm = [&](int k) { return tq_norm_aligned(ks_base + k * krow, kcb); };
+            auto vnorm = [&](int k) { return tq_norm_aligned(vs_base + k * vrow, vcb); };
+            tq_pass<D>(nk, ks * KPW, step, qv, scale, softcap, key8, knorm, val8, vnorm, m, l, acc);
             __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2 goes there
         }
     }
