@@ -45,6 +45,15 @@ for t in "$bin"/tests/*; do
   line=$(grep -E '^test result:' "$LOG/$name.log" | tail -1)
   echo "| $name | $r: ${line#test result: } | $(( $(date +%s) - s )) |" >> "$LOG/summary.md"
   [ "$r" = ok ] || grep -E -A15 '^---- |panicked' "$LOG/$name.log" | head -60
+  # Attention on codes once more with each prompt chunk staged alone (the grouping that bounds
+  # the prefill scratch, ops/tq_attention/cuda.rs).
+  if [ "$name" = cuda_tq ]; then
+    s=$(date +%s)
+    if IRIS_TQ_STAGE_MIB=0 "$t" --test-threads=1 > "$LOG/$name-staged-alone.log" 2>&1; then r=ok; else r=FAILED; fails=$((fails + 1)); fi
+    line=$(grep -E '^test result:' "$LOG/$name-staged-alone.log" | tail -1)
+    echo "| $name (IRIS_TQ_STAGE_MIB=0) | $r: ${line#test result: } | $(( $(date +%s) - s )) |" >> "$LOG/summary.md"
+    [ "$r" = ok ] || grep -E -A15 '^---- |panicked' "$LOG/$name-staged-alone.log" | head -60
+  fi
 done
 cat "$LOG/summary.md"
 exit $((fails > 0))

@@ -132,10 +132,10 @@ struct PfTile {
     int s, q_start, r0, n_rows, pos0;
 };
 
-__device__ __forceinline__ PfTile pf_tile(const uint32_t* tiles, const uint32_t* seq_info) {
+__device__ __forceinline__ PfTile pf_tile(const uint32_t* tiles, const uint32_t* seq_info, int tile) {
     PfTile t;
-    t.s = tiles[2 * blockIdx.x];
-    t.r0 = tiles[2 * blockIdx.x + 1];
+    t.s = tiles[2 * tile];
+    t.r0 = tiles[2 * tile + 1];
     t.q_start = seq_info[4 * t.s];
     const int q_len = seq_info[4 * t.s + 1], ctx = seq_info[4 * t.s + 2];
     t.n_rows = min(PF_ROWS, t.q_start + q_len - t.r0);
@@ -155,7 +155,7 @@ __device__ void prefill_attention(T* __restrict__ out, const T* __restrict__ q, 
     extern __shared__ __align__(128) unsigned char smem[];
     PfBlock<T, D> B(smem);
     const int tid = threadIdx.x;
-    const PfTile tl = pf_tile(tiles, seq_info);
+    const PfTile tl = pf_tile(tiles, seq_info, blockIdx.x);
     const uint32_t* bt = block_tables + seq_info[4 * tl.s + 3];
     const int h = blockIdx.y;
     const int kvh = h / (num_heads / num_kv_heads);
@@ -235,10 +235,10 @@ __device__ __forceinline__ void pf_rotate(In in, Out out, const float* rot, bool
 // codes or floats, and each row's bounds pick what it reads as which (tiles where the rows
 // disagree are visited twice, once as each).
 //
-// Two kernels. tq_prefill_stage dequantizes the positions the step's prompt chunks read, once
-// per kv head, into scratch buffers in the input type (and rotates their float-window
-// positions); tq_prefill_attention then reads those like a dense cache, a block per (tile of
-// rows, query head). Dequantizing in the attention kernel itself did it once per query head (7
+// Two kernels, for each group of the step's prompt chunks (groups bound the scratch).
+// tq_prefill_stage dequantizes the positions they read, once per kv head, into scratch buffers
+// in the input type (and rotates their float-window positions); tq_prefill_attention then reads
+// those like a dense cache, a block per (tile of rows, query head). Dequantizing in the attention kernel itself did it once per query head (7
 // times per kv head on a 7B), which made a 1,024-token prompt's attention ~1.5x the dense
 // cache's on an H200.
 
@@ -264,12 +264,13 @@ __device__ __forceinline__ TqStaged tq_staged(const uint32_t* seq_info, int s, i
 }
 
 // Where prompt chunk s's positions sit in the scratch buffers: after those of the prompt
-// chunks before it (ctx positions of codes each, indexed by position; ctx - float_lo float
-// positions each with a float window). ops/tq_attention/cuda.rs sizes the buffers the same way.
-__device__ __forceinline__ void tq_stage_offsets(const uint32_t* seq_info, int s, int skip, int window,
+// chunks staged with it before it, from sequence seq0 on (ctx positions of codes each, indexed
+// by position; ctx - float_lo float positions each with a float window).
+// ops/tq_attention/cuda.rs sizes the buffers the same way.
+__device__ __forceinline__ void tq_stage_offsets(const uint32_t* seq_info, int seq0, int s, int skip, int window,
                                                  int float_window, int& code_off, int& float_off) {
     code_off = 0, float_off = 0;
-    for (int i = 0; i < s; ++i) {
+    for (int i = seq0; i < s; ++i) {
         if ((int)seq_info[4 * i + 1] < skip) continue;
         const TqStaged g = tq_staged(seq_info, i, window, float_window);
         code_off += g.ctx;
@@ -277,8 +278,9 @@ __device__ __forceinline__ void tq_stage_offsets(const uint32_t* seq_info, int s
     }
 }
 
-// Grid: (chunks of 64 positions, prompt chunks of the step, kv heads). A prompt chunk's first
-// blocks take its codes, the next its float positions; the others return.
+// Grid: (chunks of 64 positions, prompt chunks from sequence seq0 on, kv heads). A prompt
+// chunk's first blocks take its codes, the next its float positions; the others return. (A
+// step's prompt chunks are staged in groups that bound the scratch, each group then attended.)
 template <typename T, int D>
 __device__ void tq_prefill_stage(T* __restrict__ kcs, T* __restrict__ vcs, T* __restrict__ kfs, T* __restrict__ vfs,
                                  const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
@@ -288,7 +290,7 @@ __device__ void tq_prefill_stage(T* __restrict__ kcs, T* __restrict__ vcs, T* __
                                  const T* __restrict__ new_v, const T* __restrict__ ring_k,
                                  const T* __restrict__ ring_v, const uint32_t* __restrict__ window_rings,
                                  int num_seqs, int num_kv_heads, int block_size, int kbits, int vbits, int kdense,
-                                 int vdense, int window, int float_window, int skip) {
+                                 int vdense, int window, int float_window, int skip, int seq0) {
     __shared__ float ktab_s[16], vtab_s[16], ksign_s[2 * D], vsign_s[2 * D], kscale_s[D];
     __shared__ float x_s[PF_WARPS][2 * D];  // each warp's scratch for dense rotations
     pdl_launch_dependents();
@@ -303,9 +305,9 @@ __device__ void tq_prefill_stage(T* __restrict__ kcs, T* __restrict__ vcs, T* __
     pdl_wait();  // launched as a dependent (ops/tq_attention/cuda.rs): inputs after this
     __syncthreads();  // the tables
 
-    // This block's prompt chunk: the blockIdx.y-th of the step.
+    // This block's prompt chunk: the blockIdx.y-th from seq0 on.
     int s = -1, code_off = 0, float_off = 0;
-    for (int i = 0, n = 0; i < num_seqs; ++i) {
+    for (int i = seq0, n = 0; i < num_seqs; ++i) {
         if ((int)seq_info[4 * i + 1] < skip) continue;
         if (n++ == (int)blockIdx.y) { s = i; break; }
         const TqStaged g = tq_staged(seq_info, i, window, float_window);
@@ -369,7 +371,8 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
                                      const uint32_t* __restrict__ tiles, const uint32_t* __restrict__ seq_info,
                                      const float* __restrict__ ktab, const float* __restrict__ vtab,
                                      const float* __restrict__ kscale, int num_heads, int num_kv_heads, int kdense,
-                                     int vdense, float scale, int window, float softcap, int float_window, int skip) {
+                                     int vdense, float scale, int window, float softcap, int float_window, int skip,
+                                     int tile0, int seq0) {
     using L = PfLayout<D>;
     constexpr int V16 = 8;  // 16-bit elements per 16-byte vector
     extern __shared__ __align__(128) unsigned char smem[];
@@ -388,10 +391,10 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
     const float* krot = kdense ? ktab + TQ_ROTATION : ksign_s;
     const float* vrot = vdense ? vtab + TQ_ROTATION : vsign_s;
     pdl_wait();  // launched after tq_prefill_stage, as a dependent: inputs after this
-    const PfTile tl = pf_tile(tiles, seq_info);
+    const PfTile tl = pf_tile(tiles, seq_info, tile0 + blockIdx.x);
     const TqStaged g = tq_staged(seq_info, tl.s, window, float_window);
     int code_off, float_off;
-    tq_stage_offsets(seq_info, tl.s, skip, window, float_window, code_off, float_off);
+    tq_stage_offsets(seq_info, seq0, tl.s, skip, window, float_window, code_off, float_off);
     const int hi = tl.pos0 + tl.n_rows - 1;
     float* x = B.S_w;  // this warp's rotation scratch (dense rotations): x[0, D), tmp[D, 2 D)
     __syncthreads();  // the tables
@@ -470,9 +473,10 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
         NAME(T* out, const T* q, const T* kcs, const T* vcs, const T* kfs, const T* vfs, const uint32_t* tiles, \
              const uint32_t* seq_info, const float* ktab, const float* vtab, const float* kscale, int num_heads, \
              int num_kv_heads, int kdense, int vdense, float scale, int window, float softcap, int float_window, \
-             int skip) {                                                                                       \
+             int skip, int tile0, int seq0) {                                                                  \
         tq_prefill_attention<T, D>(out, q, kcs, vcs, kfs, vfs, tiles, seq_info, ktab, vtab, kscale, num_heads,  \
-                                   num_kv_heads, kdense, vdense, scale, window, softcap, float_window, skip);    \
+                                   num_kv_heads, kdense, vdense, scale, window, softcap, float_window, skip,     \
+                                   tile0, seq0);                                                               \
     }
 
 #define TQ_STAGE(NAME, T, D)                                                                                   \
@@ -481,10 +485,10 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
         const uint32_t* block_tables, const float* ktab, const float* vtab, const float* kscale, const T* new_k, \
         const T* new_v, const T* ring_k, const T* ring_v, const uint32_t* window_rings, int num_seqs,           \
         int num_kv_heads, int block_size, int kbits, int vbits, int kdense, int vdense, int window,             \
-        int float_window, int skip) {                                                                          \
+        int float_window, int skip, int seq0) {                                                                \
         tq_prefill_stage<T, D>(kcs, vcs, kfs, vfs, kc, vc, seq_info, block_tables, ktab, vtab, kscale, new_k,   \
                                new_v, ring_k, ring_v, window_rings, num_seqs, num_kv_heads, block_size, kbits,  \
-                               vbits, kdense, vdense, window, float_window, skip);                              \
+                               vbits, kdense, vdense, window, float_window, skip, seq0);                        \
     }
 
 #define PF_DIMS(M, NAME, N, T)                                                                                 \

@@ -161,13 +161,11 @@ pub(super) fn forward(
             let (attend, cfg) = prefill_launch(&dev, "tq_prefill_attention", qt, d, l.num_tiles, hq)?;
             let stage = PREFILL_ATTENTION.func(&dev, &format!("tq_prefill_stage_{qt}_{d}"))?;
             let fw = op.float.as_ref().map_or(0, |f| f.len);
-            let staged = StagedPositions::of(&a.meta.seqs, skip, a.window.unwrap_or(0), fw);
-            let stage_cfg = LaunchConfig {
-                grid_dim: (staged.chunks.max(1) as u32, staged.seqs as u32, hkv as u32),
-                block_dim: (128, 1, 1), // PF_WARPS warps
-                shared_mem_bytes: 0,
-            };
-            Some(TqPrefill { stage, stage_cfg, attend, cfg, staged, vector: hkv * d })
+            // Keys and values, in q's type.
+            let position_bytes = 2 * hkv * d * q.dtype().size_in_bytes();
+            let groups =
+                StageGroup::split(&a.meta.seqs, skip, a.window.unwrap_or(0), fw, position_bytes, stage_limit());
+            Some(TqPrefill { stage, attend, cfg, groups, num_seqs: a.meta.seqs.len(), vector: hkv * d })
         }
         false => None,
     };
@@ -284,49 +282,65 @@ pub(super) fn forward(
         };
         if let Some(p) = prefill {
             let [_, _, _, bs, kbits, vbits, kdense] = &ints_partial;
-            // The positions the prompt chunks read, once per kv head, in q's type (the rings
-            // share it here: checked where the kernel was chosen).
-            let scratch = |n: usize| unsafe { dev.alloc::<Q>((n * p.vector).max(1)) };
-            // SAFETY (these four): tq_prefill_stage writes every position tq_prefill_attention
-            // reads, [lo, split) of codes and [split, p] of floats of each prompt chunk's rows.
-            let (kcs, vcs) = (scratch(p.staged.codes)?, scratch(p.staged.codes)?);
-            let (kfs, vfs) = (scratch(p.staged.floats)?, scratch(p.staged.floats)?);
-            let mut b = p.stage.dependent();
-            b.mem(&kcs).mem(&vcs).mem(&kfs).mem(&vfs).mem(kc).mem(vc).mem(seq_info).mem(block_tables);
-            b.mem(ktab).mem(vtab);
-            match kscale {
-                Some(s) => b.mem(s),
-                None => b.null(),
-            };
-            match (&typed.new, &typed.ring) {
-                (Some([nk, nv]), Some([rk, rv])) => b.mem(nk).mem(nv).mem(rk).mem(rv),
-                _ => b.null().null().null().null(),
-            };
-            match &rings {
-                Some(r) => b.mem(r),
-                None => b.null(),
-            };
-            let num_seqs = p.staged.num_seqs as i32;
-            b.scalar(&num_seqs).scalar(&hkv).scalar(bs).scalar(kbits).scalar(vbits).scalar(kdense).scalar(&vdense);
-            b.scalar(&window).scalar(&fw).scalar(&skip);
-            // SAFETY: argument types and counts match tq_prefill_stage; the scratch buffers hold
-            // the positions `StagedPositions` counts, as the kernel lays them out; it reads only
-            // the codec tables and key scales before it waits (pdl_wait).
-            unsafe { b.launch(p.stage_cfg) }?;
-            let mut b = p.attend.dependent();
-            b.mem(&out).mem(&typed.q).mem(&kcs).mem(&vcs).mem(&kfs).mem(&vfs).mem(tiles).mem(seq_info);
-            b.mem(ktab).mem(vtab);
-            match kscale {
-                Some(s) => b.mem(s),
-                None => b.null(),
-            };
-            b.scalar(&hq).scalar(&hkv).scalar(kdense).scalar(&vdense);
-            b.scalar(&scale).scalar(&window).scalar(&softcap).scalar(&fw).scalar(&skip);
-            // SAFETY: argument types and counts match tq_prefill_attention; its shared memory
-            // was allowed above; the tiles cover exactly the rows the kernels above skip; it
-            // reads only the codec tables and key scales before it waits (pdl_wait) on the
-            // staging kernel.
-            unsafe { b.launch(p.cfg) }?;
+            for g in &p.groups {
+                // The positions the group's prompt chunks read, once per kv head, in q's type
+                // (the rings share it here: checked where the kernel was chosen).
+                let scratch = |n: usize| unsafe { dev.alloc::<Q>((n * p.vector).max(1)) };
+                // SAFETY (these four): tq_prefill_stage writes every position
+                // tq_prefill_attention reads, [lo, split) of codes and [split, p] of floats of
+                // each of the group's rows.
+                let (kcs, vcs) = (scratch(g.codes)?, scratch(g.codes)?);
+                let (kfs, vfs) = (scratch(g.floats)?, scratch(g.floats)?);
+                let mut b = p.stage.dependent();
+                b.mem(&kcs).mem(&vcs).mem(&kfs).mem(&vfs).mem(kc).mem(vc).mem(seq_info).mem(block_tables);
+                b.mem(ktab).mem(vtab);
+                match kscale {
+                    Some(s) => b.mem(s),
+                    None => b.null(),
+                };
+                match (&typed.new, &typed.ring) {
+                    (Some([nk, nv]), Some([rk, rv])) => b.mem(nk).mem(nv).mem(rk).mem(rv),
+                    _ => b.null().null().null().null(),
+                };
+                match &rings {
+                    Some(r) => b.mem(r),
+                    None => b.null(),
+                };
+                let (num_seqs, seq0, tile0) = (p.num_seqs as i32, g.seq0 as i32, g.tile0 as i32);
+                b.scalar(&num_seqs).scalar(&hkv).scalar(bs).scalar(kbits).scalar(vbits).scalar(kdense);
+                b.scalar(&vdense).scalar(&window).scalar(&fw).scalar(&skip).scalar(&seq0);
+                let stage_cfg = LaunchConfig {
+                    grid_dim: (g.chunks.max(1) as u32, g.seqs as u32, hkv as u32),
+                    block_dim: (128, 1, 1), // PF_WARPS warps
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: argument types and counts match tq_prefill_stage; the scratch buffers
+                // hold the positions `StageGroup` counts, as the kernel lays them out; it reads
+                // only the codec tables and key scales before it waits (pdl_wait), and writes
+                // the scratch after (so not while the group before reads its own).
+                unsafe { b.launch(stage_cfg) }?;
+                let mut b = p.attend.dependent();
+                b.mem(&out).mem(&typed.q).mem(&kcs).mem(&vcs).mem(&kfs).mem(&vfs).mem(tiles).mem(seq_info);
+                b.mem(ktab).mem(vtab);
+                match kscale {
+                    Some(s) => b.mem(s),
+                    None => b.null(),
+                };
+                b.scalar(&hq).scalar(&hkv).scalar(kdense).scalar(&vdense);
+                b.scalar(&scale)
+                    .scalar(&window)
+                    .scalar(&softcap)
+                    .scalar(&fw)
+                    .scalar(&skip)
+                    .scalar(&tile0)
+                    .scalar(&seq0);
+                let cfg = LaunchConfig { grid_dim: (g.tiles as u32, p.cfg.grid_dim.1, 1), ..p.cfg };
+                // SAFETY: argument types and counts match tq_prefill_attention; its shared
+                // memory was allowed above; the groups' tiles together cover exactly the rows
+                // the kernels above skip; it reads only the codec tables and key scales before
+                // it waits (pdl_wait) on the staging kernel.
+                unsafe { b.launch(cfg) }?;
+            }
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
@@ -387,27 +401,38 @@ fn min_chunk() -> i32 {
     crate::switches::tuned!("IRIS_TQ_MIN_CHUNK", i32, 32)
 }
 
-/// The tensor-core kernels for prompt chunks: tq_prefill_stage, then tq_prefill_attention.
+/// The tensor-core kernels for prompt chunks: for each group of them, tq_prefill_stage, then
+/// tq_prefill_attention.
 struct TqPrefill {
     stage: crate::ops::cuda::Kernel,
-    stage_cfg: candle_core::cuda_backend::cudarc::driver::LaunchConfig,
     attend: crate::ops::cuda::Kernel,
     cfg: candle_core::cuda_backend::cudarc::driver::LaunchConfig,
-    staged: StagedPositions,
+    groups: Vec<StageGroup>,
+    /// The step's sequences (the kernels scan them for the prompt chunks).
+    num_seqs: usize,
     /// Elements per staged position (all kv heads).
     vector: usize,
 }
 
-/// What tq_prefill_stage writes for a step's prompt chunks (sequences computing `skip` rows or
-/// more), counted as the kernels count it (`tq_staged`, `tq_stage_offsets` in
-/// prefill_attention.cu): each chunk's codes by position, `context_len` positions, and its
-/// float positions from the first row's split to the end.
+/// The most bytes of scratch one group of prompt chunks stages (`IRIS_TQ_STAGE_MIB`, default
+/// 256 MiB; a prompt chunk that needs more is staged alone). At 0 each prompt chunk is a group
+/// of its own, which `scripts/gpu-check.sh` runs the CUDA tests with too.
+fn stage_limit() -> usize {
+    crate::switches::tuned!("IRIS_TQ_STAGE_MIB", usize, 256) << 20
+}
+
+/// Prompt chunks (sequences computing `skip` rows or more) staged together, and what
+/// tq_prefill_stage writes for them, counted as the kernels count it (`tq_staged`,
+/// `tq_stage_offsets` in prefill_attention.cu): each chunk's codes by position,
+/// `context_len` positions, and its float positions from its first row's split to the end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct StagedPositions {
-    /// The step's sequences (the kernels scan them for the prompt chunks).
-    num_seqs: usize,
-    /// Prompt chunks.
+struct StageGroup {
+    /// The step's sequence the group starts at, and its first tile of 64 rows.
+    seq0: usize,
+    tile0: usize,
+    /// Prompt chunks and their tiles.
     seqs: usize,
+    tiles: usize,
     /// Positions in the code and float scratch buffers (per kv head).
     codes: usize,
     floats: usize,
@@ -415,27 +440,55 @@ struct StagedPositions {
     chunks: usize,
 }
 
-impl StagedPositions {
-    fn of(seqs: &[crate::batch::SeqSlice], skip: usize, window: usize, float_window: usize) -> Self {
+impl StageGroup {
+    /// The step's prompt chunks in order, in groups whose scratch (`position_bytes` per
+    /// position) stays within `limit` bytes where one chunk alone does.
+    fn split(
+        seqs: &[crate::batch::SeqSlice],
+        skip: usize,
+        window: usize,
+        float_window: usize,
+        position_bytes: usize,
+        limit: usize,
+    ) -> Vec<StageGroup> {
+        use crate::batch::PREFILL_TILE_ROWS;
         let lo_of = |p: usize| if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
         let split_of = |p: usize| (p + 1).saturating_sub(float_window).max(lo_of(p));
-        let mut out = StagedPositions { num_seqs: seqs.len(), seqs: 0, codes: 0, floats: 0, chunks: 0 };
-        for s in seqs.iter().filter(|s| s.q_len >= skip && s.q_len > 0) {
+        let mut groups: Vec<StageGroup> = Vec::new();
+        let mut tile = 0;
+        for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.q_len >= skip && s.q_len > 0) {
             let (ctx, first) = (s.context_len, s.context_len - s.q_len);
             let codes = split_of(ctx - 1).saturating_sub(lo_of(first));
             let floats = if float_window > 0 { ctx - split_of(first) } else { 0 };
-            out.seqs += 1;
-            out.codes += ctx;
-            out.floats += floats;
-            out.chunks = out.chunks.max(codes.div_ceil(64) + floats.div_ceil(64));
+            let tiles = s.q_len.div_ceil(PREFILL_TILE_ROWS);
+            let fits = |g: &StageGroup| (g.codes + ctx + g.floats + floats).saturating_mul(position_bytes) <= limit;
+            match groups.last_mut() {
+                Some(g) if fits(g) => {
+                    g.seqs += 1;
+                    g.tiles += tiles;
+                    g.codes += ctx;
+                    g.floats += floats;
+                    g.chunks = g.chunks.max(codes.div_ceil(64) + floats.div_ceil(64));
+                }
+                _ => groups.push(StageGroup {
+                    seq0: i,
+                    tile0: tile,
+                    seqs: 1,
+                    tiles,
+                    codes: ctx,
+                    floats,
+                    chunks: codes.div_ceil(64) + floats.div_ceil(64),
+                }),
+            }
+            tile += tiles;
         }
-        out
+        groups
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::StagedPositions;
+    use super::StageGroup;
     use crate::batch::SeqSlice;
 
     fn seq(q_len: usize, context_len: usize) -> SeqSlice {
@@ -443,18 +496,36 @@ mod tests {
     }
 
     #[test]
-    fn staged_positions_count_what_the_prompt_chunks_read() {
-        // A decode (not staged), a 40-token prompt, a 45-row chunk after 255 positions.
-        let seqs = [seq(1, 700), seq(40, 40), seq(45, 300)];
-        let none = StagedPositions::of(&seqs, 16, 0, 0);
-        assert_eq!(none, StagedPositions { num_seqs: 3, seqs: 2, codes: 340, floats: 0, chunks: 5 });
-        // A float window of 16: the prompt's codes end at its last row's split, 39 + 1 - 16 = 24,
-        // its floats start at its first row's, 0; the chunk's floats at 255 + 1 - 16 = 240.
-        let w = StagedPositions::of(&seqs, 16, 0, 16);
-        assert_eq!(w, StagedPositions { num_seqs: 3, seqs: 2, codes: 340, floats: 40 + 60, chunks: 5 + 1 });
-        // A sliding window of 32 starts the chunk's codes at 255 + 1 - 32 = 224 (they end at
-        // 284): one block of codes and one of floats each.
-        let sw = StagedPositions::of(&seqs, 16, 32, 16);
-        assert_eq!(sw, StagedPositions { num_seqs: 3, seqs: 2, codes: 340, floats: 100, chunks: 2 });
+    fn stage_groups_count_what_the_prompt_chunks_read() {
+        // A decode (not staged), a 40-token prompt, a 45-row chunk after 255 positions, a
+        // 130-row chunk (3 tiles) after 70.
+        let seqs = [seq(1, 700), seq(40, 40), seq(45, 300), seq(130, 200)];
+        let g = |seq0, tile0, seqs, tiles, codes, floats, chunks| StageGroup {
+            seq0,
+            tile0,
+            seqs,
+            tiles,
+            codes,
+            floats,
+            chunks,
+        };
+        let all = StageGroup::split(&seqs, 16, 0, 0, 1, usize::MAX);
+        assert_eq!(all, [g(1, 0, 3, 5, 540, 0, 5)]);
+        // A float window of 16: the prompt's codes end at its last row's split, 39 + 1 - 16 =
+        // 24, its floats start at its first row's, 0; the second chunk's floats at 255 + 1 - 16
+        // = 240, the third's at 70 + 1 - 16 = 55.
+        let w = StageGroup::split(&seqs, 16, 0, 16, 1, usize::MAX);
+        assert_eq!(w, [g(1, 0, 3, 5, 540, 40 + 60 + 145, 5 + 1)]);
+        // A sliding window of 32 starts the second chunk's codes at 255 + 1 - 32 = 224 (to
+        // 284: one block), the third's at 70 + 1 - 32 = 39 (to 184: three blocks, and three of
+        // floats from 55).
+        let sw = StageGroup::split(&seqs, 16, 32, 16, 1, usize::MAX);
+        assert_eq!(sw, [g(1, 0, 3, 5, 540, 245, 3 + 3)]);
+        // Groups of at most 400 positions: the first two chunks (340), then the third; with no
+        // room at all, each chunk alone.
+        let some = StageGroup::split(&seqs, 16, 0, 0, 2, 800);
+        assert_eq!(some, [g(1, 0, 2, 2, 340, 0, 5), g(3, 2, 1, 3, 200, 0, 4)]);
+        let each = StageGroup::split(&seqs, 16, 0, 0, 2, 0);
+        assert_eq!(each, [g(1, 0, 1, 1, 40, 0, 1), g(2, 1, 1, 1, 300, 0, 5), g(3, 2, 1, 3, 200, 0, 4)]);
     }
 }
