@@ -295,9 +295,11 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
         return;
     }
     // Batch invariance: with 16-bit queries and a head dim the tensor-core tiles take, this
-    // step has few rows outside them, so every sequence (decode, short chunk, prompt, chunk over
-    // a prefix; float window too) gets the same bits alone as within it. (Steps of many rows
-    // outside the tiles take fewer splits per row: tq_decode_attention_is_batch_invariant.)
+    // step has few rows outside them (11, times at most 4 blocks per row in these cases: within
+    // the 64 blocks up to which every row takes 64 splits), so every sequence (decode, short
+    // chunk, prompt, chunk over a prefix; float window too) gets the same bits alone as within
+    // it. (Steps of many rows outside the tiles take fewer splits per row, see
+    // tq_decode_attention_is_batch_invariant.)
     for (i, s) in m.seqs.iter().enumerate() {
         let solo = iris::batch::SeqSlice { q_start: 0, ..s.clone() };
         let mut one = iris::batch::AttentionMeta::new(bs, vec![solo]);
@@ -356,6 +358,8 @@ fn tq_cases() -> Vec<TqCase> {
         TqCase { float_window: 3, ..c(12, 4, 96, (4, 4)) },
         TqCase { window: Some(300), softcap: Some(30.0), float_window: 16, scaled: true, ..c(4, 2, 64, (2, 4)) },
         TqCase { window: Some(7), ..c(32, 2, 32, (3, 4)) },
+        // A sliding window shorter than the cached prefixes: prompt chunks' codes start past 0.
+        TqCase { window: Some(64), float_window: 8, scaled: true, ..c(8, 2, 128, (3, 4)) },
         TqCase { float_window: 600, ..c(6, 2, 16, (4, 3)) },
         // Key rows of 10 and 34 bytes ahead of 4-bit values (4-aligned loads).
         c(4, 2, 16, (3, 4)),

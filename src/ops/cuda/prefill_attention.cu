@@ -238,14 +238,16 @@ __device__ __forceinline__ void pf_rotate(In in, Out out, const float* rot, bool
 // Two kernels, for each group of the step's prompt chunks (groups bound the scratch).
 // tq_prefill_stage dequantizes the positions they read, once per kv head, into scratch buffers
 // in the input type (and rotates their float-window positions); tq_prefill_attention then reads
-// those like a dense cache, a block per (tile of rows, query head). Dequantizing in the attention kernel itself did it once per query head (7
-// times per kv head on a 7B), which made a 1,024-token prompt's attention ~1.5x the dense
-// cache's on an H200.
+// those like a dense cache, a block per (tile of rows, query head). Dequantizing in the
+// attention kernel itself did it once per query head (7 times per kv head on a 7B), which made
+// a 1,024-token prompt's attention ~1.5x the dense cache's on an H200.
 
 // A prompt chunk's bounds: the position of its first row, and where its codes start and end
 // and its float positions start, [lo(first), split(last)) and [split(first), ctx).
 struct TqStaged {
     int first, ctx, code_lo, code_end, float_lo;
+    __device__ __forceinline__ int codes() const { return max(code_end - code_lo, 0); }
+    __device__ __forceinline__ int floats(int float_window) const { return float_window > 0 ? ctx - float_lo : 0; }
 };
 
 __device__ __forceinline__ int tq_lo_of(int p, int window) { return window > 0 ? max(0, p + 1 - window) : 0; }
@@ -264,17 +266,16 @@ __device__ __forceinline__ TqStaged tq_staged(const uint32_t* seq_info, int s, i
 }
 
 // Where prompt chunk s's positions sit in the scratch buffers: after those of the prompt
-// chunks staged with it before it, from sequence seq0 on (ctx positions of codes each, indexed
-// by position; ctx - float_lo float positions each with a float window).
-// ops/tq_attention/cuda.rs sizes the buffers the same way.
+// chunks staged with it before it, from sequence seq0 on, each its codes() and floats()
+// positions in order. ops/tq_attention/cuda.rs (StageGroup) sizes the buffers the same way.
 __device__ __forceinline__ void tq_stage_offsets(const uint32_t* seq_info, int seq0, int s, int skip, int window,
                                                  int float_window, int& code_off, int& float_off) {
     code_off = 0, float_off = 0;
     for (int i = seq0; i < s; ++i) {
         if ((int)seq_info[4 * i + 1] < skip) continue;
         const TqStaged g = tq_staged(seq_info, i, window, float_window);
-        code_off += g.ctx;
-        if (float_window > 0) float_off += g.ctx - g.float_lo;
+        code_off += g.codes();
+        float_off += g.floats(float_window);
     }
 }
 
@@ -306,18 +307,15 @@ __device__ void tq_prefill_stage(T* __restrict__ kcs, T* __restrict__ vcs, T* __
     __syncthreads();  // the tables
 
     // This block's prompt chunk: the blockIdx.y-th from seq0 on.
-    int s = -1, code_off = 0, float_off = 0;
-    for (int i = seq0, n = 0; i < num_seqs; ++i) {
-        if ((int)seq_info[4 * i + 1] < skip) continue;
-        if (n++ == (int)blockIdx.y) { s = i; break; }
-        const TqStaged g = tq_staged(seq_info, i, window, float_window);
-        code_off += g.ctx;
-        if (float_window > 0) float_off += g.ctx - g.float_lo;
-    }
+    int s = -1;
+    for (int i = seq0, n = 0; i < num_seqs && s < 0; ++i)
+        if ((int)seq_info[4 * i + 1] >= skip && n++ == (int)blockIdx.y) s = i;
     if (s < 0) return;
+    int code_off, float_off;
+    tq_stage_offsets(seq_info, seq0, s, skip, window, float_window, code_off, float_off);
     const TqStaged g = tq_staged(seq_info, s, window, float_window);
     const uint32_t* bt = block_tables + seq_info[4 * s + 3];
-    const int code_chunks = (max(g.code_end - g.code_lo, 0) + PF_KEYS - 1) / PF_KEYS;
+    const int code_chunks = (g.codes() + PF_KEYS - 1) / PF_KEYS;
     const int chunk = blockIdx.x;
     if (chunk < code_chunks) {
         // A thread per 8 coordinates of a position: dequantized to norm * centroid, in T.
@@ -338,7 +336,7 @@ __device__ void tq_prefill_stage(T* __restrict__ kcs, T* __restrict__ vcs, T* __
                 kv[e] = kn * ktab_s[(kw >> (e * kbits)) & kmask];
                 vv[e] = vn * vtab_s[(vw >> (e * vbits)) & vmask];
             }
-            const size_t dst = ((size_t)(code_off + j) * num_kv_heads + kvh) * D + c * 8;
+            const size_t dst = ((size_t)(code_off + j - g.code_lo) * num_kv_heads + kvh) * D + c * 8;
             store16<T>(kcs + dst, kv);
             store16<T>(vcs + dst, vv);
         }
@@ -432,7 +430,7 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
     // The coded positions, [lo of the first row, split of the last).
     const int code_end = tq_split_of(hi, window, float_window);
     for (int k0 = tq_lo_of(tl.pos0, window); k0 < code_end; k0 += PF_KEYS) {
-        load(kcs, vcs, k0, code_end, code_off);
+        load(kcs, vcs, k0, code_end, code_off - g.code_lo);
         B.attend(k0, tq_lo_of(pos, window), live ? row_split - 1 : -1, scale, softcap);
         __syncthreads();
     }

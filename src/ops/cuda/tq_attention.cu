@@ -56,13 +56,13 @@ __device__ __forceinline__ float tq_logit(float dot, float scale, float softcap)
     return x;
 }
 
-
 // tq_attn_partial's layout: ks_n = blockDim / (32 hb) warps per query head, each taking every
-// ks_n-th pass over the split's keys. The split's codes come into shared memory a tile at a
-// time (the next tile's copies in flight while this one is summed), so a tile costs one round
-// trip to memory, not one per pass. Within a warp, LPK lanes share a key (two groups of 8
-// coordinates each) and KPW = 32 / LPK keys are scored at once; each lane keeps its share of
-// the rotated query in registers, and each group of LPK lanes its own running softmax and
+// ks_n-th pass over the split's keys (tq_pass). A coded split's codes come into shared memory
+// a tile at a time (the next tile's copies in flight while this one is summed), so a tile costs
+// one round trip to memory, not one per pass; a float-window split's keys are read from memory
+// a pass at a time. Within a warp, LPK lanes share a key (two groups of 8 coordinates each) and
+// KPW = 32 / LPK keys are scored at once; each lane keeps its share of the (rotated) query in
+// registers, and each group of LPK lanes its own running softmax and
 // value sums, merged at the end in a fixed order (the result does not depend on the threads'
 // timing). A thread per key, decoding each key once for all the block's heads, was slower:
 // ~35 us per layer for 64 keys of a 7B decode on an H200 (against ~11 us now), ~900 dependent

@@ -186,6 +186,10 @@ pub(super) fn forward(
     let wchunk = (fw.max(1) as usize).div_ceil(32).max(16);
     let wsplit = (fw as usize).div_ceil(wchunk);
     let ntot = nsplit + wsplit;
+    // TA_MAXSPLIT in the kernels: the combine merges at most 96 splits.
+    if ntot > 96 {
+        candle_core::bail!("tq-attention: {nsplit} coded and {wsplit} float-window splits, more than the kernels take");
+    }
     let cfg_partial = LaunchConfig {
         grid_dim: (span_rows as u32, blocks_y as u32, ntot as u32),
         block_dim: (partial_threads as u32, 1, 1),
@@ -418,13 +422,14 @@ struct TqPrefill {
 /// 256 MiB; a prompt chunk that needs more is staged alone). At 0 each prompt chunk is a group
 /// of its own, which `scripts/gpu-check.sh` runs the CUDA tests with too.
 fn stage_limit() -> usize {
-    crate::switches::tuned!("IRIS_TQ_STAGE_MIB", usize, 256) << 20
+    crate::switches::tuned!("IRIS_TQ_STAGE_MIB", usize, 256).saturating_mul(1 << 20)
 }
 
 /// Prompt chunks (sequences computing `skip` rows or more) staged together, and what
 /// tq_prefill_stage writes for them, counted as the kernels count it (`tq_staged`,
-/// `tq_stage_offsets` in prefill_attention.cu): each chunk's codes by position,
-/// `context_len` positions, and its float positions from its first row's split to the end.
+/// `tq_stage_offsets` in prefill_attention.cu): each chunk's coded positions, from its first
+/// row's `lo` to its last row's split, then its float positions, from its first row's split to
+/// the end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct StageGroup {
     /// The step's sequence the group starts at, and its first tile of 64 rows.
@@ -461,12 +466,12 @@ impl StageGroup {
             let codes = split_of(ctx - 1).saturating_sub(lo_of(first));
             let floats = if float_window > 0 { ctx - split_of(first) } else { 0 };
             let tiles = s.q_len.div_ceil(PREFILL_TILE_ROWS);
-            let fits = |g: &StageGroup| (g.codes + ctx + g.floats + floats).saturating_mul(position_bytes) <= limit;
+            let fits = |g: &StageGroup| (g.codes + codes + g.floats + floats).saturating_mul(position_bytes) <= limit;
             match groups.last_mut() {
                 Some(g) if fits(g) => {
                     g.seqs += 1;
                     g.tiles += tiles;
-                    g.codes += ctx;
+                    g.codes += codes;
                     g.floats += floats;
                     g.chunks = g.chunks.max(codes.div_ceil(64) + floats.div_ceil(64));
                 }
@@ -475,7 +480,7 @@ impl StageGroup {
                     tile0: tile,
                     seqs: 1,
                     tiles,
-                    codes: ctx,
+                    codes,
                     floats,
                     chunks: codes.div_ceil(64) + floats.div_ceil(64),
                 }),
@@ -511,16 +516,16 @@ mod tests {
         };
         let all = StageGroup::split(&seqs, 16, 0, 0, 1, usize::MAX);
         assert_eq!(all, [g(1, 0, 3, 5, 540, 0, 5)]);
-        // A float window of 16: the prompt's codes end at its last row's split, 39 + 1 - 16 =
-        // 24, its floats start at its first row's, 0; the second chunk's floats at 255 + 1 - 16
-        // = 240, the third's at 70 + 1 - 16 = 55.
+        // A float window of 16: each chunk's codes end at its last row's split (the prompt's at
+        // 39 + 1 - 16 = 24, the others' at 284 and 184), its floats start at its first row's (0,
+        // 255 + 1 - 16 = 240, 70 + 1 - 16 = 55).
         let w = StageGroup::split(&seqs, 16, 0, 16, 1, usize::MAX);
-        assert_eq!(w, [g(1, 0, 3, 5, 540, 40 + 60 + 145, 5 + 1)]);
+        assert_eq!(w, [g(1, 0, 3, 5, 24 + 284 + 184, 40 + 60 + 145, 5 + 1)]);
         // A sliding window of 32 starts the second chunk's codes at 255 + 1 - 32 = 224 (to
         // 284: one block), the third's at 70 + 1 - 32 = 39 (to 184: three blocks, and three of
         // floats from 55).
         let sw = StageGroup::split(&seqs, 16, 32, 16, 1, usize::MAX);
-        assert_eq!(sw, [g(1, 0, 3, 5, 540, 245, 3 + 3)]);
+        assert_eq!(sw, [g(1, 0, 3, 5, 24 + 60 + 145, 245, 3 + 3)]);
         // Groups of at most 400 positions: the first two chunks (340), then the third; with no
         // room at all, each chunk alone.
         let some = StageGroup::split(&seqs, 16, 0, 0, 2, 800);
