@@ -293,15 +293,27 @@ impl<'a> TqAttention<'a> {
         let mut norms = vec![0f32; bs];
         // The part of the segment each row reads as codes.
         let range = |s: &RowSpan| (a0.max(s.lo), b0.min(s.split));
+        let mut dots = [0f32; 16];
         for (b, j0, j1) in block_parts(a0, b0, bs) {
             self.decode_block(k, self.key, io.kc, seq.block_table[b] as usize, j0..j1, g, &mut buf, &mut norms);
             for (r, s) in tile.spans.iter().enumerate() {
                 let (lo, hi) = range(s);
-                for j in j0.max(lo)..j1.min(hi) {
-                    let kj = &buf[(j - j0) * d..][..d];
-                    for h in 0..group {
-                        let dot = norms[j - j0] * k.dot(&qr[(r * group + h) * d..][..d], kj);
-                        scores[(r * group + h) * n + j - a0] = a.score(dot);
+                let (x0, x1) = (j0.max(lo), j1.min(hi));
+                for h in 0..group {
+                    let q = &qr[(r * group + h) * d..][..d];
+                    let sc = &mut scores[(r * group + h) * n..][..n];
+                    // 16 keys at a time while the block holds 16 more (those past the row's
+                    // range are computed and dropped), then one by one: the same bits either way.
+                    let mut j = x0;
+                    while j < x1 && j + 16 <= j1 {
+                        k.dot16(q, &buf[(j - j0) * d..][..16 * d], &mut dots);
+                        for (i, &x) in dots.iter().enumerate().take(x1 - j) {
+                            sc[j + i - a0] = a.score(norms[j + i - j0] * x);
+                        }
+                        j += 16;
+                    }
+                    for j in j..x1 {
+                        sc[j - a0] = a.score(norms[j - j0] * k.dot(q, &buf[(j - j0) * d..][..d]));
                     }
                 }
             }
@@ -593,6 +605,14 @@ trait Kernel: Copy {
     /// The codes of `row` as centroids (the rotated unit vector's reconstruction).
     fn decode(self, codec: &TqCodec, row: &[u8], out: &mut [f32]);
     fn dot(self, a: &[f32], b: &[f32]) -> f32;
+    /// The dots of `q` with the 16 head vectors in `keys` (`16 * q.len()` values), each with
+    /// the same bits as `dot` gives it.
+    fn dot16(self, q: &[f32], keys: &[f32], out: &mut [f32; 16]) {
+        let d = q.len();
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = self.dot(q, &keys[i * d..][..d]);
+        }
+    }
     /// `y += w x`.
     fn axpy(self, y: &mut [f32], w: f32, x: &[f32]);
     /// `y *= w`.
@@ -656,6 +676,49 @@ impl<const DV: usize> Kernel for Avx512<DV> {
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(16 * c)), _mm512_loadu_ps(pb.add(16 * c)), acc);
             }
             _mm512_reduce_add_ps(acc)
+        }
+    }
+
+    /// The 16 products as `dot` forms them, then their 16 horizontal sums at once: the same
+    /// tree of adds as `_mm512_reduce_add_ps` (lanes i + i+8, then i + i+4, i + i+2, i + i+1),
+    /// done by shuffles across the vectors, ~45 instructions for 16 sums instead of ~8 each.
+    #[inline(always)]
+    fn dot16(self, q: &[f32], keys: &[f32], out: &mut [f32; 16]) {
+        use std::arch::x86_64::*;
+        let d = q.len();
+        let dv = if DV > 0 { DV } else { d / 16 };
+        debug_assert!(d >= 16 * dv && keys.len() >= 16 * d);
+        // SAFETY: AVX-512F (see above); 16 * dv values in q and in each of the 16 keys.
+        unsafe {
+            let (pq, pk) = (q.as_ptr(), keys.as_ptr());
+            let mut a = [_mm512_setzero_ps(); 16];
+            for (i, acc) in a.iter_mut().enumerate() {
+                let kp = pk.add(i * d);
+                let mut x = _mm512_mul_ps(_mm512_loadu_ps(pq), _mm512_loadu_ps(kp));
+                for c in 1..dv {
+                    x = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(16 * c)), _mm512_loadu_ps(kp.add(16 * c)), x);
+                }
+                *acc = x;
+            }
+            // Lanes i + i+8: key k's 8 sums in the low half of b[k], key k+8's in the high.
+            let mut b = [_mm512_setzero_ps(); 8];
+            for (k, bk) in b.iter_mut().enumerate() {
+                let (x, y) = (a[k], a[k + 8]);
+                *bk = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y));
+            }
+            // Lanes i + i+4: c[k]'s quarters hold keys k, k+8, k+4, k+12 (4 sums each).
+            let mut c = [_mm512_setzero_ps(); 4];
+            for (k, ck) in c.iter_mut().enumerate() {
+                let (x, y) = (b[k], b[k + 4]);
+                *ck = _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xDD>(x, y));
+            }
+            // Lanes i + i+2, then i + i+1, within each quarter.
+            let d0 = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(c[0], c[2]), _mm512_shuffle_ps::<0xEE>(c[0], c[2]));
+            let d1 = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(c[1], c[3]), _mm512_shuffle_ps::<0xEE>(c[1], c[3]));
+            let e = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(d0, d1), _mm512_shuffle_ps::<0xDD>(d0, d1));
+            // e's lanes hold keys 0 2 1 3, 8 10 9 11, 4 6 5 7, 12 14 13 15: back in key order.
+            let order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(order, e));
         }
     }
 

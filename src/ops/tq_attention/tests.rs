@@ -304,3 +304,28 @@ fn float_window_without_its_rings_is_refused() {
     write_and_attend(attn(&good, hq, hkv, d, None), &c, &q, &k, &v).unwrap();
     assert_ne!(ring_bits(), before);
 }
+
+/// The AVX-512 kernel's 16 dots at once give each key the same bits as its `dot`, which the
+/// decode path and the per-key tail use (head dims of 16, 64, 80 and 128, varied magnitudes).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn dot16_is_sixteen_dots() {
+    if !std::arch::is_x86_feature_detected!("avx512f") {
+        return;
+    }
+    fn check<const DV: usize>(d: usize) {
+        let k = Avx512::<DV>;
+        let q = randn((1, 1, d), 1);
+        let keys: Vec<f32> = randn((16, 1, d), 2).iter().enumerate().map(|(i, x)| x * (1 + i % 5) as f32).collect();
+        let mut got = [0f32; 16];
+        k.dot16(&q, &keys, &mut got);
+        for (i, g) in got.iter().enumerate() {
+            let want = k.dot(&q, &keys[i * d..][..d]);
+            assert_eq!(g.to_bits(), want.to_bits(), "d = {d}, key {i}: {g} against {want}");
+        }
+    }
+    check::<1>(16);
+    check::<4>(64);
+    check::<0>(80);
+    check::<8>(128);
+}
