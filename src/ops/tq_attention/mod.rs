@@ -333,16 +333,21 @@ impl<'a> TqAttention<'a> {
                 p[1] = l;
             }
         }
+        let mut weights = vec![0f32; bs];
         for (b, j0, j1) in block_parts(a0, b0, bs) {
             self.decode_block(k, self.value, io.vc, seq.block_table[b] as usize, j0..j1, g, &mut buf, &mut norms);
             for (r, s) in tile.spans.iter().enumerate() {
                 let (lo, hi) = range(s);
-                for j in j0.max(lo)..j1.min(hi) {
-                    let vj = &buf[(j - j0) * d..][..d];
-                    for h in 0..group {
-                        let w = scores[(r * group + h) * n + j - a0] * norms[j - j0];
-                        k.axpy(&mut part[(r * group + h) * (d + 2) + 2..][..d], w, vj);
+                let (x0, x1) = (j0.max(lo), j1.min(hi));
+                if x0 >= x1 {
+                    continue;
+                }
+                for h in 0..group {
+                    let w = &mut weights[..x1 - x0];
+                    for (j, wj) in (x0..x1).zip(w.iter_mut()) {
+                        *wj = scores[(r * group + h) * n + j - a0] * norms[j - j0];
                     }
+                    k.axpy_rows(&mut part[(r * group + h) * (d + 2) + 2..][..d], w, &buf[(x0 - j0) * d..]);
                 }
             }
         }
@@ -615,6 +620,14 @@ trait Kernel: Copy {
     }
     /// `y += w x`.
     fn axpy(self, y: &mut [f32], w: f32, x: &[f32]);
+    /// `y += w[i] x_i` for the `w.len()` head vectors `x_i` in `xs`, in order: the same bits
+    /// as that many `axpy` calls.
+    fn axpy_rows(self, y: &mut [f32], w: &[f32], xs: &[f32]) {
+        let d = y.len();
+        for (i, &wi) in w.iter().enumerate() {
+            self.axpy(y, wi, &xs[i * d..][..d]);
+        }
+    }
     /// `y *= w`.
     fn scale(self, y: &mut [f32], w: f32);
 }
@@ -733,6 +746,38 @@ impl<const DV: usize> Kernel for Avx512<DV> {
             for c in 0..dv {
                 let o = py.add(16 * c);
                 _mm512_storeu_ps(o, _mm512_fmadd_ps(wv, _mm512_loadu_ps(px.add(16 * c)), _mm512_loadu_ps(o)));
+            }
+        }
+    }
+
+    /// `axpy`'s fused multiply-adds with `y` held in registers across the rows.
+    #[inline(always)]
+    fn axpy_rows(self, y: &mut [f32], w: &[f32], xs: &[f32]) {
+        use std::arch::x86_64::*;
+        if DV == 0 {
+            let d = y.len();
+            for (i, &wi) in w.iter().enumerate() {
+                self.axpy(y, wi, &xs[i * d..][..d]);
+            }
+            return;
+        }
+        debug_assert!(y.len() >= 16 * DV && xs.len() >= w.len() * y.len());
+        let d = y.len();
+        // SAFETY: AVX-512F (see above); 16 * DV values in y and in each of the w.len() rows.
+        unsafe {
+            let (py, px) = (y.as_mut_ptr(), xs.as_ptr());
+            let mut acc = [_mm512_setzero_ps(); DV];
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(py.add(16 * c));
+            }
+            for (i, &wi) in w.iter().enumerate() {
+                let (wv, x) = (_mm512_set1_ps(wi), px.add(i * d));
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x.add(16 * c)), *a);
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(py.add(16 * c), *a);
             }
         }
     }

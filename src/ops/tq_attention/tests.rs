@@ -329,3 +329,29 @@ fn dot16_is_sixteen_dots() {
     check::<0>(80);
     check::<8>(128);
 }
+
+/// The AVX-512 kernel's sum of weighted rows with the sums in registers gives the same bits as
+/// one `axpy` per row.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn axpy_rows_is_one_axpy_per_row() {
+    if !std::arch::is_x86_feature_detected!("avx512f") {
+        return;
+    }
+    fn check<const DV: usize>(d: usize) {
+        let k = Avx512::<DV>;
+        let (w, xs, y0) = (randn((1, 1, 13), 3), randn((13, 1, d), 4), randn((1, 1, d), 5));
+        let mut got = y0.clone();
+        k.axpy_rows(&mut got, &w, &xs);
+        let mut want = y0;
+        for (i, &wi) in w.iter().enumerate() {
+            k.axpy(&mut want, wi, &xs[i * d..][..d]);
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "d = {d}");
+    }
+    check::<1>(16);
+    check::<4>(64);
+    check::<0>(80);
+    check::<8>(128);
+}
