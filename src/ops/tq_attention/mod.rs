@@ -23,7 +23,6 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor}
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
 use super::kv_write::KvWrite;
 use super::paged_attention::{exp_shifted, PagedAttention};
-use super::simd::{axpy_f32, dot_f32};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
 use crate::batch::AttentionMeta;
@@ -32,6 +31,11 @@ use crate::kv::TqLayerCache;
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod kernel;
+
+#[cfg(target_arch = "x86_64")]
+use kernel::Avx512;
+use kernel::{Kernel, Portable};
 
 /// Rows per tile at most.
 const TILE_ROWS: usize = 16;
@@ -601,200 +605,6 @@ mod avx512_entry {
         parts: &[f32],
     ) {
         op.merge(Avx512::<DV>, io, tile, g, parts)
-    }
-}
-
-/// The inner operations of the op, portable or vectorised. Within one process one kernel
-/// computes every row, so a row's result never depends on which tile it was in.
-trait Kernel: Copy {
-    /// The codes of `row` as centroids (the rotated unit vector's reconstruction).
-    fn decode(self, codec: &TqCodec, row: &[u8], out: &mut [f32]);
-    fn dot(self, a: &[f32], b: &[f32]) -> f32;
-    /// The dots of `q` with the 16 head vectors in `keys` (`16 * q.len()` values), each with
-    /// the same bits as `dot` gives it.
-    fn dot16(self, q: &[f32], keys: &[f32], out: &mut [f32; 16]) {
-        let d = q.len();
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = self.dot(q, &keys[i * d..][..d]);
-        }
-    }
-    /// `y += w x`.
-    fn axpy(self, y: &mut [f32], w: f32, x: &[f32]);
-    /// `y += w[i] x_i` for the `w.len()` head vectors `x_i` in `xs`, in order: the same bits
-    /// as that many `axpy` calls.
-    fn axpy_rows(self, y: &mut [f32], w: &[f32], xs: &[f32]) {
-        let d = y.len();
-        for (i, &wi) in w.iter().enumerate() {
-            self.axpy(y, wi, &xs[i * d..][..d]);
-        }
-    }
-    /// `y *= w`.
-    fn scale(self, y: &mut [f32], w: f32);
-}
-
-#[derive(Clone, Copy)]
-struct Portable;
-
-impl Kernel for Portable {
-    fn decode(self, codec: &TqCodec, row: &[u8], out: &mut [f32]) {
-        codec.decode_rotated(row, out)
-    }
-    fn dot(self, a: &[f32], b: &[f32]) -> f32 {
-        dot_f32(a, b)
-    }
-    fn axpy(self, y: &mut [f32], w: f32, x: &[f32]) {
-        axpy_f32(y, w, x)
-    }
-    fn scale(self, y: &mut [f32], w: f32) {
-        y.iter_mut().for_each(|v| *v *= w)
-    }
-}
-
-/// AVX-512 with `DV = head_dim / 16` 16-lane vectors per head vector (0: any multiple of 16).
-/// Only used from `avx512_entry`, for head dims that are multiples of 16 and codes of 2 to 4
-/// bits.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct Avx512<const DV: usize>;
-
-#[cfg(target_arch = "x86_64")]
-impl<const DV: usize> Kernel for Avx512<DV> {
-    #[inline(always)]
-    fn decode(self, codec: &TqCodec, row: &[u8], out: &mut [f32]) {
-        let d = out.len();
-        debug_assert!(row.len() >= codec.row_bytes() && d.is_multiple_of(16) && (2..=4).contains(&codec.bits()));
-        // SAFETY: only reached from `avx512_entry` (AVX-512F present), with d % 16 == 0
-        // and 2..=4-bit codes; `row` is a whole stored row (codes, then the norm).
-        unsafe {
-            crate::kv::turboquant::codec::decode_rotated_avx512(
-                row.as_ptr(),
-                codec.bits(),
-                codec.table16(),
-                d,
-                out.as_mut_ptr(),
-            )
-        }
-    }
-
-    #[inline(always)]
-    fn dot(self, a: &[f32], b: &[f32]) -> f32 {
-        use std::arch::x86_64::*;
-        let dv = if DV > 0 { DV } else { a.len() / 16 };
-        debug_assert!(a.len() >= 16 * dv && b.len() >= 16 * dv);
-        // SAFETY: AVX-512F (see above); 16 * dv values in both slices.
-        unsafe {
-            let (pa, pb) = (a.as_ptr(), b.as_ptr());
-            let mut acc = _mm512_mul_ps(_mm512_loadu_ps(pa), _mm512_loadu_ps(pb));
-            for c in 1..dv {
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(16 * c)), _mm512_loadu_ps(pb.add(16 * c)), acc);
-            }
-            _mm512_reduce_add_ps(acc)
-        }
-    }
-
-    /// The 16 products as `dot` forms them, then their 16 horizontal sums at once: the same
-    /// tree of adds as `_mm512_reduce_add_ps` (lanes i + i+8, then i + i+4, i + i+2, i + i+1),
-    /// done by shuffles across the vectors, ~45 instructions for 16 sums instead of ~8 each.
-    #[inline(always)]
-    fn dot16(self, q: &[f32], keys: &[f32], out: &mut [f32; 16]) {
-        use std::arch::x86_64::*;
-        let d = q.len();
-        let dv = if DV > 0 { DV } else { d / 16 };
-        debug_assert!(d >= 16 * dv && keys.len() >= 16 * d);
-        // SAFETY: AVX-512F (see above); 16 * dv values in q and in each of the 16 keys.
-        unsafe {
-            let (pq, pk) = (q.as_ptr(), keys.as_ptr());
-            let mut a = [_mm512_setzero_ps(); 16];
-            for (i, acc) in a.iter_mut().enumerate() {
-                let kp = pk.add(i * d);
-                let mut x = _mm512_mul_ps(_mm512_loadu_ps(pq), _mm512_loadu_ps(kp));
-                for c in 1..dv {
-                    x = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(16 * c)), _mm512_loadu_ps(kp.add(16 * c)), x);
-                }
-                *acc = x;
-            }
-            // Lanes i + i+8: key k's 8 sums in the low half of b[k], key k+8's in the high.
-            let mut b = [_mm512_setzero_ps(); 8];
-            for (k, bk) in b.iter_mut().enumerate() {
-                let (x, y) = (a[k], a[k + 8]);
-                *bk = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y));
-            }
-            // Lanes i + i+4: c[k]'s quarters hold keys k, k+8, k+4, k+12 (4 sums each).
-            let mut c = [_mm512_setzero_ps(); 4];
-            for (k, ck) in c.iter_mut().enumerate() {
-                let (x, y) = (b[k], b[k + 4]);
-                *ck = _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xDD>(x, y));
-            }
-            // Lanes i + i+2, then i + i+1, within each quarter.
-            let d0 = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(c[0], c[2]), _mm512_shuffle_ps::<0xEE>(c[0], c[2]));
-            let d1 = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(c[1], c[3]), _mm512_shuffle_ps::<0xEE>(c[1], c[3]));
-            let e = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(d0, d1), _mm512_shuffle_ps::<0xDD>(d0, d1));
-            // e's lanes hold keys 0 2 1 3, 8 10 9 11, 4 6 5 7, 12 14 13 15: back in key order.
-            let order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
-            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(order, e));
-        }
-    }
-
-    #[inline(always)]
-    fn axpy(self, y: &mut [f32], w: f32, x: &[f32]) {
-        use std::arch::x86_64::*;
-        let dv = if DV > 0 { DV } else { y.len() / 16 };
-        debug_assert!(y.len() >= 16 * dv && x.len() >= 16 * dv);
-        // SAFETY: AVX-512F (see above); 16 * dv values in both slices.
-        unsafe {
-            let (py, px, wv) = (y.as_mut_ptr(), x.as_ptr(), _mm512_set1_ps(w));
-            for c in 0..dv {
-                let o = py.add(16 * c);
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(wv, _mm512_loadu_ps(px.add(16 * c)), _mm512_loadu_ps(o)));
-            }
-        }
-    }
-
-    /// `axpy`'s fused multiply-adds with `y` held in registers across the rows.
-    #[inline(always)]
-    fn axpy_rows(self, y: &mut [f32], w: &[f32], xs: &[f32]) {
-        use std::arch::x86_64::*;
-        if DV == 0 {
-            let d = y.len();
-            for (i, &wi) in w.iter().enumerate() {
-                self.axpy(y, wi, &xs[i * d..][..d]);
-            }
-            return;
-        }
-        debug_assert!(y.len() >= 16 * DV && xs.len() >= w.len() * y.len());
-        let d = y.len();
-        // SAFETY: AVX-512F (see above); 16 * DV values in y and in each of the w.len() rows.
-        unsafe {
-            let (py, px) = (y.as_mut_ptr(), xs.as_ptr());
-            let mut acc = [_mm512_setzero_ps(); DV];
-            for (c, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(py.add(16 * c));
-            }
-            for (i, &wi) in w.iter().enumerate() {
-                let (wv, x) = (_mm512_set1_ps(wi), px.add(i * d));
-                for (c, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x.add(16 * c)), *a);
-                }
-            }
-            for (c, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(py.add(16 * c), *a);
-            }
-        }
-    }
-
-    #[inline(always)]
-    fn scale(self, y: &mut [f32], w: f32) {
-        use std::arch::x86_64::*;
-        let dv = if DV > 0 { DV } else { y.len() / 16 };
-        debug_assert!(y.len() >= 16 * dv);
-        // SAFETY: AVX-512F (see above); 16 * dv values.
-        unsafe {
-            let (py, wv) = (y.as_mut_ptr(), _mm512_set1_ps(w));
-            for c in 0..dv {
-                let o = py.add(16 * c);
-                _mm512_storeu_ps(o, _mm512_mul_ps(wv, _mm512_loadu_ps(o)));
-            }
-        }
     }
 }
 
