@@ -22,6 +22,11 @@ Methods (per setting, comma-separated `key=value` pairs):
   kmean=1         quantize k - m, m the keys' per-(layer, kv head, channel) mean over the
                   calibration text (exact: q.m is the same for every key of a query, and
                   softmax ignores it); with scale=1, t comes from the centred keys
+  rmean=1         quantize k - R(t) m, m the keys' mean before rotary per (layer, kv head,
+                  channel) over the calibration text, turned to the key's position t (exact:
+                  q.R(t)m is computed in full per key, a dot with the rotary table's row t);
+                  unlike kmean it holds at every position, since it turns with the key
+  rmeanp=P        with rmean: only the P rotary pairs with the largest mean energy
   vmean=1         quantize v - m_v and add m_v back (exact: the weights sum to 1)
   outl=N          keep the N rotary pairs of key channels with the most energy on the
                   calibration text in bf16 (per layer and kv head) and quantize the rest (an
@@ -123,7 +128,7 @@ def quantize(x, bits, seed, method):
     return turboquant(x, bits, seed)
 
 
-SETTING, CALIB, SCALES = {}, {}, {}
+SETTING, CALIB, SCALES, MODULES = {}, {}, {}, {}
 
 
 ROTARY = []
@@ -142,6 +147,19 @@ def rope_shift(x, n, module):
     return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
 
 
+def rope_turn(x, pos, module):
+    """x [.., T, d] turned by pos[T] positions each (negative: undo rotary)."""
+    rot = ROTARY[0]
+    lt = getattr(module, "layer_type", None)
+    inv = getattr(rot, f"{lt}_inv_freq", None) if lt else None
+    inv = rot.inv_freq if inv is None else inv
+    ang = pos.double()[:, None] * inv.double()[None, :]
+    c, s = ang.cos().float(), ang.sin().float()
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+
+
 def attention(module, q, k, v, mask, scaling=None, dropout=0.0, **kw):
     """Causal (and sliding-window) attention on fake-quantized keys/values; [b, h, T, d]."""
     li = module.layer_idx
@@ -149,14 +167,29 @@ def attention(module, q, k, v, mask, scaling=None, dropout=0.0, **kw):
         q, k = (rope_shift(x, SETTING["shift"], module) for x in (q, k))
     if SETTING.get("calibrating"):
         CALIB.setdefault(li, []).append((q.detach(), k.detach(), v.detach()))
+        MODULES[li] = module
     kb, vb = SETTING.get("k"), SETTING.get("v")
     if "only" in SETTING and li not in SETTING["only"]:
         kb = vb = None
     method = SETTING.get("method", "tq")
+    centre = "k" if SETTING.get("kmean") else "r" if SETTING.get("rmean") else False
     km = SCALES[(li, "kmean")] if SETTING.get("kmean") else 0.0
+    if SETTING.get("rmean"):
+        m = SCALES[(li, "rmean")]
+        if SETTING.get("rmeanp"):
+            # Only the P rotary pairs with the most mean energy keep their mean.
+            half = m.shape[-1] // 2
+            e = m.pow(2) + m.pow(2).roll(half, -1)
+            top = e[..., :half].topk(SETTING["rmeanp"], -1).indices
+            keep = torch.zeros_like(m, dtype=torch.bool)
+            keep.scatter_(-1, top, True)
+            keep.scatter_(-1, top + half, True)
+            m = m * keep
+        pos = torch.arange(k.shape[2]) + SETTING.get("shift", 0)
+        km = rope_turn(m.expand(k.shape[0], -1, k.shape[2], -1), pos, module)
     vm = SCALES[(li, "vmean")] if SETTING.get("vmean") else 0.0
     scale = SETTING.get("scale")
-    t = SCALES[(li, scale, bool(SETTING.get("kmean")), bool(SETTING.get("pair")))] if scale and kb is not None else 1.0
+    t = SCALES[(li, scale, centre, bool(SETTING.get("pair")))] if scale and kb is not None else 1.0
     seed = 2 * li + 1000 * SETTING.get("seed", 0)
     if SETTING.get("bmean") and kb is not None:
         B, T0 = SETTING["bmean"], k.shape[2]
@@ -230,6 +263,8 @@ def main():
         eq = q.pow(2).mean(2).reshape(1, hkv, q.shape[1] // hkv, -1).mean(2).unsqueeze(2)
         SCALES[(li, "kmean")] = k.mean(2, keepdim=True)
         SCALES[(li, "vmean")] = v.mean(2, keepdim=True)
+        k_pre = rope_turn(k, -torch.arange(k.shape[2]), MODULES[li])
+        SCALES[(li, "rmean")] = k_pre.mean(2, keepdim=True)
         half = k.shape[-1] // 2
         pair_k = k.pow(2).mean(2) + k.pow(2).mean(2).roll(half, -1)  # [1, hkv, d]
         for pairs in range(1, half + 1):
@@ -246,8 +281,8 @@ def main():
             keep.scatter_(-1, top, True)
             keep.scatter_(-1, top + half, True)
             SCALES[(li, "imp", pairs)] = keep.unsqueeze(2)
-        for centred in (False, True):
-            kc = k - SCALES[(li, "kmean")] if centred else k
+        for centred in (False, "k", "r"):
+            kc = {False: k, "k": k - SCALES[(li, "kmean")], "r": k_pre - SCALES[(li, "rmean")]}[centred]
             ek = kc.pow(2).mean(2, keepdim=True)
             for pair in (False, True):
                 # pair: one scale per rotary pair (c, c + d/2), transformers' channel order.
