@@ -57,30 +57,45 @@ impl PagedAttention<'_> {
         let mut out = vec![0f32; q.len()];
         #[cfg(target_arch = "x86_64")]
         let fast_path = d % 16 == 0 && std::is_x86_feature_detected!("avx512f");
-        // One work item per (row, kv head): the query heads of a GQA group share each key load.
+        // Work items: (up to TILE_ROWS consecutive rows of one sequence, kv head). A tile's rows
+        // read one run of keys, so each key is loaded once for all of them and the query heads
+        // of their GQA group; every row still gets the same arithmetic as alone.
+        let tiles: Vec<(usize, usize)> = self
+            .meta
+            .seqs
+            .iter()
+            .flat_map(|s| {
+                (s.q_start..s.q_start + s.q_len)
+                    .step_by(TILE_ROWS)
+                    .map(|t0| (t0, (t0 + TILE_ROWS).min(s.q_start + s.q_len)))
+            })
+            .collect();
         let dst = OutPtr(out.as_mut_ptr());
-        team().for_each(rows * hkv, |item| {
-            // SAFETY: item `item` owns out[item * group * d..][..group * d] and nothing else.
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(item * group * d), group * d) };
-            let (t, g) = (item / hkv, item % hkv);
-            let seq = &self.meta.seqs[self.meta.row_seq[t] as usize];
-            let pos = seq.first_position() + (t - seq.q_start);
-            let lo = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let n = pos + 1 - lo;
-            let qg = &q[(t * hq + g * group) * d..(t * hq + (g + 1) * group) * d];
-            // Offsets of this kv head's vectors for positions lo..=pos, block by block (no
+        team().for_each(tiles.len() * hkv, |item| {
+            let ((t0, t1), g) = (tiles[item / hkv], item % hkv);
+            let seq = &self.meta.seqs[self.meta.row_seq[t0] as usize];
+            let lo_of = |pos: usize| self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let pos0 = seq.first_position() + (t0 - seq.q_start);
+            let (lo, last) = (lo_of(pos0), pos0 + (t1 - t0) - 1);
+            // Each row's keys within the tile's run lo..=last: [lo_r - lo, pos_r - lo + 1).
+            let spans: Vec<(usize, usize)> = (pos0..=last).map(|p| (lo_of(p) - lo, p + 1 - lo)).collect();
+            // Offsets of this kv head's vectors for positions lo..=last, block by block (no
             // division per position).
-            let mut offs = Vec::with_capacity(n);
-            for b in lo / bs..=pos / bs {
+            let mut offs = Vec::with_capacity(last + 1 - lo);
+            for b in lo / bs..=last / bs {
                 let base = seq.block_table[b] as usize * bs;
-                let (j0, j1) = ((b * bs).max(lo), ((b + 1) * bs).min(pos + 1));
+                let (j0, j1) = ((b * bs).max(lo), ((b + 1) * bs).min(last + 1));
                 offs.extend((j0..j1).map(|j| ((base + j % bs) * hkv + g) * d));
             }
-            let mut scores = vec![0f32; group * n];
+            let q_row = |t: usize| &q[(t * hq + g * group) * d..(t * hq + (g + 1) * group) * d];
+            // SAFETY: item (tile, g) owns, for each row t of its tile, out[(t * hq + g * group)
+            // * d..][..group * d] and nothing else.
+            let out_row =
+                |t: usize| unsafe { std::slice::from_raw_parts_mut(dst.at((t * hq + g * group) * d), group * d) };
             #[cfg(target_arch = "x86_64")]
             if let (Some(k), Some(v), true) = (T::as_f32(k), T::as_f32(v), fast_path) {
-                // SAFETY: `fast_path` checked AVX-512F and d % 16 == 0; offsets are in bounds
-                // (block tables were checked against the cache size above).
+                let qt: Vec<f32> = (t0..t1).flat_map(|t| q_row(t).iter().copied()).collect();
+                let mut ot = vec![0f32; qt.len()];
                 let run = match d / 16 {
                     4 => attend_f32_avx512::<4>,
                     5 => attend_f32_avx512::<5>,
@@ -89,27 +104,40 @@ impl PagedAttention<'_> {
                     16 => attend_f32_avx512::<16>,
                     _ => attend_f32_avx512::<0>,
                 };
-                unsafe { run(qg, &offs, k, v, d, self.scale, self.softcap, &mut scores, o) };
+                // SAFETY: `fast_path` checked AVX-512F and d % 16 == 0; offsets are in bounds
+                // (block tables were checked against the cache size above); spans lie within
+                // the offsets.
+                unsafe { run(&qt, &spans, &offs, k, v, d, self.scale, self.softcap, &mut ot) };
+                for (t, o) in (t0..t1).zip(ot.chunks_exact(group * d)) {
+                    out_row(t).copy_from_slice(o);
+                }
                 return;
             }
             let mut buf = vec![0f32; d];
-            for (jj, &off) in offs.iter().enumerate() {
-                let kj = to_f32_slice(&k[off..off + d], &mut buf);
-                for h in 0..group {
-                    scores[h * n + jj] = self.score(dot_f32(&qg[h * d..(h + 1) * d], kj));
+            for (t, &(s0, s1)) in (t0..t1).zip(&spans) {
+                let (qg, o, n) = (q_row(t), out_row(t), s1 - s0);
+                let mut scores = vec![0f32; group * n];
+                for (jj, &off) in offs[s0..s1].iter().enumerate() {
+                    let kj = to_f32_slice(&k[off..off + d], &mut buf);
+                    for h in 0..group {
+                        scores[h * n + jj] = self.score(dot_f32(&qg[h * d..(h + 1) * d], kj));
+                    }
                 }
-            }
-            scores.chunks_exact_mut(n).for_each(softmax);
-            for (jj, &off) in offs.iter().enumerate() {
-                let vj = to_f32_slice(&v[off..off + d], &mut buf);
-                for h in 0..group {
-                    axpy_f32(&mut o[h * d..(h + 1) * d], scores[h * n + jj], vj);
+                scores.chunks_exact_mut(n).for_each(softmax);
+                for (jj, &off) in offs[s0..s1].iter().enumerate() {
+                    let vj = to_f32_slice(&v[off..off + d], &mut buf);
+                    for h in 0..group {
+                        axpy_f32(&mut o[h * d..(h + 1) * d], scores[h * n + jj], vj);
+                    }
                 }
             }
         });
         Ok(out)
     }
 }
+
+/// Rows of one sequence per work item of the CPU op (one tile of a prompt chunk).
+const TILE_ROWS: usize = 8;
 
 impl PagedAttention<'_> {
     /// A raw dot product q.k as an attention logit.
@@ -142,67 +170,136 @@ pub(crate) fn softmax(x: &mut [f32]) {
     }
 }
 
-/// One work item of the op for an f32 cache: `group = o.len() / d` query heads against the
-/// key/value vectors at `offs`. `DV = d / 16` when it is a compile-time size (each head's
-/// output then accumulates in registers), 0 for any other multiple of 16.
+/// One work item of the op for an f32 cache: `rows = spans.len()` query rows of one sequence,
+/// each with `group` query heads (`q` and `o`: `[rows, group, d]`), against the key/value
+/// vectors at `offs`, row r reading `offs[spans[r].0..spans[r].1]`. `DV = d / 16` when it is a
+/// compile-time size (value sums then stay in registers), 0 for any other multiple of 16.
+///
+/// A row's result has the same bits whatever the other rows of its tile: its scores are the
+/// same dot products (16 keys' horizontal sums at once, `reduce_add16`, equal to one
+/// `_mm512_reduce_add_ps` each), its softmax covers its own span, and its value sums take its
+/// keys in order (the tile only decides when the sums pass through memory).
 ///
 /// # Safety
-/// AVX-512F; `d % 16 == 0`; every `off + d` within `k` and `v`; `qg` and `o` hold
-/// `group * d` values, `scores` `group * offs.len()`.
+/// AVX-512F; `d % 16 == 0`; every `off + d` within `k` and `v`; each span within `offs`; `q`
+/// and `o` hold `rows * group * d` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_f32_avx512<const DV: usize>(
-    qg: &[f32],
+    q: &[f32],
+    spans: &[(usize, usize)],
     offs: &[usize],
     k: &[f32],
     v: &[f32],
     d: usize,
     scale: f32,
     softcap: Option<f32>,
-    scores: &mut [f32],
     o: &mut [f32],
 ) {
     use std::arch::x86_64::*;
-    let (group, n) = (o.len() / d, offs.len());
+    let (rows, n) = (spans.len(), offs.len());
+    let group = o.len() / d / rows;
     let dv = if DV > 0 { DV } else { d / 16 };
-    let (kp, vp, qp) = (k.as_ptr(), v.as_ptr(), qg.as_ptr());
-    for (jj, &off) in offs.iter().enumerate() {
-        let kj = kp.add(off);
-        for h in 0..group {
-            let qh = qp.add(h * d);
-            let mut acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kj));
-            for c in 1..dv {
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16 * c)), _mm512_loadu_ps(kj.add(16 * c)), acc);
-            }
-            let s = _mm512_reduce_add_ps(acc) * scale;
-            scores[h * n + jj] = match softcap {
-                Some(cap) => (s / cap).tanh() * cap,
-                None => s,
-            };
+    let (kp, vp, qp) = (k.as_ptr(), v.as_ptr(), q.as_ptr());
+    let logit = |sum: f32| {
+        let s = sum * scale;
+        match softcap {
+            Some(cap) => (s / cap).tanh() * cap,
+            None => s,
         }
-    }
-    scores.chunks_exact_mut(n).for_each(softmax);
-    let op = o.as_mut_ptr();
-    for h in 0..group {
-        let p = &scores[h * n..(h + 1) * n];
-        if DV > 0 {
-            let mut acc = [_mm512_setzero_ps(); DV];
-            for (&pj, &off) in p.iter().zip(offs) {
-                let (w, vj) = (_mm512_set1_ps(pj), vp.add(off));
-                for (c, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj.add(16 * c)), *a);
+    };
+    let touches = |&(s0, s1): &(usize, usize), a: usize, b: usize| a < s1 && s0 < b;
+    // Scores, [rows, group, n]: a row's entries outside its span are left unused.
+    let mut scores = vec![0f32; rows * group * n];
+    let full = n - n % 16;
+    let mut sums = [0f32; 16];
+    for j0 in (0..full).step_by(16) {
+        for (r, span) in spans.iter().enumerate() {
+            if !touches(span, j0, j0 + 16) {
+                continue;
+            }
+            for h in 0..group {
+                let qh = qp.add((r * group + h) * d);
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let kj = kp.add(offs[j0 + i]);
+                    let mut x = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kj));
+                    for c in 1..dv {
+                        x = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16 * c)), _mm512_loadu_ps(kj.add(16 * c)), x);
+                    }
+                    *a = x;
+                }
+                _mm512_storeu_ps(sums.as_mut_ptr(), super::simd::reduce_add16(&acc));
+                let sc = &mut scores[(r * group + h) * n + j0..][..16];
+                for (s, &x) in sc.iter_mut().zip(&sums) {
+                    *s = logit(x);
                 }
             }
-            for (c, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(op.add(h * d + 16 * c), *a);
+        }
+    }
+    for (jj, &off) in offs.iter().enumerate().skip(full) {
+        let kj = kp.add(off);
+        for (r, span) in spans.iter().enumerate() {
+            if !touches(span, jj, jj + 1) {
+                continue;
             }
-        } else {
-            for (&pj, &off) in p.iter().zip(offs) {
-                let (w, vj) = (_mm512_set1_ps(pj), vp.add(off));
-                for c in 0..dv {
-                    let oc = op.add(h * d + 16 * c);
-                    _mm512_storeu_ps(oc, _mm512_fmadd_ps(w, _mm512_loadu_ps(vj.add(16 * c)), _mm512_loadu_ps(oc)));
+            for h in 0..group {
+                let qh = qp.add((r * group + h) * d);
+                let mut x = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kj));
+                for c in 1..dv {
+                    x = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16 * c)), _mm512_loadu_ps(kj.add(16 * c)), x);
+                }
+                scores[(r * group + h) * n + jj] = logit(_mm512_reduce_add_ps(x));
+            }
+        }
+    }
+    for (r, &(s0, s1)) in spans.iter().enumerate() {
+        for h in 0..group {
+            softmax(&mut scores[(r * group + h) * n + s0..(r * group + h) * n + s1]);
+        }
+    }
+    // Values a chunk of positions at a time (about 16 KiB of them, so they stay in L1 while
+    // every row and head of the tile takes them); each (row, head)'s sums pass through `o`
+    // between chunks, which keeps their bits.
+    o.iter_mut().for_each(|x| *x = 0.0);
+    let op = o.as_mut_ptr();
+    let chunk = (4096 / d).max(16);
+    for c0 in (0..n).step_by(chunk) {
+        let c1 = (c0 + chunk).min(n);
+        for (r, &(s0, s1)) in spans.iter().enumerate() {
+            let (a, b) = (c0.max(s0), c1.min(s1));
+            if a >= b {
+                continue;
+            }
+            for h in 0..group {
+                let oh = op.add((r * group + h) * d);
+                let p = &scores[(r * group + h) * n + a..(r * group + h) * n + b];
+                if DV > 0 {
+                    let mut acc = [_mm512_setzero_ps(); DV];
+                    for (c, x) in acc.iter_mut().enumerate() {
+                        *x = _mm512_loadu_ps(oh.add(16 * c));
+                    }
+                    for (&pj, &off) in p.iter().zip(&offs[a..b]) {
+                        let (w, vj) = (_mm512_set1_ps(pj), vp.add(off));
+                        for (c, x) in acc.iter_mut().enumerate() {
+                            *x = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj.add(16 * c)), *x);
+                        }
+                    }
+                    for (c, x) in acc.iter().enumerate() {
+                        _mm512_storeu_ps(oh.add(16 * c), *x);
+                    }
+                } else {
+                    for (&pj, &off) in p.iter().zip(&offs[a..b]) {
+                        let (w, vj) = (_mm512_set1_ps(pj), vp.add(off));
+                        for c in 0..dv {
+                            let oc = oh.add(16 * c);
+                            _mm512_storeu_ps(
+                                oc,
+                                _mm512_fmadd_ps(w, _mm512_loadu_ps(vj.add(16 * c)), _mm512_loadu_ps(oc)),
+                            );
+                        }
+                    }
                 }
             }
         }
@@ -472,6 +569,7 @@ mod tests {
         d: usize,
         scale: f64,
         window: Option<usize>,
+        softcap: Option<f64>,
     ) -> Vec<f32> {
         let mut out = vec![0f32; q.len()];
         for t in 0..meta.num_rows() {
@@ -484,6 +582,7 @@ mod tests {
                 let qh = &q[(t * hq + h) * d..(t * hq + h + 1) * d];
                 let s: Vec<f64> = (lo..=pos)
                     .map(|j| k_at(si, j, g).iter().zip(qh).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale)
+                    .map(|x| softcap.map_or(x, |c| (x / c).tanh() * c))
                     .collect();
                 let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
@@ -499,46 +598,92 @@ mod tests {
         out
     }
 
-    /// Two sequences in one call: a 5-token chunk after a 30-token cached prefix, and a
-    /// decode at position 40; blocks deliberately out of order. Every head size the models
-    /// use, GQA, with and without a sliding window, f32 and bf16 caches.
+    /// Three sequences in one call: a 5-token chunk after a 30-token cached prefix, a decode
+    /// at position 40, and a 21-token chunk after 39 (several tiles of rows, spans across
+    /// 16-key groups); blocks deliberately out of order. Every head size the models use (and
+    /// 48, which has no compile-time size), GQA, sliding windows, softcap, f32 and bf16 caches.
     #[test]
     fn matches_direct_attention_for_every_head_dim() {
         let dev = Device::Cpu;
         let (bs, hq, hkv) = (4, 6, 2);
-        for d in [32, 64, 80, 96, 128, 256] {
-            for window in [None, Some(7)] {
-                for dtype in [DType::F32, DType::BF16] {
-                    let seqs = vec![
-                        SeqSlice { q_start: 0, q_len: 5, context_len: 35, block_table: (0..9).rev().collect() },
-                        SeqSlice { q_start: 5, q_len: 1, context_len: 41, block_table: (9..20).collect() },
-                    ];
-                    let meta = AttentionMeta::new(bs, seqs);
-                    let slots = 20 * bs;
-                    let kc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap().to_dtype(dtype).unwrap();
-                    let vc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap().to_dtype(dtype).unwrap();
-                    let q = Tensor::randn(0f32, 1.0, (6, hq, d), &dev).unwrap();
-                    let kv: Vec<f32> = kc.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-                    let vv: Vec<f32> = vc.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-                    let slot = |si: usize, j: usize| meta.seqs[si].block_table[j / bs] as usize * bs + j % bs;
-                    let k_at = |si: usize, j: usize, g: usize| kv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
-                    let v_at = |si: usize, j: usize, g: usize| vv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
-                    let scale = 1.0 / (d as f64).sqrt();
-                    let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
-                    let want = reference(&qv, &k_at, &v_at, &meta, hq, hkv, d, scale, window);
+        let cases = [32, 48, 64, 80, 96, 128, 256].into_iter().flat_map(|d| {
+            [(None, None), (Some(7), None), (Some(20), Some(5.0)), (None, Some(3.0))].map(|(w, c)| (d, w, c))
+        });
+        for (d, window, softcap) in cases {
+            for dtype in [DType::F32, DType::BF16] {
+                let seqs = vec![
+                    SeqSlice { q_start: 0, q_len: 5, context_len: 35, block_table: (0..9).rev().collect() },
+                    SeqSlice { q_start: 5, q_len: 1, context_len: 41, block_table: (9..20).collect() },
+                    SeqSlice { q_start: 6, q_len: 21, context_len: 60, block_table: (20..35).rev().collect() },
+                ];
+                let meta = AttentionMeta::new(bs, seqs);
+                let slots = 35 * bs;
+                let kc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap().to_dtype(dtype).unwrap();
+                let vc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap().to_dtype(dtype).unwrap();
+                let q = Tensor::randn(0f32, 1.0, (meta.num_rows(), hq, d), &dev).unwrap();
+                let kv: Vec<f32> = kc.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                let vv: Vec<f32> = vc.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                let slot = |si: usize, j: usize| meta.seqs[si].block_table[j / bs] as usize * bs + j % bs;
+                let k_at = |si: usize, j: usize, g: usize| kv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
+                let v_at = |si: usize, j: usize, g: usize| vv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
+                let scale = 1.0 / (d as f64).sqrt();
+                let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
+                let want = reference(&qv, &k_at, &v_at, &meta, hq, hkv, d, scale, window, softcap);
+                let op = PagedAttention {
+                    meta: &meta,
+                    num_heads: hq,
+                    num_kv_heads: hkv,
+                    head_dim: d,
+                    scale: scale as f32,
+                    window,
+                    softcap: softcap.map(|c| c as f32),
+                };
+                let got: Vec<f32> = op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-5, "d={d} window={window:?} softcap={softcap:?} {dtype:?}: max error {err}");
+            }
+        }
+    }
+
+    /// A row's output has the same bits however its prompt is cut into steps (whole, in
+    /// chunks of 5 and 16, token by token), so however the op tiles its rows.
+    #[test]
+    fn rows_have_the_same_bits_in_any_tile() {
+        let dev = Device::Cpu;
+        let (bs, hq, hkv, n) = (4, 6, 2, 45usize);
+        for (d, window, softcap) in
+            [(64, None, None), (80, Some(20), None), (48, None, Some(5.0)), (128, Some(9), Some(5.0))]
+        {
+            let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
+            let shape = (table.len() * bs, hkv, d);
+            let kc = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+            let vc = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+            let qv: Vec<f32> =
+                Tensor::randn(0f32, 1.0, (n, hq, d), &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let run = |chunk: usize| -> Vec<f32> {
+                let mut out = Vec::new();
+                for start in (0..n).step_by(chunk) {
+                    let end = (start + chunk).min(n);
+                    let seq = SeqSlice { q_start: 0, q_len: end - start, context_len: end, block_table: table.clone() };
+                    let meta = AttentionMeta::new(bs, vec![seq]);
+                    let q = Tensor::from_vec(qv[start * hq * d..end * hq * d].to_vec(), (end - start, hq, d), &dev)
+                        .unwrap();
                     let op = PagedAttention {
                         meta: &meta,
                         num_heads: hq,
                         num_kv_heads: hkv,
                         head_dim: d,
-                        scale: scale as f32,
+                        scale: 1.0 / (d as f32).sqrt(),
                         window,
-                        softcap: None,
+                        softcap,
                     };
-                    let got: Vec<f32> = op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-                    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                    assert!(err < 1e-5, "d={d} window={window:?} {dtype:?}: max error {err}");
+                    out.extend(op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
                 }
+                out
+            };
+            let whole = run(n);
+            for chunk in [1, 5, 16] {
+                assert!(whole == run(chunk), "d={d} window={window:?} softcap={softcap:?}: chunks of {chunk} differ");
             }
         }
     }
