@@ -12,6 +12,12 @@ pub trait KvElem: Copy + Send + Sync + 'static {
         let _ = s;
         None
     }
+    /// The 16 values at `p` as f32 (exactly: every element type here widens without rounding).
+    ///
+    /// # Safety
+    /// AVX-512F (the caller's target features; this inlines into it); 16 values readable at `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 /// `s` as f32: borrowed when already f32, else converted into `buf`.
@@ -41,6 +47,11 @@ impl KvElem for f32 {
     fn as_f32(s: &[Self]) -> Option<&[f32]> {
         Some(s)
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
 }
 
 impl KvElem for bf16 {
@@ -52,6 +63,13 @@ impl KvElem for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
+    /// bf16 is f32's upper half: widen each to 32 bits and shift it up.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+    }
 }
 
 impl KvElem for f16 {
@@ -62,6 +80,12 @@ impl KvElem for f16 {
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
     }
 }
 

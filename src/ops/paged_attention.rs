@@ -93,16 +93,16 @@ impl PagedAttention<'_> {
             let out_row =
                 |t: usize| unsafe { std::slice::from_raw_parts_mut(dst.at((t * hq + g * group) * d), group * d) };
             #[cfg(target_arch = "x86_64")]
-            if let (Some(k), Some(v), true) = (T::as_f32(k), T::as_f32(v), fast_path) {
+            if fast_path {
                 let qt: Vec<f32> = (t0..t1).flat_map(|t| q_row(t).iter().copied()).collect();
                 let mut ot = vec![0f32; qt.len()];
                 let run = match d / 16 {
-                    4 => attend_f32_avx512::<4>,
-                    5 => attend_f32_avx512::<5>,
-                    6 => attend_f32_avx512::<6>,
-                    8 => attend_f32_avx512::<8>,
-                    16 => attend_f32_avx512::<16>,
-                    _ => attend_f32_avx512::<0>,
+                    4 => attend_avx512::<T, 4>,
+                    5 => attend_avx512::<T, 5>,
+                    6 => attend_avx512::<T, 6>,
+                    8 => attend_avx512::<T, 8>,
+                    16 => attend_avx512::<T, 16>,
+                    _ => attend_avx512::<T, 0>,
                 };
                 // SAFETY: `fast_path` checked AVX-512F and d % 16 == 0; offsets are in bounds
                 // (block tables were checked against the cache size above); spans lie within
@@ -170,7 +170,7 @@ pub(crate) fn softmax(x: &mut [f32]) {
     }
 }
 
-/// One work item of the op for an f32 cache: `rows = spans.len()` query rows of one sequence,
+/// One work item of the op (any cache type, widened to f32 as it is read): `rows = spans.len()` query rows of one sequence,
 /// each with `group` query heads (`q` and `o`: `[rows, group, d]`), against the key/value
 /// vectors at `offs`, row r reading `offs[spans[r].0..spans[r].1]`. `DV = d / 16` when it is a
 /// compile-time size (value sums then stay in registers), 0 for any other multiple of 16.
@@ -186,12 +186,12 @@ pub(crate) fn softmax(x: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_f32_avx512<const DV: usize>(
+unsafe fn attend_avx512<T: KvElem, const DV: usize>(
     q: &[f32],
     spans: &[(usize, usize)],
     offs: &[usize],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     d: usize,
     scale: f32,
     softcap: Option<f32>,
@@ -224,9 +224,9 @@ unsafe fn attend_f32_avx512<const DV: usize>(
                 let mut acc = [_mm512_setzero_ps(); 16];
                 for (i, a) in acc.iter_mut().enumerate() {
                     let kj = kp.add(offs[j0 + i]);
-                    let mut x = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kj));
+                    let mut x = _mm512_mul_ps(_mm512_loadu_ps(qh), T::load16(kj));
                     for c in 1..dv {
-                        x = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16 * c)), _mm512_loadu_ps(kj.add(16 * c)), x);
+                        x = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16 * c)), T::load16(kj.add(16 * c)), x);
                     }
                     *a = x;
                 }
@@ -246,9 +246,9 @@ unsafe fn attend_f32_avx512<const DV: usize>(
             }
             for h in 0..group {
                 let qh = qp.add((r * group + h) * d);
-                let mut x = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kj));
+                let mut x = _mm512_mul_ps(_mm512_loadu_ps(qh), T::load16(kj));
                 for c in 1..dv {
-                    x = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16 * c)), _mm512_loadu_ps(kj.add(16 * c)), x);
+                    x = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16 * c)), T::load16(kj.add(16 * c)), x);
                 }
                 scores[(r * group + h) * n + jj] = logit(_mm512_reduce_add_ps(x));
             }
@@ -259,7 +259,7 @@ unsafe fn attend_f32_avx512<const DV: usize>(
             softmax(&mut scores[(r * group + h) * n + s0..(r * group + h) * n + s1]);
         }
     }
-    // Values a chunk of positions at a time (about 16 KiB of them, so they stay in L1 while
+    // Values a chunk of positions at a time (16 KiB of them in f32, so they stay in L1 while
     // every row and head of the tile takes them); each (row, head)'s sums pass through `o`
     // between chunks, which keeps their bits.
     o.iter_mut().for_each(|x| *x = 0.0);
@@ -283,7 +283,7 @@ unsafe fn attend_f32_avx512<const DV: usize>(
                     for (&pj, &off) in p.iter().zip(&offs[a..b]) {
                         let (w, vj) = (_mm512_set1_ps(pj), vp.add(off));
                         for (c, x) in acc.iter_mut().enumerate() {
-                            *x = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj.add(16 * c)), *x);
+                            *x = _mm512_fmadd_ps(w, T::load16(vj.add(16 * c)), *x);
                         }
                     }
                     for (c, x) in acc.iter().enumerate() {
@@ -294,10 +294,7 @@ unsafe fn attend_f32_avx512<const DV: usize>(
                         let (w, vj) = (_mm512_set1_ps(pj), vp.add(off));
                         for c in 0..dv {
                             let oc = oh.add(16 * c);
-                            _mm512_storeu_ps(
-                                oc,
-                                _mm512_fmadd_ps(w, _mm512_loadu_ps(vj.add(16 * c)), _mm512_loadu_ps(oc)),
-                            );
+                            _mm512_storeu_ps(oc, _mm512_fmadd_ps(w, T::load16(vj.add(16 * c)), _mm512_loadu_ps(oc)));
                         }
                     }
                 }
@@ -601,7 +598,8 @@ mod tests {
     /// Three sequences in one call: a 5-token chunk after a 30-token cached prefix, a decode
     /// at position 40, and a 21-token chunk after 39 (several tiles of rows, spans across
     /// 16-key groups); blocks deliberately out of order. Every head size the models use (and
-    /// 48, which has no compile-time size), GQA, sliding windows, softcap, f32 and bf16 caches.
+    /// 48, which has no compile-time size), GQA, sliding windows, softcap, f32, bf16 and f16
+    /// caches.
     #[test]
     fn matches_direct_attention_for_every_head_dim() {
         let dev = Device::Cpu;
@@ -610,7 +608,7 @@ mod tests {
             [(None, None), (Some(7), None), (Some(20), Some(5.0)), (None, Some(3.0))].map(|(w, c)| (d, w, c))
         });
         for (d, window, softcap) in cases {
-            for dtype in [DType::F32, DType::BF16] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let seqs = vec![
                     SeqSlice { q_start: 0, q_len: 5, context_len: 35, block_table: (0..9).rev().collect() },
                     SeqSlice { q_start: 5, q_len: 1, context_len: 41, block_table: (9..20).collect() },
@@ -651,13 +649,17 @@ mod tests {
     fn rows_have_the_same_bits_in_any_tile() {
         let dev = Device::Cpu;
         let (bs, hq, hkv, n) = (4, 6, 2, 45usize);
-        for (d, window, softcap) in
-            [(64, None, None), (80, Some(20), None), (48, None, Some(5.0)), (128, Some(9), Some(5.0))]
-        {
+        let cases = [
+            (64, None, None, DType::F32),
+            (80, Some(20), None, DType::BF16),
+            (48, None, Some(5.0), DType::F16),
+            (128, Some(9), Some(5.0), DType::F32),
+        ];
+        for (d, window, softcap, dtype) in cases {
             let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
             let shape = (table.len() * bs, hkv, d);
-            let kc = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
-            let vc = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+            let kc = Tensor::randn(0f32, 1.0, shape, &dev).unwrap().to_dtype(dtype).unwrap();
+            let vc = Tensor::randn(0f32, 1.0, shape, &dev).unwrap().to_dtype(dtype).unwrap();
             let qv: Vec<f32> =
                 Tensor::randn(0f32, 1.0, (n, hq, d), &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap();
             let run = |chunk: usize| -> Vec<f32> {
@@ -683,7 +685,10 @@ mod tests {
             };
             let whole = run(n);
             for chunk in [1, 5, 16] {
-                assert!(whole == run(chunk), "d={d} window={window:?} softcap={softcap:?}: chunks of {chunk} differ");
+                assert!(
+                    whole == run(chunk),
+                    "d={d} window={window:?} softcap={softcap:?} {dtype:?}: chunks of {chunk} differ"
+                );
             }
         }
     }
