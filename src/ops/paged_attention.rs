@@ -11,7 +11,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
 use super::simd::{axpy_f32, dot_f32};
 use super::team::{team, OutPtr};
-use crate::batch::AttentionMeta;
+use crate::batch::{AttentionMeta, SeqSlice};
 
 pub struct PagedAttention<'a> {
     pub meta: &'a AttentionMeta,
@@ -60,20 +60,18 @@ impl PagedAttention<'_> {
         // Work items: (up to TILE_ROWS consecutive rows of one sequence, kv head). A tile's rows
         // read one run of keys, so each key is loaded once for all of them and the query heads
         // of their GQA group; every row still gets the same arithmetic as alone.
-        let tiles: Vec<(usize, usize)> = self
+        let tiles: Vec<(&SeqSlice, usize, usize)> = self
             .meta
             .seqs
             .iter()
             .flat_map(|s| {
-                (s.q_start..s.q_start + s.q_len)
-                    .step_by(TILE_ROWS)
-                    .map(|t0| (t0, (t0 + TILE_ROWS).min(s.q_start + s.q_len)))
+                let end = s.q_start + s.q_len;
+                (s.q_start..end).step_by(TILE_ROWS).map(move |t0| (s, t0, (t0 + TILE_ROWS).min(end)))
             })
             .collect();
         let dst = OutPtr(out.as_mut_ptr());
         team().for_each(tiles.len() * hkv, |item| {
-            let ((t0, t1), g) = (tiles[item / hkv], item % hkv);
-            let seq = &self.meta.seqs[self.meta.row_seq[t0] as usize];
+            let ((seq, t0, t1), g) = (tiles[item / hkv], item % hkv);
             let lo_of = |pos: usize| self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let pos0 = seq.first_position() + (t0 - seq.q_start);
             let (lo, last) = (lo_of(pos0), pos0 + (t1 - t0) - 1);
