@@ -58,8 +58,8 @@ impl PagedAttention<'_> {
         #[cfg(target_arch = "x86_64")]
         let fast_path = d % 16 == 0 && std::is_x86_feature_detected!("avx512f");
         // Work items: (up to TILE_ROWS consecutive rows of one sequence, kv head). A tile's rows
-        // read one run of keys, so each key is loaded once for all of them and the query heads
-        // of their GQA group; every row still gets the same arithmetic as alone.
+        // read one run of keys, so each key is fetched from memory once for all of them and the
+        // query heads of their GQA group; every row still gets the same arithmetic as alone.
         let tiles: Vec<(&SeqSlice, usize, usize)> = self
             .meta
             .seqs
@@ -87,7 +87,8 @@ impl PagedAttention<'_> {
             }
             let q_row = |t: usize| &q[(t * hq + g * group) * d..(t * hq + (g + 1) * group) * d];
             // SAFETY: item (tile, g) owns, for each row t of its tile, out[(t * hq + g * group)
-            // * d..][..group * d] and nothing else.
+            // * d..][..group * d] and nothing else; each row's slice is taken once (below, one
+            // call per row on either path), so no two live `&mut` overlap.
             let out_row =
                 |t: usize| unsafe { std::slice::from_raw_parts_mut(dst.at((t * hq + g * group) * d), group * d) };
             #[cfg(target_arch = "x86_64")]
@@ -168,10 +169,11 @@ pub(crate) fn softmax(x: &mut [f32]) {
     }
 }
 
-/// One work item of the op (any cache type, widened to f32 as it is read): `rows = spans.len()` query rows of one sequence,
-/// each with `group` query heads (`q` and `o`: `[rows, group, d]`), against the key/value
-/// vectors at `offs`, row r reading `offs[spans[r].0..spans[r].1]`. `DV = d / 16` when it is a
-/// compile-time size (value sums then stay in registers), 0 for any other multiple of 16.
+/// One work item of the op (any cache type, widened to f32 as it is read): `rows =
+/// spans.len()` query rows of one sequence, each with `group` query heads (`q` and `o`:
+/// `[rows, group, d]`), against the key/value vectors at `offs`, row r reading
+/// `offs[spans[r].0..spans[r].1]`. `DV = d / 16` when it is a compile-time size (value sums
+/// then stay in registers), 0 for any other multiple of 16.
 ///
 /// A row's result has the same bits whatever the other rows of its tile: its scores are the
 /// same dot products (16 keys' horizontal sums at once, `reduce_add16`, equal to one
@@ -316,10 +318,21 @@ impl CustomOp3 for PagedAttention<'_> {
         v_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let q = f32_slice(q, q_l, "paged-attention q")?;
-        if !k_l.is_contiguous() || !v_l.is_contiguous() || k_l.dims() != v_l.dims() {
-            candle_core::bail!("paged-attention: caches must be contiguous and of one shape");
+        let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        if hkv == 0 || hq % hkv != 0 {
+            candle_core::bail!("paged-attention: {hq} query heads do not group over {hkv} KV heads");
         }
-        let n_slots = k_l.dims()[0];
+        // The kernels read the caches by raw offsets computed from this shape.
+        let contiguous = k_l.is_contiguous() && v_l.is_contiguous() && v_l.dims() == k_l.dims();
+        let n_slots = match k_l.dims() {
+            &[n, h, dd] if h == hkv && dd == d && contiguous => n,
+            _ => candle_core::bail!(
+                "paged-attention: caches must be contiguous [slots, {hkv}, {d}] tensors of one shape, \
+                 got {:?} and {:?}",
+                k_l.dims(),
+                v_l.dims()
+            ),
+        };
         let (ko, vo) = (k_l.start_offset(), v_l.start_offset());
         let out = match (k, v) {
             (CpuStorage::F32(k), CpuStorage::F32(v)) => self.run(q, &k[ko..], &v[vo..], n_slots)?,
@@ -641,6 +654,38 @@ mod tests {
         }
     }
 
+    /// Caches of another shape than `[slots, kv heads, head dim]` are refused (the kernels
+    /// read them by raw offsets), as are query heads that do not group over the kv heads.
+    #[test]
+    fn caches_of_the_wrong_shape_are_refused() {
+        let dev = Device::Cpu;
+        let seq = SeqSlice { q_start: 0, q_len: 1, context_len: 4, block_table: vec![0] };
+        let meta = AttentionMeta::new(4, vec![seq]);
+        let q = Tensor::zeros((1, 4, 16), DType::F32, &dev).unwrap();
+        let op = |hkv| PagedAttention {
+            meta: &meta,
+            num_heads: 4,
+            num_kv_heads: hkv,
+            head_dim: 16,
+            scale: 0.25,
+            window: None,
+            softcap: None,
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            let good = Tensor::zeros((4, 2, 16), dtype, &dev).unwrap();
+            assert!(op(2).forward(&q, &good, &good).is_ok());
+            for bad in [(4, 1, 32), (4, 4, 8), (2, 2, 32)] {
+                let k = Tensor::zeros(bad, dtype, &dev).unwrap();
+                let err = op(2).forward(&q, &k, &k).unwrap_err().to_string();
+                assert!(err.contains("caches must be"), "{bad:?}: {err}");
+            }
+            let flat = Tensor::zeros(128, dtype, &dev).unwrap();
+            assert!(op(2).forward(&q, &flat, &flat).is_err());
+            assert!(op(2).forward(&q, &good, &Tensor::zeros((4, 2, 8), dtype, &dev).unwrap()).is_err());
+            assert!(op(3).forward(&q, &good, &good).is_err());
+        }
+    }
+
     /// A row's output has the same bits however its prompt is cut into steps (whole, in
     /// chunks of 5 and 16, token by token), so however the op tiles its rows.
     #[test]
@@ -684,7 +729,7 @@ mod tests {
             let whole = run(n);
             for chunk in [1, 5, 16] {
                 assert!(
-                    whole == run(chunk),
+                    whole.iter().map(|x| x.to_bits()).eq(run(chunk).iter().map(|x| x.to_bits())),
                     "d={d} window={window:?} softcap={softcap:?} {dtype:?}: chunks of {chunk} differ"
                 );
             }
