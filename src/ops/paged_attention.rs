@@ -53,90 +53,245 @@ impl PagedAttention<'_> {
             candle_core::bail!("paged-attention: q has {} values, expected {rows}x{hq}x{d}", q.len());
         }
         self.check_tables(n_slots)?;
-        let bs = self.meta.block_size;
-        let mut out = vec![0f32; q.len()];
-        #[cfg(target_arch = "x86_64")]
-        let fast_path = d % 16 == 0 && std::is_x86_feature_detected!("avx512f");
-        // Work items: (up to TILE_ROWS consecutive rows of one sequence, kv head). A tile's rows
-        // read one run of keys, so each key is fetched from memory once for all of them and the
-        // query heads of their GQA group; every row still gets the same arithmetic as alone.
-        let tiles: Vec<(&SeqSlice, usize, usize)> = self
+        // Tiles of up to TILE_ROWS consecutive rows of one sequence. A tile's rows read one run
+        // of keys, so each key is fetched from memory once for all of them and the query heads
+        // of their GQA group. Every row's context is cut into segments of SEGMENT positions
+        // (fixed by position, not by the step), each giving a partial softmax, folded in
+        // position order: a tile of several rows is one work item per kv head; a lone row (a
+        // decode) is one per kv head and segment, folded by a second loop, so that a long
+        // context uses every thread. Either way a row gets the same arithmetic.
+        let tiles: Vec<Tile> = self
             .meta
             .seqs
             .iter()
             .flat_map(|s| {
                 let end = s.q_start + s.q_len;
-                (s.q_start..end).step_by(TILE_ROWS).map(move |t0| (s, t0, (t0 + TILE_ROWS).min(end)))
+                (s.q_start..end).step_by(TILE_ROWS).map(move |t0| Tile::new(self, s, t0..(t0 + TILE_ROWS).min(end)))
             })
             .collect();
-        let dst = OutPtr(out.as_mut_ptr());
-        team().for_each(tiles.len() * hkv, |item| {
-            let ((seq, t0, t1), g) = (tiles[item / hkv], item % hkv);
-            let lo_of = |pos: usize| self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let pos0 = seq.first_position() + (t0 - seq.q_start);
-            let (lo, last) = (lo_of(pos0), pos0 + (t1 - t0) - 1);
-            // Each row's keys within the tile's run lo..=last: [lo_r - lo, pos_r - lo + 1).
-            let spans: Vec<(usize, usize)> = (pos0..=last).map(|p| (lo_of(p) - lo, p + 1 - lo)).collect();
-            // Offsets of this kv head's vectors for positions lo..=last, block by block (no
-            // division per position).
-            let mut offs = Vec::with_capacity(last + 1 - lo);
-            for b in lo / bs..=last / bs {
-                let base = seq.block_table[b] as usize * bs;
-                let (j0, j1) = ((b * bs).max(lo), ((b + 1) * bs).min(last + 1));
-                offs.extend((j0..j1).map(|j| ((base + j % bs) * hkv + g) * d));
-            }
-            let q_row = |t: usize| &q[(t * hq + g * group) * d..(t * hq + (g + 1) * group) * d];
-            // SAFETY: item (tile, g) owns, for each row t of its tile, out[(t * hq + g * group)
-            // * d..][..group * d] and nothing else; each row's slice is taken once (below, one
-            // call per row on either path), so no two live `&mut` overlap.
-            let out_row =
-                |t: usize| unsafe { std::slice::from_raw_parts_mut(dst.at((t * hq + g * group) * d), group * d) };
-            #[cfg(target_arch = "x86_64")]
-            if fast_path {
-                let qt: Vec<f32> = (t0..t1).flat_map(|t| q_row(t).iter().copied()).collect();
-                let mut ot = vec![0f32; qt.len()];
-                let run = match d / 16 {
-                    4 => attend_avx512::<T, 4>,
-                    5 => attend_avx512::<T, 5>,
-                    6 => attend_avx512::<T, 6>,
-                    8 => attend_avx512::<T, 8>,
-                    16 => attend_avx512::<T, 16>,
-                    _ => attend_avx512::<T, 0>,
-                };
-                // SAFETY: `fast_path` checked AVX-512F and d % 16 == 0; offsets are in bounds
-                // (block tables were checked against the cache size above); spans lie within
-                // the offsets.
-                unsafe { run(&qt, &spans, &offs, k, v, d, self.scale, self.softcap, &mut ot) };
-                for (t, o) in (t0..t1).zip(ot.chunks_exact(group * d)) {
-                    out_row(t).copy_from_slice(o);
+        let part_len = group * (d + 2);
+        let (mut jobs, mut merges, mut parts) = (Vec::new(), Vec::new(), 0);
+        for (ti, tile) in tiles.iter().enumerate() {
+            for g in 0..hkv {
+                if tile.rows.len() > 1 {
+                    jobs.push(Job::Whole { tile: ti, g });
+                    continue;
                 }
+                let segs = tile.segments();
+                merges.push((ti, g, parts, segs.len()));
+                for seg in segs {
+                    jobs.push(Job::Segment { tile: ti, g, seg, part: parts });
+                    parts += 1;
+                }
+            }
+        }
+        let mut partials = vec![0f32; parts * part_len];
+        let pdst = OutPtr(partials.as_mut_ptr());
+        let mut out = vec![0f32; q.len()];
+        let dst = OutPtr(out.as_mut_ptr());
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = d % 16 == 0 && std::is_x86_feature_detected!("avx512f");
+        // Partial softmax states of `tile`'s rows (query values `qt`, `[rows, group, d]`) over
+        // the positions `seg` of kv head `g`, into `part` (`[rows, group, d + 2]`).
+        let partial = |tile: &Tile, qt: &[f32], g: usize, seg: (usize, usize), part: &mut [f32]| {
+            let offs = tile.offsets(g, seg);
+            let spans: Vec<(usize, usize)> = tile
+                .spans
+                .iter()
+                .map(|&(lo, end)| {
+                    let (a, b) = (lo.max(seg.0), end.min(seg.1));
+                    if a < b {
+                        (a - seg.0, b - seg.0)
+                    } else {
+                        (0, 0)
+                    }
+                })
+                .collect();
+            #[cfg(target_arch = "x86_64")]
+            if avx512 {
+                let run = match d / 16 {
+                    4 => partial_avx512::<T, 4>,
+                    5 => partial_avx512::<T, 5>,
+                    6 => partial_avx512::<T, 6>,
+                    8 => partial_avx512::<T, 8>,
+                    16 => partial_avx512::<T, 16>,
+                    _ => partial_avx512::<T, 0>,
+                };
+                // SAFETY: AVX-512F is present and d % 16 == 0; offsets are in bounds (block
+                // tables were checked against the cache, whose shape `cpu_fwd` checked); spans
+                // lie within the offsets.
+                unsafe { run(qt, &spans, &offs, k, v, d, self.scale, self.softcap, part) };
                 return;
             }
-            let mut buf = vec![0f32; d];
-            for (t, &(s0, s1)) in (t0..t1).zip(&spans) {
-                let (qg, o, n) = (q_row(t), out_row(t), s1 - s0);
-                let mut scores = vec![0f32; group * n];
-                for (jj, &off) in offs[s0..s1].iter().enumerate() {
-                    let kj = to_f32_slice(&k[off..off + d], &mut buf);
-                    for h in 0..group {
-                        scores[h * n + jj] = self.score(dot_f32(&qg[h * d..(h + 1) * d], kj));
-                    }
-                }
-                scores.chunks_exact_mut(n).for_each(softmax);
-                for (jj, &off) in offs[s0..s1].iter().enumerate() {
-                    let vj = to_f32_slice(&v[off..off + d], &mut buf);
-                    for h in 0..group {
-                        axpy_f32(&mut o[h * d..(h + 1) * d], scores[h * n + jj], vj);
+            self.partial_portable(qt, &spans, &offs, k, v, part);
+        };
+        // SAFETY (both loops): the item finishing (tile, g) is the only writer of its rows'
+        // heads of group g, each written once.
+        let finish = |tile: &Tile, g: usize, states: &[f32]| {
+            for (r, t) in tile.rows.clone().enumerate() {
+                let o = unsafe { std::slice::from_raw_parts_mut(dst.at((t * hq + g * group) * d), group * d) };
+                for (oh, st) in o.chunks_exact_mut(d).zip(states[r * part_len..][..part_len].chunks_exact(d + 2)) {
+                    let inv = 1.0 / st[1];
+                    for (x, y) in oh.iter_mut().zip(&st[2..]) {
+                        *x = y * inv;
                     }
                 }
             }
+        };
+        let empty_states = |rows: usize| {
+            let mut st = vec![0f32; rows * part_len];
+            st.chunks_exact_mut(d + 2).for_each(|s| s[0] = f32::NEG_INFINITY);
+            st
+        };
+        team().for_each(jobs.len(), |i| match jobs[i] {
+            Job::Whole { tile, g } => {
+                let tile = &tiles[tile];
+                let qt = tile.queries(q, g);
+                let mut states = empty_states(tile.rows.len());
+                let mut part = vec![0f32; states.len()];
+                for seg in tile.segments() {
+                    partial(tile, &qt, g, seg, &mut part);
+                    for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
+                        fold(st, p);
+                    }
+                }
+                finish(tile, g, &states);
+            }
+            Job::Segment { tile, g, seg, part } => {
+                // SAFETY: each segment job owns its slot of `partials`.
+                let p = unsafe { std::slice::from_raw_parts_mut(pdst.at(part * part_len), part_len) };
+                partial(&tiles[tile], &tiles[tile].queries(q, g), g, seg, p);
+            }
+        });
+        team().for_each(merges.len(), |i| {
+            let (tile, g, first, n) = merges[i];
+            let mut states = empty_states(1);
+            for part in partials[first * part_len..(first + n) * part_len].chunks_exact(part_len) {
+                for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
+                    fold(st, p);
+                }
+            }
+            finish(&tiles[tile], g, &states);
         });
         Ok(out)
+    }
+
+    /// `partial_avx512` for any machine and head size, one row at a time.
+    fn partial_portable<T: KvElem>(
+        &self,
+        qt: &[f32],
+        spans: &[(usize, usize)],
+        offs: &[usize],
+        k: &[T],
+        v: &[T],
+        part: &mut [f32],
+    ) {
+        let d = self.head_dim;
+        let group = self.num_heads / self.num_kv_heads;
+        let mut buf = vec![0f32; d];
+        for (r, &(s0, s1)) in spans.iter().enumerate() {
+            let n = s1 - s0;
+            let mut scores = vec![0f32; group * n];
+            for (jj, &off) in offs[s0..s1].iter().enumerate() {
+                let kj = to_f32_slice(&k[off..off + d], &mut buf);
+                for h in 0..group {
+                    scores[h * n + jj] = self.score(dot_f32(&qt[(r * group + h) * d..][..d], kj));
+                }
+            }
+            for h in 0..group {
+                let p = &mut part[(r * group + h) * (d + 2)..][..d + 2];
+                p.fill(0.0);
+                if n == 0 {
+                    p[0] = f32::NEG_INFINITY;
+                    continue;
+                }
+                (p[0], p[1]) = exp_shifted(&mut scores[h * n..(h + 1) * n]);
+            }
+            for (jj, &off) in offs[s0..s1].iter().enumerate() {
+                let vj = to_f32_slice(&v[off..off + d], &mut buf);
+                for h in 0..group {
+                    axpy_f32(&mut part[(r * group + h) * (d + 2) + 2..][..d], scores[h * n + jj], vj);
+                }
+            }
+        }
     }
 }
 
 /// Rows of one sequence per work item of the CPU op (one tile of a prompt chunk).
 const TILE_ROWS: usize = 8;
+
+/// Positions per softmax segment (segments start at multiples of it).
+const SEGMENT: usize = 256;
+
+enum Job {
+    /// Every segment of a tile of several rows, folded and finished.
+    Whole { tile: usize, g: usize },
+    /// One segment of a lone row, into slot `part` of the partial states.
+    Segment { tile: usize, g: usize, seg: (usize, usize), part: usize },
+}
+
+/// Rows `rows` of one sequence, with each row's positions `[lo, p + 1)` in `spans`.
+struct Tile<'a> {
+    seq: &'a SeqSlice,
+    rows: std::ops::Range<usize>,
+    spans: Vec<(usize, usize)>,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    bs: usize,
+}
+
+impl<'a> Tile<'a> {
+    fn new(a: &PagedAttention<'_>, seq: &'a SeqSlice, rows: std::ops::Range<usize>) -> Self {
+        let pos0 = seq.first_position() + (rows.start - seq.q_start);
+        let spans =
+            (pos0..pos0 + rows.len()).map(|p| (a.window.map_or(0, |w| (p + 1).saturating_sub(w)), p + 1)).collect();
+        let (hq, hkv, d, bs) = (a.num_heads, a.num_kv_heads, a.head_dim, a.meta.block_size);
+        Tile { seq, rows, spans, hq, hkv, d, bs }
+    }
+
+    /// The segments of the tile's run of positions, in order.
+    fn segments(&self) -> Vec<(usize, usize)> {
+        let (lo, hi) = (self.spans[0].0, self.spans[self.spans.len() - 1].1);
+        (lo / SEGMENT..=(hi - 1) / SEGMENT).map(|k| ((k * SEGMENT).max(lo), ((k + 1) * SEGMENT).min(hi))).collect()
+    }
+
+    /// Offsets of kv head `g`'s vectors for positions `seg`, block by block (no division per
+    /// position).
+    fn offsets(&self, g: usize, (lo, hi): (usize, usize)) -> Vec<usize> {
+        let (bs, hkv, d) = (self.bs, self.hkv, self.d);
+        let mut offs = Vec::with_capacity(hi - lo);
+        for b in lo / bs..=(hi - 1) / bs {
+            let base = self.seq.block_table[b] as usize * bs;
+            let (j0, j1) = ((b * bs).max(lo), ((b + 1) * bs).min(hi));
+            offs.extend((j0..j1).map(|j| ((base + j % bs) * hkv + g) * d));
+        }
+        offs
+    }
+
+    /// The query heads of group `g` for the tile's rows, `[rows, group, d]`.
+    fn queries(&self, q: &[f32], g: usize) -> Vec<f32> {
+        let (hq, d, group) = (self.hq, self.d, self.hq / self.hkv);
+        self.rows.clone().flat_map(|t| q[(t * hq + g * group) * d..][..group * d].iter().copied()).collect()
+    }
+}
+
+/// Folds a segment's partial (m, l, acc) into a running softmax state (M, L, total): the
+/// online softmax merge, segment after segment in position order.
+#[inline(always)]
+fn fold(state: &mut [f32], part: &[f32]) {
+    let m = part[0];
+    if m == f32::NEG_INFINITY {
+        return;
+    }
+    let mn = state[0].max(m);
+    let (x, y) = ((state[0] - mn).exp(), (m - mn).exp());
+    let (head, total) = state.split_at_mut(2);
+    total.iter_mut().for_each(|t| *t *= x);
+    axpy_f32(total, y, &part[2..]);
+    head[1] = head[1] * x + part[1] * y;
+    head[0] = mn;
+}
 
 impl PagedAttention<'_> {
     /// A raw dot product q.k as an attention logit.
@@ -159,21 +314,12 @@ pub(super) fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
     (m, super::simd::exp_sub_sum(s, m))
 }
 
-/// In place: `x <- softmax(x)`.
-#[inline(always)]
-pub(crate) fn softmax(x: &mut [f32]) {
-    let (_, sum) = exp_shifted(x);
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
-}
-
-/// One work item of the op (any cache type, widened to f32 as it is read): `rows =
-/// spans.len()` query rows of one sequence, each with `group` query heads (`q` and `o`:
-/// `[rows, group, d]`), against the key/value vectors at `offs`, row r reading
-/// `offs[spans[r].0..spans[r].1]`. `DV = d / 16` when it is a compile-time size (value sums
-/// then stay in registers), 0 for any other multiple of 16.
+/// The partial softmax states (m, l, sum of exp(s - m) v) of `rows = spans.len()` query rows
+/// of one sequence, each with `group` query heads (`q`: `[rows, group, d]`; `part`: `[rows,
+/// group, d + 2]`), over the key/value vectors at `offs` (any cache type, widened to f32 as
+/// it is read), row r reading `offs[spans[r].0..spans[r].1]` (m = -inf when that is empty).
+/// `DV = d / 16` when it is a compile-time size (value sums then stay in registers), 0 for
+/// any other multiple of 16.
 ///
 /// A row's result has the same bits whatever the other rows of its tile: its scores are the
 /// same dot products (16 keys' horizontal sums at once, `reduce_add16`, equal to one
@@ -182,11 +328,11 @@ pub(crate) fn softmax(x: &mut [f32]) {
 ///
 /// # Safety
 /// AVX-512F; `d % 16 == 0`; every `off + d` within `k` and `v`; each span within `offs`; `q`
-/// and `o` hold `rows * group * d` values.
+/// holds `rows * group * d` values and `part` `rows * group * (d + 2)`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx512<T: KvElem, const DV: usize>(
+unsafe fn partial_avx512<T: KvElem, const DV: usize>(
     q: &[f32],
     spans: &[(usize, usize)],
     offs: &[usize],
@@ -195,11 +341,11 @@ unsafe fn attend_avx512<T: KvElem, const DV: usize>(
     d: usize,
     scale: f32,
     softcap: Option<f32>,
-    o: &mut [f32],
+    part: &mut [f32],
 ) {
     use std::arch::x86_64::*;
     let (rows, n) = (spans.len(), offs.len());
-    let group = o.len() / d / rows;
+    let group = part.len() / (d + 2) / rows;
     let dv = if DV > 0 { DV } else { d / 16 };
     let (kp, vp, qp) = (k.as_ptr(), v.as_ptr(), q.as_ptr());
     let logit = |sum: f32| {
@@ -254,16 +400,20 @@ unsafe fn attend_avx512<T: KvElem, const DV: usize>(
             }
         }
     }
+    part.fill(0.0);
     for (r, &(s0, s1)) in spans.iter().enumerate() {
         for h in 0..group {
-            softmax(&mut scores[(r * group + h) * n + s0..(r * group + h) * n + s1]);
+            let p = &mut part[(r * group + h) * (d + 2)..][..2];
+            (p[0], p[1]) = match s0 < s1 {
+                true => exp_shifted(&mut scores[(r * group + h) * n + s0..(r * group + h) * n + s1]),
+                false => (f32::NEG_INFINITY, 0.0),
+            };
         }
     }
     // Values a chunk of positions at a time (16 KiB of them in f32, so they stay in L1 while
-    // every row and head of the tile takes them); each (row, head)'s sums pass through `o`
+    // every row and head of the tile takes them); each (row, head)'s sums pass through `part`
     // between chunks, which keeps their bits.
-    o.iter_mut().for_each(|x| *x = 0.0);
-    let op = o.as_mut_ptr();
+    let pp = part.as_mut_ptr();
     let chunk = (4096 / d).max(16);
     for c0 in (0..n).step_by(chunk) {
         let c1 = (c0 + chunk).min(n);
@@ -273,7 +423,7 @@ unsafe fn attend_avx512<T: KvElem, const DV: usize>(
                 continue;
             }
             for h in 0..group {
-                let oh = op.add((r * group + h) * d);
+                let oh = pp.add((r * group + h) * (d + 2) + 2);
                 let p = &scores[(r * group + h) * n + a..(r * group + h) * n + b];
                 if DV > 0 {
                     let mut acc = [_mm512_setzero_ps(); DV];
@@ -624,9 +774,12 @@ mod tests {
                     SeqSlice { q_start: 0, q_len: 5, context_len: 35, block_table: (0..9).rev().collect() },
                     SeqSlice { q_start: 5, q_len: 1, context_len: 41, block_table: (9..20).collect() },
                     SeqSlice { q_start: 6, q_len: 21, context_len: 60, block_table: (20..35).rev().collect() },
+                    // Contexts over several softmax segments: a prompt chunk and a decode.
+                    SeqSlice { q_start: 27, q_len: 20, context_len: 600, block_table: (35..185).rev().collect() },
+                    SeqSlice { q_start: 47, q_len: 1, context_len: 701, block_table: (185..361).collect() },
                 ];
                 let meta = AttentionMeta::new(bs, seqs);
-                let slots = 35 * bs;
+                let slots = 361 * bs;
                 let kc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let vc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let q = Tensor::randn(0f32, 1.0, (meta.num_rows(), hq, d), &dev).unwrap();
@@ -687,18 +840,22 @@ mod tests {
     }
 
     /// A row's output has the same bits however its prompt is cut into steps (whole, in
-    /// chunks of 5 and 16, token by token), so however the op tiles its rows.
+    /// chunks of 5, 16 and 100, token by token), so however the op tiles its rows and whether
+    /// its segments are folded within a tile or by the merge loop of a lone row.
     #[test]
     fn rows_have_the_same_bits_in_any_tile() {
         let dev = Device::Cpu;
-        let (bs, hq, hkv, n) = (4, 6, 2, 45usize);
+        let (bs, hq, hkv) = (4, 6, 2);
+        // 45 positions: one softmax segment; 600: three (and a window across their borders).
         let cases = [
-            (64, None, None, DType::F32),
-            (80, Some(20), None, DType::BF16),
-            (48, None, Some(5.0), DType::F16),
-            (128, Some(9), Some(5.0), DType::F32),
+            (45usize, 64, None, None, DType::F32),
+            (45, 80, Some(20), None, DType::BF16),
+            (45, 48, None, Some(5.0), DType::F16),
+            (45, 128, Some(9), Some(5.0), DType::F32),
+            (600, 64, None, None, DType::F32),
+            (600, 80, Some(300), Some(5.0), DType::BF16),
         ];
-        for (d, window, softcap, dtype) in cases {
+        for (n, d, window, softcap, dtype) in cases {
             let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
             let shape = (table.len() * bs, hkv, d);
             let kc = Tensor::randn(0f32, 1.0, shape, &dev).unwrap().to_dtype(dtype).unwrap();
@@ -727,10 +884,10 @@ mod tests {
                 out
             };
             let whole = run(n);
-            for chunk in [1, 5, 16] {
+            for chunk in [1, 5, 16, 100] {
                 assert!(
                     whole.iter().map(|x| x.to_bits()).eq(run(chunk).iter().map(|x| x.to_bits())),
-                    "d={d} window={window:?} softcap={softcap:?} {dtype:?}: chunks of {chunk} differ"
+                    "n={n} d={d} window={window:?} softcap={softcap:?} {dtype:?}: chunks of {chunk} differ"
                 );
             }
         }
