@@ -70,21 +70,7 @@ impl PagedAttention<'_> {
             })
             .collect();
         let part_len = group * (d + 2);
-        let (mut jobs, mut merges, mut parts) = (Vec::new(), Vec::new(), 0);
-        for (ti, tile) in tiles.iter().enumerate() {
-            for g in 0..hkv {
-                if tile.rows.len() > 1 {
-                    jobs.push(Job::Whole { tile: ti, g });
-                    continue;
-                }
-                let segs = tile.segments();
-                merges.push((ti, g, parts, segs.len()));
-                for seg in segs {
-                    jobs.push(Job::Segment { tile: ti, g, seg, part: parts });
-                    parts += 1;
-                }
-            }
-        }
+        let JobPlan { jobs, merges, parts } = JobPlan::new(tiles.iter().map(|t| (t.rows.len(), t.segments())), hkv);
         let mut partials = vec![0f32; parts * part_len];
         let pdst = OutPtr(partials.as_mut_ptr());
         let mut out = vec![0f32; q.len()];
@@ -223,11 +209,44 @@ const TILE_ROWS: usize = 8;
 /// Positions per softmax segment (segments start at multiples of it).
 const SEGMENT: usize = 256;
 
-enum Job {
+/// A work item of the attention ops on the CPU (this one and the TurboQuant one).
+#[derive(Clone, Copy)]
+pub(super) enum Job {
     /// Every segment of a tile of several rows, folded and finished.
     Whole { tile: usize, g: usize },
     /// One segment of a lone row, into slot `part` of the partial states.
     Segment { tile: usize, g: usize, seg: (usize, usize), part: usize },
+}
+
+/// The work items of a step: per tile and kv head, one `Whole` item for a tile of several
+/// rows, or one `Segment` item per segment of a lone row's context, whose partial states
+/// `merges` (tile, kv head, first slot, segments) folds in order.
+pub(super) struct JobPlan {
+    pub jobs: Vec<Job>,
+    pub merges: Vec<(usize, usize, usize, usize)>,
+    /// Partial-state slots the `Segment` items fill.
+    pub parts: usize,
+}
+
+impl JobPlan {
+    /// `tiles`: each tile's number of rows and its segments.
+    pub fn new(tiles: impl Iterator<Item = (usize, Vec<(usize, usize)>)>, hkv: usize) -> Self {
+        let (mut jobs, mut merges, mut parts) = (Vec::new(), Vec::new(), 0);
+        for (ti, (rows, segs)) in tiles.enumerate() {
+            for g in 0..hkv {
+                if rows > 1 {
+                    jobs.push(Job::Whole { tile: ti, g });
+                    continue;
+                }
+                merges.push((ti, g, parts, segs.len()));
+                for &seg in &segs {
+                    jobs.push(Job::Segment { tile: ti, g, seg, part: parts });
+                    parts += 1;
+                }
+            }
+        }
+        JobPlan { jobs, merges, parts }
+    }
 }
 
 /// Rows `rows` of one sequence, with each row's positions `[lo, p + 1)` in `spans`.
@@ -277,9 +296,10 @@ impl<'a> Tile<'a> {
 }
 
 /// Folds a segment's partial (m, l, acc) into a running softmax state (M, L, total): the
-/// online softmax merge, segment after segment in position order.
+/// online softmax merge, segment after segment in position order (this op's and the
+/// TurboQuant op's).
 #[inline(always)]
-fn fold(state: &mut [f32], part: &[f32]) {
+pub(super) fn fold(state: &mut [f32], part: &[f32]) {
     let m = part[0];
     if m == f32::NEG_INFINITY {
         return;

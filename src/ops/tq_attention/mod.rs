@@ -22,7 +22,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor}
 
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
 use super::kv_write::KvWrite;
-use super::paged_attention::{exp_shifted, PagedAttention};
+use super::paged_attention::{exp_shifted, fold, Job, JobPlan, PagedAttention};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
 use crate::batch::AttentionMeta;
@@ -169,23 +169,7 @@ impl<'a> TqAttention<'a> {
                 r = e;
             }
         }
-        let mut jobs = Vec::new();
-        let mut merges = Vec::new();
-        let mut parts = 0;
-        for (ti, tile) in tiles.iter().enumerate() {
-            for g in 0..hkv {
-                if tile.rows.len() > 1 {
-                    jobs.push(Job::Whole { tile: ti, g });
-                    continue;
-                }
-                let segs = tile.segments();
-                merges.push((ti, g, parts, segs.len()));
-                for seg in segs {
-                    jobs.push(Job::Segment { tile: ti, g, seg, part: parts });
-                    parts += 1;
-                }
-            }
-        }
+        let JobPlan { jobs, merges, parts } = JobPlan::new(tiles.iter().map(|t| (t.rows.len(), t.segments())), hkv);
         let part_len = group * (d + 2);
         let mut partials = vec![0f32; parts * part_len];
         let pdst = OutPtr(partials.as_mut_ptr());
@@ -357,23 +341,6 @@ impl<'a> TqAttention<'a> {
         }
     }
 
-    /// Folds a segment's partial (m, l, acc) into a running softmax state (M, L, total): the
-    /// online softmax merge, segment after segment in position order.
-    #[inline(always)]
-    fn fold<K: Kernel>(k: K, state: &mut [f32], part: &[f32]) {
-        let m = part[0];
-        if m == f32::NEG_INFINITY {
-            return;
-        }
-        let mn = state[0].max(m);
-        let (x, y) = ((state[0] - mn).exp(), (m - mn).exp());
-        let (head, total) = state.split_at_mut(2);
-        k.scale(total, x);
-        k.axpy(total, y, &part[2..]);
-        head[1] = head[1] * x + part[1] * y;
-        head[0] = mn;
-    }
-
     /// The output heads of row `r` of `tile` from its merged coded state (M, L, rotated total):
     /// the float window's positions joined as a last segment, one inverse rotation, 1 / L.
     #[allow(clippy::too_many_arguments)]
@@ -456,7 +423,7 @@ impl<'a> TqAttention<'a> {
         for seg in tile.segments() {
             self.segment(k, io, tile, &qr, g, seg, &mut part);
             for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
-                Self::fold(k, st, p);
+                fold(st, p);
             }
         }
         for r in 0..rows {
@@ -490,7 +457,7 @@ impl<'a> TqAttention<'a> {
         }
         for part in parts.chunks_exact(group * (d + 2)) {
             for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
-                Self::fold(k, st, p);
+                fold(st, p);
             }
         }
         self.finish(k, io, tile, 0, g, &mut states);
@@ -565,13 +532,6 @@ impl Tile {
         }
         (lo / SEGMENT..=(hi - 1) / SEGMENT).map(|k| ((k * SEGMENT).max(lo), ((k + 1) * SEGMENT).min(hi))).collect()
     }
-}
-
-/// A phase-one work item.
-#[derive(Clone, Copy)]
-enum Job {
-    Whole { tile: usize, g: usize },
-    Segment { tile: usize, g: usize, seg: (usize, usize), part: usize },
 }
 
 /// The work items compiled for AVX-512 (the kernel's intrinsics inline into them).
