@@ -1,5 +1,5 @@
 // Attention over a paged KV cache for a flat batch of any mix of prefill chunks and decodes
-// (see ops/paged_attention.rs, the reference). Row t of sequence s sits at position
+// (see ops/paged_attention/mod.rs, the reference). Row t of sequence s sits at position
 // p = context_len - q_len + (t - q_start) and attends to cached positions [lo, p].
 //
 // One block per (row, group of query heads sharing one KV head): every key and value loaded is
@@ -22,7 +22,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
                                 int num_heads, int num_kv_heads, int hb, int block_size, float scale, int window,
                                 float softcap, int skip_q_len) {
     pdl_launch_dependents();  // the output projection may start streaming its weights
-    pdl_wait();               // launched as a dependent (ops/paged_attention.rs): q, the cache after this
+    pdl_wait();               // launched as a dependent (ops/paged_attention/mod.rs): q, the cache after this
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;                 // 16-byte vectors per head row
     constexpr int KG = PA_THREADS / NV;       // keys accumulated at once in the value phase

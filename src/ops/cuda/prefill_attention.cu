@@ -1,6 +1,6 @@
 // Attention for prompt chunks with tensor cores (bf16 / f16): the rows of sequences that
 // compute many tokens at once, over the paged KV cache (prefill_attention: the same function as
-// paged_attention.cu, see ops/paged_attention.rs) or over TurboQuant codes (tq_prefill_attention:
+// paged_attention.cu, see ops/paged_attention/mod.rs) or over TurboQuant codes (tq_prefill_attention:
 // the same function as tq_attention.cu, see ops/tq_attention/). Scores are accumulated in f32
 // from the exact products of the 16-bit inputs; probabilities are rounded to the input type for
 // the P V product (as FlashAttention does); the output accumulates in f32.
@@ -28,7 +28,7 @@ template <int D> struct PfLayout {
     static constexpr size_t S = Q + 2 * PF_ROWS * LD;
     static constexpr size_t P = S + 4 * PF_ROWS * LS;
     static constexpr size_t O = P + 2 * PF_ROWS * LP;
-    static constexpr size_t BYTES = O + 4 * PF_ROWS * LO;  // = 640 D + 30720 (ops/paged_attention.rs)
+    static constexpr size_t BYTES = O + 4 * PF_ROWS * LO;  // = 640 D + 30720 (ops/paged_attention/mod.rs)
     // A warp's rotation scratch (tq_prefill_attention; 2 D floats) is its score rows, free
     // outside a tile's softmax.
     static_assert(16 * LS >= 2 * D, "the rotation scratch fits in a warp's score rows");
