@@ -1,6 +1,6 @@
 //! Quantized matmul throughput: weight bytes streamed per second for decode-sized batches
 //! (the fused kernels) and prompt-sized ones (the tiled GEMM), on a matrix that fits in
-//! cache (compute-bound) and one that does not (memory-bound).
+//! cache (compute-bound) and ones that do not (memory-bound).
 //!
 //!   cargo bench --bench qmatmul
 
@@ -40,10 +40,12 @@ fn bench(dt: GgmlDType, n: usize, k: usize, m: usize) {
 }
 
 fn main() {
-    for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K] {
-        for m in [1, 8, 32, 128] {
+    for dt in [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+        for m in [1, 8, 128] {
             bench(dt, 512, 512, m); // 0.15 MB: in cache
             bench(dt, 1536 * 8, 512, m); // 5 MB (Q4_1)
         }
+        // An LM head's size (a quarter of Gemma-3's 262,144 x 640): streams from DRAM.
+        bench(dt, 65536, 640, 1);
     }
 }

@@ -1,5 +1,5 @@
-//! Fused dequantize-and-dot kernels for the 32-element GGUF block formats (Q4_0, Q4_1,
-//! Q5_0, Q8_0) with AVX-512, on rows packed by `packed.rs`: each weight block is decoded
+//! Fused dequantize-and-dot kernels for GGUF weights (the 32-weight formats and the
+//! k-quants) with AVX-512, on rows packed by `packed.rs`: each weight block is decoded
 //! once into two f32 vectors, exactly as the scalar dequantizer computes it (`q * d`, then
 //! `+ m`, two roundings), and multiplied with up to `M` activation rows, so each weight byte
 //! is read once per step for all of a small batch's rows. The decoding costs about as much as
@@ -134,6 +134,73 @@ impl Decode for Q5_0 {
 }
 
 #[cfg(target_arch = "x86_64")]
+struct Q5_1;
+#[cfg(target_arch = "x86_64")]
+impl Decode for Q5_1 {
+    const FORMAT: BlockFormat = BlockFormat::Q5_1;
+    #[inline(always)]
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let (d, m) = (row.splat(0, b), row.splat(1, b));
+        let low = _mm512_add_ps(_mm512_mul_ps(codes16(), d), m);
+        let high = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(codes16(), _mm512_set1_ps(16.0)), d), m);
+        let qh = row.word(2, b);
+        let e = code_bytes(row.codes::<Self>(b));
+        let sixteen = _mm512_set1_epi32(16);
+        let lo = _mm512_and_si512(e, _mm512_set1_epi32(15));
+        let i0 = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
+        let hi = _mm512_srli_epi32(e, 4);
+        let i1 = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
+        (_mm512_permutex2var_ps(low, i0, high), _mm512_permutex2var_ps(low, i1, high))
+    }
+}
+
+/// Lane i gets bits 2i and 2i + 1 of `word`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pairs(word: u32) -> __m512i {
+    let shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(word as i32), shifts), _mm512_set1_epi32(3))
+}
+
+/// `(i - offset) * scale` for integer codes `i`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scaled(i: __m512i, offset: i32, scale: __m512) -> __m512 {
+    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i, _mm512_set1_epi32(offset))), scale)
+}
+
+/// 64 values per block are too many for a permute table: the codes are converted instead.
+#[cfg(target_arch = "x86_64")]
+struct Q6;
+#[cfg(target_arch = "x86_64")]
+impl Decode for Q6 {
+    const FORMAT: BlockFormat = BlockFormat::Q6;
+    #[inline(always)]
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let e = code_bytes(row.codes::<Self>(b));
+        let i0 =
+            _mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(15)), _mm512_slli_epi32(pairs(row.word(2, b)), 4));
+        let i1 = _mm512_or_si512(_mm512_srli_epi32(e, 4), _mm512_slli_epi32(pairs(row.word(3, b)), 4));
+        (scaled(i0, 32, row.splat(0, b)), scaled(i1, 32, row.splat(1, b)))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Q3;
+#[cfg(target_arch = "x86_64")]
+impl Decode for Q3 {
+    const FORMAT: BlockFormat = BlockFormat::Q3;
+    #[inline(always)]
+    unsafe fn decode(row: Row, b: usize) -> (__m512, __m512) {
+        let (l0, l1, h) = (pairs(row.word(2, b)), pairs(row.word(3, b)), row.word(4, b));
+        let four = _mm512_set1_epi32(4);
+        let i0 = _mm512_mask_or_epi32(l0, h as u16, l0, four);
+        let i1 = _mm512_mask_or_epi32(l1, (h >> 16) as u16, l1, four);
+        (scaled(i0, 4, row.splat(0, b)), scaled(i1, 4, row.splat(1, b)))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 struct Q8_0;
 #[cfg(target_arch = "x86_64")]
 impl Decode for Q8_0 {
@@ -184,7 +251,10 @@ pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], 
         BlockFormat::Q4_0 => dot_rows_of::<Q4_0, M>(row, x, k, out),
         BlockFormat::Q4_1 => dot_rows_of::<Q4_1, M>(row, x, k, out),
         BlockFormat::Q5_0 => dot_rows_of::<Q5_0, M>(row, x, k, out),
+        BlockFormat::Q5_1 => dot_rows_of::<Q5_1, M>(row, x, k, out),
         BlockFormat::Q8_0 => dot_rows_of::<Q8_0, M>(row, x, k, out),
+        BlockFormat::Q6 => dot_rows_of::<Q6, M>(row, x, k, out),
+        BlockFormat::Q3 => dot_rows_of::<Q3, M>(row, x, k, out),
     }
 }
 
@@ -210,6 +280,9 @@ pub unsafe fn dequant_row(fmt: BlockFormat, row: &[u8], out: &mut [f32]) {
         BlockFormat::Q4_0 => dequant_row_of::<Q4_0>(row, out),
         BlockFormat::Q4_1 => dequant_row_of::<Q4_1>(row, out),
         BlockFormat::Q5_0 => dequant_row_of::<Q5_0>(row, out),
+        BlockFormat::Q5_1 => dequant_row_of::<Q5_1>(row, out),
         BlockFormat::Q8_0 => dequant_row_of::<Q8_0>(row, out),
+        BlockFormat::Q6 => dequant_row_of::<Q6>(row, out),
+        BlockFormat::Q3 => dequant_row_of::<Q3>(row, out),
     }
 }

@@ -71,16 +71,9 @@ impl QMatrix {
             GgmlDType::Q6K => dequant_as::<BlockQ6K>,
             other => candle_core::bail!("quantized type {other:?} is not supported for matrices"),
         };
-        let fused = match dt {
-            GgmlDType::Q4_0 => Some(BlockFormat::Q4_0),
-            GgmlDType::Q4_1 => Some(BlockFormat::Q4_1),
-            GgmlDType::Q5_0 => Some(BlockFormat::Q5_0),
-            GgmlDType::Q8_0 => Some(BlockFormat::Q8_0),
-            _ => None,
-        }
-        .filter(|_| fused_avx512::available());
+        let fused = BlockFormat::for_ggml(dt).filter(|_| fused_avx512::available());
         let storage = match fused {
-            Some(format) => Storage::Packed(PackedRows::from_ggml(format, &q.data()?, rows, cols)),
+            Some(format) => Storage::Packed(PackedRows::from_ggml(dt, format, &q.data()?, rows, cols)),
             None => Storage::Ggml { row_bytes: cols / dt.block_size() * dt.type_size(), q, dequant_row },
         };
         Ok(QMatrix { storage, rows, cols })
@@ -304,11 +297,13 @@ mod tests {
             return;
         }
         let dev = Device::Cpu;
-        // 8 and 25 blocks per row: a partial group of 16 scales, and a full one plus a partial.
-        for (dt, cols) in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0]
-            .into_iter()
-            .flat_map(|dt| [(dt, 256), (dt, 800)])
-        {
+        // 8 and 25 blocks per row: a partial group of 16 scales, and a full one plus a partial;
+        // the k-quants with 1 and 3 super-blocks per row.
+        let small = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0];
+        let k_quants = [GgmlDType::Q3K, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
+        let cases = small.into_iter().flat_map(|dt| [(dt, 256), (dt, 800)]);
+        for (dt, cols) in cases.chain(k_quants.into_iter().flat_map(|dt| [(dt, 256), (dt, 768)])) {
+            assert!(BlockFormat::for_ggml(dt).is_some(), "{dt:?} has a fused kernel");
             let w = Tensor::randn(0f32, 1.0, (8, cols), &dev).unwrap();
             let q = Arc::new(QTensor::quantize(&w, dt).unwrap());
             let want: Vec<Vec<f32>> = q.dequantize(&dev).unwrap().to_vec2().unwrap();
@@ -324,7 +319,18 @@ mod tests {
 
     #[test]
     fn every_path_matches_dequantize_then_matmul() {
-        for dt in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+        for dt in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q2K,
+            GgmlDType::Q3K,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ] {
             check(dt, 70, 512);
             check(dt, 9, if dt.block_size() == 32 { 800 } else { 768 });
         }
