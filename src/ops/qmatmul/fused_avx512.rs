@@ -240,21 +240,48 @@ unsafe fn dot_rows_of<F: Decode, const M: usize>(row: &[u8], x: &[f32], k: usize
     }
 }
 
-/// `out[i] = dot(dequant(row), x[i * k..(i + 1) * k])` for `i < M`.
+/// Every row of `rows` (consecutive packed rows of `row_bytes`) against `M` activation rows:
+/// `out[r * M + i] = dot(dequant(row r), x[i * k..(i + 1) * k])`. The loop over rows runs
+/// here, inside the AVX-512 code, so a row costs no call: rows are short (an LM head's are
+/// 20 blocks on Gemma-3) and there are many of them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dot_row_range<F: Decode, const M: usize>(
+    rows: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    k: usize,
+    out: &mut [f32],
+) {
+    for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+        dot_rows_of::<F, M>(row, x, k, &mut out[r * M..(r + 1) * M]);
+    }
+}
+
+/// `out[r * M + i] = dot(dequant(row r), x[i * k..(i + 1) * k])` for every packed row r of
+/// `rows` and `i < M`.
 ///
 /// # Safety
-/// The CPU must have AVX-512F/BW; `row` must be one packed row of `k / 32` blocks of `fmt`, `x` `M * k` values.
+/// The CPU must have AVX-512F/BW; `rows` must be whole packed rows of `row_bytes` (`k / 32`
+/// blocks of `fmt`), `x` `M * k` values, `out` `M` values per row.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn dot_rows<const M: usize>(fmt: BlockFormat, row: &[u8], x: &[f32], k: usize, out: &mut [f32]) {
+pub unsafe fn dot_rows<const M: usize>(
+    fmt: BlockFormat,
+    rows: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    k: usize,
+    out: &mut [f32],
+) {
     match fmt {
-        BlockFormat::Q4_0 => dot_rows_of::<Q4_0, M>(row, x, k, out),
-        BlockFormat::Q4_1 => dot_rows_of::<Q4_1, M>(row, x, k, out),
-        BlockFormat::Q5_0 => dot_rows_of::<Q5_0, M>(row, x, k, out),
-        BlockFormat::Q5_1 => dot_rows_of::<Q5_1, M>(row, x, k, out),
-        BlockFormat::Q8_0 => dot_rows_of::<Q8_0, M>(row, x, k, out),
-        BlockFormat::Q6 => dot_rows_of::<Q6, M>(row, x, k, out),
-        BlockFormat::Q3 => dot_rows_of::<Q3, M>(row, x, k, out),
+        BlockFormat::Q4_0 => dot_row_range::<Q4_0, M>(rows, row_bytes, x, k, out),
+        BlockFormat::Q4_1 => dot_row_range::<Q4_1, M>(rows, row_bytes, x, k, out),
+        BlockFormat::Q5_0 => dot_row_range::<Q5_0, M>(rows, row_bytes, x, k, out),
+        BlockFormat::Q5_1 => dot_row_range::<Q5_1, M>(rows, row_bytes, x, k, out),
+        BlockFormat::Q8_0 => dot_row_range::<Q8_0, M>(rows, row_bytes, x, k, out),
+        BlockFormat::Q6 => dot_row_range::<Q6, M>(rows, row_bytes, x, k, out),
+        BlockFormat::Q3 => dot_row_range::<Q3, M>(rows, row_bytes, x, k, out),
     }
 }
 

@@ -149,32 +149,31 @@ impl QMatrix {
             let rows_per_task = (n / (team().threads() * 8)).clamp(1, 64);
             team().for_each(n.div_ceil(rows_per_task), |c| {
                 let (r0, r1) = (c * rows_per_task, ((c + 1) * rows_per_task).min(n));
-                let mut w = vec![0f32; if fused.is_some() { 0 } else { k }];
-                let mut res = [0f32; 8];
-                for r in r0..r1 {
-                    let row = &data[r * row_bytes..(r + 1) * row_bytes];
-                    let mut i0 = 0;
-                    while i0 < m {
-                        let g = (m - i0).min(8);
-                        let xs = &x[i0 * k..(i0 + g) * k];
-                        match fused {
+                // SAFETY (both arms): (i, r) is inside `out`, and row r belongs to this task only.
+                match fused {
+                    #[cfg(target_arch = "x86_64")]
+                    Some(fmt) => {
+                        let rows = &data[r0 * row_bytes..r1 * row_bytes];
+                        let mut res = vec![0f32; 8 * (r1 - r0)];
+                        for i0 in (0..m).step_by(8) {
+                            let g = (m - i0).min(8);
                             // SAFETY: AVX-512 is present when `fused` is set; sizes as documented.
-                            #[cfg(target_arch = "x86_64")]
-                            Some(fmt) => unsafe { fused_rows(fmt, g, row, xs, k, &mut res) },
-                            _ => {
-                                if i0 == 0 {
-                                    self.dequant(&data, r, &mut w);
-                                }
-                                for (i, o) in res.iter_mut().enumerate().take(g) {
-                                    *o = dot_f32(&w, &xs[i * k..(i + 1) * k]);
+                            unsafe { fused_rows(fmt, g, rows, row_bytes, &x[i0 * k..(i0 + g) * k], k, &mut res) };
+                            for r in r0..r1 {
+                                for i in 0..g {
+                                    unsafe { *dst.at((i0 + i) * n + r) = res[(r - r0) * g + i] };
                                 }
                             }
                         }
-                        for (i, v) in res.iter().enumerate().take(g) {
-                            // SAFETY: (i0 + i, r) is inside `out`, and row r belongs to this task only.
-                            unsafe { *dst.at((i0 + i) * n + r) = *v };
+                    }
+                    _ => {
+                        let mut w = vec![0f32; k];
+                        for r in r0..r1 {
+                            self.dequant(&data, r, &mut w);
+                            for i in 0..m {
+                                unsafe { *dst.at(i * n + r) = dot_f32(&w, &x[i * k..(i + 1) * k]) };
+                            }
                         }
-                        i0 += g;
                     }
                 }
             });
@@ -225,22 +224,23 @@ impl QMatrix {
     }
 }
 
-/// Dispatches a group of up to 8 activation rows to the fused kernel of that size.
+/// Dispatches a group of up to 8 activation rows to the fused kernel of that size; `out`
+/// gets `g` values per weight row.
 ///
 /// # Safety
-/// AVX-512F/BW must be available; `xs` holds `g * k` values, `row` one weight row.
+/// AVX-512F/BW must be available; `xs` holds `g * k` values, `rows` whole weight rows.
 #[cfg(target_arch = "x86_64")]
-unsafe fn fused_rows(fmt: BlockFormat, g: usize, row: &[u8], xs: &[f32], k: usize, out: &mut [f32; 8]) {
+unsafe fn fused_rows(fmt: BlockFormat, g: usize, rows: &[u8], row_bytes: usize, xs: &[f32], k: usize, out: &mut [f32]) {
     use fused_avx512::dot_rows;
     match g {
-        1 => dot_rows::<1>(fmt, row, xs, k, out),
-        2 => dot_rows::<2>(fmt, row, xs, k, out),
-        3 => dot_rows::<3>(fmt, row, xs, k, out),
-        4 => dot_rows::<4>(fmt, row, xs, k, out),
-        5 => dot_rows::<5>(fmt, row, xs, k, out),
-        6 => dot_rows::<6>(fmt, row, xs, k, out),
-        7 => dot_rows::<7>(fmt, row, xs, k, out),
-        _ => dot_rows::<8>(fmt, row, xs, k, out),
+        1 => dot_rows::<1>(fmt, rows, row_bytes, xs, k, out),
+        2 => dot_rows::<2>(fmt, rows, row_bytes, xs, k, out),
+        3 => dot_rows::<3>(fmt, rows, row_bytes, xs, k, out),
+        4 => dot_rows::<4>(fmt, rows, row_bytes, xs, k, out),
+        5 => dot_rows::<5>(fmt, rows, row_bytes, xs, k, out),
+        6 => dot_rows::<6>(fmt, rows, row_bytes, xs, k, out),
+        7 => dot_rows::<7>(fmt, rows, row_bytes, xs, k, out),
+        _ => dot_rows::<8>(fmt, rows, row_bytes, xs, k, out),
     }
 }
 
