@@ -412,7 +412,7 @@ def machine_info(a) -> dict:
         "numpy": numpy.__version__,
         "iris_version": sh([str(a.iris_bin), "--version"]),
         "iris_commit": commit + (" (+ uncommitted changes)" if dirty not in ("", "?") else ""),
-        "iris_repo": sh(["git", "rev-parse", "--show-toplevel"], cwd=bin_dir),
+        "iris_repo": sh(["git", "rev-parse", "--show-toplevel"], cwd=REPO),
     }
 
 
@@ -528,16 +528,18 @@ def main() -> None:
     assert a.gen_len > 1 and a.rounds > 0
     model = Path(a.model).resolve() if a.model else find_model(a.iris_bin)
     prompt = tokenize_prompt(model, a.prompt_len)
-    quant = model.stem.rsplit(".", 1)[-1] if "." in model.stem else "GGUF"
+    # The weight type from the file name: "X.Q4_1.gguf" or "x-q4_k_m.gguf".
+    stem = model.stem
+    quant = stem.rsplit(".", 1)[-1] if "." in stem else stem.rsplit("-", 1)[-1].upper() if "-q" in stem.lower() else ""
 
     configs = []
     for e in a.engines.split(","):
         if e == "iris":
             configs += [{"engine": "iris", "dtype": d, "name": f"iris-{d}", "label": f"iris ({d} activations)",
-                         "weights": f"{quant} GGUF"} for d in a.iris_dtypes.split(",")]
+                         "weights": f"{quant} GGUF".strip()} for d in a.iris_dtypes.split(",")]
         elif e == "llama.cpp":
             configs.append({"engine": "llama.cpp", "dtype": "-", "name": "llama.cpp", "label": "llama.cpp",
-                            "weights": f"{quant} GGUF"})
+                            "weights": f"{quant} GGUF".strip()})
         elif e == "transformers":
             configs += [{"engine": "transformers", "dtype": d, "name": f"transformers-{d}", "label": "transformers",
                          "weights": f"{d} (dequantized from the GGUF)"} for d in a.hf_dtypes.split(",")]
@@ -573,7 +575,8 @@ def main() -> None:
                f"llama-cpp-python {info['llama_cpp_python']}; transformers {info['transformers']}; "
                f"torch {info['torch']}; Python {info['python']}.\n"
                f"llama.cpp system info: `{info['llama_cpp_sysinfo']}`")
-    section = (f"## SmolLM2-135M-Instruct, {a.threads} threads ({info['date']})\n\n"
+    title = "SmolLM2-135M-Instruct" if a.model is None else Path(a.model).name
+    section = (f"## {title}, {a.threads} threads ({info['date']})\n\n"
                f"Model: `{model.name}`. Prompt {a.prompt_len} tokens, {a.gen_len} generated per sequence, "
                f"medians of {a.rounds} round(s) ({elapsed / 60:.0f} min).\n\n{tables}\n\n{machine}\n\n"
                f"Produced by:\n\n```sh\n{argv_for_doc}\n```\n\n"
