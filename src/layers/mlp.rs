@@ -2,7 +2,7 @@ use candle_core::{Result, Tensor};
 
 use super::linear::{Linear, StackedLinear};
 use crate::models::config::Activation;
-use crate::ops::gated_act::GatedAct;
+use crate::ops::gated_act::{GatedAct, GatedHalves};
 use crate::weights::{Weights, WeightsError};
 
 /// `down(act(gate(x)) * up(x))`
@@ -88,15 +88,16 @@ impl GatedMlp {
         }
         let [g, up]: [Tensor; 2] =
             gate_up.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("gate/up: 2 parts".into()))?;
-        self.down.forward(&(self.act.apply(&g)? * up)?)
+        self.down.forward(&GatedHalves::apply(self.act, &g, &up)?)
     }
 }
 
 /// `act(gate) * up` of a fused gate/up projection `y` (`[T, 2 * inter]`, gate rows first): one
-/// pass on CUDA where the fused kernel has the activation (SiLU, tanh-GELU) and the width, op by
-/// op otherwise.
+/// pass where the fused op has the activation (SiLU, tanh-GELU), the width and the dtype (any
+/// on CUDA, f32 on the CPU), op by op otherwise.
 pub fn gated(act: Activation, y: &Tensor, inter: usize) -> Result<Tensor> {
-    if let Some(fused) = GatedAct::for_activation(act).filter(|_| y.device().is_cuda() && GatedAct::supports(inter)) {
+    let here = y.device().is_cuda() || y.dtype() == candle_core::DType::F32;
+    if let Some(fused) = GatedAct::for_activation(act).filter(|_| here && GatedAct::supports(inter)) {
         // One pass instead of act, mul and their strided reads.
         return fused.forward(y);
     }

@@ -181,7 +181,7 @@ unsafe fn exp_sub_sum_avx512(x: &mut [f32], m: f32) -> f32 {
 /// exp_det of each lane, by the same operations in the same order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn exp_det_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+pub(crate) unsafe fn exp_det_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     let valid = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(-87.0));
     let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(89.0));
