@@ -121,16 +121,23 @@ impl Decode for Q5_0 {
         // Codes 0..16 are the values -16..0, codes 16..32 the values 0..16.
         let low = _mm512_mul_ps(_mm512_sub_ps(codes16(), _mm512_set1_ps(16.0)), d);
         let high = _mm512_mul_ps(codes16(), d);
-        let qh = row.word(1, b);
-        let e = code_bytes(row.codes::<Self>(b));
-        let sixteen = _mm512_set1_epi32(16);
-        // Bit j of qh is the fifth bit of element j (and bit 16 + j of element 16 + j).
-        let lo = _mm512_and_si512(e, _mm512_set1_epi32(15));
-        let i0 = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
-        let hi = _mm512_srli_epi32(e, 4);
-        let i1 = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
-        (_mm512_permutex2var_ps(low, i0, high), _mm512_permutex2var_ps(low, i1, high))
+        lookup32(row.codes::<Self>(b), row.word(1, b), low, high)
     }
+}
+
+/// A block of 5-bit codes looked up in its 32 values (`low` for codes 0..16, `high` for
+/// 16..32): the low nibbles at `codes` (see `code_bytes`), the fifth bits in `qh`, bit j for
+/// element j.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn lookup32(codes: *const u8, qh: u32, low: __m512, high: __m512) -> (__m512, __m512) {
+    let e = code_bytes(codes);
+    let sixteen = _mm512_set1_epi32(16);
+    let lo = _mm512_and_si512(e, _mm512_set1_epi32(15));
+    let i0 = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
+    let hi = _mm512_srli_epi32(e, 4);
+    let i1 = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
+    (_mm512_permutex2var_ps(low, i0, high), _mm512_permutex2var_ps(low, i1, high))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -143,14 +150,7 @@ impl Decode for Q5_1 {
         let (d, m) = (row.splat(0, b), row.splat(1, b));
         let low = _mm512_add_ps(_mm512_mul_ps(codes16(), d), m);
         let high = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(codes16(), _mm512_set1_ps(16.0)), d), m);
-        let qh = row.word(2, b);
-        let e = code_bytes(row.codes::<Self>(b));
-        let sixteen = _mm512_set1_epi32(16);
-        let lo = _mm512_and_si512(e, _mm512_set1_epi32(15));
-        let i0 = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
-        let hi = _mm512_srli_epi32(e, 4);
-        let i1 = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
-        (_mm512_permutex2var_ps(low, i0, high), _mm512_permutex2var_ps(low, i1, high))
+        lookup32(row.codes::<Self>(b), row.word(2, b), low, high)
     }
 }
 
