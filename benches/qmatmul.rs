@@ -40,12 +40,21 @@ fn bench(dt: GgmlDType, n: usize, k: usize, m: usize) {
 }
 
 fn main() {
-    for dt in [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+    for dt in [
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q8_0,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ] {
         for m in [1, 8, 128] {
             bench(dt, 512, 512, m); // 0.15 MB: in cache
             bench(dt, 1536 * 8, 512, m); // 5 MB (Q4_1)
         }
-        // An LM head's size (a quarter of Gemma-3's 262,144 x 640): streams from DRAM.
-        bench(dt, 65536, 640, 1);
+        // An LM head's size (a quarter of Gemma-3's 262,144 x 640; k-quants need rows of
+        // whole 256-weight blocks): streams from DRAM.
+        bench(dt, 65536, if dt.block_size() == 256 { 768 } else { 640 }, 1);
     }
 }

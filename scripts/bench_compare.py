@@ -54,6 +54,7 @@ Don't run it while something else (a cargo build) is using the cores: the number
 from __future__ import annotations
 
 import argparse
+import re
 import datetime
 import json
 import os
@@ -528,9 +529,9 @@ def main() -> None:
     assert a.gen_len > 1 and a.rounds > 0
     model = Path(a.model).resolve() if a.model else find_model(a.iris_bin)
     prompt = tokenize_prompt(model, a.prompt_len)
-    # The weight type from the file name: "X.Q4_1.gguf" or "x-q4_k_m.gguf".
-    stem = model.stem
-    quant = stem.rsplit(".", 1)[-1] if "." in stem else stem.rsplit("-", 1)[-1].upper() if "-q" in stem.lower() else ""
+    # The weight type from the file name's last part: "X.Q4_1.gguf", "x-q4_k_m.gguf".
+    found = re.search(r"[.\-_]((?:i?q\d\w*)|f16|bf16|f32)$", model.stem, re.IGNORECASE)
+    quant = found.group(1).upper() if found else ""
 
     configs = []
     for e in a.engines.split(","):

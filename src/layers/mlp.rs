@@ -96,7 +96,7 @@ impl GatedMlp {
 /// pass where the fused op has the activation (SiLU, tanh-GELU), the width and the dtype (any
 /// on CUDA, f32 on the CPU), op by op otherwise.
 pub fn gated(act: Activation, y: &Tensor, inter: usize) -> Result<Tensor> {
-    let here = y.device().is_cuda() || y.dtype() == candle_core::DType::F32;
+    let here = y.device().is_cuda() || (y.dtype() == candle_core::DType::F32 && y.is_contiguous() && y.rank() == 2);
     if let Some(fused) = GatedAct::for_activation(act).filter(|_| here && GatedAct::supports(inter)) {
         // One pass instead of act, mul and their strided reads.
         return fused.forward(y);

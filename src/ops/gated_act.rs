@@ -2,11 +2,13 @@
 //! projection's columns are the gate then the up halves, or interleaved pairs (gate i, up i)
 //! where the layer stores its weights that way (`GatedMlp` on CUDA, so that a decode step's
 //! product can apply the activation as it writes: `Gemv::forward_gated`). `GatedHalves` is
-//! the same over a gate and an up tensor apart (the CPU, where the two are not stacked).
+//! the same over a gate and an up tensor apart (on the CPU, where the layer's two matrices
+//! could not be stacked).
 //!
 //! On the CPU both activations are computed as `x / (1 + exp(-z))` with `exp_det` (AVX-512,
-//! 16 lanes at a time, the same bits as the scalar tail): candle's scalar `tanh` and `exp`
-//! were a sixth of Gemma-3's prefill.
+//! 16 lanes at a time, the same bits as the scalar tail): candle's tanh-GELU (libm's `tanhf`
+//! and `expm1f`) was a sixth of Gemma-3's prefill. The CUDA kernel computes tanh-GELU as
+//! `0.5 x (1 + tanh(u))`: the same function, checked against this one within f32 rounding.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
@@ -33,12 +35,12 @@ pub(crate) fn act(x: f32, gelu: bool) -> f32 {
 
 /// `out[i] = act(gate[i]) * up[i]`.
 fn gate_row(gate: &[f32], up: &[f32], out: &mut [f32], gelu: bool) {
-    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F (checked above).
-        done = unsafe { gate_row_avx512(gate, up, out, gelu) };
-    }
+    // SAFETY: the CPU has AVX-512F (checked first).
+    let done =
+        if std::is_x86_feature_detected!("avx512f") { unsafe { gate_row_avx512(gate, up, out, gelu) } } else { 0 };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     for ((o, &g), &u) in out[done..].iter_mut().zip(&gate[done..]).zip(&up[done..]) {
         *o = act(g, gelu) * u;
     }
@@ -202,12 +204,10 @@ impl GatedHalves {
     /// `act(gate) * up`: this op where it applies (SiLU or tanh-GELU, f32 on the CPU), op by
     /// op otherwise.
     pub fn apply(act: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-        let fused =
-            GatedAct::for_activation(act).filter(|_| gate.device().is_cpu() && gate.dtype() == candle_core::DType::F32);
+        let rows = |t: &Tensor| t.rank() == 2 && t.stride()[1] == 1 && t.dtype() == candle_core::DType::F32;
+        let fused = GatedAct::for_activation(act).filter(|_| gate.device().is_cpu() && rows(gate) && rows(up));
         match fused {
-            Some(a) if gate.rank() == 2 && gate.shape() == up.shape() => {
-                gate.apply_op2_no_bwd(up, &GatedHalves { gelu: a.gelu })
-            }
+            Some(a) if gate.shape() == up.shape() => gate.apply_op2_no_bwd(up, &GatedHalves { gelu: a.gelu }),
             _ => act.apply(gate)? * up,
         }
     }

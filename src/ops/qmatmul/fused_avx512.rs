@@ -35,8 +35,8 @@ unsafe fn codes16() -> __m512 {
     _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.)
 }
 
-/// A packed row (see `packed.rs`): `nb` blocks, `F::WORDS` arrays of per-block 32-bit words,
-/// then the codes.
+/// A packed row (see `packed.rs`): `nb` blocks, `F::FORMAT.words()` arrays of per-block 32-bit
+/// words, then the codes.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct Row {
@@ -226,8 +226,11 @@ unsafe fn dot_rows_of<F: Decode, const M: usize>(row: &[u8], x: &[f32], k: usize
     let xp = x.as_ptr();
     let rp = Row { p: row.as_ptr(), nb: k / 32 };
     for b in 0..k / 32 {
-        // Weights stream from L3 or memory once per step: ask for them well ahead.
-        _mm_prefetch(rp.codes::<F>(b).add(PREFETCH_AHEAD) as *const i8, _MM_HINT_T0);
+        // Weights stream from L3 or memory once per step: ask for them well ahead, a block's
+        // share of the bytes per block (so the stream keeps pace whatever the layout; Q3 has
+        // no code bytes). Past the end of the matrix it is only a hint: wrapping_add.
+        let ahead = rp.p.wrapping_add(b * F::FORMAT.packed_bytes() + PREFETCH_AHEAD);
+        _mm_prefetch(ahead as *const i8, _MM_HINT_T0);
         let (w0, w1) = F::decode(rp, b);
         for i in 0..M {
             let xi = xp.add(i * k + b * 32);

@@ -140,7 +140,7 @@ impl QMatrix {
     fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
         let data = self.bytes()?;
         let (n, k) = (self.rows, self.cols);
-        let (row_bytes, fused) = (self.row_bytes(), self.fused());
+        let fused = self.fused();
         let mut out = vec![0f32; m * n];
         let dst = OutPtr(out.as_mut_ptr());
         if m > FUSED_MAX_ROWS {
@@ -153,6 +153,7 @@ impl QMatrix {
                 match fused {
                     #[cfg(target_arch = "x86_64")]
                     Some(fmt) => {
+                        let row_bytes = self.row_bytes();
                         let rows = &data[r0 * row_bytes..r1 * row_bytes];
                         let mut res = vec![0f32; 8 * (r1 - r0)];
                         for i0 in (0..m).step_by(8) {
