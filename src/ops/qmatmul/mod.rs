@@ -25,6 +25,8 @@ use packed::{BlockFormat, PackedRows};
 /// Batches up to this many rows use the fused kernels; larger ones dequantize tiles of the
 /// matrix and run a GEMM on them (the dequantization is then amortised over many rows).
 const FUSED_MAX_ROWS: usize = 16;
+/// Most weight rows one task of the fused path takes.
+const MAX_TASK_ROWS: usize = 64;
 /// Bytes of a dequantized GEMM tile: it stays in L2, and is wide enough that the GEMM's
 /// packing of the activations is amortised.
 const TILE_BYTES: usize = 1 << 20;
@@ -146,7 +148,7 @@ impl QMatrix {
         if m > FUSED_MAX_ROWS {
             self.matmul_tiled(&data, x, m, dst);
         } else {
-            let rows_per_task = (n / (team().threads() * 8)).clamp(1, 64);
+            let rows_per_task = (n / (team().threads() * 8)).clamp(1, MAX_TASK_ROWS);
             team().for_each(n.div_ceil(rows_per_task), |c| {
                 let (r0, r1) = (c * rows_per_task, ((c + 1) * rows_per_task).min(n));
                 // SAFETY (both arms): (i, r) is inside `out`, and row r belongs to this task only.
@@ -155,7 +157,8 @@ impl QMatrix {
                     Some(fmt) => {
                         let row_bytes = self.row_bytes();
                         let rows = &data[r0 * row_bytes..r1 * row_bytes];
-                        let mut res = vec![0f32; 8 * (r1 - r0)];
+                        // On the stack: a matmul has thousands of tasks (an LM head's rows).
+                        let mut res = [0f32; 8 * MAX_TASK_ROWS];
                         for i0 in (0..m).step_by(8) {
                             let g = (m - i0).min(8);
                             // SAFETY: AVX-512 is present when `fused` is set; sizes as documented.
