@@ -93,11 +93,10 @@ impl GatedMlp {
 }
 
 /// `act(gate) * up` of a fused gate/up projection `y` (`[T, 2 * inter]`, gate rows first): one
-/// pass where the fused op has the activation (SiLU, tanh-GELU), the width and the dtype (any
-/// on CUDA, f32 on the CPU), op by op otherwise.
+/// pass where the fused op has the activation (SiLU, tanh-GELU) and takes `y`'s layout and
+/// dtype (`GatedAct::takes`), op by op otherwise.
 pub fn gated(act: Activation, y: &Tensor, inter: usize) -> Result<Tensor> {
-    let here = y.device().is_cuda() || (y.dtype() == candle_core::DType::F32 && y.is_contiguous() && y.rank() == 2);
-    if let Some(fused) = GatedAct::for_activation(act).filter(|_| here && GatedAct::supports(inter)) {
+    if let Some(fused) = GatedAct::for_activation(act).filter(|_| GatedAct::takes(y)) {
         // One pass instead of act, mul and their strided reads.
         return fused.forward(y);
     }

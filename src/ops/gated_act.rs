@@ -102,19 +102,24 @@ impl GatedAct {
         y.apply_op1_no_bwd(self)
     }
 
-    /// Widths the kernel takes: whole 16-byte vectors.
+    /// Widths the CUDA kernel takes: whole 16-byte vectors.
     pub fn supports(inter: usize) -> bool {
         inter % 8 == 0
     }
 
-    fn check(l: &Layout) -> Result<(usize, usize, usize)> {
+    /// Whether the op takes `y`, `[T, 2 * inter]`: rows with unit inner stride, f32 on the CPU;
+    /// on CUDA any float dtype in whole 16-byte vectors.
+    pub fn takes(y: &Tensor) -> bool {
+        let cuda = y.device().is_cuda();
+        (cuda || y.dtype() == candle_core::DType::F32) && Self::check(y.layout(), cuda).is_ok()
+    }
+
+    /// `(T, inter, row stride)`; `vectors`: rows in whole 16-byte vectors (the CUDA kernel's
+    /// loads), which the CPU does not need.
+    fn check(l: &Layout, vectors: bool) -> Result<(usize, usize, usize)> {
         let (t, w) = l.shape().dims2()?;
-        if w % 2 != 0
-            || !Self::supports(w / 2)
-            || l.stride()[1] != 1
-            || l.stride()[0] % 8 != 0
-            || l.start_offset() % 8 != 0
-        {
+        let aligned = Self::supports(w / 2) && l.stride()[0] % 8 == 0 && l.start_offset() % 8 == 0;
+        if w % 2 != 0 || l.stride()[1] != 1 || (vectors && !aligned) {
             candle_core::bail!("gated-act: expected [T, 2 * inter] rows with unit stride, got {:?}", l.shape());
         }
         Ok((t, w / 2, l.stride()[0]))
@@ -127,7 +132,7 @@ impl CustomOp1 for GatedAct {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (t, inter, stride) = Self::check(l)?;
+        let (t, inter, stride) = Self::check(l, false)?;
         let CpuStorage::F32(y) = s else { candle_core::bail!("gated-act: the CPU op takes f32") };
         let y = &y[l.start_offset()..];
         let out = if self.interleaved {
@@ -151,7 +156,7 @@ impl CustomOp1 for GatedAct {
         use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
         use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S};
 
-        let (t, inter, stride) = Self::check(l)?;
+        let (t, inter, stride) = Self::check(l, true)?;
         let dev = s.device().clone();
         let func = super::cuda::GATED_ACT.func(&dev, &format!("gated_act_{}", super::cuda::dtype_name(s.dtype())?))?;
         let n = t * inter;
@@ -297,6 +302,20 @@ mod tests {
         assert_eq!(got, want, "exact GELU is not the fused op's");
         let bf = |t: &Tensor| t.to_dtype(candle_core::DType::BF16).unwrap();
         let got = GatedHalves::apply(Activation::Silu, &bf(&g), &bf(&u)).unwrap();
+        let want = (bf(&g).silu().unwrap() * bf(&u)).unwrap();
         assert_eq!(got.dtype(), candle_core::DType::BF16);
+        assert_eq!(
+            got.to_dtype(candle_core::DType::F32).unwrap().to_vec2::<f32>().unwrap(),
+            want.to_dtype(candle_core::DType::F32).unwrap().to_vec2::<f32>().unwrap()
+        );
+        // A stacked projection whose rows the CUDA kernel could not load as vectors (inter
+        // 13, rows at an odd offset) still takes the CPU op, and gives the halves' values.
+        let y = Tensor::from_vec(inputs(3, 27), (3, 27), &dev).unwrap().narrow(1, 1, 26).unwrap();
+        assert!(GatedAct::takes(&y), "the CPU op takes any f32 rows with unit inner stride");
+        let stacked: Vec<Vec<f32>> =
+            GatedAct { gelu: true, interleaved: false }.forward(&y).unwrap().to_vec2().unwrap();
+        let (g, u) = (y.narrow(1, 0, 13).unwrap(), y.narrow(1, 13, 13).unwrap());
+        let halves: Vec<Vec<f32>> = GatedHalves::apply(Activation::GeluTanh, &g, &u).unwrap().to_vec2().unwrap();
+        assert_eq!(stacked, halves);
     }
 }
