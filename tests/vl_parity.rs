@@ -219,8 +219,29 @@ fn check_greedy_turboquant(name: &str) {
     }
 }
 
+/// Speculation with n-gram drafts leaves the greedy tokens transformers', images and M-RoPE
+/// positions of the draft rows included.
+fn check_greedy_speculative(name: &str) {
+    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 });
+    let (got, stats) = greedy_outputs_and_stats(
+        name,
+        EngineOptions { kv_memory: Some(1 << 20), speculative: spec, ..Default::default() },
+    );
+    assert!(stats.spec.num_draft_tokens > 0, "{name}: no draft was verified");
+    for (case, got, want) in got {
+        assert_eq!(got, want, "{name} {case}: speculation changed the greedy tokens");
+    }
+}
+
 /// (case, generated tokens, transformers' tokens) for every image case and text.
 fn greedy_outputs(name: &str, opts: EngineOptions) -> Vec<(&'static str, Vec<u32>, Vec<u32>)> {
+    greedy_outputs_and_stats(name, opts).0
+}
+
+fn greedy_outputs_and_stats(
+    name: &str,
+    opts: EngineOptions,
+) -> (Vec<(&'static str, Vec<u32>, Vec<u32>)>, iris::engine::EngineStats) {
     let r = reference(name);
     let mut engine = engine_with(&fixture(name), opts);
     let m = load(name);
@@ -240,7 +261,7 @@ fn greedy_outputs(name: &str, opts: EngineOptions) -> Vec<(&'static str, Vec<u32
         }
         out.push((case, got, want));
     }
-    out
+    (out, engine.stats.clone())
 }
 
 fn check_chat_template(name: &str) {
@@ -283,6 +304,10 @@ macro_rules! parity_tests {
             #[test]
             fn greedy_tokens_with_a_turboquant_cache() {
                 super::check_greedy_turboquant($name);
+            }
+            #[test]
+            fn greedy_tokens_with_speculation() {
+                super::check_greedy_speculative($name);
             }
             #[test]
             fn chat_template_ids_match_transformers() {

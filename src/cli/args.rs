@@ -7,7 +7,7 @@ use candle_core::{DType, Device};
 use clap::Args;
 
 use crate::engine::build::EngineOptions;
-use crate::engine::SamplingParams;
+use crate::engine::{SamplingParams, SpeculativeConfig};
 use crate::kv::format::parse_layer_list;
 use crate::kv::KvCacheDtype;
 
@@ -79,6 +79,13 @@ pub struct EngineArgs {
     /// Longest sequence (prompt + output). Default: the model's context, capped by the KV capacity.
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// Speculative decoding, as vLLM takes it: '{"method": "ngram", "num_speculative_tokens": K,
+    /// "prompt_lookup_max": 4, "prompt_lookup_min": 2}'. Each decode step proposes up to K draft
+    /// tokens per sequence by prompt lookup (the latest earlier occurrence of the last n tokens)
+    /// and verifies them in the same pass; greedy output is unchanged, sampled output keeps the
+    /// model's distribution (rejection sampling).
+    #[arg(long)]
+    pub speculative_config: Option<String>,
 }
 
 impl EngineArgs {
@@ -103,6 +110,10 @@ impl EngineArgs {
             Some(s) => Some(parse_bytes(s).with_context(|| format!("--kv-cache-memory {s}"))?),
             None => None,
         };
+        let speculative = match &self.speculative_config {
+            Some(s) => Some(s.parse::<SpeculativeConfig>()?),
+            None => None,
+        };
         Ok(EngineOptions {
             dtype,
             kv_dtype,
@@ -115,6 +126,7 @@ impl EngineArgs {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
+            speculative,
         })
     }
 }

@@ -37,9 +37,17 @@ pub struct BenchArgs {
     /// Batch sizes (concurrent sequences) to measure decode at.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub batch_sizes: Vec<usize>,
-    /// Prompt length in tokens.
+    /// Prompt length in tokens (of a built-in English text, repeated).
     #[arg(long, default_value_t = 128)]
     pub prompt_len: usize,
+    /// Use this file's text as the prompt instead (whole; --prompt-len does not apply), e.g. an
+    /// input-grounded task for --speculative-config: code to repeat with one change, a text to
+    /// summarise.
+    #[arg(long)]
+    pub prompt_file: Option<std::path::PathBuf>,
+    /// With --prompt-file: send its text as a user message through the model's chat template.
+    #[arg(long, requires = "prompt_file")]
+    pub chat: bool,
     /// Tokens generated per sequence.
     #[arg(long, default_value_t = 64)]
     pub gen_len: usize,
@@ -83,13 +91,29 @@ pub struct BenchRow {
     pub decode_tok_s: f64,
     /// All generated tokens over the whole run, prefill included.
     pub total_tok_s: f64,
+    /// With --speculative-config: accepted share of the draft tokens verified.
+    pub acceptance_rate: Option<f64>,
+    /// With --speculative-config: tokens appended per sequence and verify pass (accepted + 1).
+    pub tokens_per_verify: Option<f64>,
 }
 
 const TEXT: &str = "The quick brown fox jumps over the lazy dog while the children watch from the window. \
 In the morning the market fills with people buying bread, fruit and fresh fish from the harbour. ";
 
-fn prompt_tokens(engine: &Engine, len: usize) -> anyhow::Result<Vec<u32>> {
+fn prompt_tokens(engine: &Engine, a: &BenchArgs) -> anyhow::Result<Vec<u32>> {
     let tok = engine.tokenizer();
+    if let Some(path) = &a.prompt_file {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("--prompt-file {}: {e}", path.display()))?;
+        let ids = if a.chat {
+            tok.encode_chat(&[crate::tokenizer::ChatMessage::text("user", &text)], true)?
+        } else {
+            tok.encode(&text, true)?
+        };
+        anyhow::ensure!(!ids.is_empty(), "--prompt-file {} has no tokens", path.display());
+        return Ok(ids);
+    }
+    let len = a.prompt_len;
     let unit = tok.encode(TEXT, false)?;
     anyhow::ensure!(!unit.is_empty(), "the tokenizer produced no tokens for the benchmark text");
     Ok(unit.iter().copied().cycle().take(len).collect())
@@ -102,6 +126,7 @@ fn run_once(
     gen_len: usize,
     a: &BenchArgs,
 ) -> anyhow::Result<BenchRow> {
+    let spec_before = engine.stats.spec.clone();
     let start = Instant::now();
     for i in 0..batch {
         let params = SamplingParams {
@@ -134,6 +159,13 @@ fn run_once(
     let total = start.elapsed().as_secs_f64();
     let prefill_done = all_started.map(|d| d.as_secs_f64()).unwrap_or(total);
     let decode_time = total - prefill_done;
+    let spec = &engine.stats.spec;
+    let (drafts, tokens, accepted) = (
+        spec.num_drafts - spec_before.num_drafts,
+        spec.num_draft_tokens - spec_before.num_draft_tokens,
+        spec.num_accepted_tokens - spec_before.num_accepted_tokens,
+    );
+    let speculating = engine.config().speculative.is_some();
     Ok(BenchRow {
         batch,
         prompt_len: prompt.len(),
@@ -142,6 +174,8 @@ fn run_once(
         ttft_ms: first_token.map(|d| d.as_secs_f64() * 1e3).unwrap_or(0.0),
         decode_tok_s: (generated - tokens_at_all_started) as f64 / decode_time.max(1e-9),
         total_tok_s: generated as f64 / total.max(1e-9),
+        acceptance_rate: speculating.then(|| accepted as f64 / tokens.max(1) as f64),
+        tokens_per_verify: speculating.then(|| (accepted + drafts) as f64 / drafts.max(1) as f64),
     })
 }
 
@@ -175,7 +209,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         "--batch-sizes must be positive numbers"
     );
     let (mut engine, _) = open_engine(&a.engine)?;
-    let prompt = prompt_tokens(&engine, a.prompt_len)?;
+    let prompt = prompt_tokens(&engine, &a)?;
     // Warm up caches and thread pools.
     run_once(&mut engine, 1, &prompt, 4, &a)?;
     let pb = ProgressBar::new((a.batch_sizes.len() * a.repeats) as u64);
@@ -194,12 +228,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         let m = |f: fn(&BenchRow) -> f64| median(runs.iter().map(f).collect());
         rows.push(BenchRow {
             batch: b,
-            prompt_len: a.prompt_len,
+            prompt_len: prompt.len(),
             gen_len: a.gen_len,
             prefill_tok_s: m(|r| r.prefill_tok_s),
             ttft_ms: m(|r| r.ttft_ms),
             decode_tok_s: m(|r| r.decode_tok_s),
             total_tok_s: m(|r| r.total_tok_s),
+            acceptance_rate: runs[0].acceptance_rate.map(|_| m(|r| r.acceptance_rate.unwrap_or(0.0))),
+            tokens_per_verify: runs[0].tokens_per_verify.map(|_| m(|r| r.tokens_per_verify.unwrap_or(0.0))),
         });
     }
     pb.finish_and_clear();
@@ -215,11 +251,17 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&BenchReport { rows, image })?);
     } else {
-        println!("| batch | prompt | gen | prefill tok/s | TTFT ms | decode tok/s | total tok/s |");
-        println!("|---|---|---|---|---|---|---|");
+        let spec = rows.iter().any(|r| r.acceptance_rate.is_some());
+        let (head, rule) = if spec { (" draft acceptance | tokens/verify |", "---|---|") } else { ("", "") };
+        println!("| batch | prompt | gen | prefill tok/s | TTFT ms | decode tok/s | total tok/s |{head}");
+        println!("|---|---|---|---|---|---|---|{rule}");
         for r in &rows {
+            let extra = match (r.acceptance_rate, r.tokens_per_verify) {
+                (Some(a), Some(t)) => format!(" {:.1}% | {t:.2} |", a * 100.0),
+                _ => String::new(),
+            };
             println!(
-                "| {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} |",
+                "| {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} |{extra}",
                 r.batch, r.prompt_len, r.gen_len, r.prefill_tok_s, r.ttft_ms, r.decode_tok_s, r.total_tok_s
             );
         }

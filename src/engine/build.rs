@@ -7,6 +7,7 @@ use candle_core::{DType, Device};
 use super::calibrate;
 use super::core::{Engine, EngineConfig};
 use super::scheduler::SchedulerConfig;
+use super::speculative::SpeculativeConfig;
 use crate::kv::format::resolve_layers;
 use crate::kv::{KvCache, KvCacheSpec, KvDtype, KvFormatError, TqBits, TqSpec};
 use crate::loader::{self, LoadError};
@@ -30,6 +31,8 @@ pub struct EngineOptions {
     pub max_num_batched_tokens: usize,
     pub max_num_seqs: usize,
     pub max_model_len: Option<usize>,
+    /// Speculative decoding (`--speculative-config`).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 impl Default for EngineOptions {
@@ -46,6 +49,7 @@ impl Default for EngineOptions {
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
             max_model_len: None,
+            speculative: None,
         }
     }
 }
@@ -151,6 +155,16 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         }
         None => None,
     };
+    if let (Some(spec), Some(tq)) = (&opts.speculative, &tq) {
+        // A verify step writes a sequence's last token and its drafts into its ring at once; a
+        // rejected draft's ring row is restored from a copy, which needs all of them in the ring.
+        if tq.float_window > 0 && tq.float_window <= spec.num_tokens {
+            return Err(BuildError::Setting(format!(
+                "--kv-float-window {} must be larger than num_speculative_tokens {}",
+                tq.float_window, spec.num_tokens
+            )));
+        }
+    }
     let per_token = match &tq {
         Some(tq) => tq.bytes_per_token(&cfg, kv_dtype),
         None => KvCacheSpec::bytes_per_token(&cfg, kv_dtype),
@@ -205,6 +219,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
             block_size: opts.block_size,
         },
         max_model_len,
+        speculative: opts.speculative,
     };
     let engine = Engine::new(loaded.model, kv, loaded.tokenizer, engine_cfg, device.clone()).with_vision(loaded.vision);
     Ok((engine, report))

@@ -1,5 +1,6 @@
-//! The engine: requests, sequences, the scheduler, the step loop, and the per-request
-//! generation logic between logits and text (sampling, detokenization, stop strings).
+//! The engine: requests, sequences, and the step as three parts: the scheduler (what runs),
+//! the model runner (the flat batch on the device, sampling and draft verification), and the
+//! output processor (accepted tokens, text, stop conditions, finishing, the next drafts).
 
 pub mod build;
 pub mod calibrate;
@@ -9,20 +10,24 @@ mod cuda_graph;
 pub mod detokenizer;
 pub mod finish;
 pub mod multimodal;
+pub mod output;
 pub mod request;
 pub mod runner;
 pub mod sampler;
 pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
+pub mod speculative;
 pub mod stop;
 
-pub use core::{Engine, EngineConfig, EngineStats};
+pub use core::{Engine, EngineConfig};
 pub use detokenizer::{DetokenizeError, IncrementalDetokenizer};
 pub use finish::FinishReason;
 pub use multimodal::{expand_image_tokens, EmbedCache, ImageInput};
+pub use output::{EngineStats, SpecStats};
 pub use request::{Request, RequestError, SeqUpdate};
 pub use sampler::{sample_batch, SampleRow, Sampled, SequenceSampler};
 pub use sampling_params::{SamplingError, SamplingParams};
 pub use sequence::SeqId;
+pub use speculative::{SpeculativeConfig, SpeculativeConfigError};
 pub use stop::{StopChecker, StopOutcome};

@@ -1,15 +1,28 @@
-//! Runs a step's batch through the model on the engine's device and returns what sampling
-//! needs: the logits of the rows that sample, copied to the host, or, when every such row draws
-//! from its logits as they are, just the token ids, drawn on a GPU (one small copy per step).
+//! The model runner: turns a scheduled step into one flat batch, runs it on the engine's
+//! device by the fastest path that covers it, and returns each sequence's tokens.
+//!
+//! Paths: on a GPU, steps in which every sequence decodes one token replay CUDA graphs
+//! (`cuda_graph`); when every sampled row draws from its logits as they are, the tokens are
+//! drawn on the device and only their ids come back. Steps with images, three-axis positions
+//! or prompt logprobs, and every step on the CPU, run the model's plain forward pass and copy
+//! the sampled rows' logits to the host. A sequence with draft tokens gets one sampled row
+//! more than it has drafts (its last token's and each draft's), verified against the drafts
+//! here (`SequenceSampler::verify`); a rejected draft's float-window ring rows are restored.
 
 use candle_core::{Device, Result, Tensor};
+use std::sync::Arc;
 
-use crate::batch::Batch;
+use super::multimodal::EmbedCache;
+use super::sampler::{draws_plainly, logprobs, Sampled};
+use super::scheduler::{ScheduledSeq, SchedulerOutput};
+use super::sequence::Sequences;
+use crate::batch::{Batch, ImageRows, Positions, SeqSlice};
 use crate::kv::KvCache;
-use crate::models::TextModel;
+use crate::models::{TextModel, VisionModel};
 use crate::ops::argmax::Argmax;
 use crate::ops::sample::{Draw, Sample, PARAMS_PER_ROW};
 
+/// What a batch's sampled rows gave.
 pub enum StepOutput {
     /// `[rows, vocab]` logits of the sampled rows, in order.
     Logits(Vec<Vec<f32>>),
@@ -17,13 +30,31 @@ pub enum StepOutput {
     Tokens(Vec<u32>),
 }
 
-pub struct StepRunner {
+/// Default byte budget of the image-embedding cache.
+const EMBED_CACHE_BYTES: usize = 256 << 20;
+
+pub struct ModelRunner {
     device: Device,
+    vision: Option<Arc<dyn VisionModel>>,
+    embed_cache: EmbedCache,
     #[cfg(feature = "cuda")]
     graphs: Option<super::cuda_graph::DecodeGraphs>,
 }
 
-impl StepRunner {
+/// A step's batch and, per scheduled sequence, the first of its sampled rows and how many
+/// (none while its prompt is still being computed).
+struct BuiltStep {
+    batch: Batch,
+    sampled: Vec<(usize, usize)>,
+}
+
+impl BuiltStep {
+    fn sample_rows(&self) -> Vec<u32> {
+        self.sampled.iter().flat_map(|&(first, n)| (first..first + n).map(|r| r as u32)).collect()
+    }
+}
+
+impl ModelRunner {
     /// `max_blocks_per_seq` bounds a sequence's block table (decode graphs size their buffers
     /// by it); graphs run steps whose positions are all below `max_positions` (the model's
     /// rotary table on the device).
@@ -32,8 +63,10 @@ impl StepRunner {
         let graphs = super::cuda_graph::DecodeGraphs::new(&device, max_num_seqs, max_blocks_per_seq, max_positions);
         #[cfg(not(feature = "cuda"))]
         let _ = (max_num_seqs, max_blocks_per_seq, max_positions);
-        StepRunner {
+        ModelRunner {
             device,
+            vision: None,
+            embed_cache: EmbedCache::new(EMBED_CACHE_BYTES),
             #[cfg(feature = "cuda")]
             graphs,
         }
@@ -41,6 +74,128 @@ impl StepRunner {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    pub fn set_vision(&mut self, vision: Option<Arc<dyn VisionModel>>) {
+        self.vision = vision;
+    }
+
+    pub fn vision(&self) -> Option<&Arc<dyn VisionModel>> {
+        self.vision.as_ref()
+    }
+
+    pub fn embed_cache(&self) -> &EmbedCache {
+        &self.embed_cache
+    }
+
+    pub fn embed_cache_mut(&mut self) -> &mut EmbedCache {
+        &mut self.embed_cache
+    }
+
+    /// Runs one scheduled step. Returns, per scheduled sequence in order, the tokens it gets:
+    /// none while its prompt is still being computed, else its drafts accepted in order and
+    /// one token more.
+    pub fn execute(
+        &mut self,
+        model: &dyn TextModel,
+        kv: &KvCache,
+        seqs: &mut Sequences,
+        plan: &SchedulerOutput,
+    ) -> Result<Vec<Vec<Sampled>>> {
+        self.encode_images(seqs, plan)?;
+        let step = build_batch(seqs, plan, kv)?;
+        let rows = step.sample_rows();
+        let checkpoint = match &step.batch.attn.window {
+            Some(w) => {
+                let slots: Vec<u32> = plan
+                    .items
+                    .iter()
+                    .zip(&step.sampled)
+                    .flat_map(|(item, &(first, _))| (first + 1..first + 1 + item.num_draft).map(|r| w.slots[r]))
+                    .collect();
+                kv.save_window_rows(&slots)?
+            }
+            None => None,
+        };
+        let out = if needs_plain_forward(seqs, plan, &step.batch) {
+            let hidden = self.forward(model, kv, step.batch)?;
+            record_prompt_logprobs(model, seqs, plan, &hidden)?;
+            self.logits(model, &hidden, &rows)?
+        } else {
+            let draws = self.device_draws(seqs, plan, &step.sampled);
+            self.run(model, kv, step.batch, &rows, draws.as_deref())?
+        };
+        let tokens = verify(seqs, plan, &step.sampled, out);
+        if let Some(cp) = checkpoint {
+            // Saved rows are the drafts of the sequences that have any, in plan order.
+            let rejected: Vec<bool> = plan
+                .items
+                .iter()
+                .zip(&tokens)
+                .flat_map(|(item, t)| (0..item.num_draft).map(move |j| j + 1 >= t.len()))
+                .collect();
+            kv.restore_window_rows(&cp, |i| rejected[i])?;
+        }
+        Ok(tokens)
+    }
+
+    /// Runs the vision tower for scheduled sequences whose images have no embeddings yet
+    /// (each image on its own, so its embeddings do not depend on the batch).
+    fn encode_images(&mut self, seqs: &mut Sequences, plan: &SchedulerOutput) -> Result<()> {
+        let Some(vision) = self.vision.clone() else { return Ok(()) };
+        for item in &plan.items {
+            let Some(mm) = seqs.expect_mut(item.id).mm.as_mut() else { continue };
+            if mm.embeds.is_some() {
+                continue;
+            }
+            let mut parts = Vec::with_capacity(mm.images.len());
+            for img in &mm.images {
+                let e = match self.embed_cache.get(&img.key) {
+                    Some(e) => e,
+                    None => {
+                        let e = vision.encode(&img.pixels)?;
+                        self.embed_cache.insert(img.key, e.clone());
+                        e
+                    }
+                };
+                parts.push(e);
+            }
+            mm.embeds = Some(Tensor::cat(&parts, 0)?);
+            // The embeddings outlive preemption; the pixels are not needed any more.
+            mm.images.clear();
+        }
+        Ok(())
+    }
+
+    /// On a GPU, when every sampled row draws from its logits as they are, each row's draw, for
+    /// the device to pick the tokens (only their ids are copied back); None otherwise (the
+    /// logits come to the host). Takes from each row's generator what host sampling would. A
+    /// sequence with drafts qualifies only when greedy (its rows' argmax is all verification
+    /// needs). `IRIS_DEVICE_SAMPLING=0` sends every step's logits to the host (for comparisons).
+    fn device_draws(
+        &self,
+        seqs: &mut Sequences,
+        plan: &SchedulerOutput,
+        sampled: &[(usize, usize)],
+    ) -> Option<Vec<Draw>> {
+        if self.device.is_cpu() || !crate::switches::switched_on!("IRIS_DEVICE_SAMPLING") {
+            return None;
+        }
+        let plain = |item: &ScheduledSeq, n: usize| {
+            let s = seqs.expect(item.id);
+            n == 0 || (draws_plainly(&s.params, s.output().len()) && (item.num_draft == 0 || s.params.is_greedy()))
+        };
+        if !plan.items.iter().zip(sampled).all(|(item, &(_, n))| plain(item, n)) {
+            return None;
+        }
+        let mut draws = Vec::new();
+        for (item, &(_, n)) in plan.items.iter().zip(sampled) {
+            let s = seqs.expect_mut(item.id);
+            for _ in 0..n {
+                draws.push(s.sampler.device_draw(&s.params));
+            }
+        }
+        Some(draws)
     }
 
     /// Runs `batch` (built on the host) and returns the next-token data of `sample_rows`;
@@ -72,7 +227,11 @@ impl StepRunner {
             sample_rows.len() == hidden.dim(0)? && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
         let hidden =
             if all_rows { hidden } else { hidden.index_select(&Tensor::new(sample_rows, &self.device)?, 0)? };
-        self.pick(model, &hidden, draws)
+        let logits = model.logits(&hidden)?;
+        match draws {
+            Some(draws) => Ok(StepOutput::Tokens(draw_on_device(&logits, None, draws)?)),
+            None => Ok(StepOutput::Logits(logits.to_vec2()?)),
+        }
     }
 
     /// The model's plain forward pass over `batch` (built on the host) on the device: hidden
@@ -90,14 +249,156 @@ impl StepRunner {
         let rows = Tensor::new(sample_rows, hidden.device())?;
         Ok(StepOutput::Logits(model.logits(&hidden.index_select(&rows, 0)?)?.to_vec2()?))
     }
+}
 
-    fn pick(&self, model: &dyn TextModel, hidden: &Tensor, draws: Option<&[Draw]>) -> Result<StepOutput> {
-        let logits = model.logits(hidden)?;
-        match draws {
-            Some(draws) => Ok(StepOutput::Tokens(draw_on_device(&logits, None, draws)?)),
-            None => Ok(StepOutput::Logits(logits.to_vec2()?)),
+/// Each sequence's tokens from its sampled rows: sampled, or its drafts verified.
+fn verify(
+    seqs: &mut Sequences,
+    plan: &SchedulerOutput,
+    sampled: &[(usize, usize)],
+    out: StepOutput,
+) -> Vec<Vec<Sampled>> {
+    let mut at = 0;
+    let mut next_rows = |n: usize| {
+        let r = at..at + n;
+        at += n;
+        r
+    };
+    match out {
+        // Greedy on the device: a draft is accepted while it equals its row's argmax.
+        StepOutput::Tokens(ids) => plan
+            .items
+            .iter()
+            .zip(sampled)
+            .map(|(item, &(_, n))| {
+                let ids = &ids[next_rows(n)];
+                let drafts = &seqs.expect(item.id).draft[..item.num_draft];
+                let take = if n == 0 { 0 } else { 1 + ids.iter().zip(drafts).take_while(|(a, b)| a == b).count() };
+                ids[..take].iter().map(|&t| Sampled::token_only(t)).collect()
+            })
+            .collect(),
+        StepOutput::Logits(mut logits) => plan
+            .items
+            .iter()
+            .zip(sampled)
+            .map(|(item, &(_, n))| {
+                let rows = &mut logits[next_rows(n)];
+                if n == 0 {
+                    return Vec::new();
+                }
+                // Each sequence samples with its own RNG, so results do not depend on the batch.
+                let s = seqs.expect_mut(item.id).sampling();
+                if item.num_draft == 0 {
+                    vec![s.sampler.sample(&mut rows[0], s.params, s.prompt, s.output)]
+                } else {
+                    s.sampler.verify(rows, &s.draft[..item.num_draft], s.params, s.prompt, s.output)
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Steps the runner's fast paths (CUDA graphs, argmax on the device) do not cover go through
+/// the model's plain forward pass: those with images or three-axis positions, and those in
+/// which a sequence asks for prompt logprobs (which read the prefill rows' hidden states).
+fn needs_plain_forward(seqs: &Sequences, plan: &SchedulerOutput, batch: &Batch) -> bool {
+    batch.images.is_some()
+        || matches!(batch.positions, Positions::MRope(_))
+        || plan.items.iter().any(|item| seqs.expect(item.id).params.prompt_logprobs.is_some())
+}
+
+/// Flattens the plan into one batch on the host (the runner moves it to the device): each
+/// sequence's scheduled tokens, then its scheduled drafts.
+fn build_batch(seqs: &Sequences, plan: &SchedulerOutput, kv: &KvCache) -> Result<BuiltStep> {
+    let mut tokens = Vec::with_capacity(plan.num_tokens());
+    let mut slices = Vec::with_capacity(plan.items.len());
+    let mut sampled = Vec::with_capacity(plan.items.len());
+    // Per-sequence positions: three-axis once any sequence in the step has images.
+    let mrope = plan.items.iter().any(|item| seqs.expect(item.id).mm.is_some());
+    let mut flat = Vec::new();
+    let mut axes = Vec::new();
+    let (mut image_rows, mut image_embeds) = (Vec::new(), Vec::new());
+    for item in &plan.items {
+        let seq = seqs.expect(item.id);
+        let q_start = tokens.len();
+        let n = item.num_rows();
+        let range = seq.num_computed..seq.num_computed + n;
+        tokens.extend((seq.num_computed..seq.num_computed + item.num_new).map(|i| seq.token(i)));
+        tokens.extend_from_slice(&seq.draft[..item.num_draft]);
+        match (&seq.mm, mrope) {
+            (Some(mm), _) => {
+                axes.extend(range.clone().map(|i| mm.position(i)));
+                let ks = mm.embed_rows_in(range.clone());
+                if !ks.is_empty() {
+                    let embeds = mm.embeds.as_ref().expect("images encoded before the batch is built");
+                    image_rows.extend(ks.clone().map(|k| (q_start + mm.image_rows[k] - range.start) as u32));
+                    image_embeds.push(embeds.narrow(0, ks.start, ks.len())?);
+                }
+            }
+            (None, true) => axes.extend(range.clone().map(|i| [i as u32; 3])),
+            (None, false) => flat.extend(range.clone().map(|i| i as u32)),
+        }
+        slices.push(SeqSlice { q_start, q_len: n, context_len: range.end, block_table: seq.block_table.ids() });
+        let samples = seq.num_computed + item.num_new == seq.num_tokens();
+        sampled.push(if samples { (q_start + item.num_new - 1, 1 + item.num_draft) } else { (q_start, 0) });
+    }
+    let positions = if mrope { Positions::MRope(axes) } else { Positions::Flat(flat) };
+    let images = if image_rows.is_empty() {
+        None
+    } else {
+        Some(ImageRows::new(&image_rows, Tensor::cat(&image_embeds, 0)?, tokens.len())?)
+    };
+    let mut batch = Batch::new(&Device::Cpu, kv.spec().block_size, slices, &tokens, positions, images)?;
+    if let Some(len) = kv.turboquant().map(|t| t.float_window).filter(|&w| w > 0) {
+        let rings = plan
+            .items
+            .iter()
+            .map(|item| seqs.expect(item.id).state_slot)
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no state slot".into()))?;
+        batch.attn.set_float_window(len, rings)?;
+    }
+    Ok(BuiltStep { batch, sampled })
+}
+
+/// vLLM's `prompt_logprobs`: for each sequence that asks, the rows of this step's chunk
+/// whose next token is still a prompt token give that token's logprob under the raw model.
+/// Their logits are computed apart from the sampled rows' (which stay exactly as without
+/// this feature), a bounded number of rows at a time. A chunk recomputed after preemption
+/// adds nothing: its entries are already there.
+fn record_prompt_logprobs(
+    model: &dyn TextModel,
+    seqs: &mut Sequences,
+    plan: &SchedulerOutput,
+    hidden: &Tensor,
+) -> Result<()> {
+    /// Most rows of vocabulary-wide logits held at once.
+    const ROWS_AT_ONCE: usize = 256;
+    let mut rows: Vec<(usize, u32, u32)> = Vec::new(); // (plan item, batch row, next prompt token)
+    let mut q_start = 0;
+    for (k, item) in plan.items.iter().enumerate() {
+        let seq = seqs.expect(item.id);
+        if seq.params.prompt_logprobs.is_some() {
+            // Position p predicts prompt token p + 1; entries before `done` exist already.
+            let done = seq.prompt_logprobs.len();
+            let end = (seq.num_computed + item.num_new).min(seq.prompt().len().saturating_sub(1));
+            for p in seq.num_computed.max(done)..end {
+                rows.push((k, (q_start + p - seq.num_computed) as u32, seq.prompt()[p + 1]));
+            }
+        }
+        q_start += item.num_rows();
+    }
+    for chunk in rows.chunks(ROWS_AT_ONCE) {
+        let idx: Vec<u32> = chunk.iter().map(|r| r.1).collect();
+        let idx = Tensor::new(idx.as_slice(), hidden.device())?;
+        let logits: Vec<Vec<f32>> = model.logits(&hidden.index_select(&idx, 0)?)?.to_vec2()?;
+        for (&(k, _, next), l) in chunk.iter().zip(&logits) {
+            let seq = seqs.expect_mut(plan.items[k].id);
+            let (logprob, top_logprobs) = logprobs(l, next, seq.params.prompt_logprobs.unwrap_or(0));
+            seq.prompt_logprobs.push(Sampled { token: next, logprob, top_logprobs });
         }
     }
+    Ok(())
 }
 
 /// Each row's token, drawn where `logits` (`[rows, vocab]` f32) are; `argmax` holds the rows'

@@ -18,7 +18,7 @@
 
 use crate::engine::sampling_params::SamplingParams;
 use crate::ops::argmax::argmax_row as argmax;
-use crate::ops::sample::{draw_row, Draw};
+use crate::ops::sample::{draw_row, kept, Draw, Kept};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -114,6 +114,78 @@ impl SequenceSampler {
         })
     }
 
+    /// Verifies a sequence's draft tokens against the target model: `rows[i]` are the logits
+    /// after the sequence's last token and then after each of `drafts[..i]` (so one row more
+    /// than drafts). Returns the tokens to append: the drafts accepted in order, then one more
+    /// (from the row that rejected, or after the last draft), at least one token in all.
+    ///
+    /// Each row is processed as `sample` would process it with the drafts before it already
+    /// output (penalties, min_tokens). Greedy: a draft is accepted when it is the row's argmax,
+    /// so the tokens equal those of decoding one at a time. Sampled: rejection sampling for a
+    /// deterministic draft keeps the target distribution exactly: draft x is accepted with
+    /// probability p(x); on rejection the token is drawn from p with x removed, renormalised.
+    /// Logprobs are those of the row the token came from, as without speculation.
+    pub fn verify(
+        &mut self,
+        rows: &mut [Vec<f32>],
+        drafts: &[u32],
+        params: &SamplingParams,
+        prompt_tokens: &[u32],
+        output_tokens: &[u32],
+    ) -> Vec<Sampled> {
+        debug_assert_eq!(rows.len(), drafts.len() + 1);
+        let mut history = Vec::with_capacity(output_tokens.len() + drafts.len());
+        history.extend_from_slice(output_tokens);
+        history.extend_from_slice(drafts);
+        let mut out = Vec::with_capacity(rows.len());
+        SCRATCH.with_borrow_mut(|s| {
+            for (i, logits) in rows.iter_mut().enumerate() {
+                let output = &history[..output_tokens.len() + i];
+                process_logits_with(s, logits, params, &self.eos_token_ids, prompt_tokens, output);
+                let (token, accepted) = match drafts.get(i) {
+                    None => {
+                        let t =
+                            if params.is_greedy() { argmax(logits) } else { self.draw(logits, params, &mut s.cand) };
+                        (t.unwrap_or(0), false)
+                    }
+                    Some(&draft) => self.judge(logits, draft, params, &mut s.cand),
+                };
+                out.push(match params.logprobs {
+                    None => Sampled::token_only(token),
+                    Some(n) => {
+                        let (logprob, top_logprobs) = logprobs(logits, token, n);
+                        Sampled { token, logprob, top_logprobs }
+                    }
+                });
+                if !accepted {
+                    break;
+                }
+            }
+        });
+        out
+    }
+
+    /// One draft against its row: (the token to append, whether it is the draft).
+    fn judge(
+        &mut self,
+        logits: &[f32],
+        draft: u32,
+        params: &SamplingParams,
+        cand: &mut Vec<(u32, u32)>,
+    ) -> (u32, bool) {
+        if params.is_greedy() {
+            let t = argmax(logits).unwrap_or(0);
+            return (t, t == draft);
+        }
+        let accept = self.next_draw(params);
+        let Some(kept) = kept(logits, &accept, cand) else { return (0, false) };
+        if kept.accepts(draft, accept.u) {
+            return (draft, true);
+        }
+        let residual = self.rng.random::<f32>();
+        (residual_pick(&kept, draft, residual).unwrap_or(0), false)
+    }
+
     /// Temperature, top-k, top-p, min-p, then a draw (`ops::sample` defines them, for the
     /// host and the device alike). `None` if nothing is finite.
     fn draw(&mut self, logits: &[f32], params: &SamplingParams, cand: &mut Vec<(u32, u32)>) -> Option<u32> {
@@ -140,6 +212,22 @@ impl SequenceSampler {
         } else {
             self.next_draw(params)
         }
+    }
+}
+
+/// The token drawn after `draft` was rejected: from the kept distribution with the draft
+/// removed. (Tests swap in a wrong residual to show the distribution test catches it.)
+#[cfg(not(test))]
+fn residual_pick(kept: &Kept<'_>, draft: u32, u: f32) -> Option<u32> {
+    kept.pick(u, Some(draft))
+}
+
+#[cfg(test)]
+fn residual_pick(kept: &Kept<'_>, draft: u32, u: f32) -> Option<u32> {
+    if tests::WRONG_RESIDUAL.with(|w| w.get()) {
+        kept.pick(u, None) // the target distribution itself: over-weights the draft
+    } else {
+        kept.pick(u, Some(draft))
     }
 }
 
@@ -271,6 +359,11 @@ pub(crate) fn logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// Makes `residual_pick` draw from the target distribution itself (a wrong residual).
+        pub(super) static WRONG_RESIDUAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
 
     fn params(temperature: f32) -> SamplingParams {
         SamplingParams { temperature, ..Default::default() }
@@ -512,5 +605,110 @@ mod tests {
         // The nucleus here is far larger than the 21 boosted tokens; make sure the
         // growing-prefix search actually reached into it.
         assert!(nucleus > 64 && seen_outside_head, "nucleus {nucleus}");
+    }
+    /// Chi-square of observed counts against probabilities (cells with p = 0 must be empty).
+    fn chi2(counts: &[usize], p: &[f32]) -> f64 {
+        let n: usize = counts.iter().sum();
+        counts
+            .iter()
+            .zip(p)
+            .map(|(&o, &p)| {
+                if p == 0.0 {
+                    assert_eq!(o, 0, "a token of probability 0 was drawn");
+                    return 0.0;
+                }
+                let e = p as f64 * n as f64;
+                (o as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    /// Speculation with rejection sampling draws the first token from the target distribution
+    /// (with and without truncation), and the token after an accepted draft from the next row's.
+    /// Each case has 3 degrees of freedom: P(chi2 > 16.27) = 0.001. Returns the largest chi2.
+    fn speculative_chi2() -> f64 {
+        let p0 = [0.1, 0.4, 0.3, 0.2];
+        let p1 = [0.25, 0.35, 0.15, 0.25];
+        let mut worst: f64 = 0.0;
+        // (params, first draft, the first row's target distribution)
+        let truncated = [0.0, 0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9];
+        let cases = [
+            (SamplingParams { temperature: 1.0, ..Default::default() }, 2u32, p0),
+            (SamplingParams { temperature: 1.0, ..Default::default() }, 1, p0),
+            // The draft is outside top-k 3: always rejected, the residual is the whole target.
+            (SamplingParams { temperature: 1.0, top_k: 3, ..Default::default() }, 0, truncated),
+            (SamplingParams { temperature: 1.0, top_k: 3, ..Default::default() }, 3, truncated),
+        ];
+        for (params, draft, target) in cases {
+            let (mut first, mut second) = (vec![0usize; 4], vec![0usize; 4]);
+            for seed in 0..20_000u64 {
+                let mut s = SequenceSampler::new(Some(seed));
+                let mut rows = vec![logits_of(&p0), logits_of(&p1), logits_of(&p1)];
+                let out = s.verify(&mut rows, &[draft, 1], &params, &[], &[]);
+                assert!(!out.is_empty() && out.len() <= 3);
+                first[out[0].token as usize] += 1;
+                match out.get(1) {
+                    Some(t) => second[t.token as usize] += 1,
+                    // (A wrong residual may "reject" into the draft itself.)
+                    None => assert!(
+                        out[0].token != draft || WRONG_RESIDUAL.with(|w| w.get()),
+                        "an accepted draft is followed"
+                    ),
+                }
+            }
+            worst = worst.max(chi2(&first, &target));
+            if second.iter().sum::<usize>() > 1000 {
+                // Top-3 of p1 keeps ids 1, 0 and 3 (0.35, 0.25, 0.25).
+                let p1t = if params.top_k == 3 { [0.25 / 0.85, 0.35 / 0.85, 0.0, 0.25 / 0.85] } else { p1 };
+                worst = worst.max(chi2(&second, &p1t));
+            }
+        }
+        worst
+    }
+
+    #[test]
+    fn rejection_sampling_keeps_the_target_distribution() {
+        let worst = speculative_chi2();
+        assert!(worst < 16.27, "chi2 {worst}");
+    }
+
+    #[test]
+    fn the_distribution_test_catches_a_wrong_residual() {
+        WRONG_RESIDUAL.with(|w| w.set(true));
+        let worst = speculative_chi2();
+        WRONG_RESIDUAL.with(|w| w.set(false));
+        assert!(worst > 1000.0, "a residual that keeps the draft went unnoticed: chi2 {worst}");
+    }
+
+    #[test]
+    fn greedy_verification_accepts_the_argmax_chain() {
+        let mut s = SequenceSampler::new(Some(0));
+        let p = params(0.0);
+        let row = |best: usize| -> Vec<f32> { (0..6).map(|i| if i == best { 2.0 } else { 0.0 }).collect() };
+        // Rows' argmax: 3, 4, 1, 5. Drafts 3, 4, 2: two accepted, then the row's 1.
+        let mut rows = vec![row(3), row(4), row(1), row(5)];
+        let got: Vec<u32> = s.verify(&mut rows, &[3, 4, 2], &p, &[], &[]).iter().map(|t| t.token).collect();
+        assert_eq!(got, vec![3, 4, 1]);
+        // Every draft accepted: the last row gives one more.
+        let mut rows = vec![row(3), row(4), row(1), row(5)];
+        let got: Vec<u32> = s.verify(&mut rows, &[3, 4, 1], &p, &[], &[]).iter().map(|t| t.token).collect();
+        assert_eq!(got, vec![3, 4, 1, 5]);
+        // The first draft wrong: just the row's token.
+        let mut rows = vec![row(3), row(4)];
+        assert_eq!(s.verify(&mut rows, &[0], &p, &[], &[]).len(), 1);
+    }
+
+    #[test]
+    fn verification_sees_the_drafts_before_each_row() {
+        // A presence penalty on the drafts before a row changes that row's choice, exactly as
+        // if they had been output.
+        let mut s = SequenceSampler::new(Some(0));
+        let p = SamplingParams { presence_penalty: 1.5, logprobs: Some(1), ..Default::default() };
+        let mut rows = vec![vec![0.0, 2.0, 1.0], vec![0.0, 2.0, 1.0]];
+        let got = s.verify(&mut rows, &[1], &p, &[], &[]);
+        assert_eq!(got.iter().map(|t| t.token).collect::<Vec<_>>(), vec![1, 2]);
+        // The second token's logprob is that of a plain sample after [1].
+        let plain = s.sample(&mut vec![0.0, 2.0, 1.0], &p, &[], &[1]);
+        assert_eq!((got[1].token, got[1].logprob), (plain.token, plain.logprob));
     }
 }

@@ -1,48 +1,66 @@
 //! Decides what runs each step: continuous batching under a token budget, chunked prefill
-//! mixed with decodes, first come first served, preemption by recompute when blocks run out.
+//! mixed with decodes, draft tokens to verify, first come first served, preemption by
+//! recompute when blocks run out.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
-use super::sequence::{SeqId, SeqStatus, Sequence};
-use crate::kv::BlockAllocator;
+use super::sequence::{SeqId, SeqStatus, Sequence, Sequences};
+use crate::kv::{BlockAllocator, SlotPool};
 
 #[derive(Debug, Clone, Copy)]
 pub struct SchedulerConfig {
-    /// Most tokens one step may compute (prefill chunks plus decodes).
+    /// Most tokens one step may compute (prefill chunks, decodes and draft tokens).
     pub max_num_batched_tokens: usize,
     /// Most sequences running at once.
     pub max_num_seqs: usize,
     pub block_size: usize,
 }
 
-/// One step's work: for each sequence, how many of its uncomputed tokens to compute.
+/// One sequence's share of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    pub id: SeqId,
+    /// Of its uncomputed tokens, how many to compute.
+    pub num_new: usize,
+    /// Of its draft tokens, how many to verify after them (only when `num_new` is 1: a decode).
+    pub num_draft: usize,
+}
+
+impl ScheduledSeq {
+    /// Rows of the step's batch it takes.
+    pub fn num_rows(&self) -> usize {
+        self.num_new + self.num_draft
+    }
+}
+
+/// One step's work.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Plan {
-    pub items: Vec<(SeqId, usize)>,
+pub struct SchedulerOutput {
+    pub items: Vec<ScheduledSeq>,
     /// Sequences preempted while planning this step.
     pub preempted: Vec<SeqId>,
 }
 
-impl Plan {
+impl SchedulerOutput {
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
     }
 
     pub fn num_tokens(&self) -> usize {
-        self.items.iter().map(|(_, n)| n).sum()
+        self.items.iter().map(ScheduledSeq::num_rows).sum()
     }
 }
 
 pub struct Scheduler {
     cfg: SchedulerConfig,
-    seqs: HashMap<SeqId, Sequence>,
+    seqs: Sequences,
     /// In arrival order; preempted sequences go back to the front.
     waiting: VecDeque<SeqId>,
     /// In admission order; the last one is preempted first.
     running: Vec<SeqId>,
     pub allocator: BlockAllocator,
-    /// Float-window rings not held by a running sequence (one per sequence slot).
-    free_rings: Vec<u32>,
+    /// Per-sequence state slots (one per sequence that may run).
+    slots: SlotPool,
     pub total_preemptions: u64,
 }
 
@@ -50,11 +68,11 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig, num_blocks: usize) -> Self {
         Scheduler {
             cfg,
-            seqs: HashMap::new(),
+            seqs: Sequences::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             allocator: BlockAllocator::new(num_blocks),
-            free_rings: (0..cfg.max_num_seqs as u32).rev().collect(),
+            slots: SlotPool::new(cfg.max_num_seqs),
             total_preemptions: 0,
         }
     }
@@ -65,15 +83,23 @@ impl Scheduler {
 
     pub fn add(&mut self, seq: Sequence) {
         self.waiting.push_back(seq.id);
-        self.seqs.insert(seq.id, seq);
+        self.seqs.insert(seq);
+    }
+
+    pub fn seqs(&self) -> &Sequences {
+        &self.seqs
+    }
+
+    pub fn seqs_mut(&mut self) -> &mut Sequences {
+        &mut self.seqs
     }
 
     pub fn get(&self, id: SeqId) -> Option<&Sequence> {
-        self.seqs.get(&id)
+        self.seqs.get(id)
     }
 
     pub fn get_mut(&mut self, id: SeqId) -> Option<&mut Sequence> {
-        self.seqs.get_mut(&id)
+        self.seqs.get_mut(id)
     }
 
     pub fn num_waiting(&self) -> usize {
@@ -88,86 +114,100 @@ impl Scheduler {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
-    /// Removes a sequence (finished, aborted) and frees its blocks.
+    /// Removes a sequence (finished, aborted) and frees its blocks and state slot.
     pub fn remove(&mut self, id: SeqId) -> Option<Sequence> {
-        let mut seq = self.seqs.remove(&id)?;
+        let mut seq = self.seqs.remove(id)?;
         self.waiting.retain(|s| *s != id);
         self.running.retain(|s| *s != id);
-        seq.block_table.release_all(&mut self.allocator);
-        self.free_rings.extend(seq.window_ring.take());
+        self.release(&mut seq);
         seq.status = SeqStatus::Finished;
         Some(seq)
+    }
+
+    fn release(&mut self, seq: &mut Sequence) {
+        seq.block_table.release_all(&mut self.allocator);
+        if let Some(slot) = seq.state_slot.take() {
+            self.slots.release(slot);
+        }
     }
 
     /// Frees a running sequence's blocks and sends it back to wait; its tokens (prompt and
     /// output so far) are recomputed when it runs again.
     fn preempt(&mut self, id: SeqId) {
         self.running.retain(|s| *s != id);
-        if let Some(seq) = self.seqs.get_mut(&id) {
-            seq.block_table.release_all(&mut self.allocator);
-            self.free_rings.extend(seq.window_ring.take());
+        if let Some(mut seq) = self.seqs.remove(id) {
+            self.release(&mut seq);
             seq.num_computed = 0;
             seq.status = SeqStatus::Waiting;
             seq.preemptions += 1;
+            self.seqs.insert(seq);
         }
         self.waiting.push_front(id);
         self.total_preemptions += 1;
     }
 
-    pub fn schedule(&mut self) -> Plan {
+    /// A sequence's share under `budget`: the uncomputed tokens that fit, then, when that is
+    /// a decode (one token), as many of its drafts as fit too.
+    fn share(seq: &Sequence, budget: usize) -> ScheduledSeq {
+        let num_new = seq.num_uncomputed().min(budget);
+        let num_draft = if num_new == 1 && seq.num_uncomputed() == 1 { seq.draft.len().min(budget - 1) } else { 0 };
+        ScheduledSeq { id: seq.id, num_new, num_draft }
+    }
+
+    pub fn schedule(&mut self) -> SchedulerOutput {
         let bs = self.cfg.block_size;
         let mut budget = self.cfg.max_num_batched_tokens;
-        let mut plan = Plan::default();
+        let mut out = SchedulerOutput::default();
 
         // Running sequences first, oldest first; make room by preempting the youngest.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let seq = &self.seqs[&id];
-            let n = seq.num_uncomputed().min(budget);
-            let want = seq.num_computed + n;
+            let item = Self::share(self.seqs.expect(id), budget);
+            // Blocks for the draft rows too (lookahead): their keys and values are written.
+            let want = self.seqs.expect(id).num_computed + item.num_rows();
             let mut fits = true;
-            while self.seqs[&id].block_table.blocks_needed(want, bs) > self.allocator.num_free() {
+            while self.seqs.expect(id).block_table.blocks_needed(want, bs) > self.allocator.num_free() {
                 let victim = *self.running.last().unwrap_or(&id);
                 if victim == id {
                     fits = false;
                     break;
                 }
                 self.preempt(victim);
-                plan.preempted.push(victim);
-                plan.items.retain(|(s, _)| *s != victim);
+                out.preempted.push(victim);
+                out.items.retain(|s| s.id != victim);
             }
             if !fits {
                 self.preempt(id);
-                plan.preempted.push(id);
+                out.preempted.push(id);
                 continue; // running[i] is now the next sequence
             }
-            let seq = self.seqs.get_mut(&id).expect("running sequence exists");
+            let seq = self.seqs.expect_mut(id);
             seq.block_table.grow(want, bs, &mut self.allocator);
-            plan.items.push((id, n));
-            budget -= n;
+            out.items.push(item);
+            budget -= item.num_rows();
             i += 1;
         }
 
         // Then waiting ones, in order, while budget, blocks and sequence slots last. Not after
         // a preemption: memory is short, and admitting would only cause more.
-        if plan.preempted.is_empty() {
+        if out.preempted.is_empty() {
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
                 let Some(&id) = self.waiting.front() else { break };
-                let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
-                let n = seq.num_uncomputed().min(budget);
-                if !seq.block_table.grow(seq.num_computed + n, bs, &mut self.allocator) {
+                let seq = self.seqs.expect_mut(id);
+                let item = Self::share(seq, budget);
+                if !seq.block_table.grow(seq.num_computed + item.num_rows(), bs, &mut self.allocator) {
                     break;
                 }
                 seq.status = SeqStatus::Running;
-                // There is a ring for every sequence slot, and a slot is free (checked above).
-                seq.window_ring = self.free_rings.pop();
+                // There is a slot for every sequence that may run, and one is free (checked above).
+                seq.state_slot = self.slots.allocate();
                 self.waiting.pop_front();
                 self.running.push(id);
-                plan.items.push((id, n));
-                budget -= n;
+                out.items.push(item);
+                budget -= item.num_rows();
             }
         }
-        plan
+        out
     }
 }

@@ -1,9 +1,12 @@
-//! A request's life inside the engine.
+//! A request's life inside the engine: one record holds all of a sequence's state.
 
-use super::finish::FinishReason;
+use std::collections::HashMap;
+
+use super::detokenizer::IncrementalDetokenizer;
 use super::multimodal::MultiModalState;
 use super::sampler::{Sampled, SequenceSampler};
 use super::sampling_params::SamplingParams;
+use super::stop::StopChecker;
 use crate::kv::BlockTable;
 
 /// Engine-wide id of a sequence.
@@ -23,20 +26,29 @@ pub enum SeqStatus {
     Finished,
 }
 
+/// Text-side state: incremental detokenization and stop strings.
+pub struct TextState {
+    pub detok: IncrementalDetokenizer,
+    pub stop: StopChecker,
+}
+
 pub struct Sequence {
     pub id: SeqId,
-    pub prompt: Vec<u32>,
-    pub output: Vec<u32>,
+    /// The prompt, then the output so far.
+    tokens: Vec<u32>,
+    prompt_len: usize,
     /// Tokens whose keys and values are in the cache. Everything after them is computed by
     /// the next scheduled chunk; prefill and decode are the same thing at different sizes.
     pub num_computed: usize,
     pub block_table: BlockTable,
-    /// Its float-window ring in a TurboQuant cache, while running.
-    pub window_ring: Option<u32>,
+    /// Its slot in the per-sequence state pool (a TurboQuant float window's ring), while running.
+    pub state_slot: Option<u32>,
+    /// Tokens a drafter proposed to follow `tokens`, for the scheduler to verify next step.
+    pub draft: Vec<u32>,
     pub params: SamplingParams,
     pub sampler: SequenceSampler,
+    pub text: TextState,
     pub status: SeqStatus,
-    pub finish: Option<FinishReason>,
     pub preemptions: u32,
     /// With `params.prompt_logprobs`: entry `i` is prompt token `i + 1` given the ones before
     /// it, filled as prefill chunks are computed (and kept across preemption).
@@ -46,39 +58,99 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    pub fn new(id: SeqId, prompt: Vec<u32>, params: SamplingParams, eos_token_ids: Vec<u32>) -> Self {
+    pub fn new(id: SeqId, prompt: Vec<u32>, params: SamplingParams, eos_token_ids: Vec<u32>, text: TextState) -> Self {
         let sampler = SequenceSampler::new(params.seed).with_eos_token_ids(eos_token_ids);
         Sequence {
             id,
-            prompt,
-            output: Vec::new(),
+            prompt_len: prompt.len(),
+            tokens: prompt,
             num_computed: 0,
             block_table: BlockTable::default(),
-            window_ring: None,
+            state_slot: None,
+            draft: Vec::new(),
             params,
             sampler,
+            text,
             status: SeqStatus::Waiting,
-            finish: None,
             preemptions: 0,
             prompt_logprobs: Vec::new(),
             mm: None,
         }
     }
 
+    pub fn prompt(&self) -> &[u32] {
+        &self.tokens[..self.prompt_len]
+    }
+
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Prompt and output.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn push_output(&mut self, token: u32) {
+        self.tokens.push(token);
+    }
+
     pub fn num_tokens(&self) -> usize {
-        self.prompt.len() + self.output.len()
+        self.tokens.len()
     }
 
     pub fn token(&self, i: usize) -> u32 {
-        if i < self.prompt.len() {
-            self.prompt[i]
-        } else {
-            self.output[i - self.prompt.len()]
-        }
+        self.tokens[i]
+    }
+
+    /// What sampling the sequence's next tokens reads, borrowed apart from its generator.
+    pub fn sampling(&mut self) -> SamplingView<'_> {
+        let (prompt, output) = self.tokens.split_at(self.prompt_len);
+        SamplingView { sampler: &mut self.sampler, params: &self.params, prompt, output, draft: &self.draft }
     }
 
     /// Tokens still to run through the model before the next token can be sampled.
     pub fn num_uncomputed(&self) -> usize {
         self.num_tokens() - self.num_computed
+    }
+}
+
+/// A sequence's sampler with what it reads (`Sequence::sampling`).
+pub struct SamplingView<'a> {
+    pub sampler: &'a mut SequenceSampler,
+    pub params: &'a SamplingParams,
+    pub prompt: &'a [u32],
+    pub output: &'a [u32],
+    pub draft: &'a [u32],
+}
+
+/// Every live sequence, by id.
+#[derive(Default)]
+pub struct Sequences(HashMap<SeqId, Sequence>);
+
+impl Sequences {
+    pub fn get(&self, id: SeqId) -> Option<&Sequence> {
+        self.0.get(&id)
+    }
+
+    pub fn get_mut(&mut self, id: SeqId) -> Option<&mut Sequence> {
+        self.0.get_mut(&id)
+    }
+
+    /// A sequence the engine itself scheduled (and so knows to exist).
+    pub fn expect(&self, id: SeqId) -> &Sequence {
+        self.0.get(&id).unwrap_or_else(|| panic!("{id} is scheduled but not live"))
+    }
+
+    pub fn expect_mut(&mut self, id: SeqId) -> &mut Sequence {
+        self.0.get_mut(&id).unwrap_or_else(|| panic!("{id} is scheduled but not live"))
+    }
+
+    pub fn insert(&mut self, seq: Sequence) {
+        self.0.insert(seq.id, seq);
+    }
+
+    pub fn remove(&mut self, id: SeqId) -> Option<Sequence> {
+        self.0.remove(&id)
     }
 }

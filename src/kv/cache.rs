@@ -229,6 +229,63 @@ impl KvCache {
     }
 }
 
+/// The float-window ring rows a verify step's draft rows are about to overwrite, copied out
+/// per layer before the step so that rejected drafts can be undone: a ring row holds a
+/// position that later rows still read until the draft's own position is accepted.
+pub struct WindowCheckpoint {
+    slots: Vec<u32>,
+    /// Per layer with a float window: its keys and values at `slots`.
+    saved: Vec<(Tensor, Tensor)>,
+}
+
+impl KvCache {
+    /// Copies the float-window ring rows at `slots` (none: nothing to keep, or no window).
+    pub fn save_window_rows(&self, slots: &[u32]) -> candle_core::Result<Option<WindowCheckpoint>> {
+        let windows: Vec<&FloatWindow> = self.windows().collect();
+        if slots.is_empty() || windows.is_empty() {
+            return Ok(None);
+        }
+        let device = windows[0].k.device();
+        let idx = Tensor::new(slots, device)?;
+        let saved = windows
+            .iter()
+            .map(|w| Ok((w.k.index_select(&idx, 0)?, w.v.index_select(&idx, 0)?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Some(WindowCheckpoint { slots: slots.to_vec(), saved }))
+    }
+
+    /// Writes back the saved rows for which `undo(i)` holds (`i` indexes the saved slots).
+    pub fn restore_window_rows(&self, cp: &WindowCheckpoint, undo: impl Fn(usize) -> bool) -> candle_core::Result<()> {
+        let mapping: Vec<u32> =
+            cp.slots.iter().enumerate().map(|(i, &s)| if undo(i) { s } else { crate::batch::NO_SLOT }).collect();
+        if mapping.iter().all(|&s| s == crate::batch::NO_SLOT) {
+            return Ok(());
+        }
+        let Some(device) = self.windows().next().map(|w| w.k.device().clone()) else { return Ok(()) };
+        let device_meta =
+            if device.is_cpu() { None } else { Some(crate::batch::DeviceAttentionMeta::slots(&mapping, &device)?) };
+        let write = crate::ops::kv_write::KvWrite::to_slots(&mapping, device_meta.as_ref());
+        for (w, (k, v)) in self.windows().zip(&cp.saved) {
+            // The CPU writer reads f32 rows; a float cache's rows widen exactly.
+            let (k, v) = if device.is_cpu() {
+                (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?)
+            } else {
+                (k.clone(), v.clone())
+            };
+            w.k.inplace_op2(&k, &write)?;
+            w.v.inplace_op2(&v, &write)?;
+        }
+        Ok(())
+    }
+
+    fn windows(&self) -> impl Iterator<Item = &FloatWindow> {
+        self.layers.iter().filter_map(|l| match l {
+            LayerCache::TurboQuant(t) => t.window.as_ref(),
+            _ => None,
+        })
+    }
+}
+
 impl LayerCache {
     /// Every tensor the layer allocated.
     fn tensors(&self) -> Vec<&Tensor> {

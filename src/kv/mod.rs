@@ -7,9 +7,11 @@ pub mod block_table;
 pub mod cache;
 pub mod calibration;
 pub mod format;
+pub mod slots;
 pub mod turboquant;
 
 pub use block_allocator::{BlockAllocator, BlockId};
 pub use block_table::BlockTable;
 pub use cache::{FloatWindow, KvCache, KvCacheSpec, KvDtype, LayerCache, TqLayerCache};
 pub use format::{KvCacheDtype, KvFormatError, TqBits, TqSpec};
+pub use slots::SlotPool;

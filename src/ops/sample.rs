@@ -76,11 +76,81 @@ const MASS_SCALE: f32 = (1u64 << 40) as f32;
 /// The host reference: the token `d` draws from `logits`, None when no logit is finite.
 /// `cand` is scratch space (kept between calls to avoid a vocabulary-sized allocation).
 pub fn draw_row(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> Option<u32> {
+    kept(logits, d, cand)?.pick(d.u, None)
+}
+
+/// The tokens a draw keeps, with their masses: the distribution [`draw_row`] samples from.
+/// Speculative decoding reads it to accept a drafted token with its probability, and to draw
+/// from what is left when it is rejected.
+pub struct Kept<'a> {
+    /// (order key, id) of the kept tokens, by id.
+    cand: &'a [(u32, u32)],
+    /// Greedy: the one kept token weighs 1 whatever its logit.
+    greedy: bool,
+    inv_temperature: f32,
+    /// The largest logit times `inv_temperature`.
+    m: f32,
+    total: u64,
+}
+
+impl Kept<'_> {
+    fn mass(&self, key: u32) -> u64 {
+        if self.greedy {
+            return 1;
+        }
+        (exp_det(from_key(key) * self.inv_temperature - self.m) * MASS_SCALE).round_ties_even() as u64
+    }
+
+    /// All kept mass (the denominator of every probability).
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// The mass of `token`, 0 when it is not kept.
+    pub fn mass_of(&self, token: u32) -> u64 {
+        match self.cand.binary_search_by_key(&token, |&(_, id)| id) {
+            Ok(i) => self.mass(self.cand[i].0),
+            Err(_) => 0,
+        }
+    }
+
+    /// Whether a uniform `u` in [0, 1) accepts `token`: with probability mass(token) / total,
+    /// decided on the integer masses as a draw is.
+    pub fn accepts(&self, token: u32, u: f32) -> bool {
+        let x = ((u as f64 * self.total as f64).floor() as u64).min(self.total.saturating_sub(1));
+        x < self.mass_of(token)
+    }
+
+    /// The token `u` draws: the first id, in id order, whose running mass exceeds floor(u M) of
+    /// the kept mass M; with `exclude`, from the kept tokens less that one, renormalised (None
+    /// when nothing is left).
+    pub fn pick(&self, u: f32, exclude: Option<u32>) -> Option<u32> {
+        let total = self.total - exclude.map_or(0, |t| self.mass_of(t));
+        if total == 0 {
+            return None;
+        }
+        let x = ((u as f64 * total as f64).floor() as u64).min(total - 1);
+        let mut acc = 0u64;
+        self.cand
+            .iter()
+            .filter(|&&(_, id)| Some(id) != exclude)
+            .find(|&&(key, _)| {
+                acc += self.mass(key);
+                x < acc
+            })
+            .map(|&(_, id)| id)
+    }
+}
+
+/// The distribution `d` draws from over `logits`; None when no logit is finite.
+pub fn kept<'a>(logits: &[f32], d: &Draw, cand: &'a mut Vec<(u32, u32)>) -> Option<Kept<'a>> {
     cand.clear();
     cand.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (order_key(l), i as u32)));
     let &(kmax, first) = cand.iter().min_by(|a, b| in_order(a, b))?;
     if d.inv_temperature == 0.0 {
-        return Some(first);
+        cand.clear();
+        cand.push((kmax, first));
+        return Some(Kept { cand, greedy: true, inv_temperature: 0.0, m: 0.0, total: 1 });
     }
     let m = from_key(kmax) * d.inv_temperature;
     let weight = |key: u32| exp_det(from_key(key) * d.inv_temperature - m);
@@ -124,17 +194,7 @@ pub fn draw_row(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> Option<
     }
     cand.sort_unstable_by_key(|&(_, id)| id);
     let total = sum(cand);
-    if total == 0 {
-        return None;
-    }
-    let x = ((d.u as f64 * total as f64).floor() as u64).min(total - 1);
-    let mut acc = 0u64;
-    cand.iter()
-        .find(|&&(key, _)| {
-            acc += mass(key);
-            x < acc
-        })
-        .map(|&(_, id)| id)
+    Some(Kept { cand, greedy: false, inv_temperature: d.inv_temperature, m, total })
 }
 
 /// `[rows, vocab]` f32 logits and `[rows, PARAMS_PER_ROW]` f32 parameters (`Draw::to_params`)

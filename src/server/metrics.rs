@@ -76,6 +76,8 @@ pub struct Metrics {
     pub preemptions: AtomicUsize,
     /// Requests refused with 429 because the queue was full.
     pub rejected_queue_full: AtomicU64,
+    /// Speculative decoding's counters, as the engine last published them.
+    pub spec: Mutex<crate::engine::SpecStats>,
 }
 
 impl Default for Metrics {
@@ -100,6 +102,7 @@ impl Metrics {
             kv_free: AtomicUsize::new(0),
             preemptions: AtomicUsize::new(0),
             rejected_queue_full: AtomicU64::new(0),
+            spec: Mutex::new(crate::engine::SpecStats::default()),
         }
     }
 
@@ -169,6 +172,34 @@ impl Metrics {
             "Sequences preempted because KV blocks ran out.",
             self.preemptions.load(Ordering::Relaxed) as u64,
         );
+        {
+            let spec = self.spec.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            counter(
+                &mut out,
+                "iris_spec_decode_num_drafts_total",
+                "Verify passes: sequences whose step checked draft tokens.",
+                spec.num_drafts,
+            );
+            counter(
+                &mut out,
+                "iris_spec_decode_num_draft_tokens_total",
+                "Draft tokens verified.",
+                spec.num_draft_tokens,
+            );
+            counter(
+                &mut out,
+                "iris_spec_decode_num_accepted_tokens_total",
+                "Draft tokens accepted.",
+                spec.num_accepted_tokens,
+            );
+            let _ = writeln!(
+                out,
+                "# HELP iris_spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted, by their place in the draft.\n# TYPE iris_spec_decode_num_accepted_tokens_per_pos_total counter"
+            );
+            for (pos, n) in spec.accepted_per_position.iter().enumerate() {
+                let _ = writeln!(out, "iris_spec_decode_num_accepted_tokens_per_pos_total{{position=\"{pos}\"}} {n}");
+            }
+        }
         gauge(
             &mut out,
             "iris_num_requests_running",

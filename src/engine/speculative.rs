@@ -1,0 +1,161 @@
+//! Speculative decoding: what the user configures (`--speculative-config`, vLLM's JSON) and
+//! the drafters that propose tokens for the target model to verify in one pass.
+//!
+//! The n-gram drafter (prompt lookup) needs no second model: it finds the latest earlier
+//! occurrence of the sequence's last n tokens (n from `prompt_lookup_max` down to
+//! `prompt_lookup_min`) and proposes the tokens that followed it. It pays off where the output
+//! repeats its input: editing code, summarising or quoting a given text.
+
+use serde::Deserialize;
+
+/// Why a `--speculative-config` was refused. Each says what to change.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum SpeculativeConfigError {
+    #[error("--speculative-config is not valid JSON for it: {0} (e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}')")]
+    Json(String),
+    #[error("--speculative-config: method `{0}` is not supported; use \"ngram\"")]
+    Method(String),
+    #[error("--speculative-config: num_speculative_tokens must be 1..={MAX_SPECULATIVE_TOKENS}, got {0}")]
+    NumTokens(usize),
+    #[error("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got min {min}, max {max}")]
+    Lookup { min: usize, max: usize },
+}
+
+/// Most draft tokens per sequence and step.
+pub const MAX_SPECULATIVE_TOKENS: usize = 32;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    method: String,
+    num_speculative_tokens: usize,
+    prompt_lookup_max: Option<usize>,
+    prompt_lookup_min: Option<usize>,
+}
+
+/// How to speculate: today n-gram drafts of up to `num_tokens` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    pub num_tokens: usize,
+    pub lookup_min: usize,
+    pub lookup_max: usize,
+}
+
+impl std::str::FromStr for SpeculativeConfig {
+    type Err = SpeculativeConfigError;
+
+    /// vLLM's form: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+    /// "prompt_lookup_min": 2}`. Without either lookup bound, n runs from 4 down to 1; with one,
+    /// the other equals it.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let raw: RawConfig = serde_json::from_str(s).map_err(|e| SpeculativeConfigError::Json(e.to_string()))?;
+        if raw.method != "ngram" {
+            return Err(SpeculativeConfigError::Method(raw.method));
+        }
+        if !(1..=MAX_SPECULATIVE_TOKENS).contains(&raw.num_speculative_tokens) {
+            return Err(SpeculativeConfigError::NumTokens(raw.num_speculative_tokens));
+        }
+        let (min, max) = match (raw.prompt_lookup_min, raw.prompt_lookup_max) {
+            (None, None) => (1, 4),
+            (Some(n), None) | (None, Some(n)) => (n, n),
+            (Some(min), Some(max)) => (min, max),
+        };
+        if min == 0 || min > max {
+            return Err(SpeculativeConfigError::Lookup { min, max });
+        }
+        Ok(SpeculativeConfig { num_tokens: raw.num_speculative_tokens, lookup_min: min, lookup_max: max })
+    }
+}
+
+/// Proposes draft tokens by prompt lookup.
+#[derive(Debug, Clone, Copy)]
+pub struct NgramDrafter {
+    cfg: SpeculativeConfig,
+}
+
+impl NgramDrafter {
+    pub fn new(cfg: SpeculativeConfig) -> Self {
+        NgramDrafter { cfg }
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.cfg.num_tokens
+    }
+
+    /// Up to `max` tokens to follow `tokens`: after the latest earlier occurrence of its
+    /// longest suffix of `lookup_max..=lookup_min` tokens that occurs earlier at all. Empty
+    /// when none does.
+    pub fn propose(&self, tokens: &[u32], max: usize) -> Vec<u32> {
+        let max = max.min(self.cfg.num_tokens);
+        if max == 0 {
+            return Vec::new();
+        }
+        let len = tokens.len();
+        for n in (self.cfg.lookup_min..=self.cfg.lookup_max.min(len.saturating_sub(1))).rev() {
+            let suffix = &tokens[len - n..];
+            // Latest start i < len - n with tokens[i..i + n] == suffix; what follows it is the draft.
+            if let Some(i) = (0..len - n).rev().find(|&i| &tokens[i..i + n] == suffix) {
+                let from = i + n;
+                return tokens[from..(from + max).min(len)].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drafter(k: usize, min: usize, max: usize) -> NgramDrafter {
+        NgramDrafter::new(SpeculativeConfig { num_tokens: k, lookup_min: min, lookup_max: max })
+    }
+
+    #[test]
+    fn parses_vllm_form_and_refuses_bad_settings() {
+        let c: SpeculativeConfig =
+            r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}"#
+                .parse()
+                .unwrap();
+        assert_eq!(c, SpeculativeConfig { num_tokens: 3, lookup_min: 2, lookup_max: 4 });
+        let c: SpeculativeConfig = r#"{"method": "ngram", "num_speculative_tokens": 2}"#.parse().unwrap();
+        assert_eq!((c.lookup_min, c.lookup_max), (1, 4));
+        let c: SpeculativeConfig =
+            r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}"#.parse().unwrap();
+        assert_eq!((c.lookup_min, c.lookup_max), (3, 3));
+        for (bad, want) in [
+            ("ngram", "not valid JSON"),
+            (r#"{"method": "eagle", "num_speculative_tokens": 2}"#, "method `eagle`"),
+            (r#"{"method": "ngram", "num_speculative_tokens": 0}"#, "1..=32"),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}"#,
+                "prompt_lookup_min",
+            ),
+            (r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}"#, "prompt_lookup_min"),
+            (r#"{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}"#, "unknown field"),
+        ] {
+            let e = bad.parse::<SpeculativeConfig>().unwrap_err().to_string();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn proposes_what_followed_the_latest_longest_match() {
+        let d = drafter(3, 1, 3);
+        // Suffix [1, 2] (3-gram [9, 1, 2] never seen before): latest earlier match at 4.
+        let t = [1, 2, 3, 4, 1, 2, 5, 6, 7, 9, 1, 2];
+        assert_eq!(d.propose(&t, 8), vec![5, 6, 7]);
+        // The 3-gram [7, 1, 2] wins over the later 2-gram match.
+        let t = [7, 1, 2, 8, 8, 1, 2, 9, 7, 1, 2];
+        assert_eq!(d.propose(&t, 8), vec![8, 8, 1]);
+        // Bounded by `max` and by what is there.
+        assert_eq!(d.propose(&[1, 2, 3, 4, 1, 2, 5, 6, 7, 9, 1, 2], 1), vec![5]);
+        assert_eq!(d.propose(&[5, 6, 5], 8), vec![6, 5]);
+        // No match, too short, nothing wanted.
+        assert!(d.propose(&[1, 2, 3], 8).is_empty());
+        assert!(d.propose(&[1], 8).is_empty());
+        assert!(d.propose(&[1, 1, 1], 0).is_empty());
+        // lookup_min 2: a lone repeated token does not count.
+        assert!(drafter(3, 2, 3).propose(&[4, 1, 5, 1], 8).is_empty());
+    }
+}
