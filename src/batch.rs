@@ -185,17 +185,21 @@ impl AttentionMeta {
     }
 
     /// The metadata laid out as `layout`, which may have more rows and sequences than this
-    /// step: those are padding (slot NO_SLOT, position 0, each its own sequence with a context
-    /// of one token in block 0, whose table entry follows the real tables).
+    /// step: those are padding (slot NO_SLOT, position 0), r rows per padding sequence (the
+    /// padding rows over the padding sequences), each with a context of its r rows in block 0,
+    /// whose table entries follow the real tables.
     pub fn packed(&self, layout: &MetaLayout) -> Vec<u32> {
         let t = self.num_rows();
         let pad_seqs = layout.seqs() - self.seqs.len();
+        let r = if pad_seqs == 0 { 1 } else { (layout.rows - t) / pad_seqs };
+        debug_assert!(pad_seqs == 0 || r * pad_seqs == layout.rows - t, "padding rows split evenly");
         let tables: usize = self.seqs.iter().map(|s| s.block_table.len()).sum();
-        let mut data = Vec::with_capacity(layout.block_tables + tables + 1);
+        let pad_blocks = r.div_ceil(self.block_size).max(1);
+        let mut data = Vec::with_capacity(layout.block_tables + tables + pad_blocks);
         data.extend_from_slice(&self.slot_mapping);
         data.resize(layout.row_seq, NO_SLOT);
         data.extend_from_slice(&self.row_seq);
-        data.extend((0..layout.rows - t).map(|p| (self.seqs.len() + p) as u32));
+        data.extend((0..layout.rows - t).map(|p| (self.seqs.len() + p / r) as u32));
         for s in &self.seqs {
             data.extend((s.first_position()..s.context_len).map(|p| p as u32));
         }
@@ -210,7 +214,7 @@ impl AttentionMeta {
             offset += s.block_table.len();
         }
         for p in 0..pad_seqs {
-            data.extend([(t + p) as u32, 1, 1, tables as u32]);
+            data.extend([(t + p * r) as u32, r as u32, r as u32, tables as u32]);
         }
         if let Some(w) = &self.window {
             data.extend_from_slice(&w.rings);
@@ -220,7 +224,7 @@ impl AttentionMeta {
         for s in &self.seqs {
             data.extend_from_slice(&s.block_table);
         }
-        data.push(0);
+        data.extend(std::iter::repeat_n(0, pad_blocks));
         data
     }
 
@@ -402,5 +406,26 @@ mod tests {
         let plain = AttentionMeta::new(4, meta.seqs.clone()).packed(&layout);
         assert!(plain[layout.ring_slots..layout.seq_info].iter().all(|&s| s == NO_SLOT));
         assert!(plain[layout.rings..layout.tiles].iter().all(|&r| r == 0));
+    }
+
+    /// A verify step's graph layout: two sequences of 3 rows padded to four; each padding
+    /// sequence has 3 rows of its own, writing nothing, over the padding block table.
+    #[test]
+    fn padding_sequences_take_as_many_rows_as_the_real_ones() {
+        let seqs = vec![
+            SeqSlice { q_start: 0, q_len: 3, context_len: 9, block_table: vec![5, 6, 7] },
+            SeqSlice { q_start: 3, q_len: 3, context_len: 3, block_table: vec![2] },
+        ];
+        let meta = AttentionMeta::new(4, seqs);
+        let layout = MetaLayout::new(12, 4, 0);
+        let data = meta.packed(&layout);
+        assert_eq!(&data[..12], &[26, 27, 28, 8, 9, 10, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT]);
+        assert_eq!(&data[layout.row_seq..layout.positions], &[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]);
+        assert_eq!(&data[layout.positions..layout.positions + 6], &[6, 7, 8, 0, 1, 2]);
+        assert_eq!(
+            &data[layout.seq_info..layout.rings],
+            &[0, 3, 9, 0, 3, 3, 3, 3, 6, 3, 3, 4, 9, 3, 3, 4]
+        );
+        assert_eq!(&data[layout.block_tables..], &[5, 6, 7, 2, 0]);
     }
 }

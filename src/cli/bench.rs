@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::args::EngineArgs;
 use super::image_bench::{self, ImageBench, ImageSource};
 use super::session::open_engine;
-use crate::engine::{Engine, Request, SamplingParams};
+use crate::engine::{Drafter, Engine, ReplayDrafter, Request, SamplingParams};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -76,6 +76,11 @@ pub struct BenchArgs {
     /// With --temperature: keep the k most likely tokens (0: off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// With --speculative-config, greedy: draft the model's own greedy continuation (recorded
+    /// in a first pass) instead of n-grams, so every draft is accepted: what verifying K tokens
+    /// per pass costs and gives at best.
+    #[arg(long, requires = "speculative_config")]
+    pub all_accepted: bool,
 }
 
 #[derive(Debug, Serialize, Clone)]
@@ -208,8 +213,20 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         !a.batch_sizes.is_empty() && a.batch_sizes.iter().all(|&b| b > 0),
         "--batch-sizes must be positive numbers"
     );
+    anyhow::ensure!(!a.all_accepted || a.temperature == 0.0, "--all-accepted needs greedy decoding (--temperature 0)");
     let (mut engine, _) = open_engine(&a.engine)?;
     let prompt = prompt_tokens(&engine, &a)?;
+    if a.all_accepted {
+        // Every sequence of a run has this prompt, so one greedy continuation serves them all.
+        let params = SamplingParams { max_tokens: a.gen_len, ignore_eos: true, ..SamplingParams::default() };
+        engine.add_request(Request { prompt_tokens: prompt.clone(), params })?;
+        let mut recorded = prompt.clone();
+        while engine.has_work() {
+            recorded.extend(engine.step()?.into_iter().filter_map(|u| u.token.map(|t| t.token)));
+        }
+        let k = engine.config().speculative.map_or(0, |s| s.num_tokens);
+        engine.set_drafter(Drafter::Replay(ReplayDrafter::new(k, vec![recorded])))?;
+    }
     // Warm up caches and thread pools.
     run_once(&mut engine, 1, &prompt, 4, &a)?;
     let pb = ProgressBar::new((a.batch_sizes.len() * a.repeats) as u64);

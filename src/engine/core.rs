@@ -11,7 +11,7 @@ use super::request::{Request, RequestError, SeqUpdate};
 use super::runner::ModelRunner;
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence, TextState};
-use super::speculative::{NgramDrafter, SpeculativeConfig};
+use super::speculative::{Drafter, NgramDrafter, SpeculativeConfig};
 use super::stop::StopChecker;
 use crate::kv::KvCache;
 use crate::media::PixelValues;
@@ -58,9 +58,23 @@ impl Engine {
         }
         let max_blocks = cfg.max_model_len.div_ceil(cfg.scheduler.block_size);
         let max_positions = model.config().max_position_embeddings.min(crate::layers::rotary::MAX_TABLE_POSITIONS);
-        let runner = ModelRunner::new(device, cfg.scheduler.max_num_seqs, max_blocks, max_positions);
-        let output = OutputProcessor::new(eos, cfg.max_model_len, cfg.speculative.map(NgramDrafter::new));
+        let max_drafts = cfg.speculative.map_or(0, |s| s.num_tokens);
+        let runner = ModelRunner::new(device, cfg.scheduler.max_num_seqs, max_blocks, max_positions, 1 + max_drafts);
+        let drafter = cfg.speculative.map(|s| Drafter::Ngram(NgramDrafter::new(s)));
+        let output = OutputProcessor::new(eos, cfg.max_model_len, drafter, max_drafts);
         Engine { model, kv, scheduler, runner, output, tokenizer, cfg, next_id: 0, stats: EngineStats::default() }
+    }
+
+    /// Replaces the drafter of an engine built with speculative decoding (benchmarks use a
+    /// `ReplayDrafter`); drafts are bounded by its `num_speculative_tokens` still.
+    pub fn set_drafter(&mut self, drafter: Drafter) -> Result<(), crate::engine::SpeculativeConfigError> {
+        match self.cfg.speculative {
+            Some(_) => {
+                self.output.set_drafter(drafter);
+                Ok(())
+            }
+            None => Err(crate::engine::SpeculativeConfigError::NotEnabled),
+        }
     }
 
     /// Adds the vision tower of a vision-language model: requests may then carry images.

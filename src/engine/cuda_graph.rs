@@ -1,8 +1,11 @@
-//! Decode steps replayed as CUDA graphs, one graph per batch-size bucket.
+//! Decode and verify steps replayed as CUDA graphs, one graph per (batch-size bucket, rows per
+//! sequence).
 //!
 //! Launching a decode step kernel by kernel costs more host time than a small batch costs the
-//! GPU (hundreds of launches). A step in which every scheduled sequence decodes one token is
-//! instead padded to the next bucket size and run by replaying a graph captured for that size:
+//! GPU (hundreds of launches). A step in which every scheduled sequence computes the same
+//! number of rows R (1 for a decode; its last token and R - 1 drafts for a speculative verify
+//! step, R below the prompt-chunk size) and samples all of them is instead padded to the next
+//! bucket of sequences and run by replaying a graph captured for that bucket and R:
 //! the step's token ids and attention metadata are uploaded into buffers the graphs read, and
 //! the graph leaves the logits and their argmax in buffers the engine reads (only the ids, or
 //! the logits when some row samples, are copied back). Padding rows write no KV (slot NO_SLOT)
@@ -22,7 +25,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor};
 
 use super::runner::{draw_on_device, StepOutput};
-use crate::batch::{AttentionMeta, Batch, DeviceAttentionMeta, MetaLayout, Positions, SeqSlice};
+use crate::batch::{AttentionMeta, Batch, DeviceAttentionMeta, MetaLayout, Positions, SeqSlice, PREFILL_MIN_ROWS};
 use crate::kv::KvCache;
 use crate::models::TextModel;
 use crate::ops::argmax::Argmax;
@@ -36,9 +39,12 @@ pub struct DecodeGraphs {
     buckets: Vec<usize>,
     max_blocks_per_seq: usize,
     max_positions: usize,
+    /// Most rows per sequence a graph runs (1, or 1 + the most draft tokens).
+    max_rows_per_seq: usize,
     /// Shared by every bucket's graph (one runs at a time); made at the first capture.
     buffers: Option<Buffers>,
-    graphs: HashMap<usize, Option<Graph>>,
+    /// By (bucket, rows per sequence).
+    graphs: HashMap<(usize, usize), Option<Graph>>,
     /// `IRIS_CUDA_STEP_TIMING=1`: how much of a replayed step's wall time the GPU spends in
     /// the graph (the rest is host work between steps, while the GPU idles).
     timing: Option<StepTiming>,
@@ -94,7 +100,13 @@ unsafe impl Send for Graph {}
 
 impl DecodeGraphs {
     /// None when graphs are off: not a CUDA device, or `IRIS_CUDA_GRAPHS=0`.
-    pub fn new(device: &Device, max_num_seqs: usize, max_blocks_per_seq: usize, max_positions: usize) -> Option<Self> {
+    pub fn new(
+        device: &Device,
+        max_num_seqs: usize,
+        max_blocks_per_seq: usize,
+        max_positions: usize,
+        max_rows_per_seq: usize,
+    ) -> Option<Self> {
         if !device.is_cuda() || !crate::switches::switched_on!("IRIS_CUDA_GRAPHS") {
             return None;
         }
@@ -104,6 +116,7 @@ impl DecodeGraphs {
             buckets,
             max_blocks_per_seq,
             max_positions,
+            max_rows_per_seq: max_rows_per_seq.clamp(1, PREFILL_MIN_ROWS - 1),
             buffers: None,
             graphs: HashMap::new(),
             timing: std::env::var("IRIS_CUDA_STEP_TIMING").is_ok_and(|v| v == "1").then_some(StepTiming {
@@ -126,8 +139,8 @@ impl DecodeGraphs {
         self.buckets.last().copied().unwrap_or(1)
     }
 
-    /// Runs a pure decode step (one row per sequence, every row sampled) through its bucket's
-    /// graph; None for any other step (or a bucket that cannot be captured).
+    /// Runs a decode or verify step (R rows per sequence, every row sampled) through its
+    /// bucket's graph; None for any other step (or a bucket that cannot be captured).
     pub fn run(
         &mut self,
         model: &dyn TextModel,
@@ -142,27 +155,30 @@ impl DecodeGraphs {
         }
         let meta = &batch.attn;
         let t = meta.num_rows();
-        let decode = t > 0
-            && meta.seqs.len() == t
+        let n = meta.seqs.len();
+        let r = meta.seqs.first().map_or(0, |s| s.q_len);
+        let uniform = t > 0
+            && (1..=self.max_rows_per_seq).contains(&r)
+            && n * r == t
             && meta.seqs.iter().all(|s| {
-                s.q_len == 1 && s.block_table.len() <= self.max_blocks_per_seq && s.context_len <= self.max_positions
+                s.q_len == r && s.block_table.len() <= self.max_blocks_per_seq && s.context_len <= self.max_positions
             })
             && sample_rows.len() == t
-            && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
-        let Some(&bucket) = self.buckets.iter().find(|&&b| b >= t).filter(|_| decode) else { return Ok(None) };
-        if matches!(self.graphs.get(&bucket), Some(None)) {
+            && sample_rows.iter().enumerate().all(|(i, &row)| row as usize == i);
+        let Some(&bucket) = self.buckets.iter().find(|&&b| b >= n).filter(|_| uniform) else { return Ok(None) };
+        if matches!(self.graphs.get(&(bucket, r)), Some(None)) {
             return Ok(None);
         }
-        let layout = MetaLayout::new(bucket, bucket, 0);
+        let layout = MetaLayout::new(bucket * r, bucket, 0);
         if self.buffers.is_none() {
             self.buffers = Some(self.make_buffers(model)?);
         }
         let bufs = self.buffers.as_ref().expect("made above");
         let mut tokens: Vec<u32> = batch.token_ids.to_vec1()?;
-        tokens.resize(bucket, 0);
+        tokens.resize(bucket * r, 0);
         write_host(&bufs.tokens, &tokens)?;
         write_host(&bufs.meta, &meta.packed(&layout))?;
-        match self.graphs.get(&bucket) {
+        match self.graphs.get(&(bucket, r)) {
             Some(Some(g)) => match &mut self.timing {
                 None => g.0.launch().w()?,
                 Some(timing) => {
@@ -175,8 +191,8 @@ impl DecodeGraphs {
                 }
             },
             _ => {
-                let graph = self.capture(model, kv, meta, bucket, layout)?;
-                self.graphs.insert(bucket, graph);
+                let graph = self.capture(model, kv, meta, bucket, r, layout)?;
+                self.graphs.insert((bucket, r), graph);
             }
         }
         let bufs = self.buffers.as_ref().expect("made above");
@@ -188,13 +204,14 @@ impl DecodeGraphs {
     }
 
     fn make_buffers(&self, model: &dyn TextModel) -> Result<Buffers> {
-        let (dev, b) = (&self.device, self.max_bucket());
-        let meta_len = MetaLayout::new(b, b, 0).block_tables + b * self.max_blocks_per_seq + 1;
+        let (dev, b, r) = (&self.device, self.max_bucket(), self.max_rows_per_seq);
+        // The padding sequences' block table entries follow the real tables (`packed`).
+        let meta_len = MetaLayout::new(b * r, b, 0).block_tables + b * self.max_blocks_per_seq + r;
         Ok(Buffers {
-            tokens: Tensor::zeros(b, DType::U32, dev)?,
+            tokens: Tensor::zeros(b * r, DType::U32, dev)?,
             meta: Tensor::zeros(meta_len, DType::U32, dev)?,
-            logits: Tensor::zeros((b, model.config().vocab_size), DType::F32, dev)?,
-            ids: Tensor::zeros(b, DType::U32, dev)?,
+            logits: Tensor::zeros((b * r, model.config().vocab_size), DType::F32, dev)?,
+            ids: Tensor::zeros(b * r, DType::U32, dev)?,
         })
     }
 
@@ -206,20 +223,22 @@ impl DecodeGraphs {
         kv: &KvCache,
         meta: &AttentionMeta,
         bucket: usize,
+        r: usize,
         layout: MetaLayout,
     ) -> Result<Option<Graph>> {
         let _setup = crate::device::cuda_setup_lock();
         let bufs = self.buffers.as_ref().expect("buffers exist before a capture");
         let cuda = self.device.as_cuda_device()?;
-        // The host side of the captured batch: `bucket` one-token sequences. Only its shape
+        // The host side of the captured batch: `bucket` sequences of `r` rows. Only its shape
         // matters (the ops check it while capturing); the kernels read the device buffers.
+        let pad_blocks = r.div_ceil(meta.block_size);
         let pads = (0..bucket).map(|i| {
             let real = meta.seqs.get(i);
             SeqSlice {
-                q_start: i,
-                q_len: 1,
-                context_len: real.map_or(1, |s| s.context_len),
-                block_table: real.map_or_else(|| vec![0], |s| s.block_table.clone()),
+                q_start: i * r,
+                q_len: r,
+                context_len: real.map_or(r, |s| s.context_len),
+                block_table: real.map_or_else(|| vec![0; pad_blocks], |s| s.block_table.clone()),
             }
         });
         let mut attn = AttentionMeta::new(meta.block_size, pads.collect());
@@ -228,9 +247,9 @@ impl DecodeGraphs {
             attn.set_float_window(w.len, rings)?;
         }
         attn.device = Some(DeviceAttentionMeta { data: bufs.meta.clone(), layout });
-        let positions = attn.seqs.iter().map(|s| s.first_position() as u32).collect();
+        let positions = attn.seqs.iter().flat_map(|s| (s.first_position()..s.context_len).map(|p| p as u32)).collect();
         let batch = Batch {
-            token_ids: bufs.tokens.narrow(0, 0, bucket)?,
+            token_ids: bufs.tokens.narrow(0, 0, bucket * r)?,
             positions: Positions::Flat(positions),
             attn,
             images: None,
@@ -255,7 +274,7 @@ impl DecodeGraphs {
             (captured, graph) => {
                 let why = captured.err().map(|e| e.to_string()).or_else(|| graph.err().map(|e| e.to_string()));
                 tracing::warn!(
-                    "decode steps of {bucket} rows run op by op: capture failed ({})",
+                    "steps of {bucket} sequences of {r} rows run op by op: capture failed ({})",
                     why.unwrap_or_default()
                 );
                 None

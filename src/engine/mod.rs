@@ -29,5 +29,5 @@ pub use request::{Request, RequestError, SeqUpdate};
 pub use sampler::{sample_batch, SampleRow, Sampled, SequenceSampler};
 pub use sampling_params::{SamplingError, SamplingParams};
 pub use sequence::SeqId;
-pub use speculative::{SpeculativeConfig, SpeculativeConfigError};
+pub use speculative::{Drafter, ReplayDrafter, SpeculativeConfig, SpeculativeConfigError};
 pub use stop::{StopChecker, StopOutcome};

@@ -7,7 +7,7 @@ use super::request::SeqUpdate;
 use super::sampler::Sampled;
 use super::scheduler::{Scheduler, SchedulerOutput};
 use super::sequence::SeqId;
-use super::speculative::NgramDrafter;
+use super::speculative::Drafter;
 
 /// Counters for metrics and logs.
 #[derive(Debug, Default, Clone)]
@@ -59,12 +59,18 @@ impl SpecStats {
 pub struct OutputProcessor {
     eos: Vec<u32>,
     max_model_len: usize,
-    drafter: Option<NgramDrafter>,
+    drafter: Option<Drafter>,
+    /// Most draft tokens per step (`num_speculative_tokens`; the runner's graphs are sized by it).
+    max_drafts: usize,
 }
 
 impl OutputProcessor {
-    pub fn new(eos: Vec<u32>, max_model_len: usize, drafter: Option<NgramDrafter>) -> Self {
-        OutputProcessor { eos, max_model_len, drafter }
+    pub fn new(eos: Vec<u32>, max_model_len: usize, drafter: Option<Drafter>, max_drafts: usize) -> Self {
+        OutputProcessor { eos, max_model_len, drafter, max_drafts }
+    }
+
+    pub fn set_drafter(&mut self, drafter: Drafter) {
+        self.drafter = Some(drafter);
     }
 
     pub fn eos(&self) -> &[u32] {
@@ -118,7 +124,7 @@ impl OutputProcessor {
         }
         let left = seq.params.max_tokens.saturating_sub(seq.output().len() + 1);
         let room = self.max_model_len.saturating_sub(seq.num_tokens());
-        seq.draft = drafter.propose(seq.tokens(), left.min(room));
+        seq.draft = drafter.propose(seq.tokens(), left.min(room).min(self.max_drafts));
     }
 
     fn append_token(&self, sched: &mut Scheduler, id: SeqId, tok: Sampled, stats: &mut EngineStats) -> SeqUpdate {

@@ -57,12 +57,25 @@ impl BuiltStep {
 impl ModelRunner {
     /// `max_blocks_per_seq` bounds a sequence's block table (decode graphs size their buffers
     /// by it); graphs run steps whose positions are all below `max_positions` (the model's
-    /// rotary table on the device).
-    pub fn new(device: Device, max_num_seqs: usize, max_blocks_per_seq: usize, max_positions: usize) -> Self {
+    /// rotary table on the device) and of at most `max_rows_per_seq` rows per sequence (1 + the
+    /// most draft tokens).
+    pub fn new(
+        device: Device,
+        max_num_seqs: usize,
+        max_blocks_per_seq: usize,
+        max_positions: usize,
+        max_rows_per_seq: usize,
+    ) -> Self {
         #[cfg(feature = "cuda")]
-        let graphs = super::cuda_graph::DecodeGraphs::new(&device, max_num_seqs, max_blocks_per_seq, max_positions);
+        let graphs = super::cuda_graph::DecodeGraphs::new(
+            &device,
+            max_num_seqs,
+            max_blocks_per_seq,
+            max_positions,
+            max_rows_per_seq,
+        );
         #[cfg(not(feature = "cuda"))]
-        let _ = (max_num_seqs, max_blocks_per_seq, max_positions);
+        let _ = (max_num_seqs, max_blocks_per_seq, max_positions, max_rows_per_seq);
         ModelRunner {
             device,
             vision: None,

@@ -17,6 +17,8 @@ pub enum SpeculativeConfigError {
     Method(String),
     #[error("--speculative-config: num_speculative_tokens must be 1..={MAX_SPECULATIVE_TOKENS}, got {0}")]
     NumTokens(usize),
+    #[error("speculative decoding is off: start with --speculative-config")]
+    NotEnabled,
     #[error("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got min {min}, max {max}")]
     Lookup { min: usize, max: usize },
 }
@@ -64,6 +66,47 @@ impl std::str::FromStr for SpeculativeConfig {
             return Err(SpeculativeConfigError::Lookup { min, max });
         }
         Ok(SpeculativeConfig { num_tokens: raw.num_speculative_tokens, lookup_min: min, lookup_max: max })
+    }
+}
+
+/// Where draft tokens come from.
+#[derive(Debug, Clone)]
+pub enum Drafter {
+    Ngram(NgramDrafter),
+    Replay(ReplayDrafter),
+}
+
+impl Drafter {
+    /// Up to `max` tokens to follow `tokens` (fewer, or none, when the drafter has no guess).
+    pub fn propose(&self, tokens: &[u32], max: usize) -> Vec<u32> {
+        match self {
+            Drafter::Ngram(d) => d.propose(tokens, max),
+            Drafter::Replay(d) => d.propose(tokens, max),
+        }
+    }
+}
+
+/// For benchmarks and tests: proposes the rest of a recorded token sequence that continues the
+/// sequence (the target's own greedy continuation, so every draft is accepted), up to K at a
+/// time. Measures what verification costs and gives at best.
+#[derive(Debug, Clone)]
+pub struct ReplayDrafter {
+    num_tokens: usize,
+    recorded: Vec<Vec<u32>>,
+}
+
+impl ReplayDrafter {
+    /// `recorded`: whole token sequences (prompt and output).
+    pub fn new(num_tokens: usize, recorded: Vec<Vec<u32>>) -> Self {
+        ReplayDrafter { num_tokens, recorded }
+    }
+
+    pub fn propose(&self, tokens: &[u32], max: usize) -> Vec<u32> {
+        let n = tokens.len();
+        match self.recorded.iter().find(|r| r.len() > n && r[..n] == *tokens) {
+            Some(r) => r[n..(n + max.min(self.num_tokens)).min(r.len())].to_vec(),
+            None => Vec::new(),
+        }
     }
 }
 
@@ -137,6 +180,16 @@ mod tests {
             let e = bad.parse::<SpeculativeConfig>().unwrap_err().to_string();
             assert!(e.contains(want), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn replay_proposes_the_recorded_rest() {
+        let d = ReplayDrafter::new(2, vec![vec![1, 2, 3, 4, 5], vec![7, 8, 9]]);
+        assert_eq!(d.propose(&[1, 2], 8), vec![3, 4]);
+        assert_eq!(d.propose(&[1, 2, 3, 4], 8), vec![5]);
+        assert_eq!(d.propose(&[7], 1), vec![8]);
+        assert!(d.propose(&[1, 3], 8).is_empty());
+        assert!(d.propose(&[7, 8, 9], 8).is_empty());
     }
 
     #[test]
