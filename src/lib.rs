@@ -5,6 +5,7 @@
 
 pub mod batch;
 pub mod cli;
+pub mod config;
 pub mod device;
 pub mod engine;
 pub mod fetch;

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use super::calibration::CalibrationCache;
 use super::format::TqSpec;
 use super::turboquant::{Codebook, DeviceCodecs, LayerCodecs};
-use crate::models::config::TextConfig;
+use crate::config::TextConfig;
 
 /// Element type of a dense KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

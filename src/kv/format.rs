@@ -6,7 +6,7 @@ use std::str::FromStr;
 
 use super::cache::KvDtype;
 use super::turboquant::pack::packed_len;
-use crate::models::config::TextConfig;
+use crate::config::TextConfig;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvFormatError {

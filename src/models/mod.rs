@@ -1,7 +1,6 @@
 //! Model families. A model is a pure function of (batch, kv cache) -> hidden states; it owns
 //! no per-sequence state.
 
-pub mod config;
 pub mod gemma3;
 pub mod glm4v;
 pub mod llama;
@@ -17,10 +16,10 @@ use candle_core::{Result, Tensor};
 pub use mrope::{PositionError, PromptPositions};
 
 use crate::batch::Batch;
+use crate::config::{Arch, TextConfig};
 use crate::kv::KvCache;
 use crate::media::{ImageError, PixelValues, RgbImage};
 use crate::weights::{Weights, WeightsError};
-use config::{Arch, TextConfig};
 
 /// Hidden states captured during a forward pass (tests compare them with transformers).
 #[derive(Default)]

@@ -12,9 +12,10 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
+use super::activation;
 use super::simd::exp_det;
 use super::team::{team, OutPtr};
-use crate::models::config::Activation;
+use crate::config::Activation;
 
 pub struct GatedAct {
     /// GELU (tanh approximation) instead of SiLU.
@@ -213,7 +214,7 @@ impl GatedHalves {
         let fused = GatedAct::for_activation(act).filter(|_| gate.device().is_cpu() && rows(gate) && rows(up));
         match fused {
             Some(a) if gate.shape() == up.shape() => gate.apply_op2_no_bwd(up, &GatedHalves { gelu: a.gelu }),
-            _ => act.apply(gate)? * up,
+            _ => activation::apply(act, gate)? * up,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Tensor operations candle lacks. Each is a candle custom op whose CPU implementation is
 //! plain Rust and is the reference any device kernel is checked against.
 
+pub mod activation;
 pub mod add_rms_norm;
 pub mod argmax;
 #[cfg(feature = "cuda")]

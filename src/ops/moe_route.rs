@@ -16,7 +16,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::simd::exp_det;
-use crate::models::config::MoeConfig;
+use crate::config::MoeConfig;
 
 /// The routing parameters of a layer.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -18,7 +18,7 @@ pub use gguf::GgufFile;
 pub use names::gguf_name;
 pub use safetensors::SafetensorsDir;
 
-use crate::models::config::Arch;
+use crate::config::Arch;
 
 /// One tensor as stored: dense values, or a quantized matrix kept quantized.
 pub enum StoredTensor {
