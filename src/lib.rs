@@ -16,6 +16,7 @@ pub mod media;
 pub mod models;
 pub mod ops;
 pub mod server;
+pub mod simd;
 mod switches;
 pub mod tokenizer;
 pub mod weights;

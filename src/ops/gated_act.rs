@@ -13,9 +13,9 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::activation;
-use super::simd::exp_det;
 use super::team::{team, OutPtr};
 use crate::config::Activation;
+use crate::simd::exp_det;
 
 pub struct GatedAct {
     /// GELU (tanh approximation) instead of SiLU.
@@ -63,7 +63,7 @@ unsafe fn gate_row_avx512(gate: &[f32], up: &[f32], out: &mut [f32], gelu: bool)
         } else {
             x
         };
-        let e = super::simd::exp_det_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z));
+        let e = crate::simd::exp_det_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z));
         let a = _mm512_div_ps(x, _mm512_add_ps(one, e));
         _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(a, _mm512_loadu_ps(up.as_ptr().add(i))));
     }

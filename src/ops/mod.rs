@@ -17,7 +17,6 @@ pub mod paged_attention;
 pub mod qkv_rope;
 pub mod qmatmul;
 pub mod sample;
-pub mod simd;
 pub mod team;
 pub mod tq_attention;
 pub mod tq_write;

@@ -65,7 +65,7 @@ pub(super) unsafe fn partial_avx512<T: KvElem, const DV: usize>(
                     }
                     *a = x;
                 }
-                _mm512_storeu_ps(sums.as_mut_ptr(), crate::ops::simd::reduce_add16(&acc));
+                _mm512_storeu_ps(sums.as_mut_ptr(), crate::simd::reduce_add16(&acc));
                 let sc = &mut scores[(r * group + h) * n + j0..][..16];
                 for (s, &x) in sc.iter_mut().zip(&sums) {
                     *s = logit(x);

@@ -9,9 +9,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
-use super::simd::{axpy_f32, dot_f32};
 use super::team::{team, OutPtr};
 use crate::batch::{AttentionMeta, SeqSlice};
+use crate::simd::{axpy_f32, dot_f32};
 
 pub struct PagedAttention<'a> {
     pub meta: &'a AttentionMeta,
@@ -331,7 +331,7 @@ impl PagedAttention<'_> {
 #[inline(always)]
 pub(super) fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
     let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    (m, super::simd::exp_sub_sum(s, m))
+    (m, crate::simd::exp_sub_sum(s, m))
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -2,7 +2,7 @@
 //! portable or with AVX-512: `Kernel`, `Portable`, `Avx512`.
 
 use crate::kv::turboquant::TqCodec;
-use crate::ops::simd::{axpy_f32, dot_f32};
+use crate::simd::{axpy_f32, dot_f32};
 
 /// The inner operations of the op, portable or vectorised. Within one process one kernel
 /// computes every row, so a row's result never depends on which tile it was in.
@@ -112,7 +112,7 @@ impl<const DV: usize> Kernel for Avx512<DV> {
                 }
                 *acc = x;
             }
-            _mm512_storeu_ps(out.as_mut_ptr(), crate::ops::simd::reduce_add16(&a));
+            _mm512_storeu_ps(out.as_mut_ptr(), crate::simd::reduce_add16(&a));
         }
     }
 
