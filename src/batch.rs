@@ -42,7 +42,7 @@ pub struct AttentionMeta {
 }
 
 /// Where a step's rows sit in the rings of a TurboQuant cache's float window (the most recent
-/// `len` keys and values of each running sequence, unquantized; see `kv::FloatWindow`).
+/// `len` keys and values of each running sequence, unquantized; see `ops::turboquant::FloatWindow`).
 #[derive(Debug, Clone)]
 pub struct WindowMeta {
     pub len: usize,

@@ -5,8 +5,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::calibration::CalibrationCache;
 use super::format::TqSpec;
-use super::turboquant::{Codebook, DeviceCodecs, LayerCodecs};
 use crate::config::TextConfig;
+use crate::ops::turboquant::{Codebook, FloatWindow, LayerCodecs, TqLayerCache};
 
 /// Element type of a dense KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,26 +90,6 @@ pub enum LayerCache {
     TurboQuant(Box<TqLayerCache>),
     /// Dense f32, recording the queries' and keys' moments (`kv::calibration`).
     Calibration(Box<CalibrationCache>),
-}
-
-/// A layer's keys and values as TurboQuant codes.
-pub struct TqLayerCache {
-    /// `[num_blocks * block_size, kv_heads, row]` u8, a row being a head vector's packed
-    /// codes and f32 norm (`codecs.key.row_bytes()`, `codecs.value.row_bytes()`).
-    pub k: Tensor,
-    pub v: Tensor,
-    pub codecs: LayerCodecs,
-    pub window: Option<FloatWindow>,
-    /// `codecs` in device memory, for a cache on a GPU (None on the CPU).
-    pub device: Option<DeviceCodecs>,
-}
-
-/// The most recent `len` keys and values of each running sequence, unquantized: ring r holds
-/// position j of its sequence at row `r * len + j % len` of `[rings * len, kv_heads, head_dim]`.
-pub struct FloatWindow {
-    pub len: usize,
-    pub k: Tensor,
-    pub v: Tensor,
 }
 
 /// The whole pool: every layer's storage for the same set of blocks.

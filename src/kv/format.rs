@@ -5,8 +5,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::cache::KvDtype;
-use super::turboquant::pack::packed_len;
 use crate::config::TextConfig;
+use crate::ops::turboquant::pack::packed_len;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvFormatError {

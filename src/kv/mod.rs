@@ -7,9 +7,8 @@ pub mod block_table;
 pub mod cache;
 pub mod calibration;
 pub mod format;
-pub mod turboquant;
 
 pub use block_allocator::{BlockAllocator, BlockId};
 pub use block_table::BlockTable;
-pub use cache::{FloatWindow, KvCache, KvCacheSpec, KvDtype, LayerCache, TqLayerCache};
+pub use cache::{KvCache, KvCacheSpec, KvDtype, LayerCache};
 pub use format::{KvCacheDtype, KvFormatError, TqBits, TqSpec};

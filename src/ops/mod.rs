@@ -20,3 +20,4 @@ pub mod sample;
 pub mod team;
 pub mod tq_attention;
 pub mod tq_write;
+pub mod turboquant;

@@ -25,9 +25,8 @@ use super::kv_write::KvWrite;
 use super::paged_attention::{exp_shifted, fold, Job, JobPlan, PagedAttention};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
+use super::turboquant::{DeviceCodecs, TqCodec, TqLayerCache};
 use crate::batch::AttentionMeta;
-use crate::kv::turboquant::{DeviceCodecs, TqCodec};
-use crate::kv::TqLayerCache;
 
 #[cfg(feature = "cuda")]
 mod cuda;
