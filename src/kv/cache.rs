@@ -1,53 +1,11 @@
-use std::fmt;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
 use super::calibration::CalibrationCache;
-use super::format::TqSpec;
+use super::format::{KvDtype, TqSpec};
 use crate::config::TextConfig;
 use crate::ops::turboquant::{Codebook, FloatWindow, LayerCodecs, TqLayerCache};
-
-/// Element type of a dense KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvDtype {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl KvDtype {
-    pub fn dtype(self) -> DType {
-        match self {
-            KvDtype::F32 => DType::F32,
-            KvDtype::Bf16 => DType::BF16,
-            KvDtype::F16 => DType::F16,
-        }
-    }
-
-    pub fn from_dtype(d: DType) -> Option<Self> {
-        match d {
-            DType::F32 => Some(KvDtype::F32),
-            DType::BF16 => Some(KvDtype::Bf16),
-            DType::F16 => Some(KvDtype::F16),
-            _ => None,
-        }
-    }
-
-    pub fn bytes(self) -> usize {
-        self.dtype().size_in_bytes()
-    }
-}
-
-impl fmt::Display for KvDtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            KvDtype::F32 => "f32",
-            KvDtype::Bf16 => "bf16",
-            KvDtype::F16 => "f16",
-        })
-    }
-}
 
 /// Shape of the pool: how many blocks of how many tokens, in which float type (that of every
 /// layer, or in a TurboQuant pool that of its unquantized parts).

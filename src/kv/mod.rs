@@ -10,5 +10,5 @@ pub mod format;
 
 pub use block_allocator::{BlockAllocator, BlockId};
 pub use block_table::BlockTable;
-pub use cache::{KvCache, KvCacheSpec, KvDtype, LayerCache};
-pub use format::{KvCacheDtype, KvFormatError, TqBits, TqSpec};
+pub use cache::{KvCache, KvCacheSpec, LayerCache};
+pub use format::{KvCacheDtype, KvDtype, KvFormatError, TqBits, TqSpec};
