@@ -7,8 +7,9 @@ use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::GgmlDType;
 use candle_core::Device;
 
+use super::error::WeightsError;
 use super::safetensors::root_cause;
-use super::{StoredTensor, WeightsError};
+use super::tensor::StoredTensor;
 use crate::config::{gguf_arch, Arch};
 
 /// One GGUF file: its metadata and a reader for its tensors.
