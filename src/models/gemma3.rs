@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::{Taps, TextModel};
+use super::model::{Taps, TextModel};
 use crate::batch::Batch;
 use crate::config::{LayerKind, TextConfig};
 use crate::kv::KvCache;

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::{Taps, TextModel};
+use super::model::{Taps, TextModel};
 use crate::batch::Batch;
 use crate::config::{Arch, TextConfig};
 use crate::kv::KvCache;

@@ -17,7 +17,7 @@ use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Moe;
 use crate::layers::norm::{NormStyle, RmsNorm};
 use crate::layers::rotary::Rotary;
-use crate::models::{Taps, TextModel};
+use crate::models::model::{Taps, TextModel};
 use crate::weights::{Weights, WeightsError};
 
 enum Ffn {
