@@ -1,7 +1,7 @@
 use std::sync::Arc;
 
 use super::*;
-use crate::batch::SeqSlice;
+use crate::batch::{AttentionMeta, SeqSlice};
 use crate::ops::turboquant::{Codebook, FloatWindow, LayerCodecs};
 use candle_core::{DType, Device};
 
