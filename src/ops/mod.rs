@@ -1,5 +1,8 @@
 //! Tensor operations candle lacks. Each is a candle custom op whose CPU implementation is
-//! plain Rust and is the reference any device kernel is checked against.
+//! plain Rust and is the reference any device kernel is checked against. Besides the ops:
+//! `turboquant`, the codec the TurboQuant cache's ops share (and the storage they take), and
+//! `team`, the threads the CPU ops run on. Layer 1: below the ops only `config`, `simd`,
+//! `switches` and `device`; beside them `batch`, whose attention metadata they read.
 
 pub mod activation;
 pub mod add_rms_norm;
