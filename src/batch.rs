@@ -42,7 +42,7 @@ pub struct AttentionMeta {
 }
 
 /// Where a step's rows sit in the rings of a TurboQuant cache's float window (the most recent
-/// `len` keys and values of each running sequence, unquantized; see `kv::FloatWindow`).
+/// `len` keys and values of each running sequence, unquantized; see `ops::turboquant::FloatWindow`).
 #[derive(Debug, Clone)]
 pub struct WindowMeta {
     pub len: usize,
@@ -422,10 +422,7 @@ mod tests {
         assert_eq!(&data[..12], &[26, 27, 28, 8, 9, 10, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT]);
         assert_eq!(&data[layout.row_seq..layout.positions], &[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]);
         assert_eq!(&data[layout.positions..layout.positions + 6], &[6, 7, 8, 0, 1, 2]);
-        assert_eq!(
-            &data[layout.seq_info..layout.rings],
-            &[0, 3, 9, 0, 3, 3, 3, 3, 6, 3, 3, 4, 9, 3, 3, 4]
-        );
+        assert_eq!(&data[layout.seq_info..layout.rings], &[0, 3, 9, 0, 3, 3, 3, 3, 6, 3, 3, 4, 9, 3, 3, 4]);
         assert_eq!(&data[layout.block_tables..], &[5, 6, 7, 2, 0]);
     }
 }

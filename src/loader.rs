@@ -5,13 +5,15 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 
-use crate::models::config::TextConfig;
+use crate::config::{ConfigError, TextConfig};
 use crate::models::{load_text_model, load_vision_model, TextModel, VisionModel};
 use crate::tokenizer::{TextTokenizer, TokenizerError};
 use crate::weights::{GgufFile, ModelLocation, SafetensorsDir, Weights, WeightsError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Weights(#[from] WeightsError),
     #[error(transparent)]
@@ -42,7 +44,7 @@ pub fn read_config(path: &Path) -> Result<(ModelLocation, TextConfig), LoadError
     let loc = ModelLocation::resolve(path)?;
     let cfg = match &loc {
         ModelLocation::HfDir(dir) => TextConfig::from_hf_file(&dir.join("config.json"))?,
-        ModelLocation::Gguf(file) => GgufFile::open(file)?.text_config()?,
+        ModelLocation::Gguf(file) => TextConfig::from_gguf(file, GgufFile::open(file)?.content())?,
     };
     Ok((loc, cfg))
 }
@@ -60,7 +62,7 @@ pub fn load(path: &Path, device: &Device, dtype: DType) -> Result<LoadedModel, L
         }
         ModelLocation::Gguf(file) => {
             let g = GgufFile::open(file)?;
-            let cfg = g.text_config()?;
+            let cfg = TextConfig::from_gguf(file, g.content())?;
             let tok = TextTokenizer::from_gguf(g.content())
                 .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?;
             let bytes = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);

@@ -12,7 +12,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use clap::CommandFactory;
-use iris::models::config::Arch;
+use iris::config::Arch;
 
 // ---------------------------------------------------------------------------------------------
 // helpers

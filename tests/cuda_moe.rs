@@ -142,8 +142,8 @@ const MOE_CASES: [MoeCase; 3] = [
     MoeCase { hidden: 50, inter: 14, experts: 16, top_k: 4, n_group: 1, topk_group: 1, shared: 0 },
 ];
 
-fn moe_config(c: &MoeCase) -> iris::models::config::MoeConfig {
-    iris::models::config::MoeConfig {
+fn moe_config(c: &MoeCase) -> iris::config::MoeConfig {
+    iris::config::MoeConfig {
         num_experts: c.experts,
         top_k: c.top_k,
         n_group: c.n_group,
@@ -157,7 +157,7 @@ fn moe_config(c: &MoeCase) -> iris::models::config::MoeConfig {
 }
 
 fn load_moe(c: &MoeCase, dir: &std::path::Path, dev: &Device, dt: DType) -> iris::layers::moe::Moe {
-    use iris::models::config::Activation;
+    use iris::config::Activation;
     use iris::weights::{SafetensorsDir, Weights};
     let cfg = moe_config(c);
     let w = Weights::from_safetensors(SafetensorsDir::open(dir).unwrap(), dev.clone(), dt);

@@ -13,8 +13,8 @@ use rand::{Rng, SeedableRng};
 
 /// A layer's TurboQuant codecs for head dim `d` (rotations seeded by the layer, as served),
 /// with key scales (positive, unequal per channel) when `scaled`.
-fn tq_codecs(d: usize, hkv: usize, bits: (u8, u8), scaled: bool) -> iris::kv::turboquant::LayerCodecs {
-    use iris::kv::turboquant::{Codebook, LayerCodecs};
+fn tq_codecs(d: usize, hkv: usize, bits: (u8, u8), scaled: bool) -> iris::ops::turboquant::LayerCodecs {
+    use iris::ops::turboquant::{Codebook, LayerCodecs};
     use std::sync::Arc;
     let cb = |b| Arc::new(Codebook::lloyd_max(d, b));
     let mut c = LayerCodecs::for_layer(5, d, &cb(bits.0), &cb(bits.1));
@@ -37,8 +37,8 @@ fn bytes(t: &Tensor) -> Vec<u8> {
 #[test]
 fn tq_write_matches_cpu_codes() {
     use iris::batch::{DeviceAttentionMeta, NO_SLOT};
-    use iris::kv::turboquant::pack::code_at;
     use iris::ops::tq_write::{TqWrite, TqWriteDevice};
+    use iris::ops::turboquant::pack::code_at;
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(21);
     let hkv = 3;
@@ -132,8 +132,8 @@ fn tq_write_matches_cpu_codes() {
 fn qkv_rope_into_tq_cache_equals_separate_writes() {
     use common::cuda::QkvInputs;
     use iris::batch::NO_SLOT;
-    use iris::kv::{FloatWindow, TqLayerCache};
     use iris::ops::tq_write::TqWrite;
+    use iris::ops::turboquant::{FloatWindow, TqLayerCache};
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(43);
     let cases = [
@@ -231,7 +231,7 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
     }
     let codecs = tq_codecs(d, hkv, c.bits, c.scaled);
     let all: Vec<u32> = (0..slots as u32).collect();
-    let write = |codec: &iris::kv::turboquant::TqCodec, scale: Option<&[f32]>| {
+    let write = |codec: &iris::ops::turboquant::TqCodec, scale: Option<&[f32]>| {
         let x = random(&mut StdRng::seed_from_u64(codec.bits() as u64 * 7 + d as u64), &[slots, hkv, d]);
         let t = Tensor::zeros((slots, hkv, codec.row_bytes()), DType::U8, &Device::Cpu).unwrap();
         t.inplace_op2(&x, &TqWrite { slot_mapping: &all, codec, scale, device: None }).unwrap();
@@ -403,7 +403,7 @@ fn tq_decode_attention_is_batch_invariant() {
     let (mut m, slots) = meta(&mut rng, &[(1, 1), (17, 1), (700, 1), (3000, 1), (33, 7)], bs);
     let codecs = tq_codecs(d, hkv, (3, 4), true);
     let all: Vec<u32> = (0..slots as u32).collect();
-    let write = |codec: &iris::kv::turboquant::TqCodec, scale: Option<&[f32]>, seed: u64| {
+    let write = |codec: &iris::ops::turboquant::TqCodec, scale: Option<&[f32]>, seed: u64| {
         let x = random(&mut StdRng::seed_from_u64(seed), &[slots, hkv, d]);
         let t = Tensor::zeros((slots, hkv, codec.row_bytes()), DType::U8, &Device::Cpu).unwrap();
         t.inplace_op2(&x, &TqWrite { slot_mapping: &all, codec, scale, device: None }).unwrap();

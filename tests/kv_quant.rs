@@ -132,8 +132,8 @@ fn calibrated_key_scales_have_the_cache_shape() {
                 let ms = head.iter().map(|x| x * x).sum::<f32>() / d as f32;
                 assert!((ms - 1.0).abs() < 1e-4, "{name}: mean square {ms}");
                 let partner = |c: usize| match cfg.rope_layout {
-                    iris::models::config::RopeLayout::Half => (c + d / 2) % d,
-                    iris::models::config::RopeLayout::Interleaved => c ^ 1,
+                    iris::config::RopeLayout::Half => (c + d / 2) % d,
+                    iris::config::RopeLayout::Interleaved => c ^ 1,
                 };
                 assert!((0..d).all(|c| head[c] == head[partner(c)]), "{name}: rotary pairs differ");
                 assert!(head.iter().any(|x| (x - head[0]).abs() > 1e-3), "{name}: all scales equal");

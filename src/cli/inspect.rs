@@ -1,9 +1,9 @@
 use clap::Args;
 
 use super::args::ModelArg;
+use crate::config::LayerKind;
 use crate::kv::{KvCacheSpec, KvDtype, TqBits, TqSpec};
 use crate::loader::read_config;
-use crate::models::config::LayerKind;
 use crate::weights::{GgufFile, ModelLocation, SafetensorsDir};
 
 #[derive(Args, Debug)]

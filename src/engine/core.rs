@@ -67,13 +67,13 @@ impl Engine {
 
     /// Replaces the drafter of an engine built with speculative decoding (benchmarks use a
     /// `ReplayDrafter`); drafts are bounded by its `num_speculative_tokens` still.
-    pub fn set_drafter(&mut self, drafter: Drafter) -> Result<(), crate::engine::SpeculativeConfigError> {
+    pub fn set_drafter(&mut self, drafter: Drafter) -> Result<(), super::speculative::SpeculativeConfigError> {
         match self.cfg.speculative {
             Some(_) => {
                 self.output.set_drafter(drafter);
                 Ok(())
             }
-            None => Err(crate::engine::SpeculativeConfigError::NotEnabled),
+            None => Err(super::speculative::SpeculativeConfigError::NotEnabled),
         }
     }
 

@@ -24,7 +24,7 @@ use candle_core::cuda_backend::cudarc::driver::CudaGraph;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor};
 
-use super::runner::{draw_on_device, StepOutput};
+use super::step_output::{draw_on_device, StepOutput};
 use crate::batch::{AttentionMeta, Batch, DeviceAttentionMeta, MetaLayout, Positions, SeqSlice, PREFILL_MIN_ROWS};
 use crate::kv::KvCache;
 use crate::models::TextModel;

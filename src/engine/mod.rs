@@ -18,6 +18,7 @@ pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
 pub mod speculative;
+pub mod step_output;
 pub mod stop;
 
 pub use core::{Engine, EngineConfig};

@@ -16,19 +16,11 @@ use super::multimodal::EmbedCache;
 use super::sampler::{draws_plainly, logprobs, Sampled};
 use super::scheduler::{ScheduledSeq, SchedulerOutput};
 use super::sequence::Sequences;
+use super::step_output::{draw_on_device, StepOutput};
 use crate::batch::{Batch, ImageRows, Positions, SeqSlice};
 use crate::kv::KvCache;
 use crate::models::{TextModel, VisionModel};
-use crate::ops::argmax::Argmax;
-use crate::ops::sample::{Draw, Sample, PARAMS_PER_ROW};
-
-/// What a batch's sampled rows gave.
-pub enum StepOutput {
-    /// `[rows, vocab]` logits of the sampled rows, in order.
-    Logits(Vec<Vec<f32>>),
-    /// The token drawn for each sampled row, in order.
-    Tokens(Vec<u32>),
-}
+use crate::ops::sample::Draw;
 
 /// Default byte budget of the image-embedding cache.
 const EMBED_CACHE_BYTES: usize = 256 << 20;
@@ -412,19 +404,4 @@ fn record_prompt_logprobs(
         }
     }
     Ok(())
-}
-
-/// Each row's token, drawn where `logits` (`[rows, vocab]` f32) are; `argmax` holds the rows'
-/// argmax when the caller has it already (used when every draw is greedy).
-pub fn draw_on_device(logits: &Tensor, argmax: Option<&Tensor>, draws: &[Draw]) -> Result<Vec<u32>> {
-    let ids = if draws.iter().all(|d| d.inv_temperature == 0.0) {
-        match argmax {
-            Some(ids) => ids.clone(),
-            None => Argmax::forward(logits)?,
-        }
-    } else {
-        let params: Vec<f32> = draws.iter().flat_map(|d| d.to_params()).collect();
-        Sample::forward(logits, &Tensor::from_vec(params, (draws.len(), PARAMS_PER_ROW), logits.device())?)?
-    };
-    ids.to_vec1()
 }

@@ -1,4 +1,4 @@
-use super::{BlockAllocator, BlockId};
+use super::block_allocator::{BlockAllocator, BlockId};
 
 /// The blocks holding one sequence's tokens, in order.
 #[derive(Debug, Default)]

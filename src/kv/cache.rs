@@ -1,53 +1,11 @@
-use std::fmt;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
 use super::calibration::CalibrationCache;
-use super::format::TqSpec;
-use super::turboquant::{Codebook, DeviceCodecs, LayerCodecs};
-use crate::models::config::TextConfig;
-
-/// Element type of a dense KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvDtype {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl KvDtype {
-    pub fn dtype(self) -> DType {
-        match self {
-            KvDtype::F32 => DType::F32,
-            KvDtype::Bf16 => DType::BF16,
-            KvDtype::F16 => DType::F16,
-        }
-    }
-
-    pub fn from_dtype(d: DType) -> Option<Self> {
-        match d {
-            DType::F32 => Some(KvDtype::F32),
-            DType::BF16 => Some(KvDtype::Bf16),
-            DType::F16 => Some(KvDtype::F16),
-            _ => None,
-        }
-    }
-
-    pub fn bytes(self) -> usize {
-        self.dtype().size_in_bytes()
-    }
-}
-
-impl fmt::Display for KvDtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            KvDtype::F32 => "f32",
-            KvDtype::Bf16 => "bf16",
-            KvDtype::F16 => "f16",
-        })
-    }
-}
+use super::format::{KvDtype, TqSpec};
+use crate::config::TextConfig;
+use crate::ops::turboquant::{Codebook, FloatWindow, LayerCodecs, TqLayerCache};
 
 /// Shape of the pool: how many blocks of how many tokens, in which float type (that of every
 /// layer, or in a TurboQuant pool that of its unquantized parts).
@@ -90,26 +48,6 @@ pub enum LayerCache {
     TurboQuant(Box<TqLayerCache>),
     /// Dense f32, recording the queries' and keys' moments (`kv::calibration`).
     Calibration(Box<CalibrationCache>),
-}
-
-/// A layer's keys and values as TurboQuant codes.
-pub struct TqLayerCache {
-    /// `[num_blocks * block_size, kv_heads, row]` u8, a row being a head vector's packed
-    /// codes and f32 norm (`codecs.key.row_bytes()`, `codecs.value.row_bytes()`).
-    pub k: Tensor,
-    pub v: Tensor,
-    pub codecs: LayerCodecs,
-    pub window: Option<FloatWindow>,
-    /// `codecs` in device memory, for a cache on a GPU (None on the CPU).
-    pub device: Option<DeviceCodecs>,
-}
-
-/// The most recent `len` keys and values of each running sequence, unquantized: ring r holds
-/// position j of its sequence at row `r * len + j % len` of `[rings * len, kv_heads, head_dim]`.
-pub struct FloatWindow {
-    pub len: usize,
-    pub k: Tensor,
-    pub v: Tensor,
 }
 
 /// The whole pool: every layer's storage for the same set of blocks.

@@ -20,7 +20,7 @@ use std::sync::Mutex;
 
 use candle_core::{Result, Tensor};
 
-use crate::models::config::RopeLayout;
+use crate::config::RopeLayout;
 
 /// The least energy a rotary pair is taken to have, relative to the head's mean pair: bounds
 /// the ratio of two scales by (head_dim / (2 ENERGY_FLOOR))^(1/2). On SmolLM2 every pair is

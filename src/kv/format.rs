@@ -4,9 +4,51 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::cache::KvDtype;
-use super::turboquant::pack::packed_len;
-use crate::models::config::TextConfig;
+use candle_core::DType;
+
+use crate::config::TextConfig;
+use crate::ops::turboquant::pack::packed_len;
+
+/// Element type of a dense KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl KvDtype {
+    pub fn dtype(self) -> DType {
+        match self {
+            KvDtype::F32 => DType::F32,
+            KvDtype::Bf16 => DType::BF16,
+            KvDtype::F16 => DType::F16,
+        }
+    }
+
+    pub fn from_dtype(d: DType) -> Option<Self> {
+        match d {
+            DType::F32 => Some(KvDtype::F32),
+            DType::BF16 => Some(KvDtype::Bf16),
+            DType::F16 => Some(KvDtype::F16),
+            _ => None,
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        self.dtype().size_in_bytes()
+    }
+}
+
+impl fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+            KvDtype::F16 => "f16",
+        })
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvFormatError {

@@ -8,10 +8,9 @@ pub mod cache;
 pub mod calibration;
 pub mod format;
 pub mod slots;
-pub mod turboquant;
 
 pub use block_allocator::{BlockAllocator, BlockId};
 pub use block_table::BlockTable;
-pub use cache::{FloatWindow, KvCache, KvCacheSpec, KvDtype, LayerCache, TqLayerCache};
-pub use format::{KvCacheDtype, KvFormatError, TqBits, TqSpec};
+pub use cache::{KvCache, KvCacheSpec, LayerCache, WindowCheckpoint};
+pub use format::{KvCacheDtype, KvDtype, KvFormatError, TqBits, TqSpec};
 pub use slots::SlotPool;

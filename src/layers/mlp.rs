@@ -1,7 +1,8 @@
 use candle_core::{Result, Tensor};
 
 use super::linear::{Linear, StackedLinear};
-use crate::models::config::Activation;
+use crate::config::Activation;
+use crate::ops::activation;
 use crate::ops::gated_act::{GatedAct, GatedHalves};
 use crate::weights::{Weights, WeightsError};
 
@@ -100,5 +101,5 @@ pub fn gated(act: Activation, y: &Tensor, inter: usize) -> Result<Tensor> {
         // One pass instead of act, mul and their strided reads.
         return fused.forward(y);
     }
-    act.apply(&y.narrow(1, 0, inter)?)? * y.narrow(1, inter, inter)?
+    activation::apply(act, &y.narrow(1, 0, inter)?)? * y.narrow(1, inter, inter)?
 }

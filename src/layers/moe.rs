@@ -15,7 +15,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::mlp::{gated, GatedMlp};
-use crate::models::config::{Activation, MoeConfig};
+use crate::config::{Activation, MoeConfig};
 use crate::ops::gated_act::GatedAct;
 use crate::ops::moe_route::RouteConfig;
 pub use crate::ops::moe_route::Routing;

@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::batch::{AttentionMeta, Positions};
-use crate::models::config::{RopeConfig, RopeLayout, RopeScaling};
+use crate::config::{RopeConfig, RopeLayout, RopeScaling};
 
 /// Most positions a device table holds (a longer context rotates op by op, with uploaded angles).
 pub const MAX_TABLE_POSITIONS: usize = 1 << 20;
@@ -178,7 +178,7 @@ impl RotaryAngles {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::config::RopeScaling;
+    use crate::config::RopeScaling;
 
     #[test]
     fn partial_rotary_turns_the_leading_dimensions_only() {

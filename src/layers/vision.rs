@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::rotary::RotaryAngles;
-use crate::models::config::RopeLayout;
+use crate::config::RopeLayout;
 
 /// Bound on one attention score block (heads x query rows x keys), in values: 16 MB of f32,
 /// small enough for the allocator to reuse one block's memory for the next (at 2^26 every

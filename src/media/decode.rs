@@ -5,7 +5,7 @@ use std::io::Cursor;
 
 use image::{DynamicImage, ImageFormat, ImageReader};
 
-use super::RgbImage;
+use super::pixels::RgbImage;
 
 /// Bounds on what a request may make the server decode.
 #[derive(Debug, Clone, Copy)]

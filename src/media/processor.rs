@@ -9,8 +9,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::decode::ImageError;
+use super::pixels::{PixelValues, RgbImage};
 use super::resize::resize_bicubic;
-use super::{ImageError, PixelValues, RgbImage};
 use crate::weights::WeightsError;
 
 const CLIP_MEAN: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];

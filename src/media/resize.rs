@@ -5,7 +5,7 @@
 //! vertical pass first when the height shrinks by more than twice as many pixels as the
 //! width; the order changes the rounding, so it is followed here.
 
-use super::RgbImage;
+use super::pixels::RgbImage;
 
 const PRECISION_BITS: u32 = 32 - 8 - 2;
 

@@ -4,9 +4,9 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::config::{LayerKind, TextConfig};
-use super::{Taps, TextModel};
+use super::model::{Taps, TextModel};
 use crate::batch::Batch;
+use crate::config::{LayerKind, TextConfig};
 use crate::kv::KvCache;
 use crate::layers::attention::SelfAttention;
 use crate::layers::embedding::Embedding;

@@ -5,9 +5,9 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::config::{Arch, TextConfig};
-use super::{Taps, TextModel};
+use super::model::{Taps, TextModel};
 use crate::batch::Batch;
+use crate::config::{Arch, TextConfig};
 use crate::kv::KvCache;
 use crate::layers::attention::SelfAttention;
 use crate::layers::embedding::Embedding;

@@ -7,9 +7,9 @@ use std::path::Path;
 
 use candle_core::Tensor;
 
-use super::config::TextConfig;
+use super::model::VisionModel;
 use super::mrope::{self, PositionError, PromptPositions};
-use super::VisionModel;
+use crate::config::TextConfig;
 use crate::media::processor::{ImageProcessor, ResizeRule};
 use crate::media::{ImageError, PixelValues, RgbImage};
 use crate::weights::WeightsError;

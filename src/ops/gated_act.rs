@@ -12,9 +12,10 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::simd::exp_det;
+use super::activation;
 use super::team::{team, OutPtr};
-use crate::models::config::Activation;
+use crate::config::Activation;
+use crate::simd::exp_det;
 
 pub struct GatedAct {
     /// GELU (tanh approximation) instead of SiLU.
@@ -62,7 +63,7 @@ unsafe fn gate_row_avx512(gate: &[f32], up: &[f32], out: &mut [f32], gelu: bool)
         } else {
             x
         };
-        let e = super::simd::exp_det_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z));
+        let e = crate::simd::exp_det_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z));
         let a = _mm512_div_ps(x, _mm512_add_ps(one, e));
         _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(a, _mm512_loadu_ps(up.as_ptr().add(i))));
     }
@@ -213,7 +214,7 @@ impl GatedHalves {
         let fused = GatedAct::for_activation(act).filter(|_| gate.device().is_cpu() && rows(gate) && rows(up));
         match fused {
             Some(a) if gate.shape() == up.shape() => gate.apply_op2_no_bwd(up, &GatedHalves { gelu: a.gelu }),
-            _ => act.apply(gate)? * up,
+            _ => activation::apply(act, gate)? * up,
         }
     }
 }

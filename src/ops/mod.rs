@@ -1,6 +1,10 @@
 //! Tensor operations candle lacks. Each is a candle custom op whose CPU implementation is
-//! plain Rust and is the reference any device kernel is checked against.
+//! plain Rust and is the reference any device kernel is checked against. Besides the ops:
+//! `turboquant`, the codec the TurboQuant cache's ops share (and the storage they take), and
+//! `team`, the threads the CPU ops run on. Layer 1: below the ops only `config`, `simd`,
+//! `switches` and `device`; beside them `batch`, whose attention metadata they read.
 
+pub mod activation;
 pub mod add_rms_norm;
 pub mod argmax;
 #[cfg(feature = "cuda")]
@@ -16,7 +20,7 @@ pub mod paged_attention;
 pub mod qkv_rope;
 pub mod qmatmul;
 pub mod sample;
-pub mod simd;
 pub mod team;
 pub mod tq_attention;
 pub mod tq_write;
+pub mod turboquant;

@@ -15,8 +15,8 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::simd::exp_det;
-use crate::models::config::MoeConfig;
+use crate::config::MoeConfig;
+use crate::simd::exp_det;
 
 /// The routing parameters of a layer.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -9,8 +9,8 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::kv_write::KvWrite;
 use super::tq_write::TqWrite;
+use super::turboquant::TqLayerCache;
 use crate::batch::AttentionMeta;
-use crate::kv::TqLayerCache;
 
 pub struct QkvRope<'a> {
     pub num_heads: usize,

@@ -19,7 +19,7 @@ use std::cmp::Ordering;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::kv_elem::f32_slice;
-use super::simd::exp_det;
+use crate::simd::exp_det;
 
 /// How one row picks its token.
 #[derive(Debug, Clone, Copy, PartialEq)]

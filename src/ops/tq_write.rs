@@ -6,9 +6,8 @@ use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 use super::kv_elem::f32_slice;
 use super::kv_write::check_slot_range;
 use super::team::{team, OutPtr};
+use super::turboquant::{TqCodec, TqLayerCache};
 use crate::batch::{DeviceAttentionMeta, NO_SLOT};
-use crate::kv::turboquant::TqCodec;
-use crate::kv::TqLayerCache;
 
 /// `cache[slot_mapping[t]] = encode(new[t] * scale)` for every row t and head. The cache is
 /// `[slots, kv_heads, codec.row_bytes()]` u8, `new` is `[T, kv_heads, head_dim]` (f32 on the
@@ -206,7 +205,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor};
 
     use super::*;
-    use crate::kv::turboquant::{Codebook, LayerCodecs};
+    use crate::ops::turboquant::{Codebook, LayerCodecs};
 
     /// Rows whose slot is NO_SLOT write nothing; two rows writing one slot, or a slot past the
     /// cache, are errors (rows are written in parallel).

@@ -19,7 +19,7 @@ use super::generate::{
 use super::images::ImageRef;
 use super::openai::encode_chat;
 use super::sse::{named_event, sse_response, Converter};
-use super::AppState;
+use super::state::AppState;
 use crate::engine::{FinishReason, Request, SamplingParams};
 use crate::tokenizer::{ChatMessage, TextTokenizer};
 

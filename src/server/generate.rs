@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -13,16 +12,12 @@ use serde::Deserialize;
 
 use super::engine_loop::{EngineHandle, SeqEvent, SeqEventKind, Submission, SubmitError};
 use super::errors::ApiError;
-use super::AppState;
+use super::state::AppState;
 use crate::engine::{FinishReason, Request, RequestError, Sampled, SamplingParams};
 use crate::tokenizer::TextTokenizer;
 
 /// Most choices (`n`) one request may ask for.
 pub const MAX_N: usize = 64;
-
-pub fn now_unix() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
 
 pub fn random_id(prefix: &str) -> String {
     format!("{prefix}{:024x}", rand::random::<u128>() >> 32)

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+use super::engine_loop::EngineHandle;
 use super::errors::ApiError;
 use crate::media::remote::RemoteFetcher;
 use crate::media::{decode_image, DecodeLimits, RgbImage};
@@ -192,7 +193,7 @@ fn base64_decode(s: &str) -> Option<Vec<u8>> {
 }
 
 /// Refuses images for a model without a vision tower (before its template sees them).
-pub fn check_accepted(engine: &super::EngineHandle, refs: &[ImageRef]) -> Result<(), ApiError> {
+pub fn check_accepted(engine: &EngineHandle, refs: &[ImageRef]) -> Result<(), ApiError> {
     match (refs.first(), &engine.vision) {
         (Some(r), None) => Err(ApiError::invalid_param(
             format!("{}.type", r.item),
@@ -209,7 +210,7 @@ pub fn check_accepted(engine: &super::EngineHandle, refs: &[ImageRef]) -> Result
 /// embeddings each image takes. Decoding and preprocessing run on the blocking pool.
 pub async fn prepare(
     policy: &MediaPolicy,
-    engine: &super::EngineHandle,
+    engine: &EngineHandle,
     prompt: Vec<u32>,
     refs: Vec<ImageRef>,
 ) -> Result<(Vec<u32>, Vec<crate::engine::ImageInput>), ApiError> {

@@ -4,7 +4,8 @@
 //! engine thread through an [`EngineHandle`] (see `engine_loop.rs`); every request joins the
 //! engine's continuous batch. Modules: `openai` and `anthropic` (the APIs), `openai_choices`
 //! (the chat and completions output formats and their stream), `generate` (what the APIs
-//! share), `sse` (streaming), `errors` (error bodies), `metrics`.
+//! share), `sse` (streaming), `errors` (error bodies), `metrics`, `state` (what every handler
+//! shares: the settings, the engine, the metrics).
 
 pub mod anthropic;
 mod content;
@@ -16,9 +17,10 @@ pub mod metrics;
 pub mod openai;
 pub mod openai_choices;
 pub mod sse;
+mod state;
 
 use std::future::IntoFuture;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -32,55 +34,7 @@ use axum::Router;
 pub use engine_loop::{spawn_engine, EngineHandle, EngineInfo};
 use errors::ApiError;
 pub use metrics::Metrics;
-
-#[derive(Debug, Clone)]
-pub struct ServeConfig {
-    /// The name clients use in `model`.
-    pub served_model_name: String,
-    /// Also accepted in `model` (the path given with --model).
-    pub model_path: String,
-    pub api_key: Option<String>,
-    pub max_body_bytes: usize,
-    /// After SIGINT/SIGTERM, in-flight requests get this long to finish before they are
-    /// cancelled.
-    pub shutdown_timeout: Duration,
-    /// Where images may come from, and how large they may be.
-    pub media: images::MediaPolicy,
-}
-
-pub struct AppState {
-    pub cfg: ServeConfig,
-    pub metrics: Arc<Metrics>,
-    /// Set once the model is loaded; until then the APIs answer 503 and /health too.
-    pub engine: OnceLock<EngineHandle>,
-    pub started: u64,
-}
-
-impl AppState {
-    pub fn new(cfg: ServeConfig, metrics: Arc<Metrics>) -> Self {
-        AppState { cfg, metrics, engine: OnceLock::new(), started: generate::now_unix() }
-    }
-
-    pub fn engine(&self) -> Result<&EngineHandle, ApiError> {
-        self.engine.get().ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the model is still loading"))
-    }
-
-    /// The model name to answer with; unknown names are a 404.
-    pub fn check_model(&self, model: Option<&str>) -> Result<String, ApiError> {
-        match model {
-            None | Some("") => Ok(self.cfg.served_model_name.clone()),
-            Some(m) if m == self.cfg.served_model_name || m == self.cfg.model_path => {
-                Ok(self.cfg.served_model_name.clone())
-            }
-            Some(m) => Err(ApiError::not_found(format!(
-                "The model `{m}` does not exist. This server serves `{}`.",
-                self.cfg.served_model_name
-            ))
-            .param("model")
-            .code("model_not_found")),
-        }
-    }
-}
+pub use state::{AppState, ServeConfig};
 
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.cfg.max_body_bytes;

@@ -12,13 +12,13 @@ use serde_json::{json, Value};
 
 use super::errors::ApiError;
 use super::generate::{
-    check_request, collect, now_unix, parse_json, random_id, seeded, submit, submit_with_images, typed, Collected,
-    MaxTokens, SamplingFields,
+    check_request, collect, parse_json, random_id, seeded, submit, submit_with_images, typed, Collected, MaxTokens,
+    SamplingFields,
 };
 use super::images::ImageRef;
 use super::openai_choices::{chat_logprob_entry, usage, ChatFormat, CompletionFormat, LegacyLogprobs, OpenAiStream};
 use super::sse::sse_response;
-use super::AppState;
+use super::state::{now_unix, AppState};
 use crate::engine::sampling_params::MAX_LOGPROBS;
 use crate::engine::Request;
 use crate::tokenizer::{ChatMessage, TextTokenizer};

@@ -1,5 +1,7 @@
 use std::path::{Path, PathBuf};
 
+use crate::config::ConfigError;
+
 /// Why a model could not be loaded. Every variant names the file (and tensor) at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
@@ -27,6 +29,9 @@ pub enum WeightsError {
     ShapeMismatch { name: String, origin: PathBuf, expected: Vec<usize>, actual: Vec<usize> },
     #[error("{origin}: tensor `{name}`: {msg}")]
     BadTensor { name: String, origin: PathBuf, msg: String },
+    /// The model's config (config.json or GGUF metadata) is unusable.
+    #[error(transparent)]
+    ModelConfig(#[from] ConfigError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

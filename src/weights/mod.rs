@@ -6,25 +6,19 @@ mod error;
 mod gguf;
 mod names;
 mod safetensors;
+mod tensor;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 
 pub use error::WeightsError;
 pub use gguf::GgufFile;
 pub use names::gguf_name;
 pub use safetensors::SafetensorsDir;
+pub use tensor::StoredTensor;
 
-use crate::models::config::Arch;
-
-/// One tensor as stored: dense values, or a quantized matrix kept quantized.
-pub enum StoredTensor {
-    Dense(Tensor),
-    Quantized(Arc<QTensor>),
-}
+use crate::config::Arch;
 
 enum Source {
     Safetensors(SafetensorsDir),

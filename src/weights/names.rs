@@ -1,6 +1,6 @@
 //! HF tensor names -> llama.cpp GGUF tensor names.
 
-use crate::models::config::Arch;
+use crate::config::Arch;
 
 /// The GGUF name of an HF-named tensor, or None when GGUF has no such tensor.
 pub fn gguf_name(hf: &str, arch: Arch) -> Option<String> {

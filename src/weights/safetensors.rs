@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{Device, Tensor};
 
-use super::WeightsError;
+use super::error::WeightsError;
 
 /// The safetensors files of an HF model directory, memory-mapped.
 pub struct SafetensorsDir {

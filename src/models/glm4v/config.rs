@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::models::config::Activation;
+use crate::config::Activation;
 use crate::weights::WeightsError;
 
 #[derive(Debug, Clone, PartialEq)]

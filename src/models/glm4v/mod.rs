@@ -11,8 +11,8 @@ use std::path::Path;
 
 use candle_core::Tensor;
 
-use super::config::TextConfig;
 use super::patch_vlm::{PatchGeometry, PatchTower, PatchVlm};
+use crate::config::TextConfig;
 use crate::media::processor::ResizeRule;
 use crate::media::PixelValues;
 use crate::weights::{Weights, WeightsError};

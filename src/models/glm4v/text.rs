@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::batch::Batch;
+use crate::config::{Arch, TextConfig};
 use crate::kv::KvCache;
 use crate::layers::attention::SelfAttention;
 use crate::layers::embedding::Embedding;
@@ -16,8 +17,7 @@ use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Moe;
 use crate::layers::norm::{NormStyle, RmsNorm};
 use crate::layers::rotary::Rotary;
-use crate::models::config::{Arch, TextConfig};
-use crate::models::{Taps, TextModel};
+use crate::models::model::{Taps, TextModel};
 use crate::weights::{Weights, WeightsError};
 
 enum Ffn {

@@ -10,6 +10,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::config::VisionConfig;
+use crate::config::Activation;
 use crate::layers::grid_sample::bicubic_border;
 use crate::layers::linear::Linear;
 use crate::layers::mlp::GatedMlp;
@@ -17,7 +18,7 @@ use crate::layers::norm::{LayerNorm, NormStyle, RmsNorm};
 use crate::layers::rotary::RotaryAngles;
 use crate::layers::vision::{check_patches, patch_position, segment_attention, PatchRotary};
 use crate::media::PixelValues;
-use crate::models::config::Activation;
+use crate::ops::activation;
 use crate::weights::{Weights, WeightsError};
 
 /// torch's `nn.LayerNorm` default, which the merger uses.
@@ -125,7 +126,7 @@ impl VisionTower {
         // Each merge block's m * m rows are consecutive: one row of the convolution's input.
         let blocks = x.reshape((px.rows / (m * m), m * m * self.cfg.hidden_size))?;
         let z = self.merger_proj.forward(&self.downsample.forward(&blocks)?)?;
-        self.merger_mlp.forward(&Activation::Gelu.apply(&self.merger_norm.forward(&z)?)?)
+        self.merger_mlp.forward(&activation::apply(Activation::Gelu, &self.merger_norm.forward(&z)?)?)
     }
 
     /// The position table resampled at each patch's place in a `gh x gw` grid (cell centres

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::models::config::{Activation, Arch};
+use crate::config::{Activation, Arch};
 use crate::weights::WeightsError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

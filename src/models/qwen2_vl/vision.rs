@@ -9,13 +9,14 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::config::{VisionConfig, VisionKind};
+use crate::config::Activation;
 use crate::layers::linear::Linear;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::norm::{LayerNorm, NormStyle, RmsNorm};
 use crate::layers::rotary::RotaryAngles;
 use crate::layers::vision::{check_patches, patch_position, segment_attention, PatchRotary, Segments};
 use crate::media::PixelValues;
-use crate::models::config::Activation;
+use crate::ops::activation;
 use crate::weights::{Weights, WeightsError};
 
 const NORM_EPS: f64 = 1e-6;
@@ -51,7 +52,7 @@ enum Mlp {
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Mlp::Plain { fc1, fc2, act } => fc2.forward(&act.apply(&fc1.forward(x)?)?),
+            Mlp::Plain { fc1, fc2, act } => fc2.forward(&activation::apply(*act, &fc1.forward(x)?)?),
             Mlp::Gated(m) => m.forward(x),
         }
     }
@@ -171,7 +172,7 @@ impl VisionTower {
             x = (&x + b.mlp.forward(&b.norm2.forward(&x)?)?)?;
         }
         let merged = self.merger_norm.forward(&x)?.reshape((px.rows / unit, self.cfg.hidden_size * unit))?;
-        let y = self.merger_fc2.forward(&Activation::Gelu.apply(&self.merger_fc1.forward(&merged)?)?)?;
+        let y = self.merger_fc2.forward(&activation::apply(Activation::Gelu, &self.merger_fc1.forward(&merged)?)?)?;
         if !permuted {
             return Ok(y);
         }

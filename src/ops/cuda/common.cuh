@@ -130,7 +130,7 @@ __device__ __forceinline__ float from_key(uint32_t k) {
 }
 
 // exp(x) by range reduction and a degree-7 polynomial, each step one IEEE operation, so that
-// Rust computes the same bits (ops/simd.rs: `exp_det`). 0 at or below -87 (and for NaN),
+// Rust computes the same bits (src/simd.rs: `exp_det`). 0 at or below -87 (and for NaN),
 // infinite above 89.
 __device__ __forceinline__ float exp_det(float x) {
     if (!(x > -87.0f)) return 0.0f;

@@ -19,7 +19,7 @@ pub const HEAD_DIMS: [usize; 7] = [16, 32, 64, 80, 96, 128, 256];
 /// That the TurboQuant kernels take `codec` (a compiled head dim, 2-4 bits, a Hadamard rotation
 /// for powers of two) and that its device table holds `table_len` values as it should; else an
 /// error naming `what`.
-pub fn check_tq_codec(what: &str, codec: &crate::kv::turboquant::TqCodec, table_len: usize) -> Result<()> {
+pub fn check_tq_codec(what: &str, codec: &crate::ops::turboquant::TqCodec, table_len: usize) -> Result<()> {
     let (d, bits) = (codec.dim(), codec.bits());
     if !HEAD_DIMS.contains(&d) || !(2..=4).contains(&bits) || (!d.is_power_of_two() && !codec.rotation().is_dense()) {
         candle_core::bail!("{what}: no CUDA kernel for head_dim {d} with {bits}-bit codes");

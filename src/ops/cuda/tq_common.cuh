@@ -1,4 +1,4 @@
-// TurboQuant pieces shared by tq_write.cu and tq_attention.cu (see kv/turboquant/ for the
+// TurboQuant pieces shared by tq_write.cu and tq_attention.cu (see ops/turboquant/ for the
 // reference): a codec's table in device memory, its rotation, and packed codes.
 #pragma once
 #include "common.cuh"

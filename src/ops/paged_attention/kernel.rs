@@ -1,7 +1,8 @@
 //! The AVX-512 kernel of the CPU op: partial softmax states of a tile's rows over one run of
 //! keys (`super::PagedAttention::run` cuts the runs and folds the states).
 
-use super::{exp_shifted, KvElem};
+use super::softmax::exp_shifted;
+use crate::ops::kv_elem::KvElem;
 
 /// The partial softmax states (m, l, sum of exp(s - m) v) of `rows = spans.len()` query rows
 /// of one sequence, each with `group` query heads (`q`: `[rows, group, d]`; `part`: `[rows,
@@ -65,7 +66,7 @@ pub(super) unsafe fn partial_avx512<T: KvElem, const DV: usize>(
                     }
                     *a = x;
                 }
-                _mm512_storeu_ps(sums.as_mut_ptr(), crate::ops::simd::reduce_add16(&acc));
+                _mm512_storeu_ps(sums.as_mut_ptr(), crate::simd::reduce_add16(&acc));
                 let sc = &mut scores[(r * group + h) * n + j0..][..16];
                 for (s, &x) in sc.iter_mut().zip(&sums) {
                     *s = logit(x);

@@ -5,13 +5,16 @@
 //! chunk's own keys were written to the cache before this op runs, so prefill with a cached
 //! prefix and decode are the same computation.
 
+pub(super) mod softmax;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
-use super::simd::{axpy_f32, dot_f32};
 use super::team::{team, OutPtr};
 use crate::batch::{AttentionMeta, SeqSlice};
+use crate::simd::{axpy_f32, dot_f32};
+use softmax::{exp_shifted, fold};
 
 pub struct PagedAttention<'a> {
     pub meta: &'a AttentionMeta,
@@ -295,24 +298,6 @@ impl<'a> Tile<'a> {
     }
 }
 
-/// Folds a segment's partial (m, l, acc) into a running softmax state (M, L, total): the
-/// online softmax merge, segment after segment in position order (this op's and the
-/// TurboQuant op's).
-#[inline(always)]
-pub(super) fn fold(state: &mut [f32], part: &[f32]) {
-    let m = part[0];
-    if m == f32::NEG_INFINITY {
-        return;
-    }
-    let mn = state[0].max(m);
-    let (x, y) = ((state[0] - mn).exp(), (m - mn).exp());
-    let (head, total) = state.split_at_mut(2);
-    total.iter_mut().for_each(|t| *t *= x);
-    axpy_f32(total, y, &part[2..]);
-    head[1] = head[1] * x + part[1] * y;
-    head[0] = mn;
-}
-
 impl PagedAttention<'_> {
     /// A raw dot product q.k as an attention logit.
     #[inline(always)]
@@ -323,15 +308,6 @@ impl PagedAttention<'_> {
             None => s,
         }
     }
-}
-
-/// In place: s <- exp(s - max s); returns (max, sum): a softmax before its division, which
-/// the attention on TurboQuant codes merges per segment. Vectorised (`simd::exp_sub_sum`),
-/// with the same bits on every machine.
-#[inline(always)]
-pub(super) fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
-    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    (m, super::simd::exp_sub_sum(s, m))
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -14,8 +14,8 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::kv_elem::f32_slice;
-use super::simd::dot_f32;
 use super::team::{team, OutPtr};
+use crate::simd::dot_f32;
 
 mod fused_avx512;
 mod packed;

@@ -1,9 +1,10 @@
 //! The CUDA side of attention on TurboQuant codes: checks, device buffers and the launches of
 //! `cuda/tq_attention.cu` (partial scores over position splits, then the combine).
 
-use candle_core::{Layout, Result, Shape};
+use candle_core::backend::BackendStorage;
+use candle_core::{Layout, Result, Shape, Storage, Tensor};
 
-use super::*;
+use super::op::TqAttention;
 
 /// `TqAttention`'s forward pass on CUDA.
 pub(super) fn forward(

@@ -1,8 +1,8 @@
 //! The inner operations of attention on codes (decode a row of codes, dots, weighted sums),
 //! portable or with AVX-512: `Kernel`, `Portable`, `Avx512`.
 
-use crate::kv::turboquant::TqCodec;
-use crate::ops::simd::{axpy_f32, dot_f32};
+use crate::ops::turboquant::TqCodec;
+use crate::simd::{axpy_f32, dot_f32};
 
 /// The inner operations of the op, portable or vectorised. Within one process one kernel
 /// computes every row, so a row's result never depends on which tile it was in.
@@ -66,7 +66,7 @@ impl<const DV: usize> Kernel for Avx512<DV> {
         // SAFETY: only reached from `avx512_entry` (AVX-512F present), with d % 16 == 0
         // and 2..=4-bit codes; `row` is a whole stored row (codes, then the norm).
         unsafe {
-            crate::kv::turboquant::codec::decode_rotated_avx512(
+            crate::ops::turboquant::codec::decode_rotated_avx512(
                 row.as_ptr(),
                 codec.bits(),
                 codec.table16(),
@@ -112,7 +112,7 @@ impl<const DV: usize> Kernel for Avx512<DV> {
                 }
                 *acc = x;
             }
-            _mm512_storeu_ps(out.as_mut_ptr(), crate::ops::simd::reduce_add16(&a));
+            _mm512_storeu_ps(out.as_mut_ptr(), crate::simd::reduce_add16(&a));
         }
     }
 

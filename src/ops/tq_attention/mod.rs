@@ -16,26 +16,30 @@
 //! lone row is split further into one item per segment, merged by a second loop, so a long
 //! context uses every thread. Each row's arithmetic is the same however it was split, so
 //! prefill, chunked prefill and token-by-token decode give bit-identical results.
+//!
+//! `op.rs` says what the op reads (shared with the CUDA launches, `cuda.rs`); this file has
+//! the CPU work items and the candle op; `kernel.rs` their inner operations.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
 use super::kv_write::KvWrite;
-use super::paged_attention::{exp_shifted, fold, Job, JobPlan, PagedAttention};
+use super::paged_attention::softmax::{exp_shifted, fold};
+use super::paged_attention::{Job, JobPlan, PagedAttention};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
-use crate::batch::AttentionMeta;
-use crate::kv::turboquant::{DeviceCodecs, TqCodec};
-use crate::kv::TqLayerCache;
+use super::turboquant::{TqCodec, TqLayerCache};
 
 #[cfg(feature = "cuda")]
 mod cuda;
 mod kernel;
+mod op;
 
 #[cfg(target_arch = "x86_64")]
 use kernel::Avx512;
 use kernel::{Kernel, Portable};
+pub use op::{FloatInputs, TqAttention};
 
 /// Rows per tile at most.
 const TILE_ROWS: usize = 16;
@@ -43,50 +47,6 @@ const TILE_ROWS: usize = 16;
 /// (online softmax), so a long context splits into work items without changing a row's
 /// arithmetic.
 const SEGMENT: usize = 256;
-
-pub struct TqAttention<'a> {
-    /// Shapes, scale, sliding window and softcap, as for the dense op.
-    pub attn: PagedAttention<'a>,
-    pub key: &'a TqCodec,
-    pub value: &'a TqCodec,
-    /// Keys were stored as k * key_scale (`[kv_heads * head_dim]`): queries read them as
-    /// q / key_scale.
-    pub key_scale: Option<&'a [f32]>,
-    pub float: Option<FloatInputs<'a>>,
-    /// For caches on a GPU: the codecs (and key scales) in device memory.
-    pub device: Option<&'a DeviceCodecs>,
-}
-
-/// The unquantized recent tokens (see the module doc). Rings are `[rings * len, kv_heads,
-/// head_dim]` in a float type, each sequence's ring in `meta.window` (which must be of
-/// `len`); `new_k`, `new_v` are this step's `[T, kv_heads, head_dim]` (f32 on the CPU).
-pub struct FloatInputs<'a> {
-    pub len: usize,
-    pub ring_k: &'a Tensor,
-    pub ring_v: &'a Tensor,
-    pub new_k: &'a Tensor,
-    pub new_v: &'a Tensor,
-}
-
-impl FloatInputs<'_> {
-    /// The step's rings when `meta` gives every sequence one of this window's, each inside
-    /// rings of `ring_rows` rows.
-    fn rings<'m>(&self, meta: &'m AttentionMeta, ring_rows: usize) -> Result<&'m [u32]> {
-        match &meta.window {
-            Some(w)
-                if w.len == self.len
-                    && w.rings.len() == meta.seqs.len()
-                    && w.rings.iter().all(|&r| (r as usize + 1) * self.len <= ring_rows) =>
-            {
-                Ok(&w.rings)
-            }
-            _ => candle_core::bail!(
-                "tq-attention: a float window of {} positions needs a ring per sequence inside its {ring_rows} rows (AttentionMeta::set_float_window)",
-                self.len
-            ),
-        }
-    }
-}
 
 /// `FloatInputs` as slices.
 struct Floats<'s, T> {
@@ -116,19 +76,7 @@ struct RowSpan {
     end: usize,
 }
 
-impl<'a> TqAttention<'a> {
-    /// The op over a layer's cache.
-    pub fn over(attn: PagedAttention<'a>, c: &'a TqLayerCache, float: Option<FloatInputs<'a>>) -> Self {
-        TqAttention {
-            attn,
-            key: &c.codecs.key,
-            value: &c.codecs.value,
-            key_scale: c.codecs.key_scale.as_deref(),
-            float,
-            device: c.device.as_ref(),
-        }
-    }
-
+impl TqAttention<'_> {
     /// q: `[T, heads, head_dim]` f32; codes `[slots, kv_heads, row]` u8. Returns `[T, heads, head_dim]` f32.
     pub fn forward(&self, q: &Tensor, k_codes: &Tensor, v_codes: &Tensor) -> Result<Tensor> {
         q.apply_op3_no_bwd(k_codes, v_codes, self)
@@ -213,22 +161,6 @@ impl<'a> TqAttention<'a> {
             with_kernel!(merge, &io, &tiles[tile], g, p)
         });
         Ok(out)
-    }
-
-    /// Checks shapes, key scales and block tables against `q_len` query values and `n_slots`
-    /// cache slots.
-    fn check(&self, q_len: usize, n_slots: usize) -> Result<()> {
-        let a = &self.attn;
-        let meta = a.meta;
-        let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
-        let rows = meta.num_rows();
-        if q_len != rows * hq * d || self.key.dim() != d || self.value.dim() != d || hkv == 0 || hq % hkv != 0 {
-            candle_core::bail!("tq-attention: q has {q_len} values, expected {rows}x{hq}x{d}");
-        }
-        if self.key_scale.is_some_and(|s| s.len() != hkv * d) {
-            candle_core::bail!("tq-attention: key scales for another shape than {hkv}x{d}");
-        }
-        a.check_tables(n_slots)
     }
 
     /// The queries of a tile's rows for kv head `g`, rotated like the keys: `[rows, group, d]`.

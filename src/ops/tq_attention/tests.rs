@@ -1,9 +1,8 @@
 use std::sync::Arc;
 
 use super::*;
-use crate::batch::SeqSlice;
-use crate::kv::turboquant::{Codebook, LayerCodecs};
-use crate::kv::FloatWindow;
+use crate::batch::{AttentionMeta, SeqSlice};
+use crate::ops::turboquant::{Codebook, FloatWindow, LayerCodecs};
 use candle_core::{DType, Device};
 
 fn randn(shape: (usize, usize, usize), seed: u64) -> Vec<f32> {

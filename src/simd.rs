@@ -1,4 +1,6 @@
-//! Small SIMD kernels, picked at run time (AVX-512 where the CPU has it).
+//! Small SIMD kernels, picked at run time (AVX-512 where the CPU has it). The bottom of the
+//! crate, next to `config`: the ops and the TurboQuant codec build on them; they use nothing
+//! else of iris.
 
 /// Dot product of two equal-length f32 slices.
 #[inline]

@@ -116,7 +116,7 @@ impl Rotation {
             }
             Rotation::Dense { dim, m } => {
                 for (o, row) in out.iter_mut().zip(m.chunks_exact(*dim)) {
-                    *o = crate::ops::simd::dot_f32(row, x);
+                    *o = crate::simd::dot_f32(row, x);
                 }
             }
         }
@@ -136,7 +136,7 @@ impl Rotation {
             Rotation::Dense { dim, m } => {
                 out.iter_mut().for_each(|o| *o = 0.0);
                 for (row, &xi) in m.chunks_exact(*dim).zip(x) {
-                    crate::ops::simd::axpy_f32(out, xi, row);
+                    crate::simd::axpy_f32(out, xi, row);
                 }
             }
         }

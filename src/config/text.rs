@@ -1,0 +1,252 @@
+//! The text model's hyper-parameters, as the model code reads them, and what they imply
+//! (attention scale, rotary settings and window per layer, parameter counts).
+
+/// Model families iris implements. Names follow HF's `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Gemma3,
+    /// Qwen2-VL's language model: Qwen2 with multimodal rotary embeddings (M-RoPE).
+    Qwen2Vl,
+    /// Qwen2.5-VL: the same language model; the vision tower differs.
+    Qwen25Vl,
+    /// GLM-4.1V: dense layers with four norms each, interleaved partial M-RoPE.
+    Glm4v,
+    /// GLM-4.5V / GLM-4.6V: dense then mixture-of-experts layers, rotate-half partial M-RoPE.
+    Glm4vMoe,
+}
+
+impl Arch {
+    pub fn from_model_type(s: &str) -> Option<Self> {
+        match s {
+            "llama" | "smollm" | "mistral" => Some(Arch::Llama),
+            "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
+            "gemma3_text" | "gemma3" => Some(Arch::Gemma3),
+            "qwen2_vl" | "qwen2_vl_text" => Some(Arch::Qwen2Vl),
+            "qwen2_5_vl" | "qwen2_5_vl_text" => Some(Arch::Qwen25Vl),
+            "glm4v" | "glm4v_text" | "glm46v" => Some(Arch::Glm4v),
+            "glm4v_moe" | "glm4v_moe_text" => Some(Arch::Glm4vMoe),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3_text",
+            Arch::Qwen2Vl => "qwen2_vl",
+            Arch::Qwen25Vl => "qwen2_5_vl",
+            Arch::Glm4v => "glm4v",
+            Arch::Glm4vMoe => "glm4v_moe",
+        }
+    }
+
+    /// Vision-language models, whose top-level `model_type` names the whole model.
+    pub fn is_vision_language(self) -> bool {
+        matches!(self, Arch::Qwen2Vl | Arch::Qwen25Vl | Arch::Glm4v | Arch::Glm4vMoe)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Activation {
+    Silu,
+    GeluTanh,
+    /// Exact GELU, `x * Phi(x)` (PyTorch's `nn.GELU()`).
+    Gelu,
+    /// `x * sigmoid(1.702 x)` (CLIP-style vision towers).
+    QuickGelu,
+}
+
+impl Activation {
+    /// HF's `hidden_act` names.
+    pub fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Activation::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" => Some(Activation::GeluTanh),
+            "gelu" => Some(Activation::Gelu),
+            "quick_gelu" => Some(Activation::QuickGelu),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a layer attends to the whole context or a sliding window of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    Full,
+    Sliding,
+}
+
+/// How rotary pairs are laid out in a head: HF's `rotate_half` (first half with second half)
+/// or adjacent pairs. llama.cpp permutes llama q/k weights so that adjacent pairs apply; using
+/// the interleaved form on those weights is the same math without un-permuting quantized data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    Half,
+    Interleaved,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear { factor: f64 },
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: f64 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+    /// M-RoPE: how many rotary frequencies (from the first) follow the temporal, height and
+    /// width position of a token; their sum is `rotary_dim / 2`.
+    pub mrope_section: Option<Vec<usize>>,
+}
+
+/// A mixture-of-experts MLP (DeepSeek-V3 / GLM-4.5 routing): sigmoid scores, a per-expert
+/// correction bias that only steers the choice, experts chosen within the best groups.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts each token is sent to.
+    pub top_k: usize,
+    /// Experts split into this many equal groups; a token's experts come from `topk_group` of them.
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// Width of one routed expert's MLP.
+    pub intermediate_size: usize,
+    /// Always-on experts, run as one MLP `n_shared_experts` times as wide.
+    pub n_shared_experts: usize,
+    /// The chosen experts' weights are divided by their sum.
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f64,
+    /// Layers before this one use a dense MLP of `intermediate_size`.
+    pub first_k_dense_replace: usize,
+}
+
+impl MoeConfig {
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        layer >= self.first_k_dense_replace
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TextConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Leading dimensions of each head that rotary embeddings turn (`head_dim` unless the
+    /// model uses partial rotary, `partial_rotary_factor`).
+    pub rotary_dim: usize,
+    pub rms_norm_eps: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub activation: Activation,
+    /// Rotary settings of full-attention layers.
+    pub rope: RopeConfig,
+    /// Rotary settings of sliding-window layers (Gemma 3 uses a smaller base there).
+    pub rope_local: Option<RopeConfig>,
+    pub rope_layout: RopeLayout,
+    pub sliding_window: Option<usize>,
+    pub layer_kinds: Vec<LayerKind>,
+    /// Softmax scale is `query_pre_attn_scalar^-0.5` (Gemma) instead of `head_dim^-0.5`.
+    pub query_pre_attn_scalar: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub moe: Option<MoeConfig>,
+}
+
+impl TextConfig {
+    pub fn attention_scale(&self) -> f64 {
+        self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64).powf(-0.5)
+    }
+
+    pub fn rope_for(&self, layer: usize) -> &RopeConfig {
+        match (self.layer_kinds[layer], &self.rope_local) {
+            (LayerKind::Sliding, Some(local)) => local,
+            _ => &self.rope,
+        }
+    }
+
+    pub fn window_for(&self, layer: usize) -> Option<usize> {
+        match self.layer_kinds[layer] {
+            LayerKind::Sliding => self.sliding_window,
+            LayerKind::Full => None,
+        }
+    }
+
+    /// Parameters of the text model (embedding counted once when tied).
+    pub fn parameter_count(&self) -> u64 {
+        self.parameter_counts().0
+    }
+
+    /// Parameters one token computes with: all of them but the routed experts it is not sent to.
+    pub fn active_parameter_count(&self) -> u64 {
+        self.parameter_counts().1
+    }
+
+    /// (total, active per token).
+    fn parameter_counts(&self) -> (u64, u64) {
+        let (h, i, v) = (self.hidden_size as u64, self.intermediate_size as u64, self.vocab_size as u64);
+        let (q, kv) = ((self.num_heads * self.head_dim) as u64, (self.num_kv_heads * self.head_dim) as u64);
+        let mut attn = h * q + 2 * h * kv + q * h;
+        if self.attention_bias {
+            attn += q + 2 * kv;
+        }
+        let mut norms = 2 * h;
+        match self.arch {
+            Arch::Qwen3 => norms += 2 * self.head_dim as u64,
+            Arch::Gemma3 => norms += 2 * h + 2 * self.head_dim as u64,
+            // GLM-4.1V also normalises the attention and MLP outputs.
+            Arch::Glm4v => norms += 2 * h,
+            _ => {}
+        }
+        let (mut total, mut active) = (0, 0);
+        for layer in 0..self.num_layers {
+            let (t, a) = match &self.moe {
+                Some(m) if m.is_moe_layer(layer) => {
+                    let (e, k, mi) = (m.num_experts as u64, m.top_k as u64, m.intermediate_size as u64);
+                    let always = e * h + e + 3 * h * mi * m.n_shared_experts as u64;
+                    (always + e * 3 * h * mi, always + k * 3 * h * mi)
+                }
+                _ => (3 * h * i, 3 * h * i),
+            };
+            total += attn + norms + t;
+            active += attn + norms + a;
+        }
+        let embed = v * h * if self.tie_word_embeddings { 1 } else { 2 };
+        (total + embed + h, active + embed + h)
+    }
+}
+
+/// Gemma 3 without `layer_types`: every `pattern`-th layer is global, the others slide.
+pub fn gemma_layer_pattern(num_layers: usize, pattern: usize) -> Vec<LayerKind> {
+    (0..num_layers)
+        .map(|i| if pattern > 0 && (i + 1) % pattern == 0 { LayerKind::Full } else { LayerKind::Sliding })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemma_pattern_marks_every_sixth_global() {
+        let k = gemma_layer_pattern(12, 6);
+        assert_eq!(k.iter().filter(|k| **k == LayerKind::Full).count(), 2);
+        assert_eq!(k[5], LayerKind::Full);
+        assert_eq!(k[11], LayerKind::Full);
+    }
+}

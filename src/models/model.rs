@@ -1,0 +1,55 @@
+//! What a model is to the engine: a text model (batch, caches -> hidden states, logits) and the
+//! vision side of a vision-language model.
+
+use candle_core::{Result, Tensor};
+
+use super::mrope::{PositionError, PromptPositions};
+use crate::batch::Batch;
+use crate::config::TextConfig;
+use crate::kv::KvCache;
+use crate::media::{ImageError, PixelValues, RgbImage};
+
+/// Hidden states captured during a forward pass (tests compare them with transformers).
+#[derive(Default)]
+pub struct Taps {
+    /// Input of the first decoder layer.
+    pub embed: Option<Tensor>,
+    /// Output of each decoder layer.
+    pub layers: Vec<Tensor>,
+    /// Mixture-of-experts layers' choices: (layer, `[T, top_k]` u32 experts, ascending).
+    pub router: Vec<(usize, Tensor)>,
+}
+
+pub trait TextModel: Send {
+    fn config(&self) -> &TextConfig;
+
+    /// Runs every scheduled row through the decoder; returns the final-norm hidden states
+    /// `[T, hidden]`. Writes the rows' keys and values into `kv`.
+    fn forward(&self, batch: &Batch, kv: &KvCache, taps: Option<&mut Taps>) -> Result<Tensor>;
+
+    /// Next-token logits `[N, vocab]` (f32) for rows of final hidden states.
+    fn logits(&self, hidden: &Tensor) -> Result<Tensor>;
+}
+
+/// The image side of a vision-language model: preprocessing, the prompt's M-RoPE positions,
+/// and the vision tower. Its embeddings go in place of the prompt's image tokens.
+pub trait VisionModel: Send + Sync {
+    /// The token standing for one image embedding in a prompt.
+    fn image_token_id(&self) -> u32;
+
+    /// Decoded image -> patches (resized and normalized as the model's processor does).
+    fn preprocess(&self, image: &RgbImage) -> std::result::Result<PixelValues, ImageError>;
+
+    /// Image tokens (and embeddings) this image takes in a prompt.
+    fn num_image_tokens(&self, pixels: &PixelValues) -> usize;
+
+    /// Positions of every prompt token; `images` in prompt order.
+    fn prompt_positions(
+        &self,
+        tokens: &[u32],
+        images: &[&PixelValues],
+    ) -> std::result::Result<PromptPositions, PositionError>;
+
+    /// The image's embeddings, `[num_image_tokens, hidden]`.
+    fn encode(&self, pixels: &PixelValues) -> Result<Tensor>;
+}
