@@ -9,7 +9,7 @@ use super::core::{Engine, EngineConfig};
 use super::scheduler::SchedulerConfig;
 use super::speculative::SpeculativeConfig;
 use crate::kv::format::resolve_layers;
-use crate::kv::{KvCache, KvCacheSpec, KvDtype, KvFormatError, TqBits, TqSpec};
+use crate::kv::{CacheSpec, KvCache, KvCacheSpec, KvDtype, KvFormatError, TqBits, TqSpec};
 use crate::loader::{self, LoadError};
 
 #[derive(Debug, Clone)]
@@ -165,25 +165,24 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
             )));
         }
     }
-    let per_token = match &tq {
-        Some(tq) => tq.bytes_per_token(&cfg, kv_dtype),
-        None => KvCacheSpec::bytes_per_token(&cfg, kv_dtype),
-    };
-    // The float window's rings are fixed at start, outside the blocks.
-    let window_bytes = tq.as_ref().map_or(0, |tq| tq.window_bytes(&cfg, kv_dtype)) as u64;
+    // Every group of layers' memory: paged per token, and per state slot (one per sequence
+    // that may run: float-window rings), fixed at start outside the blocks.
+    let caches = CacheSpec::for_model(&cfg, kv_dtype, tq.as_ref());
+    let per_token = caches.bytes_per_token();
+    let slot_bytes = (caches.bytes_per_slot() * opts.max_num_seqs) as u64;
     let wanted_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
     // No need to reserve more than every sequence at full length could use.
     let useful = (per_token as u64) * (wanted_len as u64) * (opts.max_num_seqs as u64);
     let budget = opts.kv_memory.unwrap_or_else(|| {
-        default_kv_budget(device).min(useful.max(per_token as u64 * opts.block_size as u64) + window_bytes)
+        default_kv_budget(device).min(useful.max(per_token as u64 * opts.block_size as u64) + slot_bytes)
     });
-    if window_bytes >= budget {
+    let Some(pool) = caches.pool(budget, opts.block_size, opts.max_num_seqs) else {
         return Err(BuildError::Kv(format!(
-            "the float window needs {window_bytes} bytes ({} sequences x {} tokens); raise --kv-cache-memory or lower --kv-float-window or --max-num-seqs",
+            "the float window needs {slot_bytes} bytes ({} sequences x {} tokens); raise --kv-cache-memory or lower --kv-float-window or --max-num-seqs",
             opts.max_num_seqs, opts.kv_float_window
         )));
-    }
-    let spec = KvCacheSpec::with_token_bytes(per_token, kv_dtype, opts.block_size, budget - window_bytes);
+    };
+    let spec = KvCacheSpec { block_size: opts.block_size, num_blocks: pool.num_blocks, dtype: kv_dtype };
     if spec.num_blocks == 0 {
         return Err(BuildError::Kv(format!(
             "a budget of {budget} bytes holds no block of {} tokens ({per_token} bytes per token); raise --kv-cache-memory",

@@ -19,7 +19,7 @@ pub struct KvCacheSpec {
 impl KvCacheSpec {
     /// Bytes one token occupies across all layers (keys and values) in a dense pool.
     pub fn bytes_per_token(cfg: &TextConfig, dtype: KvDtype) -> usize {
-        cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.bytes()
+        super::spec::CacheSpec::for_model(cfg, dtype, None).bytes_per_token()
     }
 
     /// As many blocks as `budget_bytes` holds.

@@ -6,7 +6,6 @@ use std::str::FromStr;
 
 use candle_core::DType;
 
-use crate::config::TextConfig;
 use crate::ops::turboquant::pack::packed_len;
 
 /// Element type of a dense KV cache.
@@ -172,22 +171,6 @@ impl TqSpec {
     /// Bytes of one stored key row (codes + f32 norm) and one value row.
     pub fn row_bytes(&self, head_dim: usize) -> (usize, usize) {
         (packed_len(head_dim, self.bits.key) + 4, packed_len(head_dim, self.bits.value) + 4)
-    }
-
-    /// Bytes one token occupies in the paged blocks across all layers.
-    pub fn bytes_per_token(&self, cfg: &TextConfig, float: KvDtype) -> usize {
-        let (rk, rv) = self.row_bytes(cfg.head_dim);
-        let dense = 2 * cfg.head_dim * float.bytes();
-        (0..cfg.num_layers).map(|l| cfg.num_kv_heads * if self.quantizes(l) { rk + rv } else { dense }).sum()
-    }
-
-    /// Bytes of the float-window rings (outside the paged blocks, fixed at start).
-    pub fn window_bytes(&self, cfg: &TextConfig, float: KvDtype) -> usize {
-        if self.float_window == 0 {
-            return 0;
-        }
-        let quantized = (0..cfg.num_layers).filter(|&l| self.quantizes(l)).count();
-        quantized * 2 * self.window_rings * self.float_window * cfg.num_kv_heads * cfg.head_dim * float.bytes()
     }
 }
 
