@@ -7,7 +7,7 @@
 //!   cargo bench --bench kv_decode -- MODEL [--contexts 1024,8192,32768]
 //!       [--caches bf16,f32,tq-k4v4,tq-k3v4,tq-k2v3] [--steps 8] [--device cpu|cuda] [--dtype f32|bf16]
 //!
-//! Steps run as the engine runs them (`StepRunner`): on a GPU, through the decode step's CUDA
+//! Steps run as the engine runs them (`ModelRunner`): on a GPU, through the decode step's CUDA
 //! graph (IRIS_CUDA_GRAPHS=0: op by op). `--device cuda` defaults to bf16 weights and the
 //! caches bf16,tq-k4v4,tq-k3v4; a TurboQuant cache keeps its unused float parts in the
 //! weights' type there.
@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use iris::batch::{Batch, DeviceAttentionMeta, SeqSlice};
-use iris::engine::runner::StepRunner;
+use iris::engine::runner::ModelRunner;
 use iris::kv::{KvCache, KvCacheDtype, KvCacheSpec, KvDtype, LayerCache, TqSpec};
 use iris::models::TextModel;
 use iris::ops::kv_write::KvWrite;
@@ -121,7 +121,7 @@ fn decode_step(model: &dyn TextModel, dev: &Device, float: KvDtype, cache: Cache
     let kv = KvCache::build(cfg, spec, tq.as_ref(), dev).unwrap();
     fill(&kv, cfg.num_layers, context, cfg.num_kv_heads, cfg.head_dim, dev);
     let max_positions = cfg.max_position_embeddings.min(iris::layers::rotary::MAX_TABLE_POSITIONS);
-    let mut runner = StepRunner::new(dev.clone(), 1, spec.num_blocks, max_positions);
+    let mut runner = ModelRunner::new(dev.clone(), 1, spec.num_blocks, max_positions, 1);
     let greedy = [Draw { inv_temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0 }];
     let mut times = Vec::new();
     for _ in 0..steps + 2 {

@@ -17,6 +17,7 @@ RES=${1:-${OUT:-/tmp/iris-spec/results}}
 DIR=${BENCH_DIR:-/tmp/iris-spec}
 MODEL=${BENCH_MODEL:-qwen2.5-7b}
 GEN_LEN=${GEN_LEN:-64}
+REPEATS=${REPEATS:-3}
 mkdir -p "$RES" "$DIR"
 IRIS=${IRIS_BIN:-}
 if [ -z "$IRIS" ]; then
@@ -34,11 +35,11 @@ run() { # name, binary, args...
   "$bin" bench "${common[@]}" "$@" > "$RES/$name.json" 2> "$RES/$name.err" || { echo "$name failed:"; tail -3 "$RES/$name.err"; }
 }
 for round in 1 2; do
-  run "plain-new-$round" "$IRIS" --batch-sizes 1,8,64,256 --repeats 3
-  [ -n "${IRIS_OLD:-}" ] && run "plain-old-$round" "$IRIS_OLD" --batch-sizes 1,8,64,256 --repeats 3
+  run "plain-new-$round" "$IRIS" --batch-sizes 1,8,64,256 --repeats "$REPEATS"
+  [ -n "${IRIS_OLD:-}" ] && run "plain-old-$round" "$IRIS_OLD" --batch-sizes 1,8,64,256 --repeats "$REPEATS"
 done
 for k in 1 2 4; do
-  run "accepted-k$k" "$IRIS" --batch-sizes 1,8,64 --repeats 3 --all-accepted \
+  run "accepted-k$k" "$IRIS" --batch-sizes 1,8,64 --repeats "$REPEATS" --all-accepted \
     --speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $k}"
 done
 python3 - "$RES" <<'PY'

@@ -575,6 +575,24 @@ fn bad_flags() {
     expect_error(&generate_args(m, &["--repetition-penalty", "-2"]), &["repetition_penalty"]);
     expect_error(&generate_args(m, &["--top-p", "1.5"]), &["top"]);
     expect_error(&generate_args(m, &["--temperature", "nan"]), &["temperature"]);
+    expect_error(&generate_args(m, &["--speculative-config", "ngram"]), &["--speculative-config", "JSON"]);
+    expect_error(
+        &generate_args(m, &["--speculative-config", r#"{"method": "eagle", "num_speculative_tokens": 2}"#]),
+        &["--speculative-config", "eagle", "ngram"],
+    );
+    expect_error(
+        &generate_args(m, &["--speculative-config", r#"{"method": "ngram", "num_speculative_tokens": 0}"#]),
+        &["num_speculative_tokens"],
+    );
+    expect_error(
+        &generate_args(
+            m,
+            &[&tq[..], &["--kv-float-window", "2", "--speculative-config", r#"{"method": "ngram", "num_speculative_tokens": 2}"#]]
+                .concat(),
+        ),
+        &["--kv-float-window 2", "num_speculative_tokens 2"],
+    );
+    expect_error(&["bench", "--model", m, "--all-accepted"], &["--speculative-config"]);
     expect_error(&["bench", "--model", m, "--repeats", "0"], &["--repeats"]);
     expect_error(&["bench", "--model", m, "--batch-sizes", "0"], &["--batch-sizes"]);
     // Flags clap rejects are one line too.

@@ -293,6 +293,37 @@ fn models_tokenize_detokenize_health_metrics() {
     }
 }
 
+/// With --speculative-config, a greedy completion's text is the same as without, and /metrics
+/// counts the drafts (vLLM's spec_decode names).
+#[test]
+fn speculative_decoding_keeps_the_text_and_counts_drafts() {
+    let body = json!({ "prompt": "one two three one two three one two three one two", "max_tokens": 32,
+                       "temperature": 0, "ignore_eos": true });
+    let want = Server::start(&[]).post("/v1/completions", &body).json()["choices"][0]["text"].clone();
+    let s = Server::start(&["--speculative-config", r#"{"method": "ngram", "num_speculative_tokens": 3}"#]);
+    let r = s.post("/v1/completions", &body).json();
+    assert_eq!(r["choices"][0]["text"], want, "speculation changed the greedy text");
+    assert_eq!(r["usage"]["completion_tokens"], 32);
+    let text = s.get("/metrics").text();
+    let value = |name: &str| -> u64 {
+        let line = text.lines().find(|l| l.starts_with(name) && !l.starts_with('#'));
+        line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {name}:\n{text}"))
+    };
+    let (drafts, tokens, accepted) = (
+        value("iris_spec_decode_num_drafts_total"),
+        value("iris_spec_decode_num_draft_tokens_total"),
+        value("iris_spec_decode_num_accepted_tokens_total"),
+    );
+    assert!(drafts > 0 && tokens >= drafts && accepted <= tokens, "{drafts} {tokens} {accepted}");
+    let per_pos: u64 = (0..3)
+        .filter_map(|p| {
+            let name = format!("iris_spec_decode_num_accepted_tokens_per_pos_total{{position=\"{p}\"}}");
+            text.lines().find(|l| l.starts_with(&name)).and_then(|l| l.rsplit(" ").next()?.parse::<u64>().ok())
+        })
+        .sum();
+    assert_eq!(per_pos, accepted, "accepted by position adds up:\n{text}");
+}
+
 #[test]
 fn anthropic_messages_and_stream_events() {
     let s = Server::start(&[]);

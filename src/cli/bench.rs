@@ -77,8 +77,10 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
     /// With --speculative-config, greedy: draft the model's own greedy continuation (recorded
-    /// in a first pass) instead of n-grams, so every draft is accepted: what verifying K tokens
-    /// per pass costs and gives at best.
+    /// in a first pass) instead of n-grams, and count every draft accepted (a near-tie that
+    /// rounds the other way in a verify step would otherwise end the run of accepted drafts):
+    /// what verifying K tokens per pass costs and gives at best. The text is then not the
+    /// model's own where such a tie flipped.
     #[arg(long, requires = "speculative_config")]
     pub all_accepted: bool,
 }
@@ -225,7 +227,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             recorded.extend(engine.step()?.into_iter().filter_map(|u| u.token.map(|t| t.token)));
         }
         let k = engine.config().speculative.map_or(0, |s| s.num_tokens);
-        engine.set_drafter(Drafter::Replay(ReplayDrafter::new(k, vec![recorded])))?;
+        engine.set_drafter(Drafter::Replay(ReplayDrafter::new(k, vec![(prompt.len(), recorded)])))?;
+        engine.accept_all_drafts(true);
     }
     // Warm up caches and thread pools.
     run_once(&mut engine, 1, &prompt, 4, &a)?;

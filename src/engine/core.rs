@@ -77,6 +77,13 @@ impl Engine {
         }
     }
 
+    /// Benchmarks only: every draft counts as accepted (the token after them is the target's
+    /// own from the row that rejected, so the output is not the model's; each step then
+    /// verifies all its drafts, which measures what that costs and gives at best).
+    pub fn accept_all_drafts(&mut self, on: bool) {
+        self.runner.accept_all_drafts = on;
+    }
+
     /// Adds the vision tower of a vision-language model: requests may then carry images.
     pub fn with_vision(mut self, vision: Option<Arc<dyn VisionModel>>) -> Self {
         self.runner.set_vision(vision);

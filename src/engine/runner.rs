@@ -27,6 +27,9 @@ const EMBED_CACHE_BYTES: usize = 256 << 20;
 
 pub struct ModelRunner {
     device: Device,
+    /// Benchmarks only (`iris bench --all-accepted`): count every draft accepted, so that each
+    /// step verifies all its drafts whatever the target says.
+    pub accept_all_drafts: bool,
     vision: Option<Arc<dyn VisionModel>>,
     embed_cache: EmbedCache,
     #[cfg(feature = "cuda")]
@@ -70,6 +73,7 @@ impl ModelRunner {
         let _ = (max_num_seqs, max_blocks_per_seq, max_positions, max_rows_per_seq);
         ModelRunner {
             device,
+            accept_all_drafts: false,
             vision: None,
             embed_cache: EmbedCache::new(EMBED_CACHE_BYTES),
             #[cfg(feature = "cuda")]
@@ -130,7 +134,15 @@ impl ModelRunner {
             let draws = self.device_draws(seqs, plan, &step.sampled);
             self.run(model, kv, step.batch, &rows, draws.as_deref())?
         };
-        let tokens = verify(seqs, plan, &step.sampled, out);
+        let mut tokens = verify(seqs, plan, &step.sampled, out);
+        if self.accept_all_drafts {
+            for (item, t) in plan.items.iter().zip(&mut tokens) {
+                if let Some(last) = t.last().cloned().filter(|_| item.num_draft > 0) {
+                    let drafts = &seqs.expect(item.id).draft[..item.num_draft];
+                    *t = drafts.iter().map(|&d| Sampled::token_only(d)).chain([last]).collect();
+                }
+            }
+        }
         if let Some(cp) = checkpoint {
             // Saved rows are the drafts of the sequences that have any, in plan order.
             let rejected: Vec<bool> = plan

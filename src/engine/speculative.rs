@@ -86,25 +86,28 @@ impl Drafter {
     }
 }
 
-/// For benchmarks and tests: proposes the rest of a recorded token sequence that continues the
-/// sequence (the target's own greedy continuation, so every draft is accepted), up to K at a
-/// time. Measures what verification costs and gives at best.
+/// For benchmarks and tests: proposes, for a sequence whose prompt is that of a recorded token
+/// sequence, the recorded tokens at its next positions (the target's own greedy continuation,
+/// recorded in a first pass), up to K at a time. Where a sequence's output left the recording
+/// (a near-tie that rounds the other way), the drafts still follow the recording by position.
 #[derive(Debug, Clone)]
 pub struct ReplayDrafter {
     num_tokens: usize,
-    recorded: Vec<Vec<u32>>,
+    /// (prompt length, whole token sequence).
+    recorded: Vec<(usize, Vec<u32>)>,
 }
 
 impl ReplayDrafter {
-    /// `recorded`: whole token sequences (prompt and output).
-    pub fn new(num_tokens: usize, recorded: Vec<Vec<u32>>) -> Self {
+    /// `recorded`: (prompt length, prompt and output) of each recorded sequence.
+    pub fn new(num_tokens: usize, recorded: Vec<(usize, Vec<u32>)>) -> Self {
         ReplayDrafter { num_tokens, recorded }
     }
 
     pub fn propose(&self, tokens: &[u32], max: usize) -> Vec<u32> {
         let n = tokens.len();
-        match self.recorded.iter().find(|r| r.len() > n && r[..n] == *tokens) {
-            Some(r) => r[n..(n + max.min(self.num_tokens)).min(r.len())].to_vec(),
+        let hit = self.recorded.iter().find(|(p, r)| *p <= n && r.len() > n && r[..*p] == tokens[..*p]);
+        match hit {
+            Some((_, r)) => r[n..(n + max.min(self.num_tokens)).min(r.len())].to_vec(),
             None => Vec::new(),
         }
     }
@@ -184,12 +187,14 @@ mod tests {
 
     #[test]
     fn replay_proposes_the_recorded_rest() {
-        let d = ReplayDrafter::new(2, vec![vec![1, 2, 3, 4, 5], vec![7, 8, 9]]);
+        let d = ReplayDrafter::new(2, vec![(2, vec![1, 2, 3, 4, 5]), (1, vec![7, 8, 9])]);
         assert_eq!(d.propose(&[1, 2], 8), vec![3, 4]);
         assert_eq!(d.propose(&[1, 2, 3, 4], 8), vec![5]);
+        // Off the recording after the prompt: still by position.
+        assert_eq!(d.propose(&[1, 2, 6], 8), vec![4, 5]);
         assert_eq!(d.propose(&[7], 1), vec![8]);
-        assert!(d.propose(&[1, 3], 8).is_empty());
-        assert!(d.propose(&[7, 8, 9], 8).is_empty());
+        assert!(d.propose(&[1, 3], 8).is_empty(), "another prompt");
+        assert!(d.propose(&[7, 8, 9], 8).is_empty(), "past the recording");
     }
 
     #[test]
