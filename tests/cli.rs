@@ -587,8 +587,16 @@ fn bad_flags() {
     expect_error(
         &generate_args(
             m,
-            &[&tq[..], &["--kv-float-window", "2", "--speculative-config", r#"{"method": "ngram", "num_speculative_tokens": 2}"#]]
-                .concat(),
+            &[
+                &tq[..],
+                &[
+                    "--kv-float-window",
+                    "2",
+                    "--speculative-config",
+                    r#"{"method": "ngram", "num_speculative_tokens": 2}"#,
+                ],
+            ]
+            .concat(),
         ),
         &["--kv-float-window 2", "num_speculative_tokens 2"],
     );

@@ -307,7 +307,9 @@ fn speculative_decoding_keeps_the_text_and_counts_drafts() {
     let text = s.get("/metrics").text();
     let value = |name: &str| -> u64 {
         let line = text.lines().find(|l| l.starts_with(name) && !l.starts_with('#'));
-        line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {name}:\n{text}"))
+        line.and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name}:\n{text}"))
     };
     let (drafts, tokens, accepted) = (
         value("iris_spec_decode_num_drafts_total"),
