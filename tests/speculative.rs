@@ -255,3 +255,44 @@ fn logprobs_and_seeded_sampling() {
     let b = tokens(run_one(&mut engine_with(&path, spec_opts), prompt, sampled));
     assert_eq!(a, b, "a seeded request with speculation repeats");
 }
+
+/// A sequence cancelled between verify steps frees its blocks (lookahead ones included) and
+/// its state slot; the sequences beside it go on exactly as without it.
+#[test]
+fn cancelling_while_speculating_frees_everything() {
+    let _gpu = gpu_lock();
+    let path = fixture("tiny-llama");
+    let opts = EngineOptions {
+        kv_memory: Some(1 << 20),
+        block_size: 4,
+        max_num_seqs: 4,
+        kv_quant: Some(TqBits { key: 4, value: 4 }),
+        kv_float_window: 6,
+        speculative: spec(4),
+        ..Default::default()
+    };
+    let reqs = requests(1024);
+    let want = run_requests(&mut engine_with(&path, opts.clone()), &reqs[3..4], &[0]).remove(0);
+    let mut e = engine_with(&path, opts);
+    let gone = e.add_request(Request { prompt_tokens: reqs[1].0.clone(), params: greedy(40) }).unwrap();
+    let kept = e.add_request(Request { prompt_tokens: reqs[3].0.clone(), params: reqs[3].1.clone() }).unwrap();
+    let mut got = Vec::new();
+    let mut step = 0;
+    while e.has_work() {
+        if step == 6 {
+            assert!(e.abort(gone), "the sequence is still running");
+        }
+        for u in e.step().unwrap() {
+            assert!(u.id != gone || step < 6, "no update after the abort");
+            if u.id == kept {
+                got.extend(u.token.map(|t| t.token));
+            }
+        }
+        step += 1;
+    }
+    assert!(e.stats.spec.num_draft_tokens > 0, "no draft was verified");
+    assert_eq!(got, want, "the other sequence changed");
+    let sched = e.scheduler();
+    assert_eq!(sched.allocator.num_free(), sched.allocator.num_blocks(), "blocks leaked");
+    assert_eq!(sched.num_free_slots(), 4, "a state slot leaked");
+}

@@ -106,6 +106,11 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// State slots not held by a running sequence.
+    pub fn num_free_slots(&self) -> usize {
+        self.slots.num_free()
+    }
+
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
