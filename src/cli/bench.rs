@@ -166,12 +166,7 @@ fn run_once(
     let total = start.elapsed().as_secs_f64();
     let prefill_done = all_started.map(|d| d.as_secs_f64()).unwrap_or(total);
     let decode_time = total - prefill_done;
-    let spec = &engine.stats.spec;
-    let (drafts, tokens, accepted) = (
-        spec.num_drafts - spec_before.num_drafts,
-        spec.num_draft_tokens - spec_before.num_draft_tokens,
-        spec.num_accepted_tokens - spec_before.num_accepted_tokens,
-    );
+    let spec = engine.stats.spec.since(&spec_before);
     let speculating = engine.config().speculative.is_some();
     Ok(BenchRow {
         batch,
@@ -181,8 +176,8 @@ fn run_once(
         ttft_ms: first_token.map(|d| d.as_secs_f64() * 1e3).unwrap_or(0.0),
         decode_tok_s: (generated - tokens_at_all_started) as f64 / decode_time.max(1e-9),
         total_tok_s: generated as f64 / total.max(1e-9),
-        acceptance_rate: speculating.then(|| accepted as f64 / tokens.max(1) as f64),
-        tokens_per_verify: speculating.then(|| (accepted + drafts) as f64 / drafts.max(1) as f64),
+        acceptance_rate: speculating.then(|| spec.acceptance_rate()),
+        tokens_per_verify: speculating.then(|| spec.tokens_per_verify()),
     })
 }
 

@@ -33,10 +33,27 @@ pub struct SpecStats {
 impl SpecStats {
     /// Accepted share of the draft tokens verified (0 when none were).
     pub fn acceptance_rate(&self) -> f64 {
-        if self.num_draft_tokens == 0 {
-            0.0
-        } else {
-            self.num_accepted_tokens as f64 / self.num_draft_tokens as f64
+        self.num_accepted_tokens as f64 / self.num_draft_tokens.max(1) as f64
+    }
+
+    /// Tokens a verify pass appended on average (accepted drafts and the one after them; 0
+    /// when none ran).
+    pub fn tokens_per_verify(&self) -> f64 {
+        (self.num_accepted_tokens + self.num_drafts) as f64 / self.num_drafts.max(1) as f64
+    }
+
+    /// The counts since `before` (an earlier copy of these counters).
+    pub fn since(&self, before: &SpecStats) -> SpecStats {
+        SpecStats {
+            num_drafts: self.num_drafts - before.num_drafts,
+            num_draft_tokens: self.num_draft_tokens - before.num_draft_tokens,
+            num_accepted_tokens: self.num_accepted_tokens - before.num_accepted_tokens,
+            accepted_per_position: self
+                .accepted_per_position
+                .iter()
+                .enumerate()
+                .map(|(i, n)| n - before.accepted_per_position.get(i).copied().unwrap_or(0))
+                .collect(),
         }
     }
 
@@ -200,5 +217,27 @@ fn finish_seq(
         prompt_logprobs,
         num_prompt_tokens: seq.prompt().len(),
         num_output_tokens: seq.output().len(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_counters_add_up_by_position_and_subtract() {
+        let mut s = SpecStats::default();
+        s.record(4, 2);
+        let before = s.clone();
+        s.record(2, 2);
+        s.record(3, 0);
+        s.record(0, 0); // no drafts: not a verify pass
+        assert_eq!((s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens), (3, 9, 4));
+        assert_eq!(s.accepted_per_position, vec![2, 2, 0, 0]);
+        let d = s.since(&before);
+        assert_eq!((d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens), (2, 5, 2));
+        assert_eq!(d.accepted_per_position, vec![1, 1, 0, 0]);
+        assert_eq!((d.acceptance_rate(), d.tokens_per_verify()), (0.4, 2.0));
+        assert_eq!(SpecStats::default().acceptance_rate(), 0.0);
     }
 }

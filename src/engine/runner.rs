@@ -1,8 +1,8 @@
 //! The model runner: turns a scheduled step into one flat batch, runs it on the engine's
 //! device by the fastest path that covers it, and returns each sequence's tokens.
 //!
-//! Paths: on a GPU, steps in which every sequence decodes one token replay CUDA graphs
-//! (`cuda_graph`); when every sampled row draws from its logits as they are, the tokens are
+//! Paths: on a GPU, steps in which every sequence computes the same few rows (a decode, or
+//! its last token and the same number of drafts) replay CUDA graphs (`cuda_graph`); when every sampled row draws from its logits as they are, the tokens are
 //! drawn on the device and only their ids come back. Steps with images, three-axis positions
 //! or prompt logprobs, and every step on the CPU, run the model's plain forward pass and copy
 //! the sampled rows' logits to the host. A sequence with draft tokens gets one sampled row

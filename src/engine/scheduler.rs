@@ -155,7 +155,8 @@ impl Scheduler {
     /// a decode (one token), as many of its drafts as fit too.
     fn share(seq: &Sequence, budget: usize) -> ScheduledSeq {
         let num_new = seq.num_uncomputed().min(budget);
-        let num_draft = if num_new == 1 && seq.num_uncomputed() == 1 { seq.draft.len().min(budget - 1) } else { 0 };
+        // A decode: its last token is all that is uncomputed (budget > 0 here).
+        let num_draft = if seq.num_uncomputed() == 1 { seq.draft.len().min(budget - 1) } else { 0 };
         ScheduledSeq { id: seq.id, num_new, num_draft }
     }
 

@@ -124,10 +124,6 @@ impl NgramDrafter {
         NgramDrafter { cfg }
     }
 
-    pub fn num_tokens(&self) -> usize {
-        self.cfg.num_tokens
-    }
-
     /// Up to `max` tokens to follow `tokens`: after the latest earlier occurrence of its
     /// longest suffix of `lookup_max..=lookup_min` tokens that occurs earlier at all. Empty
     /// when none does.
