@@ -150,6 +150,11 @@ fn rewrite_safetensors(path: &Path, edit: impl FnOnce(&mut HashMap<String, Tenso
 
 /// tiny-llama as a GGUF file (F32 tensors under llama.cpp names, gpt2 tokenizer metadata).
 fn write_tiny_llama_gguf(path: &Path) {
+    write_tiny_llama_gguf_as(path, GgmlDType::F32)
+}
+
+/// tiny-llama as a GGUF file with its matrices as `dt` (norms stay F32).
+fn write_tiny_llama_gguf_as(path: &Path, dt: GgmlDType) {
     let dir = fixture("tiny-llama");
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
@@ -201,7 +206,9 @@ fn write_tiny_llama_gguf(path: &Path) {
     let mut qs: Vec<(String, QTensor)> = Vec::new();
     for n in names {
         let g = iris::weights::gguf_name(n, Arch::Llama).unwrap_or_else(|| panic!("no gguf name for {n}"));
-        qs.push((g, QTensor::quantize(&st[n], GgmlDType::F32).unwrap()));
+        let t = &st[n];
+        let matrix = t.rank() == 2 && t.dims()[1] % dt.block_size() == 0;
+        qs.push((g, QTensor::quantize(t, if matrix { dt } else { GgmlDType::F32 }).unwrap()));
     }
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
     let q_refs: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -627,6 +634,58 @@ fn stdout_of(args: &[&str]) -> String {
     assert_no_panic(&out);
     assert!(out.status.success(), "iris {args:?} failed:\n{}", text(&out.stderr));
     text(&out.stdout)
+}
+
+/// `IRIS_CPU_ISA` picks the CPU kernels' instruction set: unknown names and sets this CPU
+/// lacks are refused in one line, `inspect` names the set in use, and every set the CPU has
+/// generates the same tokens (the kernels give the same bits on all of them) from quantized
+/// weights.
+#[test]
+fn cpu_instruction_set_override() {
+    let tmp = TempDir::new("isa");
+    let gguf = tmp.join("tiny-q4_1.gguf");
+    write_tiny_llama_gguf_as(&gguf, GgmlDType::Q4_1);
+    let m = gguf.to_str().unwrap();
+    let with_isa = |isa: &str, args: &[&str]| {
+        let (mut c, _cache) = iris_cmd(args);
+        c.env("IRIS_CPU_ISA", isa).output().expect("run iris")
+    };
+    let inspect = ["inspect", "--model", m];
+    let out = with_isa("sse9", &inspect);
+    check_error(&out, &inspect, &["IRIS_CPU_ISA", "sse9", "avx512, avx2, neon or portable"]);
+    let lacking = if cfg!(target_arch = "aarch64") { "avx2" } else { "neon" };
+    let out = with_isa(lacking, &inspect);
+    check_error(&out, &inspect, &["IRIS_CPU_ISA", lacking, "does not have", "portable"]);
+
+    let out = with_isa("portable", &inspect);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("CPU kernels:      portable"), "{}", text(&out.stdout));
+    let best = stdout_of(&inspect);
+    let line = best.lines().find(|l| l.starts_with("CPU kernels:")).expect("inspect names the CPU kernels");
+    let have: Vec<String> =
+        line.split("this CPU has: ").nth(1).unwrap().trim_end_matches(')').split(", ").map(String::from).collect();
+    assert!(line.contains(&format!("CPU kernels:      {} ", have[0])), "the best set by default: {line}");
+
+    let gen = [
+        "generate",
+        "--model",
+        m,
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--quiet",
+    ];
+    let reference = text(&with_isa("portable", &gen).stdout);
+    assert!(!reference.trim().is_empty());
+    for isa in &have {
+        let out = with_isa(isa, &gen);
+        assert!(out.status.success(), "{isa}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), reference, "{isa} generates other tokens than the portable kernels");
+    }
 }
 
 #[test]

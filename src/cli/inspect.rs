@@ -4,6 +4,7 @@ use super::args::ModelArg;
 use crate::config::LayerKind;
 use crate::kv::{KvCacheSpec, KvDtype, TqBits, TqSpec};
 use crate::loader::read_config;
+use crate::simd::Isa;
 use crate::weights::{GgufFile, ModelLocation, SafetensorsDir};
 
 #[derive(Args, Debug)]
@@ -93,5 +94,12 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         let tq = TqSpec::new(TqBits { key, value });
         println!("KV bytes/token:   {} ({})", tq.bytes_per_token(&cfg, KvDtype::Bf16), tq.bits);
     }
+    println!("{}", cpu_kernels_line());
     Ok(())
+}
+
+/// The CPU kernels' instruction set, and those this CPU has.
+pub fn cpu_kernels_line() -> String {
+    let have: Vec<&str> = Isa::available().iter().map(|i| i.name()).collect();
+    format!("CPU kernels:      {} (this CPU has: {})", Isa::active().name(), have.join(", "))
 }

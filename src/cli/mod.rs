@@ -56,6 +56,10 @@ pub fn init_logging(verbose: u8) {
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
+    // An unusable IRIS_CPU_ISA is refused before anything loads (the kernels would otherwise
+    // fall back to the best set silently).
+    let isa = crate::simd::Isa::from_env()?;
+    tracing::debug!("CPU kernels: {}", isa.name());
     match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),

@@ -128,11 +128,12 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
                         build_engine(&p, &device, &opts).with_context(|| format!("cannot load {}", p.display()))?;
                     let cfg = engine.model().config();
                     tracing::info!(
-                        "loaded {} ({}, {} layers, {:.0} MB of weights)",
+                        "loaded {} ({}, {} layers, {:.0} MB of weights; CPU kernels: {})",
                         p.display(),
                         cfg.arch.name(),
                         cfg.num_layers,
-                        report.weight_bytes as f64 / 1e6
+                        report.weight_bytes as f64 / 1e6,
+                        crate::simd::Isa::active().name()
                     );
                     tracing::info!(
                         "{} ({} blocks of {} tokens); max model len {}",

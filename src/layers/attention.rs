@@ -178,6 +178,7 @@ impl SelfAttention {
             scale: self.scale,
             window: self.window,
             softcap: self.softcap,
+            isa: crate::simd::Isa::active(),
         }
     }
 }

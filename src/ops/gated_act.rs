@@ -5,8 +5,8 @@
 //! the same over a gate and an up tensor apart (on the CPU, where the layer's two matrices
 //! could not be stacked).
 //!
-//! On the CPU both activations are computed as `x / (1 + exp(-z))` with `exp_det` (AVX-512,
-//! 16 lanes at a time, the same bits as the scalar tail): candle's tanh-GELU (libm's `tanhf`
+//! On the CPU both activations are computed as `x / (1 + exp(-z))` with `exp_det` (16 lanes
+//! at a time on every instruction set, the same bits as the scalar tail): candle's tanh-GELU (libm's `tanhf`
 //! and `expm1f`) was a sixth of Gemma-3's prefill. The CUDA kernel computes tanh-GELU as
 //! `0.5 x (1 + tanh(u))`: the same function, checked against this one within f32 rounding.
 
@@ -15,7 +15,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use super::activation;
 use super::team::{team, OutPtr};
 use crate::config::Activation;
-use crate::simd::exp_det;
+use crate::simd::{exp_det, exp_det_v, Isa, Simd, WithSimd};
 
 pub struct GatedAct {
     /// GELU (tanh approximation) instead of SiLU.
@@ -34,40 +34,37 @@ pub(crate) fn act(x: f32, gelu: bool) -> f32 {
     x / (1.0 + exp_det(-z))
 }
 
-/// `out[i] = act(gate[i]) * up[i]`.
-fn gate_row(gate: &[f32], up: &[f32], out: &mut [f32], gelu: bool) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: the CPU has AVX-512F (checked first).
-    let done =
-        if std::is_x86_feature_detected!("avx512f") { unsafe { gate_row_avx512(gate, up, out, gelu) } } else { 0 };
-    #[cfg(not(target_arch = "x86_64"))]
-    let done = 0;
+/// `out[i] = act(gate[i]) * up[i]`, on `isa`: whole vectors of 16, each lane running `act`'s
+/// operations in its order, then the tail by `act` itself, so a value does not depend on
+/// which path computed it.
+fn gate_row(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32], gelu: bool) {
+    struct Row<'a>(&'a [f32], &'a [f32], &'a mut [f32], bool);
+    impl WithSimd for Row<'_> {
+        type Output = usize;
+        #[inline(always)]
+        fn run<S: Simd>(self, s: S) -> usize {
+            let Row(gate, up, out, gelu) = self;
+            let n = gate.len().min(up.len()).min(out.len()) / 16 * 16;
+            let one = s.splat(1.0);
+            for i in (0..n).step_by(16) {
+                // SAFETY: i + 16 <= n, inside all three slices.
+                unsafe {
+                    let x = s.load(gate.as_ptr().add(i));
+                    let z = match gelu {
+                        true => s.mul(s.splat(GELU_2C), s.fmadd(s.mul(s.mul(s.splat(0.044715), x), x), x, x)),
+                        false => x,
+                    };
+                    let a = s.div(x, s.add(one, exp_det_v(s, s.sub(s.zero(), z))));
+                    s.store(out.as_mut_ptr().add(i), s.mul(a, s.load(up.as_ptr().add(i))));
+                }
+            }
+            n
+        }
+    }
+    let done = isa.run(Row(gate, up, out, gelu));
     for ((o, &g), &u) in out[done..].iter_mut().zip(&gate[done..]).zip(&up[done..]) {
         *o = act(g, gelu) * u;
     }
-}
-
-/// `gate_row` over whole vectors of 16; returns how many elements it did. Each lane runs
-/// `act`'s operations in its order, so a value does not depend on which path computed it.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn gate_row_avx512(gate: &[f32], up: &[f32], out: &mut [f32], gelu: bool) -> usize {
-    use std::arch::x86_64::*;
-    let n = gate.len().min(up.len()).min(out.len()) / 16 * 16;
-    let one = _mm512_set1_ps(1.0);
-    for i in (0..n).step_by(16) {
-        let x = _mm512_loadu_ps(gate.as_ptr().add(i));
-        let z = if gelu {
-            let cube = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715), x), x), x, x);
-            _mm512_mul_ps(_mm512_set1_ps(GELU_2C), cube)
-        } else {
-            x
-        };
-        let e = crate::simd::exp_det_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z));
-        let a = _mm512_div_ps(x, _mm512_add_ps(one, e));
-        _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(a, _mm512_loadu_ps(up.as_ptr().add(i))));
-    }
-    n
 }
 
 /// `act(gate) * up` for `[T, inter]` rows `gate_at(r)`, `up_at(r)`, rows spread over the team.
@@ -83,7 +80,7 @@ fn gate_rows<'a>(
     team().for_each(t, |r| {
         // SAFETY: row r of `out` is written by this item only.
         let row = unsafe { std::slice::from_raw_parts_mut(dst.at(r * inter), inter) };
-        gate_row(&gate_at(r)[..inter], &up_at(r)[..inter], row, gelu);
+        gate_row(Isa::active(), &gate_at(r)[..inter], &up_at(r)[..inter], row, gelu);
     });
     out
 }
@@ -284,6 +281,21 @@ mod tests {
                     let err = (fused[r][c] as f64 - want).abs();
                     let tol = 3e-7 * (1.0 + z.abs().min(200.0)) * want.abs() + 1e-37;
                     assert!(err <= tol, "gelu={gelu} x={x}: {} vs {want}", fused[r][c]);
+                }
+            }
+        }
+    }
+
+    /// Every instruction set's vector lanes give the scalar `act`'s bits.
+    #[test]
+    fn every_instruction_set_gives_the_scalar_bits() {
+        let (gate, up) = (inputs(1, 120), inputs(1, 120).iter().map(|v| v * 0.5 + 1.0).collect::<Vec<_>>());
+        for gelu in [false, true] {
+            for isa in Isa::available() {
+                let mut out = vec![0f32; gate.len()];
+                gate_row(isa, &gate, &up, &mut out, gelu);
+                for (i, o) in out.iter().enumerate() {
+                    assert_eq!(o.to_bits(), act_bits(gate[i], up[i], gelu), "{isa:?} gelu={gelu} x={}", gate[i]);
                 }
             }
         }

@@ -4,6 +4,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Result};
 use half::{bf16, f16};
 
+use crate::simd::Simd;
+
 pub trait KvElem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
@@ -15,9 +17,8 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// The 16 values at `p` as f32 (exactly: every element type here widens without rounding).
     ///
     /// # Safety
-    /// AVX-512F (the caller's target features; this inlines into it); 16 values readable at `p`.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    /// 16 values readable at `p`.
+    unsafe fn load16<S: Simd>(s: S, p: *const Self) -> S::F;
 }
 
 /// `s` as f32: borrowed when already f32, else converted into `buf`.
@@ -47,10 +48,9 @@ impl KvElem for f32 {
     fn as_f32(s: &[Self]) -> Option<&[f32]> {
         Some(s)
     }
-    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
-        std::arch::x86_64::_mm512_loadu_ps(p)
+    unsafe fn load16<S: Simd>(s: S, p: *const Self) -> S::F {
+        s.load(p)
     }
 }
 
@@ -64,11 +64,9 @@ impl KvElem for bf16 {
         bf16::from_f32(v)
     }
     /// bf16 is f32's upper half: widen each to 32 bits and shift it up.
-    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+    unsafe fn load16<S: Simd>(s: S, p: *const Self) -> S::F {
+        s.bits_to_f(s.slli::<16>(s.load_u16(p.cast())))
     }
 }
 
@@ -81,11 +79,9 @@ impl KvElem for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
-    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    unsafe fn load16<S: Simd>(s: S, p: *const Self) -> S::F {
+        s.load_f16(p.cast())
     }
 }
 

@@ -1,8 +1,10 @@
-//! The AVX-512 kernel of the CPU op: partial softmax states of a tile's rows over one run of
-//! keys (`super::PagedAttention::run` cuts the runs and folds the states).
+//! The kernel of the CPU op, one source for every instruction set: partial softmax states of
+//! a tile's rows over one run of keys (`super::PagedAttention::run` cuts the runs and folds
+//! the states).
 
 use super::softmax::exp_shifted;
 use crate::ops::kv_elem::KvElem;
+use crate::simd::{Simd, WithSimd};
 
 /// The partial softmax states (m, l, sum of exp(s - m) v) of `rows = spans.len()` query rows
 /// of one sequence, each with `group` query heads (`q`: `[rows, group, d]`; `part`: `[rows,
@@ -11,18 +13,41 @@ use crate::ops::kv_elem::KvElem;
 /// `DV = d / 16` when it is a compile-time size (value sums then stay in registers), 0 for
 /// any other multiple of 16.
 ///
-/// A row's result has the same bits whatever the other rows of its tile: its scores are the
-/// same dot products (16 keys' horizontal sums at once, `reduce_add16`, equal to one
-/// `_mm512_reduce_add_ps` each), its softmax covers its own span, and its value sums take its
-/// keys in order (the tile only decides when the sums pass through memory).
+/// A row's result has the same bits whatever the other rows of its tile, and on every
+/// instruction set: its scores are the same dot products (16 keys' horizontal sums at once,
+/// `reduce_add16`, equal to one `reduce_add` each), its softmax covers its own span, and its
+/// value sums take its keys in order (the tile only decides when the sums pass through memory).
 ///
-/// # Safety
-/// AVX-512F; `d % 16 == 0`; every `off + d` within `k` and `v`; each span within `offs`; `q`
-/// holds `rows * group * d` values and `part` `rows * group * (d + 2)`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+/// Its fields must hold (`PagedAttention::run` makes them so): `d % 16 == 0`; every `off + d`
+/// within `k` and `v`; each span within `offs`; `q` holds `rows * group * d` values and `part`
+/// `rows * group * (d + 2)`.
+pub(super) struct Partial<'a, T, const DV: usize> {
+    pub q: &'a [f32],
+    pub spans: &'a [(usize, usize)],
+    pub offs: &'a [usize],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub d: usize,
+    pub scale: f32,
+    pub softcap: Option<f32>,
+    pub part: &'a mut [f32],
+}
+
+impl<T: KvElem, const DV: usize> WithSimd for Partial<'_, T, DV> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self, s: S) {
+        let Partial { q, spans, offs, k, v, d, scale, softcap, part } = self;
+        debug_assert!(d % 16 == 0 && q.len() >= spans.len() * d);
+        // SAFETY: as the struct's doc states.
+        unsafe { partial::<S, T, DV>(s, q, spans, offs, k, v, d, scale, softcap, part) }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn partial_avx512<T: KvElem, const DV: usize>(
+#[inline(always)]
+unsafe fn partial<S: Simd, T: KvElem, const DV: usize>(
+    s: S,
     q: &[f32],
     spans: &[(usize, usize)],
     offs: &[usize],
@@ -33,7 +58,6 @@ pub(super) unsafe fn partial_avx512<T: KvElem, const DV: usize>(
     softcap: Option<f32>,
     part: &mut [f32],
 ) {
-    use std::arch::x86_64::*;
     let (rows, n) = (spans.len(), offs.len());
     let group = part.len() / (d + 2) / rows;
     let dv = if DV > 0 { DV } else { d / 16 };
@@ -57,16 +81,16 @@ pub(super) unsafe fn partial_avx512<T: KvElem, const DV: usize>(
             }
             for h in 0..group {
                 let qh = qp.add((r * group + h) * d);
-                let mut acc = [_mm512_setzero_ps(); 16];
+                let mut acc = [s.zero(); 16];
                 for (i, a) in acc.iter_mut().enumerate() {
                     let kj = kp.add(offs[j0 + i]);
-                    let mut x = _mm512_mul_ps(_mm512_loadu_ps(qh), T::load16(kj));
+                    let mut x = s.mul(s.load(qh), T::load16(s, kj));
                     for c in 1..dv {
-                        x = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16 * c)), T::load16(kj.add(16 * c)), x);
+                        x = s.fmadd(s.load(qh.add(16 * c)), T::load16(s, kj.add(16 * c)), x);
                     }
                     *a = x;
                 }
-                _mm512_storeu_ps(sums.as_mut_ptr(), crate::simd::reduce_add16(&acc));
+                s.store(sums.as_mut_ptr(), s.reduce_add16(&acc));
                 let sc = &mut scores[(r * group + h) * n + j0..][..16];
                 for (s, &x) in sc.iter_mut().zip(&sums) {
                     *s = logit(x);
@@ -82,11 +106,11 @@ pub(super) unsafe fn partial_avx512<T: KvElem, const DV: usize>(
             }
             for h in 0..group {
                 let qh = qp.add((r * group + h) * d);
-                let mut x = _mm512_mul_ps(_mm512_loadu_ps(qh), T::load16(kj));
+                let mut x = s.mul(s.load(qh), T::load16(s, kj));
                 for c in 1..dv {
-                    x = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16 * c)), T::load16(kj.add(16 * c)), x);
+                    x = s.fmadd(s.load(qh.add(16 * c)), T::load16(s, kj.add(16 * c)), x);
                 }
-                scores[(r * group + h) * n + jj] = logit(_mm512_reduce_add_ps(x));
+                scores[(r * group + h) * n + jj] = logit(s.reduce_add(x));
             }
         }
     }
@@ -116,25 +140,25 @@ pub(super) unsafe fn partial_avx512<T: KvElem, const DV: usize>(
                 let oh = pp.add((r * group + h) * (d + 2) + 2);
                 let p = &scores[(r * group + h) * n + a..(r * group + h) * n + b];
                 if DV > 0 {
-                    let mut acc = [_mm512_setzero_ps(); DV];
+                    let mut acc = [s.zero(); DV];
                     for (c, x) in acc.iter_mut().enumerate() {
-                        *x = _mm512_loadu_ps(oh.add(16 * c));
+                        *x = s.load(oh.add(16 * c));
                     }
                     for (&pj, &off) in p.iter().zip(&offs[a..b]) {
-                        let (w, vj) = (_mm512_set1_ps(pj), vp.add(off));
+                        let (w, vj) = (s.splat(pj), vp.add(off));
                         for (c, x) in acc.iter_mut().enumerate() {
-                            *x = _mm512_fmadd_ps(w, T::load16(vj.add(16 * c)), *x);
+                            *x = s.fmadd(w, T::load16(s, vj.add(16 * c)), *x);
                         }
                     }
                     for (c, x) in acc.iter().enumerate() {
-                        _mm512_storeu_ps(oh.add(16 * c), *x);
+                        s.store(oh.add(16 * c), *x);
                     }
                 } else {
                     for (&pj, &off) in p.iter().zip(&offs[a..b]) {
-                        let (w, vj) = (_mm512_set1_ps(pj), vp.add(off));
+                        let (w, vj) = (s.splat(pj), vp.add(off));
                         for c in 0..dv {
                             let oc = oh.add(16 * c);
-                            _mm512_storeu_ps(oc, _mm512_fmadd_ps(w, T::load16(vj.add(16 * c)), _mm512_loadu_ps(oc)));
+                            s.store(oc, s.fmadd(w, T::load16(s, vj.add(16 * c)), s.load(oc)));
                         }
                     }
                 }

@@ -13,7 +13,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use super::kv_elem::{f32_slice, to_f32_slice, KvElem};
 use super::team::{team, OutPtr};
 use crate::batch::{AttentionMeta, SeqSlice};
-use crate::simd::{axpy_f32, dot_f32};
+use crate::simd::{axpy_f32, dot_f32, Isa};
 use softmax::{exp_shifted, fold};
 
 pub struct PagedAttention<'a> {
@@ -24,6 +24,8 @@ pub struct PagedAttention<'a> {
     pub scale: f32,
     pub window: Option<usize>,
     pub softcap: Option<f32>,
+    /// The instruction set of the CPU kernels (`Isa::active()`; tests pick each).
+    pub isa: Isa,
 }
 
 impl PagedAttention<'_> {
@@ -78,8 +80,7 @@ impl PagedAttention<'_> {
         let pdst = OutPtr(partials.as_mut_ptr());
         let mut out = vec![0f32; q.len()];
         let dst = OutPtr(out.as_mut_ptr());
-        #[cfg(target_arch = "x86_64")]
-        let avx512 = d % 16 == 0 && std::is_x86_feature_detected!("avx512f");
+        let isa = self.isa;
         // Partial softmax states of `tile`'s rows (query values `qt`, `[rows, group, d]`) over
         // the positions `seg` of kv head `g`, into `part` (`[rows, group, d + 2]`).
         let partial = |tile: &Tile, qt: &[f32], g: usize, seg: (usize, usize), part: &mut [f32]| {
@@ -96,23 +97,21 @@ impl PagedAttention<'_> {
                     }
                 })
                 .collect();
-            #[cfg(target_arch = "x86_64")]
-            if avx512 {
-                let run = match d / 16 {
-                    4 => partial_avx512::<T, 4>,
-                    5 => partial_avx512::<T, 5>,
-                    6 => partial_avx512::<T, 6>,
-                    8 => partial_avx512::<T, 8>,
-                    16 => partial_avx512::<T, 16>,
-                    _ => partial_avx512::<T, 0>,
-                };
-                // SAFETY: AVX-512F is present and d % 16 == 0; offsets are in bounds (block
-                // tables were checked against the cache, whose shape `cpu_fwd` checked); spans
-                // lie within the offsets.
-                unsafe { run(qt, &spans, &offs, k, v, d, self.scale, self.softcap, part) };
-                return;
+            if d % 16 != 0 {
+                return self.partial_portable(qt, &spans, &offs, k, v, part);
             }
-            self.partial_portable(qt, &spans, &offs, k, v, part);
+            // Offsets are in bounds (block tables were checked against the cache, whose shape
+            // `cpu_fwd` checked); spans lie within the offsets.
+            let (scale, softcap, spans) = (self.scale, self.softcap, &spans[..]);
+            macro_rules! with_dv {
+                ($($dv:literal)*) => {
+                    match d / 16 {
+                        $($dv => isa.run(Partial::<T, $dv> { q: qt, spans, offs: &offs, k, v, d, scale, softcap, part }),)*
+                        _ => isa.run(Partial::<T, 0> { q: qt, spans, offs: &offs, k, v, d, scale, softcap, part }),
+                    }
+                };
+            }
+            with_dv!(4 5 6 8 16)
         };
         // SAFETY (both loops): the item finishing (tile, g) is the only writer of its rows'
         // heads of group g, each written once.
@@ -165,7 +164,7 @@ impl PagedAttention<'_> {
         Ok(out)
     }
 
-    /// `partial_avx512` for any machine and head size, one row at a time.
+    /// `kernel::Partial` for head sizes that are not a multiple of 16, one row at a time.
     fn partial_portable<T: KvElem>(
         &self,
         qt: &[f32],
@@ -310,10 +309,8 @@ impl PagedAttention<'_> {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 mod kernel;
-#[cfg(target_arch = "x86_64")]
-use kernel::partial_avx512;
+use kernel::Partial;
 
 impl CustomOp3 for PagedAttention<'_> {
     fn name(&self) -> &'static str {

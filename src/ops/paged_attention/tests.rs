@@ -78,18 +78,29 @@ fn matches_direct_attention_for_every_head_dim() {
             let scale = 1.0 / (d as f64).sqrt();
             let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
             let want = reference(&qv, &k_at, &v_at, &meta, hq, hkv, d, scale, window, softcap);
-            let op = PagedAttention {
-                meta: &meta,
-                num_heads: hq,
-                num_kv_heads: hkv,
-                head_dim: d,
-                scale: scale as f32,
-                window,
-                softcap: softcap.map(|c| c as f32),
-            };
-            let got: Vec<f32> = op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-            let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(err < 1e-5, "d={d} window={window:?} softcap={softcap:?} {dtype:?}: max error {err}");
+            // Every instruction set this CPU has: each within the tolerance, all with the same
+            // bits as the portable kernel.
+            let mut portable: Option<Vec<u32>> = None;
+            for isa in Isa::available().into_iter().rev() {
+                let op = PagedAttention {
+                    meta: &meta,
+                    num_heads: hq,
+                    num_kv_heads: hkv,
+                    head_dim: d,
+                    scale: scale as f32,
+                    window,
+                    softcap: softcap.map(|c| c as f32),
+                    isa,
+                };
+                let got: Vec<f32> = op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-5, "d={d} window={window:?} softcap={softcap:?} {dtype:?} {isa:?}: max error {err}");
+                let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                match &portable {
+                    None => portable = Some(bits),
+                    Some(p) => assert!(p == &bits, "d={d} {dtype:?}: {isa:?} differs from the portable kernel"),
+                }
+            }
         }
     }
 }
@@ -110,6 +121,7 @@ fn caches_of_the_wrong_shape_are_refused() {
         scale: 0.25,
         window: None,
         softcap: None,
+        isa: Isa::active(),
     };
     for dtype in [DType::F32, DType::BF16] {
         let good = Tensor::zeros((4, 2, 16), dtype, &dev).unwrap();
@@ -165,6 +177,7 @@ fn rows_have_the_same_bits_in_any_tile() {
                     scale: 1.0 / (d as f32).sqrt(),
                     window,
                     softcap,
+                    isa: Isa::active(),
                 };
                 out.extend(op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
             }

@@ -15,11 +15,12 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::kv_elem::f32_slice;
 use super::team::{team, OutPtr};
-use crate::simd::dot_f32;
+use crate::simd::{dot_f32, Isa};
 
-mod fused_avx512;
+mod fused;
 mod packed;
 
+use fused::{DequantRow, DotRows};
 use packed::{BlockFormat, PackedRows};
 
 /// Batches up to this many rows use the fused kernels; larger ones dequantize tiles of the
@@ -36,10 +37,12 @@ pub struct QMatrix {
     storage: Storage,
     rows: usize,
     cols: usize,
+    /// The instruction set the fused kernels run with (the process's; tests pick each).
+    isa: Isa,
 }
 
 enum Storage {
-    /// Formats with fused kernels, on a CPU that runs them: repacked at load.
+    /// Formats with fused kernels: repacked at load.
     Packed(PackedRows),
     /// Anything else, in the file's layout, dequantized row by row with candle's code.
     Ggml { q: Arc<QTensor>, row_bytes: usize, dequant_row: fn(&[u8], &mut [f32]) },
@@ -73,12 +76,11 @@ impl QMatrix {
             GgmlDType::Q6K => dequant_as::<BlockQ6K>,
             other => candle_core::bail!("quantized type {other:?} is not supported for matrices"),
         };
-        let fused = BlockFormat::for_ggml(dt).filter(|_| fused_avx512::available());
-        let storage = match fused {
+        let storage = match BlockFormat::for_ggml(dt) {
             Some(format) => Storage::Packed(PackedRows::from_ggml(dt, format, &q.data()?, rows, cols)),
             None => Storage::Ggml { row_bytes: cols / dt.block_size() * dt.type_size(), q, dequant_row },
         };
-        Ok(QMatrix { storage, rows, cols })
+        Ok(QMatrix { storage, rows, cols, isa: Isa::active() })
     }
 
     pub fn dims(&self) -> (usize, usize) {
@@ -123,11 +125,7 @@ impl QMatrix {
         let rb = self.row_bytes();
         let bytes = &data[r * rb..(r + 1) * rb];
         match &self.storage {
-            // SAFETY: packed storage exists only where the CPU has AVX-512; `bytes` is one row.
-            #[cfg(target_arch = "x86_64")]
-            Storage::Packed(p) => unsafe { fused_avx512::dequant_row(p.format, bytes, out) },
-            #[cfg(not(target_arch = "x86_64"))]
-            Storage::Packed(_) => unreachable!("packed storage needs AVX-512"),
+            Storage::Packed(p) => self.isa.run(DequantRow { fmt: p.format, row: bytes, out }),
             Storage::Ggml { dequant_row, .. } => dequant_row(bytes, out),
         }
     }
@@ -153,7 +151,6 @@ impl QMatrix {
                 let (r0, r1) = (c * rows_per_task, ((c + 1) * rows_per_task).min(n));
                 // SAFETY (both arms): (i, r) is inside `out`, and row r belongs to this task only.
                 match fused {
-                    #[cfg(target_arch = "x86_64")]
                     Some(fmt) => {
                         let row_bytes = self.row_bytes();
                         let rows = &data[r0 * row_bytes..r1 * row_bytes];
@@ -161,8 +158,7 @@ impl QMatrix {
                         let mut res = [0f32; 8 * MAX_TASK_ROWS];
                         for i0 in (0..m).step_by(8) {
                             let g = (m - i0).min(8);
-                            // SAFETY: AVX-512 is present when `fused` is set; sizes as documented.
-                            unsafe { fused_rows(fmt, g, rows, row_bytes, &x[i0 * k..(i0 + g) * k], k, &mut res) };
+                            self.fused_rows(fmt, g, rows, row_bytes, &x[i0 * k..(i0 + g) * k], &mut res);
                             for r in r0..r1 {
                                 for i in 0..g {
                                     unsafe { *dst.at((i0 + i) * n + r) = res[(r - r0) * g + i] };
@@ -183,6 +179,22 @@ impl QMatrix {
             });
         }
         Ok(out)
+    }
+
+    /// A group of up to 8 activation rows `xs` against whole packed rows, by the fused kernel
+    /// of that group size; `out` gets `g` values per weight row.
+    fn fused_rows(&self, fmt: BlockFormat, g: usize, rows: &[u8], row_bytes: usize, xs: &[f32], out: &mut [f32]) {
+        let (isa, k) = (self.isa, self.cols);
+        match g {
+            1 => isa.run(DotRows::<1> { fmt, rows, row_bytes, x: xs, k, out }),
+            2 => isa.run(DotRows::<2> { fmt, rows, row_bytes, x: xs, k, out }),
+            3 => isa.run(DotRows::<3> { fmt, rows, row_bytes, x: xs, k, out }),
+            4 => isa.run(DotRows::<4> { fmt, rows, row_bytes, x: xs, k, out }),
+            5 => isa.run(DotRows::<5> { fmt, rows, row_bytes, x: xs, k, out }),
+            6 => isa.run(DotRows::<6> { fmt, rows, row_bytes, x: xs, k, out }),
+            7 => isa.run(DotRows::<7> { fmt, rows, row_bytes, x: xs, k, out }),
+            _ => isa.run(DotRows::<8> { fmt, rows, row_bytes, x: xs, k, out }),
+        }
     }
 
     /// Large batches: dequantize a tile of weight rows at a time and multiply them with
@@ -228,26 +240,6 @@ impl QMatrix {
     }
 }
 
-/// Dispatches a group of up to 8 activation rows to the fused kernel of that size; `out`
-/// gets `g` values per weight row.
-///
-/// # Safety
-/// AVX-512F/BW must be available; `xs` holds `g * k` values, `rows` whole weight rows.
-#[cfg(target_arch = "x86_64")]
-unsafe fn fused_rows(fmt: BlockFormat, g: usize, rows: &[u8], row_bytes: usize, xs: &[f32], k: usize, out: &mut [f32]) {
-    use fused_avx512::dot_rows;
-    match g {
-        1 => dot_rows::<1>(fmt, rows, row_bytes, xs, k, out),
-        2 => dot_rows::<2>(fmt, rows, row_bytes, xs, k, out),
-        3 => dot_rows::<3>(fmt, rows, row_bytes, xs, k, out),
-        4 => dot_rows::<4>(fmt, rows, row_bytes, xs, k, out),
-        5 => dot_rows::<5>(fmt, rows, row_bytes, xs, k, out),
-        6 => dot_rows::<6>(fmt, rows, row_bytes, xs, k, out),
-        7 => dot_rows::<7>(fmt, rows, row_bytes, xs, k, out),
-        _ => dot_rows::<8>(fmt, rows, row_bytes, xs, k, out),
-    }
-}
-
 impl CustomOp1 for QMatrix {
     fn name(&self) -> &'static str {
         "qmatmul-f32"
@@ -273,33 +265,58 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    const FORMATS: [GgmlDType; 10] = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+
+    /// `x · W^T` on every instruction set this CPU has, each against f64 sums of the scalar
+    /// dequantizer's weights, and all sets with the same bits as the portable one.
     fn check(dt: GgmlDType, n: usize, k: usize) {
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
         let q = Arc::new(QTensor::quantize(&w, dt).unwrap());
         let wd: Vec<Vec<f32>> = q.dequantize(&dev).unwrap().to_vec2().unwrap();
-        let qm = QMatrix::new(q).unwrap();
+        let mut qm = QMatrix::new(q).unwrap();
         for m in [1, 3, 8, 9, 16, 17, 40] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
-            let got: Vec<Vec<f32>> = qm.forward(&x).unwrap().to_vec2().unwrap();
             let xv: Vec<Vec<f32>> = x.to_vec2().unwrap();
-            for i in 0..m {
-                for r in 0..n {
-                    let want: f64 = (0..k).map(|j| xv[i][j] as f64 * wd[r][j] as f64).sum();
-                    let tol = 1e-4 * (k as f64).sqrt() * 4.0;
-                    assert!((got[i][r] as f64 - want).abs() < tol, "{dt:?} m={m} ({i},{r}): {} vs {want}", got[i][r]);
+            let mut reference: Option<Vec<u32>> = None;
+            for isa in Isa::available().into_iter().rev() {
+                qm.isa = isa;
+                let got: Vec<Vec<f32>> = qm.forward(&x).unwrap().to_vec2().unwrap();
+                for i in 0..m {
+                    for r in 0..n {
+                        let want: f64 = (0..k).map(|j| xv[i][j] as f64 * wd[r][j] as f64).sum();
+                        let tol = 1e-4 * (k as f64).sqrt() * 4.0;
+                        assert!(
+                            (got[i][r] as f64 - want).abs() < tol,
+                            "{dt:?} {isa:?} m={m} ({i},{r}): {} vs {want}",
+                            got[i][r]
+                        );
+                    }
+                }
+                let bits: Vec<u32> = got.iter().flatten().map(|v| v.to_bits()).collect();
+                match &reference {
+                    None => reference = Some(bits),
+                    Some(p) => assert!(p == &bits, "{dt:?} m={m}: {isa:?} differs from the portable kernels"),
                 }
             }
         }
     }
 
-    /// The fused decoders compute each weight exactly as candle's scalar dequantizer does.
+    /// The fused decoders compute each weight exactly as candle's scalar dequantizer does, on
+    /// every instruction set this CPU has.
     #[test]
     fn fused_decoders_equal_the_scalar_dequantizer_bit_for_bit() {
-        if !fused_avx512::available() {
-            eprintln!("skipped: no AVX-512 on this CPU");
-            return;
-        }
         let dev = Device::Cpu;
         // 8 and 25 blocks per row: a partial group of 16 scales, and a full one plus a partial;
         // the k-quants with 1 and 3 super-blocks per row.
@@ -311,30 +328,22 @@ mod tests {
             let w = Tensor::randn(0f32, 1.0, (8, cols), &dev).unwrap();
             let q = Arc::new(QTensor::quantize(&w, dt).unwrap());
             let want: Vec<Vec<f32>> = q.dequantize(&dev).unwrap().to_vec2().unwrap();
-            let qm = QMatrix::new(q).unwrap();
-            let data = qm.bytes().unwrap();
-            for (r, want) in want.iter().enumerate() {
-                let mut got = vec![0f32; cols];
-                qm.dequant(&data, r, &mut got);
-                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dt:?} row {r}");
+            let mut qm = QMatrix::new(q).unwrap();
+            for isa in Isa::available() {
+                qm.isa = isa;
+                let data = qm.bytes().unwrap();
+                for (r, want) in want.iter().enumerate() {
+                    let mut got = vec![0f32; cols];
+                    qm.dequant(&data, r, &mut got);
+                    assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dt:?} {isa:?} row {r}");
+                }
             }
         }
     }
 
     #[test]
     fn every_path_matches_dequantize_then_matmul() {
-        for dt in [
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q5_0,
-            GgmlDType::Q5_1,
-            GgmlDType::Q8_0,
-            GgmlDType::Q2K,
-            GgmlDType::Q3K,
-            GgmlDType::Q4K,
-            GgmlDType::Q5K,
-            GgmlDType::Q6K,
-        ] {
+        for dt in FORMATS {
             check(dt, 70, 512);
             check(dt, 9, if dt.block_size() == 32 { 800 } else { 768 });
         }

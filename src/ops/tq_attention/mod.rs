@@ -30,15 +30,14 @@ use super::paged_attention::{Job, JobPlan, PagedAttention};
 use super::team::{team, OutPtr};
 use super::tq_write::TqWrite;
 use super::turboquant::{TqCodec, TqLayerCache};
+use crate::simd::{Simd, WithSimd};
 
 #[cfg(feature = "cuda")]
 mod cuda;
 mod kernel;
 mod op;
 
-#[cfg(target_arch = "x86_64")]
-use kernel::Avx512;
-use kernel::{Kernel, Portable};
+use kernel::{Kernel, Lanes, Portable};
 pub use op::{FloatInputs, TqAttention};
 
 /// Rows per tile at most.
@@ -124,41 +123,33 @@ impl TqAttention<'_> {
         let mut out = vec![0f32; q.len()];
         let dst = OutPtr(out.as_mut_ptr());
         let io = Io { q, kc, vc, fl: fl.as_ref(), rings, dst };
-        #[cfg(target_arch = "x86_64")]
-        let avx512 = d % 16 == 0
-            && [self.key.bits(), self.value.bits()].iter().all(|b| (2..=4).contains(b))
-            && std::is_x86_feature_detected!("avx512f");
-        // Runs `f` with the kernel for this machine and head size.
-        macro_rules! with_kernel {
-            ($f:ident, $($arg:expr),*) => {{
-                #[cfg(target_arch = "x86_64")]
-                if avx512 {
-                    // SAFETY: AVX-512F is present, d % 16 == 0 and codes have 2 to 4 bits.
-                    unsafe {
-                        match d / 16 {
-                            4 => avx512_entry::$f::<T, 4>(self, $($arg),*),
-                            8 => avx512_entry::$f::<T, 8>(self, $($arg),*),
-                            16 => avx512_entry::$f::<T, 16>(self, $($arg),*),
-                            _ => avx512_entry::$f::<T, 0>(self, $($arg),*),
-                        }
-                    }
-                    return;
-                }
-                self.$f(Portable, $($arg),*);
-            }};
-        }
+        // 16-lane kernels for head dims of whole vectors and codes of 2 to 4 bits (the
+        // decoder's lookup); the portable one otherwise.
+        let lanes = d % 16 == 0 && [self.key.bits(), self.value.bits()].iter().all(|b| (2..=4).contains(b));
+        let isa = self.attn.isa;
+        // Runs `work` with the kernel for this machine and head size.
+        let with_kernel = |work: Work<'_>, tile: &Tile, g: usize| {
+            if !lanes {
+                return Run::<T, 0> { op: self, io: &io, tile, g, work }.with(Portable);
+            }
+            match d / 16 {
+                4 => isa.run(Run::<T, 4> { op: self, io: &io, tile, g, work }),
+                8 => isa.run(Run::<T, 8> { op: self, io: &io, tile, g, work }),
+                16 => isa.run(Run::<T, 16> { op: self, io: &io, tile, g, work }),
+                _ => isa.run(Run::<T, 0> { op: self, io: &io, tile, g, work }),
+            }
+        };
         team().for_each(jobs.len(), |i| match jobs[i] {
-            Job::Whole { tile, g } => with_kernel!(whole, &io, &tiles[tile], g),
+            Job::Whole { tile, g } => with_kernel(Work::Whole, &tiles[tile], g),
             Job::Segment { tile, g, seg, part } => {
                 // SAFETY: each segment job owns its slot of `partials`.
                 let p = unsafe { std::slice::from_raw_parts_mut(pdst.at(part * part_len), part_len) };
-                with_kernel!(segment_job, &io, &tiles[tile], g, seg, p)
+                with_kernel(Work::Segment(seg, p), &tiles[tile], g)
             }
         });
         team().for_each(merges.len(), |i| {
             let (tile, g, first, n) = merges[i];
-            let p = &partials[first * part_len..(first + n) * part_len];
-            with_kernel!(merge, &io, &tiles[tile], g, p)
+            with_kernel(Work::Merge(&partials[first * part_len..(first + n) * part_len]), &tiles[tile], g)
         });
         Ok(out)
     }
@@ -466,37 +457,41 @@ impl Tile {
     }
 }
 
-/// The work items compiled for AVX-512 (the kernel's intrinsics inline into them).
-#[cfg(target_arch = "x86_64")]
-mod avx512_entry {
-    use super::*;
+/// What a work item does (see `Job`): a whole tile, one segment of a lone row into its slot of
+/// the partial states, or the merge of a lone row's segments.
+enum Work<'a> {
+    Whole,
+    Segment((usize, usize), &'a mut [f32]),
+    Merge(&'a [f32]),
+}
 
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn whole<T: KvElem, const DV: usize>(op: &TqAttention<'_>, io: &Io<T>, tile: &Tile, g: usize) {
-        op.whole(Avx512::<DV>, io, tile, g)
+/// A work item of tile `tile` and kv head `g`, run with a kernel: `Lanes` of the set
+/// `Isa::run` gives it (its code inlines into the set's entry point), or `Portable`.
+struct Run<'a, T, const DV: usize> {
+    op: &'a TqAttention<'a>,
+    io: &'a Io<'a, T>,
+    tile: &'a Tile,
+    g: usize,
+    work: Work<'a>,
+}
+
+impl<T: KvElem, const DV: usize> Run<'_, T, DV> {
+    #[inline(always)]
+    fn with<K: Kernel>(self, k: K) {
+        let Run { op, io, tile, g, work } = self;
+        match work {
+            Work::Whole => op.whole(k, io, tile, g),
+            Work::Segment(seg, part) => op.segment_job(k, io, tile, g, seg, part),
+            Work::Merge(parts) => op.merge(k, io, tile, g, parts),
+        }
     }
+}
 
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn segment_job<T: KvElem, const DV: usize>(
-        op: &TqAttention<'_>,
-        io: &Io<T>,
-        tile: &Tile,
-        g: usize,
-        seg: (usize, usize),
-        part: &mut [f32],
-    ) {
-        op.segment_job(Avx512::<DV>, io, tile, g, seg, part)
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn merge<T: KvElem, const DV: usize>(
-        op: &TqAttention<'_>,
-        io: &Io<T>,
-        tile: &Tile,
-        g: usize,
-        parts: &[f32],
-    ) {
-        op.merge(Avx512::<DV>, io, tile, g, parts)
+impl<T: KvElem, const DV: usize> WithSimd for Run<'_, T, DV> {
+    type Output = ();
+    #[inline(always)]
+    fn run<S: Simd>(self, s: S) {
+        self.with(Lanes::<S, DV>(s))
     }
 }
 

@@ -53,6 +53,7 @@ fn attn(meta: &AttentionMeta, hq: usize, hkv: usize, d: usize, window: Option<us
         scale: 1.0 / (d as f32).sqrt(),
         window,
         softcap: None,
+        isa: crate::simd::Isa::active(),
     }
 }
 
@@ -304,53 +305,72 @@ fn float_window_without_its_rings_is_refused() {
     assert_ne!(ring_bits(), before);
 }
 
-/// The AVX-512 kernel's 16 dots at once give each key the same bits as its `dot`, which the
-/// decode path and the per-key tail use (head dims of 16, 64, 80 and 128, varied magnitudes).
-#[cfg(target_arch = "x86_64")]
+/// The 16-lane kernels' 16 dots at once give each key the same bits as their `dot`, which
+/// the decode path and the per-key tail use (head dims of 16, 64, 80 and 128, varied
+/// magnitudes), on every instruction set this CPU has, all with the same bits.
 #[test]
 fn dot16_is_sixteen_dots() {
-    if !std::arch::is_x86_feature_detected!("avx512f") {
-        return;
-    }
-    fn check<const DV: usize>(d: usize) {
-        let k = Avx512::<DV>;
-        let q = randn((1, 1, d), 1);
-        let keys: Vec<f32> = randn((16, 1, d), 2).iter().enumerate().map(|(i, x)| x * (1 + i % 5) as f32).collect();
-        let mut got = [0f32; 16];
-        k.dot16(&q, &keys, &mut got);
-        for (i, g) in got.iter().enumerate() {
-            let want = k.dot(&q, &keys[i * d..][..d]);
-            assert_eq!(g.to_bits(), want.to_bits(), "d = {d}, key {i}: {g} against {want}");
+    #[derive(Clone)]
+    struct Check(usize);
+    impl crate::simd::WithSimd for Check {
+        type Output = Vec<u32>;
+        fn run<S: crate::simd::Simd>(self, s: S) -> Vec<u32> {
+            fn check<S: crate::simd::Simd, const DV: usize>(s: S, d: usize) -> Vec<u32> {
+                let k = Lanes::<S, DV>(s);
+                let q = randn((1, 1, d), 1);
+                let keys: Vec<f32> =
+                    randn((16, 1, d), 2).iter().enumerate().map(|(i, x)| x * (1 + i % 5) as f32).collect();
+                let mut got = [0f32; 16];
+                k.dot16(&q, &keys, &mut got);
+                for (i, g) in got.iter().enumerate() {
+                    let want = k.dot(&q, &keys[i * d..][..d]);
+                    assert_eq!(g.to_bits(), want.to_bits(), "d = {d}, key {i}: {g} against {want}");
+                }
+                got.iter().map(|v| v.to_bits()).collect()
+            }
+            match self.0 {
+                16 => check::<S, 1>(s, 16),
+                64 => check::<S, 4>(s, 64),
+                128 => check::<S, 8>(s, 128),
+                d => check::<S, 0>(s, d),
+            }
         }
     }
-    check::<1>(16);
-    check::<4>(64);
-    check::<0>(80);
-    check::<8>(128);
+    for d in [16, 64, 80, 128] {
+        let runs: Vec<_> = crate::simd::Isa::available().into_iter().map(|i| (i, i.run(Check(d)))).collect();
+        for (isa, bits) in &runs {
+            assert_eq!(bits, &runs[0].1, "d = {d}: {isa:?} against {:?}", runs[0].0);
+        }
+    }
 }
 
-/// The AVX-512 kernel's sum of weighted rows with the sums in registers gives the same bits as
-/// one `axpy` per row.
-#[cfg(target_arch = "x86_64")]
+/// The 16-lane kernels' sum of weighted rows with the sums in registers gives the same bits as
+/// one `axpy` per row, on every instruction set this CPU has.
 #[test]
 fn axpy_rows_is_one_axpy_per_row() {
-    if !std::arch::is_x86_feature_detected!("avx512f") {
-        return;
-    }
-    fn check<const DV: usize>(d: usize) {
-        let k = Avx512::<DV>;
-        let (w, xs, y0) = (randn((1, 1, 13), 3), randn((13, 1, d), 4), randn((1, 1, d), 5));
-        let mut got = y0.clone();
-        k.axpy_rows(&mut got, &w, &xs);
-        let mut want = y0;
-        for (i, &wi) in w.iter().enumerate() {
-            k.axpy(&mut want, wi, &xs[i * d..][..d]);
+    struct Check;
+    impl crate::simd::WithSimd for Check {
+        type Output = ();
+        fn run<S: crate::simd::Simd>(self, s: S) {
+            fn check<S: crate::simd::Simd, const DV: usize>(s: S, d: usize) {
+                let k = Lanes::<S, DV>(s);
+                let (w, xs, y0) = (randn((1, 1, 13), 3), randn((13, 1, d), 4), randn((1, 1, d), 5));
+                let mut got = y0.clone();
+                k.axpy_rows(&mut got, &w, &xs);
+                let mut want = y0;
+                for (i, &wi) in w.iter().enumerate() {
+                    k.axpy(&mut want, wi, &xs[i * d..][..d]);
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "d = {d}");
+            }
+            check::<S, 1>(s, 16);
+            check::<S, 4>(s, 64);
+            check::<S, 0>(s, 80);
+            check::<S, 8>(s, 128);
         }
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got), bits(&want), "d = {d}");
     }
-    check::<1>(16);
-    check::<4>(64);
-    check::<0>(80);
-    check::<8>(128);
+    for isa in crate::simd::Isa::available() {
+        isa.run(Check);
+    }
 }

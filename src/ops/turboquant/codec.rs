@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
+use crate::simd::{Simd, WithSimd};
+
 use super::codebook::Codebook;
 use super::pack::{code_at, pack_iter, packed_len};
 use super::rotation::Rotation;
@@ -105,16 +107,47 @@ impl TqCodec {
     #[inline]
     pub fn decode_rotated(&self, row: &[u8], out: &mut [f32]) {
         let (d, bits) = (self.dim(), self.codebook.bits());
-        #[cfg(target_arch = "x86_64")]
-        if d % 16 == 0 && bits >= 2 && std::is_x86_feature_detected!("avx512f") {
-            assert!(row.len() >= self.row_bytes() && out.len() >= d);
-            // SAFETY: AVX-512F is present; the row holds codes and norm (see the function).
-            unsafe { decode_rotated_avx512(row.as_ptr(), bits, &self.table16, d, out.as_mut_ptr()) };
-            return;
+        if d % 16 == 0 && (2..=4).contains(&bits) {
+            struct Decode<'a>(&'a TqCodec, &'a [u8], &'a mut [f32]);
+            impl WithSimd for Decode<'_> {
+                type Output = ();
+                #[inline(always)]
+                fn run<S: Simd>(self, s: S) {
+                    self.0.decode_rotated_v(s, self.1, self.2)
+                }
+            }
+            return crate::simd::run(Decode(self, row, out));
         }
         let c = self.codebook.centroids();
         for (i, o) in out[..d].iter_mut().enumerate() {
             *o = c[code_at(row, bits, i) as usize];
+        }
+    }
+
+    /// `decode_rotated` for 16 codes at a time, inside a kernel: the 2b bytes of 16 codes are
+    /// read as one u64 and shifted apart into 16 lanes (codes 0..8 from its low 32 bits, 8..16
+    /// from the 32 after the first 8b), then looked up in the 16-entry table by their low 4
+    /// bits (the table repeats the 2^b centroids, so bits above a code do not matter). Needs
+    /// `d % 16 == 0` and 2 to 4 bits (checked).
+    #[inline(always)]
+    pub(crate) fn decode_rotated_v<S: Simd>(&self, s: S, row: &[u8], out: &mut [f32]) {
+        let (d, bits) = (self.dim(), self.codebook.bits() as usize);
+        assert!(d % 16 == 0 && (2..=4).contains(&bits) && row.len() >= self.row_bytes() && out.len() >= d);
+        // SAFETY: 16 values of the table.
+        let t = unsafe { s.load(self.table16.as_ptr()) };
+        let b = bits as i32;
+        let shifts = s.from_i32s(std::array::from_fn(|i| (i as i32 % 8) * b));
+        let group_bytes = 2 * bits;
+        let (rp, op) = (row.as_ptr(), out.as_mut_ptr());
+        for g in 0..d / 16 {
+            // SAFETY: the row holds d b/8 bytes of codes followed by at least 4 more (the norm),
+            // so reading 8 bytes at the last group of 2b bytes stays inside; 16 values per group
+            // fit in `out` (checked above).
+            unsafe {
+                let x = (rp.add(g * group_bytes) as *const u64).read_unaligned();
+                let v = s.srlv(s.splat2_i(x as u32 as i32, (x >> (8 * bits)) as u32 as i32), shifts);
+                s.store(op.add(16 * g), s.lookup16(t, v));
+            }
         }
     }
 
@@ -124,32 +157,6 @@ impl TqCodec {
         let n = self.norm(row);
         y.iter_mut().for_each(|v| *v *= n);
         self.rotation.apply_inverse(y, out);
-    }
-}
-
-/// `decode_rotated` for 16 codes at a time: the 2b bytes of 16 codes are read as one u64,
-/// shifted apart into 16 lanes, and looked up in the 16-entry table by their low 4 bits (the
-/// table repeats the 2^b centroids, so bits above a code do not matter).
-///
-/// # Safety
-/// AVX-512F; `d % 16 == 0`; `bits` in 2..=4; `row` holds d b/8 bytes of codes followed by at
-/// least 4 more (the norm: reading 8 bytes at the last group of 2b bytes stays inside);
-/// `out` holds `d` values.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn decode_rotated_avx512(row: *const u8, bits: u8, table: &[f32; 16], d: usize, out: *mut f32) {
-    use std::arch::x86_64::*;
-    let t = _mm512_loadu_ps(table.as_ptr());
-    let b = bits as i64;
-    let lo = _mm512_setr_epi64(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
-    let hi = _mm512_add_epi64(lo, _mm512_set1_epi64(8 * b));
-    let group_bytes = 2 * bits as usize;
-    for g in 0..d / 16 {
-        let x = _mm512_set1_epi64((row.add(g * group_bytes) as *const u64).read_unaligned() as i64);
-        let l = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(x, lo));
-        let h = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(x, hi));
-        let idx = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(l), h);
-        _mm512_storeu_ps(out.add(16 * g), _mm512_permutexvar_ps(idx, t));
     }
 }
 
