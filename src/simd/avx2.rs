@@ -45,6 +45,7 @@ impl Simd for Avx2 {
     type F = F;
     type I = I;
     type M = F;
+    const REGISTERS: usize = 8;
 
     #[inline(always)]
     fn splat(self, x: f32) -> F {

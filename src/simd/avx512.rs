@@ -14,6 +14,7 @@ impl Simd for Avx512 {
     type F = __m512;
     type I = __m512i;
     type M = __mmask16;
+    const REGISTERS: usize = 32;
 
     #[inline(always)]
     fn splat(self, x: f32) -> __m512 {

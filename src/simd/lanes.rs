@@ -28,6 +28,8 @@ pub trait Simd: Copy + Send + Sync + 'static {
     type I: Copy;
     /// Sixteen lane masks.
     type M: Copy;
+    /// How many 16-lane vectors the set keeps in registers (kernels size their tiles by it).
+    const REGISTERS: usize;
 
     fn splat(self, x: f32) -> Self::F;
     fn zero(self) -> Self::F {
@@ -143,6 +145,7 @@ pub trait Simd: Copy + Send + Sync + 'static {
 }
 
 /// The codes 0..16 as floats, `[0, 1, .., 15]`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const CODES: [f32; 16] = [0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.];
 
 /// `[0, 1, .., 15]` as i32 lanes.

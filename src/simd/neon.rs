@@ -29,6 +29,7 @@ impl Simd for Neon {
     type F = F;
     type I = I;
     type M = M;
+    const REGISTERS: usize = 8;
 
     #[inline(always)]
     fn splat(self, x: f32) -> F {

@@ -32,6 +32,7 @@ impl Simd for Portable {
     type F = F;
     type I = I;
     type M = M;
+    const REGISTERS: usize = 8;
 
     #[inline(always)]
     fn splat(self, x: f32) -> F {

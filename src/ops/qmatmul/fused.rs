@@ -206,6 +206,48 @@ unsafe fn dot_rows_of<S: Simd, F: Decode, const M: usize>(s: S, row: &[u8], x: &
     }
 }
 
+/// `dot_rows_of` for sets whose registers cannot hold `M` rows' accumulators next to the
+/// decoded weights (AVX2 and NEON: 8 vectors of 16 lanes): the row is decoded once into `w`
+/// (in L1), then dotted with the activation rows two at a time, each pair sharing the weight
+/// loads. Each output takes the same operations in the same order as in `dot_rows_of` (two
+/// accumulators over the blocks' halves, then their sum reduced), so the bits are the same.
+#[inline(always)]
+unsafe fn dot_rows_buffered<S: Simd, F: Decode, const M: usize>(
+    s: S,
+    row: &[u8],
+    x: &[f32],
+    k: usize,
+    w: &mut [f32],
+    out: &mut [f32],
+) {
+    dequant_row_of::<S, F>(s, row, &mut w[..k]);
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut i = 0;
+    while i + 2 <= M {
+        let (xa, xb) = (xp.add(i * k), xp.add((i + 1) * k));
+        let [mut a0, mut a1, mut b0, mut b1] = [s.zero(); 4];
+        for c in (0..k).step_by(32) {
+            let (w0, w1) = (s.load(wp.add(c)), s.load(wp.add(c + 16)));
+            a0 = s.fmadd(w0, s.load(xa.add(c)), a0);
+            a1 = s.fmadd(w1, s.load(xa.add(c + 16)), a1);
+            b0 = s.fmadd(w0, s.load(xb.add(c)), b0);
+            b1 = s.fmadd(w1, s.load(xb.add(c + 16)), b1);
+        }
+        out[i] = s.reduce_add(s.add(a0, a1));
+        out[i + 1] = s.reduce_add(s.add(b0, b1));
+        i += 2;
+    }
+    if i < M {
+        let xa = xp.add(i * k);
+        let [mut a0, mut a1] = [s.zero(); 2];
+        for c in (0..k).step_by(32) {
+            a0 = s.fmadd(s.load(wp.add(c)), s.load(xa.add(c)), a0);
+            a1 = s.fmadd(s.load(wp.add(c + 16)), s.load(xa.add(c + 16)), a1);
+        }
+        out[i] = s.reduce_add(s.add(a0, a1));
+    }
+}
+
 /// Every row of `rows` (consecutive packed rows of `row_bytes`) against `M` activation rows:
 /// `out[r * M + i] = dot(dequant(row r), x[i * k..(i + 1) * k])`. The loop over rows runs
 /// here, inside the set's code, so a row costs no call: rows are short (an LM head's are
@@ -219,8 +261,16 @@ unsafe fn dot_row_range<S: Simd, F: Decode, const M: usize>(
     k: usize,
     out: &mut [f32],
 ) {
+    // Accumulators for M rows (2 vectors each) and the decoded block (2) in registers?
+    if M == 1 || 2 * M + 4 <= S::REGISTERS {
+        for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+            dot_rows_of::<S, F, M>(s, row, x, k, &mut out[r * M..(r + 1) * M]);
+        }
+        return;
+    }
+    let mut w = vec![0f32; k];
     for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
-        dot_rows_of::<S, F, M>(s, row, x, k, &mut out[r * M..(r + 1) * M]);
+        dot_rows_buffered::<S, F, M>(s, row, x, k, &mut w, &mut out[r * M..(r + 1) * M]);
     }
 }
 
@@ -293,6 +343,51 @@ impl WithSimd for DequantRow<'_> {
                 BlockFormat::Q6 => dequant_row_of::<S, Q6>(s, row, out),
                 BlockFormat::Q3 => dequant_row_of::<S, Q3>(s, row, out),
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simd::Isa;
+
+    /// Rows through `dot_rows_of` (accumulators in registers) and `dot_rows_buffered` (a
+    /// decoded row in memory): the same bits for every group size, on every set this CPU has.
+    struct BothPaths<'a, const M: usize>(&'a [u8], &'a [f32], usize);
+    impl<const M: usize> WithSimd for BothPaths<'_, M> {
+        type Output = ();
+        fn run<S: Simd>(self, s: S) {
+            let BothPaths(row, x, k) = self;
+            let (mut a, mut b, mut w) = ([0f32; M], [0f32; M], vec![0f32; k]);
+            // SAFETY: one whole Q4_1 row of k weights, M activation rows of k.
+            unsafe {
+                dot_rows_of::<S, Q4_1, M>(s, row, x, k, &mut a);
+                dot_rows_buffered::<S, Q4_1, M>(s, row, x, k, &mut w, &mut b);
+            }
+            assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "M = {M}");
+        }
+    }
+
+    #[test]
+    fn buffered_rows_equal_register_rows_bit_for_bit() {
+        let k = 320;
+        let nb = k / 32;
+        // A packed Q4_1 row: scales, minimums, then codes.
+        let mut row = Vec::new();
+        for b in 0..nb {
+            row.extend_from_slice(&(0.01 + b as f32 * 0.003).to_le_bytes());
+        }
+        for b in 0..nb {
+            row.extend_from_slice(&(-0.1 - b as f32 * 0.01).to_le_bytes());
+        }
+        row.extend((0..16 * nb).map(|i| (i * 37 % 256) as u8));
+        let x: Vec<f32> = (0..8 * k).map(|i| ((i as f32) * 0.377).sin() * 10f32.powi(i as i32 % 5 - 2)).collect();
+        for isa in Isa::available() {
+            isa.run(BothPaths::<2>(&row, &x, k));
+            isa.run(BothPaths::<3>(&row, &x, k));
+            isa.run(BothPaths::<5>(&row, &x, k));
+            isa.run(BothPaths::<8>(&row, &x, k));
         }
     }
 }
