@@ -201,6 +201,29 @@ fn codes_match_dequantize_then_attend() {
                 }
                 let err = got.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
                 assert!(err < 1e-4, "d={d} bits={bits:?} sliding={sliding:?} float window {fw}: max error {err}");
+                // Every instruction set this CPU has gives the same bits.
+                for isa in crate::simd::Isa::available() {
+                    let float = c.window.as_ref().map(|w| FloatInputs {
+                        len: fw,
+                        ring_k: &w.k,
+                        ring_v: &w.v,
+                        new_k: &new_kt,
+                        new_v: &new_vt,
+                    });
+                    let op = TqAttention {
+                        attn: PagedAttention { isa, ..attn(&meta, hq, hkv, d, sliding) },
+                        key: &c.codecs.key,
+                        value: &c.codecs.value,
+                        key_scale: scale,
+                        float,
+                        device: None,
+                    };
+                    let other: Vec<f32> = op.forward(&q, &c.k, &c.v).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                    assert!(
+                        other.iter().map(|v| v.to_bits()).eq(got.iter().map(|v| v.to_bits())),
+                        "d={d} bits={bits:?} sliding={sliding:?} float window {fw}: {isa:?} differs"
+                    );
+                }
 
                 if fw == 0 {
                     let kdt = Tensor::from_vec(kd.clone(), (slots, hkv, d), &dev).unwrap();
