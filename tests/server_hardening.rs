@@ -327,6 +327,9 @@ fn cross_origin_requests_are_refused_unless_allowed() {
     assert!(r.header("vary").is_some_and(|v| v.contains("Origin")));
     let r = post_json(&s, "/v1/completions", &[("Origin", "http://evil.example")], &body);
     assert_eq!(r.status, 403, "{}", r.text());
+    // The server's own pages are not cross-origin.
+    let own = format!("http://{}", s.addr);
+    assert_eq!(post_json(&s, "/v1/completions", &[("Origin", own.as_str())], &body).status, 200);
 }
 
 #[test]
