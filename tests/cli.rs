@@ -965,3 +965,50 @@ fn help_mentions_every_flag() {
     }
     assert!(stdout_of(&["--version"]).contains(env!("CARGO_PKG_VERSION")));
 }
+
+/// Issue 22: nonsense serve flags and a model that cannot be read fail at start, before the
+/// server binds, with one `error:` line; logs carry no colour codes when stderr is no terminal.
+#[test]
+fn serve_refuses_nonsense_flags_and_a_bad_model_before_binding() {
+    let tiny = fixture("tiny-llama");
+    let tiny = tiny.to_str().unwrap();
+    for (flags, needle) in [
+        (vec!["--max-body-bytes", "0"], "--max-body-bytes must be at least 1"),
+        (vec!["--max-connections", "0"], "--max-connections"),
+        (vec!["--timeout-keep-alive", "0"], "--timeout-keep-alive must be a positive"),
+        (vec!["--header-read-timeout", "nan"], "--header-read-timeout"),
+        (vec!["--request-timeout=-1"], "--request-timeout"),
+        (vec!["--shutdown-timeout=-1"], "--shutdown-timeout"),
+        (vec!["--max-num-seqs", "0"], "--max-num-seqs"),
+        (vec!["--allowed-origins", "evil.example"], "is not an origin"),
+    ] {
+        let mut args = vec!["serve", "--model", tiny, "--port", "0"];
+        args.extend(flags.iter().copied());
+        let out = iris(&args);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(err.contains(needle), "{flags:?}: {err}");
+        assert!(!err.contains("listening on"), "{flags:?} bound first: {err}");
+    }
+    let out = iris(&["serve", "--model", "/nonexistent/model", "--port", "0"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("/nonexistent/model") && !err.contains("listening on"), "{err}");
+    assert!(!err.contains('\u{1b}'), "no ANSI colours on a pipe: {err:?}");
+}
+
+#[test]
+fn serve_logs_have_no_colour_codes_on_a_pipe() {
+    let tiny = fixture("tiny-llama");
+    let (mut c, _cache) =
+        iris_cmd(&["serve", "--model", tiny.to_str().unwrap(), "--port", "0", "--kv-cache-memory", "8MiB"]);
+    c.env_remove("NO_COLOR").env("RUST_LOG", "iris=info");
+    let mut child = c.spawn().expect("spawn iris");
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
+    let first = lines.next().expect("a log line").expect("text");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(first.contains("listening on"), "{first}");
+    assert!(!first.contains('\u{1b}'), "{first:?}");
+}

@@ -130,7 +130,22 @@ fn local_files_only_under_the_allowed_directory() {
     let outside = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}/../../../Cargo.toml", dir.display())}});
     let r = chat(&server, messages(MODEL, "single", &outside));
     assert_eq!(r.status, 400, "{}", r.text());
-    assert!(r.text().contains("outside the allowed media directory"), "{}", r.text());
+    assert!(r.text().contains("not a file under the allowed media directory"), "{}", r.text());
+    // Whether a file outside exists is not revealed: a missing one gets the same answer.
+    let error_of = |r: &server_support::Response| r.json()["error"]["message"].as_str().unwrap().to_string();
+    let missing = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}/../../../no-such-file", dir.display())}});
+    let r2 = chat(&server, messages(MODEL, "single", &missing));
+    assert_eq!(r2.status, 400, "{}", r2.text());
+    assert_eq!(error_of(&r2).replace("no-such-file", "Cargo.toml"), error_of(&r), "{}", r2.text());
+    // RFC 8089: `file://localhost/`, a scheme in capitals, percent-escapes.
+    let path = dir.join("image_square.png").display().to_string();
+    for url in
+        [format!("file://localhost{path}"), format!("FILE://{path}"), format!("file://{}", path.replace('_', "%5F"))]
+    {
+        let part = |_: &str| json!({"type": "image_url", "image_url": {"url": url.clone()}});
+        let r = chat(&server, messages(MODEL, "single", &part));
+        assert_eq!(r.status, 200, "{url}: {}", r.text());
+    }
     let not_image = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}", dir.join("config.json").display())}});
     let r = chat(&server, messages(MODEL, "single", &not_image));
     assert_eq!(r.status, 400, "{}", r.text());
@@ -246,7 +261,13 @@ fn remote_urls_need_the_flag_and_never_reach_local_addresses() {
         let r = chat(&server, ask(remote(&url)));
         assert_eq!(r.status, 400, "{url}: {}", r.text());
         let e = &r.json()["error"];
-        assert!(e["message"].as_str().unwrap().contains("loopback"), "{url}: {e}");
+        // What a name resolves to stays in the log (an address the client wrote is named).
+        let m = e["message"].as_str().unwrap();
+        if url.contains("localhost") {
+            assert!(m.contains("not a public address") && !m.contains("127.0.0.1") && !m.contains("loopback"), "{e}");
+        } else {
+            assert!(m.contains("loopback"), "{url}: {e}");
+        }
         assert_eq!(e["param"], "messages[0].content[0].image_url.url");
         let m = server.post("/v1/messages", &json!({"messages": ask(remote_block(&url)), "max_tokens": 4}));
         assert_eq!(m.status, 400, "{url}: {}", m.text());

@@ -10,8 +10,10 @@ use super::args::EngineArgs;
 use crate::engine::build::build_engine;
 use crate::media::remote::RemoteFetcher;
 use crate::media::DecodeLimits;
+use crate::server::browser::BrowserPolicy;
+use crate::server::engine_loop::RequestLimits;
 use crate::server::images::MediaPolicy;
-use crate::server::{self, AppState, Metrics, ServeConfig};
+use crate::server::{self, AppState, ConnectionLimits, Metrics, ServeConfig};
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -58,9 +60,126 @@ pub struct ServeArgs {
     /// Largest image accepted, in pixels (width x height, read before decoding; larger: 400).
     #[arg(long, default_value_t = 8192 * 8192)]
     pub max_image_pixels: u64,
+    /// Most connections open at once; one more gets 503 (with Retry-After) and is closed.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Seconds a request head may take, from the connection opening or the previous
+    /// response ending; a client that stalls in the middle of one is disconnected.
+    #[arg(long, default_value_t = 10.0)]
+    pub header_read_timeout: f64,
+    /// Seconds a request body may take after its head (slower ones get 408).
+    #[arg(long, default_value_t = 60.0)]
+    pub body_read_timeout: f64,
+    /// Seconds an idle keep-alive connection stays open (uvicorn's and vLLM's default: 5).
+    #[arg(long, default_value_t = 5.0)]
+    pub timeout_keep_alive: f64,
+    /// Seconds a request may run in all; past that it is cancelled (504, or an error event
+    /// in a stream). Default: no limit.
+    #[arg(long)]
+    pub request_timeout: Option<f64>,
+    /// `max_tokens` of a chat or Anthropic request that gives none (capped by the context;
+    /// default: the rest of the context, as vLLM does). Completions default to 16.
+    #[arg(long)]
+    pub default_max_tokens: Option<usize>,
+    /// Origins (`scheme://host[:port]`) whose browser pages may call the API, comma-separated
+    /// or a JSON list (vLLM's form), `*` for any. Default: none; other cross-origin requests get 403.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Methods a CORS preflight may ask for (default `*`: any).
+    #[arg(long, value_delimiter = ',', default_value = "*")]
+    pub allowed_methods: Vec<String>,
+    /// Request headers a CORS preflight may ask for (default `*`: any).
+    #[arg(long, value_delimiter = ',', default_value = "*")]
+    pub allowed_headers: Vec<String>,
+    /// Let allowed origins send credentials (cookies, Authorization) from browsers.
+    #[arg(long)]
+    pub allowed_credentials: bool,
+    /// Host names the `Host` header may carry (comma-separated, `*` for any); others get 403,
+    /// which blocks DNS rebinding. Default: localhost, 127.0.0.1 and ::1 when bound to a
+    /// loopback address, any otherwise.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+}
+
+/// A flag's number of seconds: positive and finite.
+fn seconds(flag: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| anyhow::anyhow!("{flag} must be a positive number of seconds, got {v}"))
+}
+
+/// A flag's count: at least 1.
+fn positive(flag: &str, v: usize) -> anyhow::Result<usize> {
+    if v == 0 {
+        anyhow::bail!("{flag} must be at least 1, got 0");
+    }
+    Ok(v)
+}
+
+/// A list flag given as a JSON list (`'["a","b"]'`, vLLM's form) or comma-separated.
+fn list(values: &[String]) -> Vec<String> {
+    let joined = values.join(",");
+    if joined.trim_start().starts_with('[') {
+        if let Ok(v) = serde_json::from_str::<Vec<String>>(&joined) {
+            return v;
+        }
+    }
+    values.iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
+}
+
+/// The settings `iris serve` checks before it binds: nonsense values fail at start.
+fn check_flags(a: &ServeArgs) -> anyhow::Result<()> {
+    positive("--max-body-bytes", a.max_body_bytes)?;
+    positive("--max-connections", a.max_connections)?;
+    positive("--max-image-bytes", a.max_image_bytes)?;
+    positive("--max-num-seqs", a.engine.max_num_seqs)?;
+    positive("--block-size", a.engine.block_size)?;
+    positive("--max-num-batched-tokens", a.engine.max_num_batched_tokens)?;
+    if let Some(m) = a.engine.max_model_len {
+        positive("--max-model-len", m)?;
+    }
+    if let Some(t) = a.http_threads {
+        positive("--http-threads", t)?;
+    }
+    if let Some(m) = a.default_max_tokens {
+        positive("--default-max-tokens", m)?;
+    }
+    if a.max_image_pixels == 0 {
+        anyhow::bail!("--max-image-pixels must be at least 1, got 0");
+    }
+    if !(a.shutdown_timeout.is_finite() && a.shutdown_timeout >= 0.0) {
+        anyhow::bail!("--shutdown-timeout must be a number of seconds >= 0, got {}", a.shutdown_timeout);
+    }
+    seconds("--header-read-timeout", a.header_read_timeout)?;
+    seconds("--body-read-timeout", a.body_read_timeout)?;
+    seconds("--timeout-keep-alive", a.timeout_keep_alive)?;
+    seconds("--remote-media-timeout", a.remote_media_timeout)?;
+    if let Some(t) = a.request_timeout {
+        seconds("--request-timeout", t)?;
+    }
+    for o in list(&a.allowed_origins) {
+        if o != "*" && !(o.starts_with("http://") || o.starts_with("https://")) {
+            anyhow::bail!("--allowed-origins: `{o}` is not an origin (scheme://host[:port]) or `*`");
+        }
+    }
+    if a.port != 0 && a.host.trim().is_empty() {
+        anyhow::bail!("--host must not be empty");
+    }
+    Ok(())
+}
+
+/// The `Host` names to accept: the flag's, else the loopback names on a loopback bind, else any.
+fn allowed_hosts(a: &ServeArgs, bound: std::net::SocketAddr) -> Option<Vec<String>> {
+    let given = list(&a.allowed_hosts);
+    if !given.is_empty() {
+        return Some(given);
+    }
+    bound.ip().is_loopback().then(|| crate::server::browser::LOOPBACK_HOSTS.iter().map(|h| h.to_string()).collect())
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    check_flags(&a)?;
     let threads =
         a.http_threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).max(2));
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -76,14 +195,16 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     // Resolve (and fetch, for the default model) before binding, so a bad path fails fast.
     let path = tokio::task::spawn_blocking({
         let m = a.engine.model.clone();
-        move || m.resolve()
+        move || -> anyhow::Result<std::path::PathBuf> {
+            let path = m.resolve()?;
+            // Read the model's config now: a wrong --model fails before the server binds.
+            crate::loader::read_config(&path).with_context(|| format!("--model {}", path.display()))?;
+            Ok(path)
+        }
     })
     .await??;
     let device = a.engine.device()?;
-    let fetch_timeout = Duration::try_from_secs_f64(a.remote_media_timeout)
-        .ok()
-        .filter(|t| !t.is_zero())
-        .ok_or_else(|| anyhow::anyhow!("--remote-media-timeout must be a positive number of seconds"))?;
+    let fetch_timeout = seconds("--remote-media-timeout", a.remote_media_timeout)?;
     let opts = a.engine.options()?;
     let name = a.served_model_name.clone().unwrap_or_else(|| default_name(&path));
     let cfg = ServeConfig {
@@ -107,10 +228,29 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             remote: a.allow_remote_media.then(|| Arc::new(RemoteFetcher::new(fetch_timeout, a.max_image_bytes))),
             limits: DecodeLimits { max_bytes: a.max_image_bytes, max_pixels: a.max_image_pixels },
         },
+        connections: ConnectionLimits {
+            max_connections: a.max_connections,
+            header_read_timeout: seconds("--header-read-timeout", a.header_read_timeout)?,
+            body_read_timeout: seconds("--body-read-timeout", a.body_read_timeout)?,
+            keep_alive_timeout: seconds("--timeout-keep-alive", a.timeout_keep_alive)?,
+        },
+        browser: BrowserPolicy {
+            allowed_origins: list(&a.allowed_origins),
+            allowed_methods: list(&a.allowed_methods),
+            allowed_headers: list(&a.allowed_headers),
+            allow_credentials: a.allowed_credentials,
+            allowed_hosts: None,
+        },
+    };
+    let limits = RequestLimits {
+        default_max_tokens: a.default_max_tokens,
+        request_timeout: a.request_timeout.map(|t| seconds("--request-timeout", t)).transpose()?,
     };
     let addr = format!("{}:{}", a.host, a.port);
     let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
     let local = listener.local_addr()?;
+    let mut cfg = cfg;
+    cfg.browser.allowed_hosts = allowed_hosts(&a, local);
     tracing::info!("listening on http://{local} (loading {}; /health answers 503 until it is ready)", path.display());
     let metrics = Arc::new(Metrics::new());
     let state = Arc::new(AppState::new(cfg, metrics.clone()));
@@ -147,6 +287,8 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 max_queue,
                 metrics,
             )?;
+            let mut handle = handle;
+            handle.limits = limits;
             let info = handle.info.clone();
             let _ = state.engine.set(handle);
             tracing::info!(

@@ -14,7 +14,8 @@ use serde_json::{json, Value};
 use super::engine_loop::{SeqEvent, SeqEventKind};
 use super::errors::ApiError;
 use super::generate::{
-    check_request, collect, matched_stop, parse_json, random_id, request_error, submit_with_images, typed, MaxTokens,
+    aborted, check_request, collect, matched_stop, parse_json, random_id, request_error, submit_with_images, typed,
+    MaxTokens,
 };
 use super::images::ImageRef;
 use super::openai::encode_chat;
@@ -111,7 +112,8 @@ fn encode(tok: &TextTokenizer, messages: &[ChatMessage]) -> Result<Vec<u32>, Api
         Some(last) => {
             let mut head = encode_chat(tok, &messages[..messages.len() - 1], true, Default::default())?;
             if let Some(crate::tokenizer::MessageContent::Text(t)) = &last.content {
-                head.extend(tok.encode(t, false).map_err(|e| ApiError::bad_request(e.to_string()))?);
+                // The prefill is the client's text: special-token strings in it stay text.
+                head.extend(tok.encode_plain_text(t).map_err(|e| ApiError::bad_request(e.to_string()))?);
             }
             Ok(head)
         }
@@ -174,6 +176,7 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
             tokens: Vec::new(),
             output_tokens: 0,
             finished: false,
+            failed: false,
         };
         return Ok(sse_response(sub, conv));
     }
@@ -203,12 +206,30 @@ struct MessageStream {
     tokens: Vec<u32>,
     output_tokens: usize,
     finished: bool,
+    /// An `error` event was sent: the stream ends without `message_stop`.
+    failed: bool,
 }
 
 impl MessageStream {
+    /// Ends the stream with an `error` event: the server cut the message short.
+    fn fail(&mut self, err: ApiError, out: &mut Vec<Event>) -> bool {
+        if !self.finished {
+            self.finished = true;
+            self.failed = true;
+            out.push(named_event("error", &err.anthropic().body()));
+        }
+        true
+    }
+
     fn finish(&mut self, finish: Option<FinishReason>, out: &mut Vec<Event>) -> bool {
         if self.finished {
             return true;
+        }
+        match &finish {
+            Some(f @ (FinishReason::Cancelled | FinishReason::Error(_))) => return self.fail(aborted(f), out),
+            // The engine went away before the end.
+            None => return self.fail(aborted(&FinishReason::Cancelled), out),
+            _ => {}
         }
         self.finished = true;
         let stop = matched_stop(&self.tok, &self.tokens, &self.stops, &self.eos);
@@ -252,10 +273,7 @@ impl Converter for MessageStream {
 
     fn on_event(&mut self, ev: SeqEvent, out: &mut Vec<Event>) -> bool {
         match ev.kind {
-            SeqEventKind::Rejected(e) => {
-                out.push(named_event("error", &request_error(e).anthropic().body()));
-                self.finish(Some(FinishReason::Error("rejected".into())), out)
-            }
+            SeqEventKind::Rejected(e) => self.fail(request_error(e), out),
             SeqEventKind::Ended(reason) => self.finish(Some(reason), out),
             SeqEventKind::Update(u) => {
                 if let Some(t) = &u.token {
@@ -276,11 +294,17 @@ impl Converter for MessageStream {
         }
     }
 
+    fn abort(&mut self, err: ApiError, out: &mut Vec<Event>) {
+        self.fail(err, out);
+    }
+
     fn end(&mut self, _complete: bool, out: &mut Vec<Event>) {
         if !self.finished {
             self.finish(None, out);
         }
-        out.push(named_event("message_stop", &json!({ "type": "message_stop" })));
+        if !self.failed {
+            out.push(named_event("message_stop", &json!({ "type": "message_stop" })));
+        }
     }
 }
 

@@ -44,8 +44,9 @@ pub enum Command {
         images: Vec<ImageInput>,
         events: UnboundedSender<SeqEvent>,
     },
-    /// Cancel everything (shutdown deadline passed).
-    AbortAll,
+    /// Cancel everything (shutdown deadline passed); the reply says how many sequences were
+    /// cancelled.
+    AbortAll { reply: tokio::sync::oneshot::Sender<usize> },
 }
 
 /// Facts about the loaded engine that handlers need.
@@ -66,11 +67,23 @@ pub enum SubmitError {
     QueueFull { limit: usize },
     /// The engine thread is gone (shutdown or crash).
     EngineGone,
+    /// More sequences than running plus queued can ever hold: waiting would not help.
+    NeverFits { asked: usize, limit: usize },
+}
+
+/// Server-side limits applied to each request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestLimits {
+    /// `max_tokens` of a request that gives none (else the rest of the context).
+    pub default_max_tokens: Option<usize>,
+    /// A request still running this long after submission is cancelled.
+    pub request_timeout: Option<std::time::Duration>,
 }
 
 /// Cheap to clone; every handler holds one.
 #[derive(Clone)]
 pub struct EngineHandle {
+    pub limits: RequestLimits,
     commands: Sender<Command>,
     in_flight: Arc<AtomicUsize>,
     /// Most sequences running or queued at once (max-num-seqs + max-queue).
@@ -97,6 +110,8 @@ impl Drop for AliveGuard {
 /// aborts whatever is still running before its next step.
 pub struct Submission {
     pub events: UnboundedReceiver<SeqEvent>,
+    /// How long the request may run (`--request-timeout`).
+    pub deadline: Option<std::time::Duration>,
     _slots: Slots,
 }
 
@@ -124,6 +139,9 @@ impl EngineHandle {
         images: Vec<ImageInput>,
     ) -> Result<Submission, SubmitError> {
         let n = requests.len();
+        if n > self.limit {
+            return Err(SubmitError::NeverFits { asked: n, limit: self.limit });
+        }
         let mut cur = self.in_flight.load(Ordering::SeqCst);
         loop {
             if cur + n > self.limit {
@@ -141,11 +159,21 @@ impl EngineHandle {
                 .send(Command::Add { index, request: Box::new(request), images: images.clone(), events: tx.clone() })
                 .map_err(|_| SubmitError::EngineGone)?;
         }
-        Ok(Submission { events: rx, _slots: slots })
+        Ok(Submission { events: rx, deadline: self.limits.request_timeout, _slots: slots })
     }
 
-    pub fn abort_all(&self) {
-        let _ = self.commands.send(Command::AbortAll);
+    /// Cancels every sequence; returns how many the engine really cancelled.
+    pub async fn abort_all(&self) -> usize {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        if self.commands.send(Command::AbortAll { reply }).is_err() {
+            return 0;
+        }
+        rx.await.unwrap_or(0)
+    }
+
+    /// Most sequences running or queued at once (--max-num-seqs + --max-queue).
+    pub fn limit(&self) -> usize {
+        self.limit
     }
 
     pub fn is_alive(&self) -> bool {
@@ -200,6 +228,7 @@ where
         ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
     let limit = info.max_num_seqs + max_queue;
     Ok(EngineHandle {
+        limits: RequestLimits::default(),
         commands: cmd_tx,
         in_flight: Arc::new(AtomicUsize::new(0)),
         limit,
@@ -292,7 +321,9 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
     match cmd {
         Command::Add { index, request, images, events } => {
             if events.is_closed() {
-                return; // gone before it started
+                // Gone before it was admitted: still a cancellation the metrics count.
+                metrics.record_finish("abort");
+                return;
             }
             match engine.add_request_with_images(*request, images) {
                 Ok(id) => {
@@ -303,8 +334,9 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                 }
             }
         }
-        Command::AbortAll => {
+        Command::AbortAll { reply } => {
             let ids: Vec<SeqId> = entries.keys().copied().collect();
+            let _ = reply.send(ids.len());
             for id in ids {
                 engine.abort(id);
                 if let Some(entry) = entries.remove(&id) {

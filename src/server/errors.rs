@@ -10,6 +10,17 @@ pub enum Flavor {
     Anthropic,
 }
 
+impl Flavor {
+    /// Anthropic's error shape on its endpoints, OpenAI's everywhere else.
+    pub fn for_path(path: &str) -> Flavor {
+        if path.starts_with("/v1/messages") {
+            Flavor::Anthropic
+        } else {
+            Flavor::OpenAi
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -17,11 +28,13 @@ pub struct ApiError {
     pub param: Option<String>,
     pub code: Option<String>,
     pub flavor: Flavor,
+    /// Seconds for `Retry-After` (overload answers).
+    pub retry_after: Option<u32>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into(), param: None, code: None, flavor: Flavor::OpenAi }
+        ApiError { status, message: message.into(), param: None, code: None, flavor: Flavor::OpenAi, retry_after: None }
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -51,6 +64,11 @@ impl ApiError {
         self
     }
 
+    pub fn retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
     pub fn anthropic(mut self) -> Self {
         self.flavor = Flavor::Anthropic;
         self
@@ -64,7 +82,7 @@ impl ApiError {
     /// OpenAI's `error.type` for this status.
     pub fn openai_type(&self) -> &'static str {
         match self.status.as_u16() {
-            400 | 413 | 422 => "invalid_request_error",
+            400 | 405 | 408 | 413 | 415 | 422 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
@@ -77,7 +95,7 @@ impl ApiError {
     /// Anthropic's `error.type` for this status.
     pub fn anthropic_type(&self) -> &'static str {
         match self.status.as_u16() {
-            400 | 422 => "invalid_request_error",
+            400 | 405 | 408 | 415 | 422 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
@@ -111,6 +129,9 @@ impl IntoResponse for ApiError {
         let mut resp = (self.status, axum::Json(self.body())).into_response();
         if self.status == StatusCode::UNAUTHORIZED && self.flavor == Flavor::OpenAi {
             resp.headers_mut().insert("www-authenticate", axum::http::HeaderValue::from_static("Bearer"));
+        }
+        if let Some(s) = self.retry_after {
+            resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from(s));
         }
         resp
     }

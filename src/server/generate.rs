@@ -27,6 +27,16 @@ pub fn random_id(prefix: &str) -> String {
 /// be wrong (too large, not UTF-8, not JSON, not an object).
 pub fn parse_json(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<serde_json::Value, ApiError> {
     let bytes = body.map_err(|rej| {
+        if let Some(cut) = super::timed_body::BodyCut::find(&rej) {
+            return match cut {
+                super::timed_body::BodyCut::Timeout(_) => {
+                    ApiError::new(StatusCode::REQUEST_TIMEOUT, cut.to_string()).code("request_timeout")
+                }
+                super::timed_body::BodyCut::ShuttingDown => {
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, cut.to_string()).code("shutting_down")
+                }
+            };
+        }
         if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -55,13 +65,49 @@ pub fn parse_json(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<s
 pub fn typed<T: DeserializeOwned>(value: &serde_json::Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
-        let inner = e.into_inner();
+        let inner = plain_words(&e.into_inner().to_string(), &path);
         if path == "." || path.is_empty() {
             ApiError::bad_request(format!("invalid request: {inner}"))
         } else {
             ApiError::invalid_param(path.clone(), format!("invalid value for `{path}`: {inner}"))
         }
     })
+}
+
+/// serde's message in the API's words: no Rust type names (`i64`, `struct StreamOptions`,
+/// `untagged enum PromptField`) reach the client.
+fn plain_words(msg: &str, path: &str) -> String {
+    if msg.contains("untagged enum") {
+        let expected = match path.rsplit('.').next().unwrap_or(path) {
+            "prompt" => "a string, a list of strings, a list of token ids or a list of lists of token ids",
+            "stop" => "a string or a list of strings",
+            _ => "one of the accepted forms",
+        };
+        return format!("expected {expected}");
+    }
+    let mut out = msg.to_string();
+    for (rust, words) in [
+        ("usize", "a non-negative integer"),
+        ("u64", "a non-negative integer"),
+        ("u32", "a non-negative integer"),
+        ("u16", "a non-negative integer"),
+        ("u8", "a non-negative integer"),
+        ("i64", "an integer"),
+        ("i32", "an integer"),
+        ("f32", "a number"),
+        ("f64", "a number"),
+    ] {
+        out = out.replace(&format!("expected {rust}"), &format!("expected {words}"));
+    }
+    if let Some(i) = out.find("expected struct ") {
+        let end = out[i + 16..].find(|c: char| !c.is_alphanumeric() && c != '_').map_or(out.len(), |j| i + 16 + j);
+        out.replace_range(i..end, "expected an object");
+    }
+    if let Some(i) = out.find("expected enum ") {
+        let end = out[i + 14..].find(|c: char| !c.is_alphanumeric() && c != '_').map_or(out.len(), |j| i + 14 + j);
+        out.replace_range(i..end, "expected one of the accepted values");
+    }
+    out.replace("a sequence", "a list").replace("a map", "an object")
 }
 
 /// `stop`: a string or a list of strings.
@@ -236,7 +282,10 @@ pub fn check_request(
         );
     }
     let rest = max_len - p;
-    params.max_tokens = max_tokens.requested.unwrap_or_else(|| max_tokens.default.map_or(rest, |d| d.min(rest)));
+    // Without `max_tokens`: the endpoint's default, else the server's cap
+    // (--default-max-tokens), else the rest of the context.
+    let default = max_tokens.default.or(engine.limits.default_max_tokens);
+    params.max_tokens = max_tokens.requested.unwrap_or_else(|| default.map_or(rest, |d| d.min(rest)));
     params.validate(vocab).map_err(|e| ApiError::invalid_param(e.param, e.to_string()))
 }
 
@@ -270,7 +319,17 @@ pub fn submit_with_images(
                 ),
             )
             .code("queue_full")
+            .retry_after(1)
         }
+        SubmitError::NeverFits { asked, limit } => ApiError::invalid_param(
+            "n",
+            format!(
+                "this request asks for {asked} sequences (prompts x n), more than this server can ever hold \
+                 at once: {limit} (--max-num-seqs {} + --max-queue {})",
+                engine.info.max_num_seqs,
+                limit - engine.info.max_num_seqs
+            ),
+        ),
         SubmitError::EngineGone => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "the engine has stopped (shutting down, or it failed: see the server log)",
@@ -290,8 +349,28 @@ pub struct Collected {
     pub num_output_tokens: usize,
 }
 
-/// Waits until each of the `n` sequences has finished.
-pub async fn collect(mut sub: Submission, n: usize, want_logprobs: bool) -> Result<Vec<Collected>, ApiError> {
+/// Waits until each of the `n` sequences has finished, at most `--request-timeout`.
+pub async fn collect(sub: Submission, n: usize, want_logprobs: bool) -> Result<Vec<Collected>, ApiError> {
+    match sub.deadline {
+        None => collect_all(sub, n, want_logprobs).await,
+        Some(limit) => match tokio::time::timeout(limit, collect_all(sub, n, want_logprobs)).await {
+            Ok(r) => r,
+            // Dropping the submission (inside the timed-out future) cancels its sequences.
+            Err(_) => Err(timed_out(limit)),
+        },
+    }
+}
+
+/// The answer to a request that ran past `--request-timeout`.
+pub fn timed_out(limit: std::time::Duration) -> ApiError {
+    ApiError::new(
+        StatusCode::GATEWAY_TIMEOUT,
+        format!("the request did not finish within {}s (--request-timeout); it was cancelled", limit.as_secs_f64()),
+    )
+    .code("request_timeout")
+}
+
+async fn collect_all(mut sub: Submission, n: usize, want_logprobs: bool) -> Result<Vec<Collected>, ApiError> {
     let mut out = vec![Collected::default(); n];
     let mut done = 0;
     while done < n {
@@ -301,15 +380,10 @@ pub async fn collect(mut sub: Submission, n: usize, want_logprobs: bool) -> Resu
                 "the engine stopped before the request finished",
             ));
         };
-        let c = &mut out[index];
+        let Some(c) = out.get_mut(index) else { continue };
         match kind {
             SeqEventKind::Rejected(e) => return Err(request_error(e)),
-            SeqEventKind::Ended(reason) => {
-                if c.finish.is_none() {
-                    c.finish = Some(reason);
-                    done += 1;
-                }
-            }
+            SeqEventKind::Ended(reason) => return Err(aborted(&reason)),
             SeqEventKind::Update(u) => {
                 c.text.push_str(&u.text);
                 if let Some(p) = u.prompt_logprobs {
@@ -323,6 +397,9 @@ pub async fn collect(mut sub: Submission, n: usize, want_logprobs: bool) -> Resu
                 }
                 c.num_output_tokens = u.num_output_tokens;
                 if let Some(f) = u.finish {
+                    if matches!(f, FinishReason::Cancelled | FinishReason::Error(_)) {
+                        return Err(aborted(&f));
+                    }
                     c.finish = Some(f);
                     done += 1;
                 }
@@ -330,6 +407,24 @@ pub async fn collect(mut sub: Submission, n: usize, want_logprobs: bool) -> Resu
         }
     }
     Ok(out)
+}
+
+/// The error a request gets when the server ended one of its sequences (shutdown deadline,
+/// a failed engine step): never a normal-looking answer with part of the text.
+pub fn aborted(reason: &FinishReason) -> ApiError {
+    match reason {
+        FinishReason::Error(m) => {
+            // The details are for the log; the client learns that the server failed.
+            tracing::warn!("a request failed: {m}");
+            ApiError::internal("the server failed while generating this response (see the server log)")
+                .code("engine_error")
+        }
+        _ => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server cancelled this request before it finished (shutting down, or past --request-timeout)",
+        )
+        .code("cancelled"),
+    }
 }
 
 /// The text of one token, as logprobs show it.

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use super::engine_loop::EngineHandle;
 use super::errors::ApiError;
-use crate::media::remote::RemoteFetcher;
+use crate::media::remote::{FetchError, RemoteFetcher};
 use crate::media::{decode_image, DecodeLimits, RgbImage};
 
 /// What the server accepts as an image source.
@@ -110,12 +110,31 @@ async fn fetch_remote(refs: &[ImageRef], policy: &MediaPolicy) -> Result<Vec<Opt
     let fetches = refs.iter().map(|r| async move {
         match &r.source {
             Source::Url(url) if is_remote(url) => fetcher.fetch(url).await.map(Some).map_err(|e| {
-                ApiError::invalid_param(r.path.clone(), format!("cannot fetch the image at `{}`: {e}", r.path))
+                ApiError::invalid_param(
+                    r.path.clone(),
+                    format!("cannot fetch the image at `{}`: {}", r.path, public(&e)),
+                )
             }),
             _ => Ok(None),
         }
     });
     futures_util::future::try_join_all(fetches).await
+}
+
+/// What a client may learn of a failed fetch: never the internal address a name resolved to
+/// (that would map the server's network for it); the log has the whole error.
+fn public(e: &FetchError) -> String {
+    match e {
+        // An address the client wrote itself tells it nothing new.
+        FetchError::Refused { host, .. } if host.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok() => {
+            e.to_string()
+        }
+        FetchError::Refused { host, .. } => {
+            tracing::info!("image fetch refused: {e}");
+            format!("refusing to fetch from `{host}`: it is not a public address")
+        }
+        other => other.to_string(),
+    }
 }
 
 /// The decoded image a reference points to; `fetched` holds the body of an http(s) URL.
@@ -130,8 +149,9 @@ pub fn load(r: &ImageRef, policy: &MediaPolicy, fetched: Option<Vec<u8>>) -> Res
             }
             base64_decode(data).ok_or_else(|| bad(format!("`{}` is not valid base64", r.path)))?
         }
-        (Source::Url(url), None) if url.starts_with("file://") => {
-            read_local(&url["file://".len()..], policy).map_err(bad)?
+        (Source::Url(url), None) if is_file_url(url) => {
+            let path = file_url_path(url).map_err(bad)?;
+            read_local(&path, policy).map_err(bad)?
         }
         (Source::Url(url), None) if is_remote(url) => {
             return Err(bad("image URLs over the network are disabled on this server (start it with \
@@ -145,14 +165,65 @@ pub fn load(r: &ImageRef, policy: &MediaPolicy, fetched: Option<Vec<u8>>) -> Res
     decode_image(&bytes, &policy.limits).map_err(|e| bad(format!("{}: {e}", r.path)))
 }
 
+/// Whether `url` has the `file` scheme (in any case, RFC 3986).
+fn is_file_url(url: &str) -> bool {
+    url.get(..5).is_some_and(|s| s.eq_ignore_ascii_case("file:"))
+}
+
+/// The local path of a `file` URL (RFC 8089): `file:///p`, `file://localhost/p` or `file:/p`,
+/// percent-decoded; a query or fragment is not part of the path.
+fn file_url_path(url: &str) -> Result<String, String> {
+    let rest = &url[5..];
+    let rest = rest.split(['?', '#']).next().unwrap_or(rest);
+    let path = match rest.strip_prefix("//") {
+        Some(auth_path) => {
+            let (host, path) = auth_path.split_at(auth_path.find('/').unwrap_or(auth_path.len()));
+            if !(host.is_empty() || host.eq_ignore_ascii_case("localhost")) {
+                return Err(format!("`file://{host}/...` names another host: only local files are read"));
+            }
+            path
+        }
+        None => rest,
+    };
+    if !path.starts_with('/') {
+        return Err("a `file://` URL needs an absolute path (file:///path/to/image)".into());
+    }
+    percent_decode(path).ok_or_else(|| "the `file://` URL has a bad percent-escape or is not UTF-8".to_string())
+}
+
+/// `%XX` escapes decoded; None when one is malformed or the result is not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 /// Reads a local file only from under the allowed directory, after resolving `..` and links.
+/// A path that does not resolve and one outside the directory get the same answer, so a
+/// client cannot probe which files exist elsewhere (the log says which it was).
 fn read_local(path: &str, policy: &MediaPolicy) -> Result<Vec<u8>, String> {
     let Some(root) = &policy.allowed_local_media_path else {
         return Err("local image files are disabled (start the server with --allowed-local-media-path DIR)".into());
     };
-    let real = Path::new(path).canonicalize().map_err(|e| format!("cannot open `{path}`: {e}"))?;
+    let unavailable = || format!("`{path}` is not a file under the allowed media directory");
+    let real = Path::new(path).canonicalize().map_err(|e| {
+        tracing::info!("local image `{path}`: {e}");
+        unavailable()
+    })?;
     if !real.starts_with(root) {
-        return Err(format!("`{path}` is outside the allowed media directory"));
+        tracing::info!("local image `{path}` resolves outside --allowed-local-media-path");
+        return Err(unavailable());
     }
     let meta = std::fs::metadata(&real).map_err(|e| format!("cannot open `{path}`: {e}"))?;
     if !meta.is_file() {
@@ -271,6 +342,17 @@ mod tests {
         let dir = std::env::temp_dir().canonicalize().unwrap();
         let policy = MediaPolicy { allowed_local_media_path: Some(dir.join("iris-none")), ..Default::default() };
         let outside = at(Source::Url(format!("file://{}/../etc/passwd", dir.display())));
-        assert!(load(&outside, &policy, None).unwrap_err().message.contains("outside"));
+        assert!(load(&outside, &policy, None).unwrap_err().message.contains("not a file under the allowed"));
+    }
+
+    #[test]
+    fn file_urls_follow_rfc_8089() {
+        assert_eq!(file_url_path("file:///a/b%20c.png").unwrap(), "/a/b c.png");
+        assert_eq!(file_url_path("FILE://localhost/a.png").unwrap(), "/a.png");
+        assert_eq!(file_url_path("file:/a.png?x#y").unwrap(), "/a.png");
+        assert!(file_url_path("file://other/a.png").unwrap_err().contains("another host"));
+        assert!(file_url_path("file:///a%zz").is_err());
+        assert!(file_url_path("file://a.png").is_err());
+        assert!(is_file_url("File:///x") && !is_file_url("fil"));
     }
 }

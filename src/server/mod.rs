@@ -8,6 +8,10 @@
 //! shares: the settings, the engine, the metrics).
 
 pub mod anthropic;
+mod auth;
+pub mod browser;
+mod browser_policy;
+pub mod connections;
 mod content;
 pub mod engine_loop;
 pub mod errors;
@@ -18,23 +22,48 @@ pub mod openai;
 pub mod openai_choices;
 pub mod sse;
 mod state;
+pub mod timed_body;
 
-use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
 
+pub use connections::ConnectionLimits;
 pub use engine_loop::{spawn_engine, EngineHandle, EngineInfo};
-use errors::ApiError;
+use errors::{ApiError, Flavor};
 pub use metrics::Metrics;
 pub use state::{AppState, ServeConfig};
+
+/// The routes metrics count by name; anything else counts as `other`.
+const KNOWN: &[&str] = &[
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/health",
+    "/ping",
+    "/version",
+    "/metrics",
+];
+
+/// The routes that take POST only (the rest take GET, /ping both).
+const POST_ROUTES: &[&str] = &[
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/tokenize",
+    "/detokenize",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+];
 
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.cfg.max_body_bytes;
@@ -42,89 +71,104 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{*id}", get(openai::model))
         .route("/tokenize", post(openai::tokenize))
         .route("/detokenize", post(openai::detokenize))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
-        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+        .route_layer(middleware::from_fn(browser::require_json))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth::auth));
+    // Layers run outside in: counting, JSON error bodies, Host and CORS checks, the routes.
     Router::new()
         .merge(api)
         .route("/health", get(health))
+        .route("/ping", get(health).post(health))
+        .route("/version", get(version))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), browser::guard))
+        .layer(middleware::from_fn(json_errors))
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
 
-fn flavor_for(path: &str) -> errors::Flavor {
-    if path.starts_with("/v1/messages") {
-        errors::Flavor::Anthropic
-    } else {
-        errors::Flavor::OpenAi
-    }
-}
-
-/// `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic).
-async fn auth(State(app): State<Arc<AppState>>, headers: HeaderMap, req: Request, next: Next) -> Response {
-    let Some(key) = &app.cfg.api_key else {
-        return next.run(req).await;
-    };
-    let bearer = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim);
-    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
-    let ok = [bearer, x_api_key].into_iter().flatten().any(|k| constant_time_eq(k.as_bytes(), key.as_bytes()));
-    if ok {
-        return next.run(req).await;
-    }
-    let msg = if bearer.is_none() && x_api_key.is_none() {
-        "missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
-    } else {
-        "invalid API key"
-    };
-    ApiError::new(StatusCode::UNAUTHORIZED, msg)
-        .code("invalid_api_key")
-        .with_flavor(flavor_for(req.uri().path()))
-        .into_response()
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 async fn count_requests(State(app): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
     let resp = next.run(req).await;
-    let known = [
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/models",
-        "/tokenize",
-        "/detokenize",
-        "/v1/messages",
-        "/v1/messages/count_tokens",
-        "/health",
-        "/metrics",
-    ];
-    let endpoint = if known.contains(&path.as_str()) { path.as_str() } else { "other" };
+    let endpoint = if KNOWN.contains(&path.as_str()) {
+        path.as_str()
+    } else if path.starts_with("/v1/models/") {
+        "/v1/models/{id}"
+    } else {
+        "other"
+    };
     app.metrics.record_request(endpoint, resp.status().as_u16());
     resp
 }
 
+/// Every error answer carries a JSON body: the ones axum writes itself (405, rejections)
+/// and the plain-text ones of /health get the API's error shape here.
+async fn json_errors(req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 64 * 1024).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_string();
+    let message = if status == StatusCode::METHOD_NOT_ALLOWED {
+        // axum adds the `Allow` header outside this layer; the routes say the same.
+        let allow = if path == "/ping" {
+            "GET, POST"
+        } else if POST_ROUTES.contains(&path.as_str()) {
+            "POST"
+        } else {
+            "GET"
+        };
+        format!("the method {method} is not allowed on {path} (allowed: {allow})")
+    } else if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text
+    };
+    let mut out = ApiError::new(status, message).with_flavor(Flavor::for_path(&path)).into_response();
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            out.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    out
+}
+
 async fn not_found(req: Request) -> Response {
     let path = req.uri().path().to_string();
-    ApiError::not_found(format!("no route for {} {path}", req.method())).with_flavor(flavor_for(&path)).into_response()
+    ApiError::not_found(format!("no route for {} {path}", req.method()))
+        .with_flavor(Flavor::for_path(&path))
+        .into_response()
 }
 
 async fn health(State(app): State<Arc<AppState>>) -> Response {
     match app.engine.get() {
         Some(e) if e.is_alive() => (StatusCode::OK, "ok").into_response(),
-        Some(_) => (StatusCode::SERVICE_UNAVAILABLE, "the engine stopped (see the server log)").into_response(),
-        None => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
+        Some(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped (see the server log)")
+            .code("engine_stopped")
+            .into_response(),
+        None => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "loading").code("loading").into_response(),
     }
+}
+
+/// vLLM's `/version`.
+async fn version() -> Response {
+    axum::Json(serde_json::json!({ "version": env!("CARGO_PKG_VERSION") })).into_response()
 }
 
 async fn metrics_text(State(app): State<Arc<AppState>>) -> Response {
@@ -155,43 +199,34 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Serves on `listener` until SIGINT/SIGTERM; then stops accepting, lets in-flight requests
-/// finish for `shutdown_timeout`, cancels what is left and returns.
+/// Serves on `listener` until SIGINT/SIGTERM; then stops accepting, closes idle and
+/// half-sent connections, lets in-flight requests finish for `shutdown_timeout`, cancels what
+/// is left and returns.
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>) -> anyhow::Result<()> {
     let app = router(state.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    // Streams write one small chunk per token: with Nagle's algorithm each chunk would wait
-    // for the ACK of the previous one, which a client may delay by ~40 ms.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("cannot set TCP_NODELAY: {e}");
-        }
-    });
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-        shutdown_signal().await;
-        let _ = stop_tx.send(true);
-    });
-    let mut server = std::pin::pin!(server.into_future());
-    let mut stop_rx = stop_rx;
-    tokio::select! {
-        r = &mut server => return r.map_err(Into::into),
-        _ = stop_rx.wait_for(|s| *s) => {}
-    }
+    let conns = connections::Connections::new(state.cfg.connections, stop_rx);
+    let accept = tokio::spawn(conns.clone().accept_loop(listener, app));
+    shutdown_signal().await;
+    let _ = stop_tx.send(true);
+    let _ = accept.await;
     let in_flight = state.engine.get().map(|e| e.in_flight()).unwrap_or(0);
     tracing::info!(
-        "shutting down: no new connections; {in_flight} sequences in flight get {:?} to finish",
-        state.cfg.shutdown_timeout
+        "shutting down: no new connections; {in_flight} sequences in flight get {:?} to finish ({} connections open)",
+        state.cfg.shutdown_timeout,
+        conns.open()
     );
-    if tokio::time::timeout(state.cfg.shutdown_timeout, &mut server).await.is_ok() {
+    if tokio::time::timeout(state.cfg.shutdown_timeout, conns.drained()).await.is_ok() {
         tracing::info!("all requests finished; bye");
         return Ok(());
     }
-    tracing::warn!("shutdown deadline passed: cancelling the requests still running");
-    if let Some(e) = state.engine.get() {
-        e.abort_all();
-    }
+    let cancelled = match state.engine.get() {
+        Some(e) => e.abort_all().await,
+        None => 0,
+    };
+    tracing::warn!("shutdown deadline passed: cancelled {cancelled} sequences still running");
     // Cancelled streams end at once; give their last bytes a moment to go out.
-    let _ = tokio::time::timeout(Duration::from_secs(2), &mut server).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), conns.drained()).await;
     tracing::info!("bye");
     Ok(())
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
@@ -21,7 +21,7 @@ use super::sse::sse_response;
 use super::state::{now_unix, AppState};
 use crate::engine::sampling_params::MAX_LOGPROBS;
 use crate::engine::Request;
-use crate::tokenizer::{ChatMessage, TextTokenizer};
+use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
 
 type AppRef = State<Arc<AppState>>;
 
@@ -121,17 +121,18 @@ fn content_text(content: Option<&Value>, path: &str, may_be_null: bool) -> Resul
     }
 }
 
-/// Renders and tokenizes a conversation; template errors are the client's (400).
+/// Renders and tokenizes a conversation; template errors are the client's (400). Special
+/// tokens come only from the template: what the client wrote is tokenized as text.
 pub fn encode_chat(
     tok: &TextTokenizer,
     messages: &[ChatMessage],
     add_generation_prompt: bool,
     extra: serde_json::Map<String, Value>,
 ) -> Result<Vec<u32>, ApiError> {
-    let text = tok
-        .apply_chat_template_with(messages, add_generation_prompt, extra)
-        .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}")).param("messages"))?;
-    tok.encode(&text, false).map_err(|e| ApiError::bad_request(e.to_string()))
+    tok.encode_chat_with(messages, add_generation_prompt, extra).map_err(|e| match e {
+        TokenizerError::Encode(m) => ApiError::bad_request(format!("cannot tokenize the conversation: {m}")),
+        e => ApiError::bad_request(format!("cannot apply the chat template: {e}")).param("messages"),
+    })
 }
 
 fn logprobs_setting(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<usize>, ApiError> {
@@ -369,20 +370,30 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
 // ---------------------------------------------------------------------------------------
 // /v1/models, /tokenize, /detokenize
 
-pub async fn models(State(app): AppRef) -> Response {
+fn model_card(app: &AppState) -> Value {
     let max_len = app.engine.get().map(|e| e.info.max_model_len);
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": app.cfg.served_model_name,
-            "object": "model",
-            "created": app.started,
-            "owned_by": "iris",
-            "root": app.cfg.model_path,
-            "max_model_len": max_len,
-        }],
-    }))
-    .into_response()
+    json!({
+        "id": app.cfg.served_model_name,
+        "object": "model",
+        "created": app.started,
+        "owned_by": "iris",
+        "root": app.cfg.model_path,
+        "max_model_len": max_len,
+    })
+}
+
+pub async fn models(State(app): AppRef) -> Response {
+    Json(json!({ "object": "list", "data": [model_card(&app)] })).into_response()
+}
+
+/// `GET /v1/models/{id}`: the served model under either of its names, else a 404.
+pub async fn model(State(app): AppRef, Path(id): Path<String>) -> Response {
+    if id.is_empty() {
+        return ApiError::not_found("no model id given: GET /v1/models lists them")
+            .code("model_not_found")
+            .into_response();
+    }
+    respond(app.check_model(Some(&id)).map(|_| Json(model_card(&app)).into_response()))
 }
 
 #[derive(Debug, Deserialize)]

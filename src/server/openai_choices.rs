@@ -7,8 +7,10 @@ use axum::response::sse::Event;
 use serde_json::{json, Value};
 
 use super::engine_loop::{SeqEvent, SeqEventKind};
-use super::generate::{request_error, token_text};
+use super::errors::ApiError;
+use super::generate::{aborted, request_error, token_text};
 use super::sse::{json_event, Converter};
+use crate::engine::FinishReason;
 use crate::engine::{Sampled, SeqUpdate};
 use crate::tokenizer::TextTokenizer;
 
@@ -192,6 +194,8 @@ pub struct OpenAiStream<F> {
     format: F,
     finished: Vec<bool>,
     output_tokens: Vec<usize>,
+    /// An error event was sent (once per stream).
+    failed: bool,
 }
 
 impl<F: ChoiceFormat> OpenAiStream<F> {
@@ -213,6 +217,7 @@ impl<F: ChoiceFormat> OpenAiStream<F> {
             format,
             finished: vec![false; choices],
             output_tokens: vec![0; choices],
+            failed: false,
         }
     }
 
@@ -242,6 +247,23 @@ impl<F: ChoiceFormat> OpenAiStream<F> {
         }
         self.finished.iter().all(|f| *f)
     }
+
+    /// Sends an error event (once per stream; OpenAI's clients raise it as an error).
+    fn error_event(&mut self, err: ApiError, out: &mut Vec<Event>) {
+        if !self.failed {
+            self.failed = true;
+            out.push(json_event(&err.body()));
+        }
+    }
+
+    /// Finishes choice `index` with `reason`; a server-side abort also sends an error event,
+    /// so a cut-short answer never looks like a normal ending.
+    fn finish_with(&mut self, index: usize, reason: &FinishReason, out: &mut Vec<Event>) -> bool {
+        if matches!(reason, FinishReason::Cancelled | FinishReason::Error(_)) && !self.finished[index] {
+            self.error_event(aborted(reason), out);
+        }
+        self.finish(index, reason.as_openai_str(), out)
+    }
 }
 
 impl<F: ChoiceFormat> Converter for OpenAiStream<F> {
@@ -257,10 +279,10 @@ impl<F: ChoiceFormat> Converter for OpenAiStream<F> {
         let i = ev.index;
         match ev.kind {
             SeqEventKind::Rejected(e) => {
-                out.push(json_event(&request_error(e).body()));
+                self.error_event(request_error(e), out);
                 self.finish(i, "error", out)
             }
-            SeqEventKind::Ended(reason) => self.finish(i, reason.as_openai_str(), out),
+            SeqEventKind::Ended(reason) => self.finish_with(i, &reason, out),
             SeqEventKind::Update(u) => {
                 self.output_tokens[i] = u.num_output_tokens;
                 let mut pieces = Vec::new();
@@ -269,14 +291,29 @@ impl<F: ChoiceFormat> Converter for OpenAiStream<F> {
                     out.push(self.chunk(i, fields, lp, None));
                 }
                 match u.finish {
-                    Some(f) => self.finish(i, f.as_openai_str(), out),
+                    Some(f) => self.finish_with(i, &f, out),
                     None => false,
                 }
             }
         }
     }
 
-    fn end(&mut self, _complete: bool, out: &mut Vec<Event>) {
+    fn abort(&mut self, err: ApiError, out: &mut Vec<Event>) {
+        for i in 0..self.finished.len() {
+            self.finish(i, "abort", out);
+        }
+        self.error_event(err, out);
+    }
+
+    fn end(&mut self, complete: bool, out: &mut Vec<Event>) {
+        if !complete {
+            // The engine went away with choices unfinished.
+            for i in 0..self.finished.len() {
+                if !self.finished[i] {
+                    self.finish_with(i, &FinishReason::Cancelled, out);
+                }
+            }
+        }
         if self.include_usage {
             let completion: usize = self.output_tokens.iter().sum();
             out.push(json_event(&json!({

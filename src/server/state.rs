@@ -6,6 +6,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::http::StatusCode;
 
+use super::browser_policy::BrowserPolicy;
+use super::connections::ConnectionLimits;
 use super::engine_loop::EngineHandle;
 use super::errors::ApiError;
 use super::images::MediaPolicy;
@@ -24,6 +26,10 @@ pub struct ServeConfig {
     pub shutdown_timeout: Duration,
     /// Where images may come from, and how large they may be.
     pub media: MediaPolicy,
+    /// Open connections and their timeouts.
+    pub connections: ConnectionLimits,
+    /// Host check and CORS.
+    pub browser: BrowserPolicy,
 }
 
 pub struct AppState {

@@ -4,6 +4,7 @@
 //! the BOS/EOS ids and the chat template, loaded either from a Hugging Face model directory
 //! or from a GGUF file's metadata.
 
+mod chat_encode;
 pub mod chat_template;
 pub mod gguf;
 mod post_processor;
@@ -53,6 +54,8 @@ pub struct TextTokenizer {
     /// `bos_token`, `eos_token`, ... as the chat template sees them.
     special_tokens: Vec<(String, String)>,
     chat_template: Option<ChatTemplate>,
+    /// Keeps special tokens out of what callers write (see `chat_encode.rs`).
+    guard: chat_encode::SpecialGuard,
 }
 
 impl TextTokenizer {
@@ -118,7 +121,8 @@ impl TextTokenizer {
             }
         }
 
-        Ok(Self { inner: Arc::new(inner), bos_token_id, eos_token_ids, special_tokens, chat_template })
+        let guard = chat_encode::SpecialGuard::new(&inner);
+        Ok(Self { inner: Arc::new(inner), bos_token_id, eos_token_ids, special_tokens, chat_template, guard })
     }
 
     /// Build from GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
@@ -135,12 +139,14 @@ impl TextTokenizer {
         .collect();
         let chat_template = g.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
         let eos_token_ids = g.eos_token_id.into_iter().chain(g.extra_eos_token_ids).collect();
+        let guard = chat_encode::SpecialGuard::new(&g.tokenizer);
         Ok(Self {
             inner: Arc::new(g.tokenizer),
             bos_token_id: g.bos_token_id,
             eos_token_ids,
             special_tokens,
             chat_template,
+            guard,
         })
     }
 
@@ -216,9 +222,73 @@ impl TextTokenizer {
     /// Render and tokenize a conversation. Like transformers, the rendered text is encoded
     /// without adding special tokens: the template already writes BOS where it belongs.
     pub fn encode_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>> {
-        let text = self.apply_chat_template(messages, add_generation_prompt)?;
-        self.encode(&text, false)
+        self.encode_chat_with(messages, add_generation_prompt, Default::default())
     }
+
+    /// Like [`Self::encode_chat`], with extra template variables. Special tokens come only
+    /// from the template: special-token strings in message content or in `extra` are
+    /// tokenized as the text they are (no role injection).
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<u32>> {
+        let mut injected = false;
+        let mut check = |s: &mut String| injected |= self.guard.contains_special(s);
+        let mut probe = messages.to_vec();
+        let mut probe_extra = extra.clone();
+        for_each_caller_string(&mut probe, &mut probe_extra, &mut check);
+        if !injected {
+            // The common case: exactly transformers' tokens.
+            let text = self.apply_chat_template_with(messages, add_generation_prompt, extra)?;
+            return self.encode(&text, false);
+        }
+        let mut protect = |s: &mut String| *s = self.guard.protect(s);
+        let (mut messages, mut extra) = (probe, probe_extra);
+        for_each_caller_string(&mut messages, &mut extra, &mut protect);
+        let text = self.apply_chat_template_with(&messages, add_generation_prompt, extra)?;
+        self.guard.encode_rendered(&text).map_err(TokenizerError::Encode)
+    }
+
+    /// Encodes `text` with special-token strings read as text (no BOS/EOS added): what a
+    /// caller wrote, e.g. an assistant prefill, never becomes a control token.
+    pub fn encode_plain_text(&self, text: &str) -> Result<Vec<u32>> {
+        self.guard.encode_text(text).map_err(TokenizerError::Encode)
+    }
+}
+
+/// Calls `f` on every string a caller supplied for the template: message contents, text
+/// parts, other message fields (tool calls, names), and the extra template variables.
+fn for_each_caller_string(
+    messages: &mut [ChatMessage],
+    extra: &mut serde_json::Map<String, serde_json::Value>,
+    f: &mut impl FnMut(&mut String),
+) {
+    fn value(v: &mut serde_json::Value, f: &mut impl FnMut(&mut String)) {
+        match v {
+            serde_json::Value::String(s) => f(s),
+            serde_json::Value::Array(items) => items.iter_mut().for_each(|i| value(i, f)),
+            serde_json::Value::Object(map) => map.values_mut().for_each(|i| value(i, f)),
+            _ => {}
+        }
+    }
+    for m in messages {
+        match &mut m.content {
+            Some(MessageContent::Text(t)) => f(t),
+            Some(MessageContent::Parts(parts)) => {
+                for p in parts {
+                    if let Some(t) = &mut p.text {
+                        f(t);
+                    }
+                    p.extra.values_mut().for_each(|v| value(v, f));
+                }
+            }
+            None => {}
+        }
+        m.extra.values_mut().for_each(|v| value(v, f));
+    }
+    extra.values_mut().for_each(|v| value(v, f));
 }
 
 fn read_if_exists(file: &Path) -> Result<Option<String>> {
