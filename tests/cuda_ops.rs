@@ -71,6 +71,7 @@ fn check_attention_on(dev: &Device, seqs: &[(usize, usize)], c: &Case, q_dt: DTy
         scale,
         window: c.window,
         softcap: c.softcap,
+        isa: iris::simd::Isa::active(),
     }
     .forward(&q.to_dtype(DType::F32).unwrap(), &k, &v)
     .unwrap();
@@ -83,6 +84,7 @@ fn check_attention_on(dev: &Device, seqs: &[(usize, usize)], c: &Case, q_dt: DTy
         scale,
         window: c.window,
         softcap: c.softcap,
+        isa: iris::simd::Isa::active(),
     };
     let gpu = op.forward(&q.to_device(dev).unwrap(), &k.to_device(dev).unwrap(), &v.to_device(dev).unwrap()).unwrap();
     assert_eq!(gpu.dtype(), q_dt);
@@ -159,6 +161,7 @@ fn decode_attention_is_batch_invariant() {
             scale: 1.0 / (d as f32).sqrt(),
             window: None,
             softcap: None,
+            isa: iris::simd::Isa::active(),
         };
         op.forward(q, &k, &v).unwrap()
     };
@@ -183,6 +186,7 @@ fn paged_attention_rejects_short_block_tables() {
         scale: 1.0,
         window: None,
         softcap: None,
+        isa: iris::simd::Isa::active(),
     };
     let err = op.forward(&q, &kv, &kv).unwrap_err().to_string();
     assert!(err.contains("block table does not cover 9 tokens"), "{err}");

@@ -255,6 +255,7 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
         scale: 1.0 / (d as f32).sqrt(),
         window: c.window,
         softcap: c.softcap,
+        isa: iris::simd::Isa::active(),
     };
     // The op over a step's metadata, float window inputs and device codecs.
     let op = |m, float, device| TqAttention {
@@ -421,6 +422,7 @@ fn tq_decode_attention_is_batch_invariant() {
             scale: 1.0 / (d as f32).sqrt(),
             window: None,
             softcap: None,
+            isa: iris::simd::Isa::active(),
         };
         let op = TqAttention {
             attn,

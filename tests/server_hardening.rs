@@ -118,6 +118,11 @@ fn shutdown_with_half_sent_requests_finishes_at_once() {
 // ---------------------------------------------------------------------------------------
 // 2. Honest cancellations
 
+/// Servers for the cancellation tests run on the CPU: a generation there takes longer than
+/// the 0.5 s they allow (on an H200 the 4,000 tokens tiny-llama's context holds finish first,
+/// and the request would end normally); what is tested is the server, not the device.
+const SLOW_DEVICE: [&str; 2] = ["--device", "cpu"];
+
 fn long_messages(stream: bool) -> Value {
     json!({
         "max_tokens": 4000, "stream": stream, "temperature": 0, "ignore_eos": true,
@@ -127,7 +132,7 @@ fn long_messages(stream: bool) -> Value {
 
 #[test]
 fn anthropic_stream_cancelled_by_shutdown_ends_in_an_error_event() {
-    let mut s = Server::start(&["--shutdown-timeout", "0.5"]);
+    let mut s = Server::start(&[&SLOW_DEVICE[..], &["--shutdown-timeout", "0.5"]].concat());
     let mut st = OpenStream::open(&s.addr, "/v1/messages", &long_messages(true));
     st.read_until("content_block_delta");
     let reader = std::thread::spawn(move || st.finish());
@@ -146,7 +151,7 @@ fn anthropic_stream_cancelled_by_shutdown_ends_in_an_error_event() {
 
 #[test]
 fn non_stream_requests_cancelled_by_shutdown_get_an_error_status() {
-    let mut s = Server::start(&["--shutdown-timeout", "0.5"]);
+    let mut s = Server::start(&[&SLOW_DEVICE[..], &["--shutdown-timeout", "0.5"]].concat());
     let addr = s.addr.clone();
     let chat = std::thread::spawn({
         let addr = addr.clone();
@@ -169,7 +174,7 @@ fn non_stream_requests_cancelled_by_shutdown_get_an_error_status() {
 
 #[test]
 fn request_timeout_cancels_with_an_error() {
-    let s = Server::start(&["--request-timeout", "0.5"]);
+    let s = Server::start(&[&SLOW_DEVICE[..], &["--request-timeout", "0.5"]].concat());
     let r = post_json(&s, "/v1/chat/completions", &[], &long_messages(false));
     assert_eq!(r.status, 504, "{}", r.text());
     assert!(r.json()["error"]["message"].as_str().unwrap().contains("--request-timeout"));

@@ -230,13 +230,6 @@ impl Simd for Avx2 {
         unsafe { [_mm256_blendv_ps(b[0], a[0], m[0]), _mm256_blendv_ps(b[1], a[1], m[1])] }
     }
 
-    /// Evaluated on the lanes: converting 8 codes and scaling them costs less here than the
-    /// two 8-entry permutes and the blend a 16-entry lookup takes.
-    #[inline(always)]
-    fn lut16(self, idx: [I; 2], f: impl Fn(F) -> F) -> [F; 2] {
-        let m = self.splat_i(15);
-        [f(self.to_f(self.and_i(idx[0], m))), f(self.to_f(self.and_i(idx[1], m)))]
-    }
     /// Both table halves permuted by the index's low 3 bits, then the one its bit 3 names
     /// (moved to the sign bit, which the blend reads).
     #[inline(always)]
@@ -248,10 +241,5 @@ impl Simd for Avx2 {
             };
             [one(idx[0]), one(idx[1])]
         }
-    }
-    #[inline(always)]
-    fn lut32(self, idx: [I; 2], f: impl Fn(F) -> F) -> [F; 2] {
-        let m = self.splat_i(31);
-        [f(self.to_f(self.and_i(idx[0], m))), f(self.to_f(self.and_i(idx[1], m)))]
     }
 }

@@ -32,6 +32,7 @@ pub trait Simd: Copy + Send + Sync + 'static {
     const REGISTERS: usize;
 
     fn splat(self, x: f32) -> Self::F;
+    #[inline(always)]
     fn zero(self) -> Self::F {
         self.splat(0.0)
     }
@@ -51,6 +52,7 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// # Safety
     /// `n` values writable at `p`.
     unsafe fn store_n(self, p: *mut f32, n: usize, v: Self::F);
+    #[inline(always)]
     fn to_array(self, v: Self::F) -> [f32; 16] {
         let mut a = [0f32; 16];
         // SAFETY: `a` holds 16 values.
@@ -73,6 +75,7 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn reduce_add(self, v: Self::F) -> f32;
     /// The 16 vectors' `reduce_add`s at once, in lane order (sets with cross-register
     /// shuffles do it in fewer instructions, with the same bits).
+    #[inline(always)]
     fn reduce_add16(self, a: &[Self::F; 16]) -> Self::F {
         let sums: [f32; 16] = std::array::from_fn(|i| self.reduce_add(a[i]));
         // SAFETY: 16 values.
@@ -135,13 +138,22 @@ pub trait Simd: Copy + Send + Sync + 'static {
 
     /// `f(q)` for the code q in the low 4 bits of each lane of both `idx` vectors, where `f`
     /// maps a vector of codes as floats to their values lane by lane. Sets with a 16-entry
-    /// permute evaluate `f` once on the codes 0..16 and look the lanes up; the others evaluate
-    /// it on the lanes: the same values either way.
-    fn lut16(self, idx: [Self::I; 2], f: impl Fn(Self::F) -> Self::F) -> [Self::F; 2];
+    /// permute (AVX-512) evaluate `f` once on the codes 0..16 and look the lanes up; the others
+    /// evaluate it on the lanes (converting codes costs them less than lookups built from
+    /// narrower permutes or byte tables): the same values either way.
+    #[inline(always)]
+    fn lut16(self, idx: [Self::I; 2], f: impl Fn(Self::F) -> Self::F) -> [Self::F; 2] {
+        let m = self.splat_i(15);
+        [f(self.to_f(self.and_i(idx[0], m))), f(self.to_f(self.and_i(idx[1], m)))]
+    }
     /// `table[idx]` per lane, by the low 4 bits of each index.
     fn lookup16(self, table: Self::F, idx: Self::I) -> Self::F;
     /// `lut16` for 5-bit codes (the low 5 bits of each lane).
-    fn lut32(self, idx: [Self::I; 2], f: impl Fn(Self::F) -> Self::F) -> [Self::F; 2];
+    #[inline(always)]
+    fn lut32(self, idx: [Self::I; 2], f: impl Fn(Self::F) -> Self::F) -> [Self::F; 2] {
+        let m = self.splat_i(31);
+        [f(self.to_f(self.and_i(idx[0], m))), f(self.to_f(self.and_i(idx[1], m)))]
+    }
 }
 
 /// The codes 0..16 as floats, `[0, 1, .., 15]`.

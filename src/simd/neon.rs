@@ -230,13 +230,6 @@ impl Simd for Neon {
         quarters!(vbslq_f32(m, a, b))
     }
 
-    /// Evaluated on the lanes (a 16-entry f32 table is four registers of `vqtbl4q_u8` bytes:
-    /// more work than converting the codes).
-    #[inline(always)]
-    fn lut16(self, idx: [I; 2], f: impl Fn(F) -> F) -> [F; 2] {
-        let m = self.splat_i(15);
-        [f(self.to_f(self.and_i(idx[0], m))), f(self.to_f(self.and_i(idx[1], m)))]
-    }
     /// Lane by lane through memory (TurboQuant codes on an ARM CPU; `vqtbl4q_u8` would need
     /// byte indices built per lane).
     #[inline(always)]
@@ -252,10 +245,5 @@ impl Simd for Neon {
         let out: [f32; 16] = std::array::from_fn(|j| t[(i[j] & 15) as usize]);
         // SAFETY: 16 values.
         unsafe { self.load(out.as_ptr()) }
-    }
-    #[inline(always)]
-    fn lut32(self, idx: [I; 2], f: impl Fn(F) -> F) -> [F; 2] {
-        let m = self.splat_i(31);
-        [f(self.to_f(self.and_i(idx[0], m))), f(self.to_f(self.and_i(idx[1], m)))]
     }
 }

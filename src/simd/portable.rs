@@ -202,15 +202,7 @@ impl Simd for Portable {
     }
 
     #[inline(always)]
-    fn lut16(self, idx: [I; 2], f: impl Fn(F) -> F) -> [F; 2] {
-        [f(self.to_f(map(idx[0], |x| x & 15))), f(self.to_f(map(idx[1], |x| x & 15)))]
-    }
-    #[inline(always)]
     fn lookup16(self, table: F, idx: I) -> F {
         std::array::from_fn(|i| table[(idx[i] & 15) as usize])
-    }
-    #[inline(always)]
-    fn lut32(self, idx: [I; 2], f: impl Fn(F) -> F) -> [F; 2] {
-        [f(self.to_f(map(idx[0], |x| x & 31))), f(self.to_f(map(idx[1], |x| x & 31)))]
     }
 }
