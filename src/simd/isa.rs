@@ -48,8 +48,13 @@ impl Isa {
         }
     }
 
-    /// Whether this CPU runs the set.
+    /// Whether this CPU runs the set (detected once: `run` asks on every kernel call).
     pub fn supported(self) -> bool {
+        static SUPPORTED: OnceLock<[bool; 4]> = OnceLock::new();
+        SUPPORTED.get_or_init(|| Isa::ALL.map(Isa::detect))[self as usize]
+    }
+
+    fn detect(self) -> bool {
         match self {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw"),

@@ -268,10 +268,16 @@ unsafe fn dot_row_range<S: Simd, F: Decode, const M: usize>(
         }
         return;
     }
-    let mut w = vec![0f32; k];
-    for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
-        dot_rows_buffered::<S, F, M>(s, row, x, k, &mut w, &mut out[r * M..(r + 1) * M]);
+    // One decoded-row buffer per thread, kept across calls (a matmul has thousands of tasks).
+    thread_local! {
+        static ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
+    ROW.with_borrow_mut(|w| {
+        w.resize(k, 0.0);
+        for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+            dot_rows_buffered::<S, F, M>(s, row, x, k, w, &mut out[r * M..(r + 1) * M]);
+        }
+    });
 }
 
 /// `out[r * M + i] = dot(dequant(row r), x[i * k..(i + 1) * k])` for every packed row r of

@@ -151,22 +151,26 @@ fn codes_match_dequantize_then_attend() {
                 let q = Tensor::randn(0f32, 1.0, (rows, hq, d), &dev).unwrap();
                 let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
                 let a = attn(&meta, hq, hkv, d, sliding);
-                let float = c.window.as_ref().map(|w| FloatInputs {
-                    len: fw,
-                    ring_k: &w.k,
-                    ring_v: &w.v,
-                    new_k: &new_kt,
-                    new_v: &new_vt,
-                });
-                let op = TqAttention {
-                    attn: a,
-                    key: &c.codecs.key,
-                    value: &c.codecs.value,
-                    key_scale: scale,
-                    float,
-                    device: None,
+                // The op with attention `a`, over the cache and this step's float rows.
+                let run = |a: PagedAttention<'_>| -> Vec<f32> {
+                    let float = c.window.as_ref().map(|w| FloatInputs {
+                        len: fw,
+                        ring_k: &w.k,
+                        ring_v: &w.v,
+                        new_k: &new_kt,
+                        new_v: &new_vt,
+                    });
+                    let op = TqAttention {
+                        attn: a,
+                        key: &c.codecs.key,
+                        value: &c.codecs.value,
+                        key_scale: scale,
+                        float,
+                        device: None,
+                    };
+                    op.forward(&q, &c.k, &c.v).unwrap().flatten_all().unwrap().to_vec1().unwrap()
                 };
-                let got: Vec<f32> = op.forward(&q, &c.k, &c.v).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                let got = run(a);
 
                 // f64 reference: row at p reads j in (p - fw, p] from the originals.
                 let mut want = vec![0f64; got.len()];
@@ -203,22 +207,7 @@ fn codes_match_dequantize_then_attend() {
                 assert!(err < 1e-4, "d={d} bits={bits:?} sliding={sliding:?} float window {fw}: max error {err}");
                 // Every instruction set this CPU has gives the same bits.
                 for isa in crate::simd::Isa::available() {
-                    let float = c.window.as_ref().map(|w| FloatInputs {
-                        len: fw,
-                        ring_k: &w.k,
-                        ring_v: &w.v,
-                        new_k: &new_kt,
-                        new_v: &new_vt,
-                    });
-                    let op = TqAttention {
-                        attn: PagedAttention { isa, ..attn(&meta, hq, hkv, d, sliding) },
-                        key: &c.codecs.key,
-                        value: &c.codecs.value,
-                        key_scale: scale,
-                        float,
-                        device: None,
-                    };
-                    let other: Vec<f32> = op.forward(&q, &c.k, &c.v).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                    let other = run(PagedAttention { isa, ..attn(&meta, hq, hkv, d, sliding) });
                     assert!(
                         other.iter().map(|v| v.to_bits()).eq(got.iter().map(|v| v.to_bits())),
                         "d={d} bits={bits:?} sliding={sliding:?} float window {fw}: {isa:?} differs"
