@@ -228,6 +228,39 @@ impl AttentionMeta {
         data
     }
 
+    /// The same step with every sequence computing `r` rows (`r` at least each one's), so that
+    /// a CUDA graph of `r` rows per sequence can run a step whose sequences verify different
+    /// numbers of drafts. A sequence's extra rows follow its real ones, at the next positions;
+    /// they write no key or value (`NO_SLOT`, no ring row) and their table is extended with
+    /// block 0, whose values they may read; their outputs are ignored. Every kernel places a
+    /// row at `context_len - q_len + offset`, so each real row attends exactly as before.
+    /// Also returns where each real row sits in the padded step.
+    pub fn rows_padded_to(&self, r: usize) -> (AttentionMeta, Vec<u32>) {
+        let bs = self.block_size;
+        let (mut slot_mapping, mut row_seq, mut real) = (Vec::new(), Vec::new(), Vec::new());
+        let mut window_slots = Vec::new();
+        let mut seqs = Vec::with_capacity(self.seqs.len());
+        for (i, s) in self.seqs.iter().enumerate() {
+            let pad = r.saturating_sub(s.q_len);
+            let rows = s.q_start..s.q_start + s.q_len;
+            real.extend((i * r..i * r + s.q_len).map(|x| x as u32));
+            slot_mapping.extend_from_slice(&self.slot_mapping[rows.clone()]);
+            slot_mapping.extend(std::iter::repeat_n(NO_SLOT, pad));
+            row_seq.extend(std::iter::repeat_n(i as u32, s.q_len + pad));
+            if let Some(w) = &self.window {
+                window_slots.extend_from_slice(&w.slots[rows]);
+                window_slots.extend(std::iter::repeat_n(NO_SLOT, pad));
+            }
+            let context_len = s.context_len + pad;
+            let mut block_table = s.block_table.clone();
+            block_table.resize(block_table.len().max(context_len.div_ceil(bs)), 0);
+            seqs.push(SeqSlice { q_start: i * r, q_len: s.q_len + pad, context_len, block_table });
+        }
+        let window =
+            self.window.as_ref().map(|w| WindowMeta { len: w.len, rings: w.rings.clone(), slots: window_slots });
+        (AttentionMeta { block_size: bs, seqs, slot_mapping, row_seq, window, device: None }, real)
+    }
+
     pub fn num_rows(&self) -> usize {
         self.slot_mapping.len()
     }
@@ -406,6 +439,32 @@ mod tests {
         let plain = AttentionMeta::new(4, meta.seqs.clone()).packed(&layout);
         assert!(plain[layout.ring_slots..layout.seq_info].iter().all(|&s| s == NO_SLOT));
         assert!(plain[layout.rings..layout.tiles].iter().all(|&r| r == 0));
+    }
+
+    /// A step mixing a decode and a verify of two drafts, padded to 3 rows per sequence: the
+    /// decode's two extra rows write nothing, sit at the positions after its context (block 0
+    /// where its table ends) and are not real rows; the real rows keep their slots, positions
+    /// and ring rows.
+    #[test]
+    fn rows_padded_to_keeps_each_real_row_where_it_attends() {
+        let seqs = vec![
+            SeqSlice { q_start: 0, q_len: 1, context_len: 8, block_table: vec![5, 6] },
+            SeqSlice { q_start: 1, q_len: 3, context_len: 6, block_table: vec![2, 3] },
+        ];
+        let mut meta = AttentionMeta::new(4, seqs);
+        meta.set_float_window(4, vec![1, 0]).unwrap();
+        let (padded, real) = meta.rows_padded_to(3);
+        assert_eq!(real, vec![0, 3, 4, 5]);
+        assert_eq!(padded.slot_mapping, vec![27, NO_SLOT, NO_SLOT, 11, 12, 13]);
+        assert_eq!(padded.row_seq, vec![0, 0, 0, 1, 1, 1]);
+        assert_eq!(padded.seqs[0].context_len, 10);
+        assert_eq!(padded.seqs[0].first_position(), 7, "the decode row keeps its position");
+        assert_eq!(padded.seqs[0].block_table, vec![5, 6, 0]);
+        assert_eq!(padded.seqs[1].block_table, vec![2, 3]);
+        assert_eq!((padded.seqs[1].q_start, padded.seqs[1].first_position()), (3, 3));
+        let w = padded.window.as_ref().unwrap();
+        assert_eq!(w.slots, vec![7, NO_SLOT, NO_SLOT, 3, 0, 1]);
+        assert_eq!(w.slots[..1], meta.window.as_ref().unwrap().slots[..1]);
     }
 
     /// A verify step's graph layout: two sequences of 3 rows padded to four; each padding

@@ -3,7 +3,8 @@
 //! with float and TurboQuant caches (a float window included, whose ring rows a rejected draft
 //! overwrote are restored), a stop string or max_tokens falling inside an accepted draft, and
 //! logprobs. Each case also checks that drafts were both accepted and rejected, so both
-//! branches ran. (The sampled case's distribution is tested in `engine::sampler`.)
+//! branches ran. (The sampled case's distribution is tested in `engine::sampler`, for `verify`
+//! alone, and in `engine::spec_distribution`, through the engine.)
 
 mod common;
 

@@ -6,6 +6,7 @@ use candle_core::{DType, Device};
 
 use super::calibrate;
 use super::core::{Engine, EngineConfig};
+use super::runner::ModelRunner;
 use super::scheduler::SchedulerConfig;
 use super::speculative::SpeculativeConfig;
 use crate::kv::format::resolve_layers;
@@ -173,8 +174,14 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     let wanted_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
     // No need to reserve more than every sequence at full length could use.
     let useful = (per_token as u64) * (wanted_len as u64) * (opts.max_num_seqs as u64);
+    // The default budget also leaves room for the runner's own buffers (CUDA graphs' logits:
+    // (K + 1) rows per sequence with speculation), allocated later, at the first decode step.
+    let max_rows = 1 + opts.speculative.map_or(0, |s| s.num_tokens);
+    let runner_bytes = ModelRunner::reserved_bytes(device, opts.max_num_seqs, max_rows, cfg.vocab_size);
     let budget = opts.kv_memory.unwrap_or_else(|| {
-        default_kv_budget(device).min(useful.max(per_token as u64 * opts.block_size as u64) + slot_bytes)
+        default_kv_budget(device)
+            .saturating_sub(runner_bytes)
+            .min(useful.max(per_token as u64 * opts.block_size as u64) + slot_bytes)
     });
     let Some(pool) = caches.pool(budget, opts.block_size, opts.max_num_seqs) else {
         return Err(BuildError::Kv(format!(

@@ -5,7 +5,9 @@
 //! GPU (hundreds of launches). A step in which every scheduled sequence computes the same
 //! number of rows R (1 for a decode; its last token and R - 1 drafts for a speculative verify
 //! step, R below the prompt-chunk size) and samples all of them is instead padded to the next
-//! bucket of sequences and run by replaying a graph captured for that bucket and R:
+//! bucket of sequences and run by replaying a graph captured for that bucket and R (a step
+//! whose sequences verify different numbers of drafts first pads each to the most rows, where
+//! that pays: `pad_pays`):
 //! the step's token ids and attention metadata are uploaded into buffers the graphs read, and
 //! the graph leaves the logits and their argmax in buffers the engine reads (only the ids, or
 //! the logits when some row samples, are copied back). Padding rows write no KV (slot NO_SLOT)
@@ -107,7 +109,7 @@ impl DecodeGraphs {
         max_positions: usize,
         max_rows_per_seq: usize,
     ) -> Option<Self> {
-        if !device.is_cuda() || !crate::switches::switched_on!("IRIS_CUDA_GRAPHS") {
+        if !graphs_on(device) {
             return None;
         }
         let buckets: Vec<usize> = BUCKETS.iter().copied().filter(|&b| b < max_num_seqs).chain([max_num_seqs]).collect();
@@ -126,6 +128,18 @@ impl DecodeGraphs {
                 last: None,
             }),
         })
+    }
+
+    /// Device bytes the graphs' buffers take at most (the largest bucket's logits, rows of
+    /// `vocab` f32, dominate: 1.2 GiB for 256 sequences of 5 rows over 250k tokens); 0 when
+    /// graphs are off. The engine's default KV budget leaves them room.
+    pub fn buffer_bytes(device: &Device, max_num_seqs: usize, max_rows_per_seq: usize, vocab: usize) -> u64 {
+        if !graphs_on(device) {
+            return 0;
+        }
+        let rows = (max_num_seqs * max_rows_per_seq.clamp(1, PREFILL_MIN_ROWS - 1)) as u64;
+        // Per row: its logits, token id and argmax, and its share of the metadata.
+        rows * (4 * vocab as u64 + 4 * 8)
     }
 
     /// A step ran without a graph: the wall time to the next replay is not a decode step's.
@@ -153,20 +167,30 @@ impl DecodeGraphs {
         if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() {
             return Ok(None);
         }
-        let meta = &batch.attn;
-        let t = meta.num_rows();
-        let n = meta.seqs.len();
-        let r = meta.seqs.first().map_or(0, |s| s.q_len);
-        let uniform = t > 0
+        let t = batch.attn.num_rows();
+        let n = batch.attn.seqs.len();
+        let r = batch.attn.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
+        let decodes = t > 0
             && (1..=self.max_rows_per_seq).contains(&r)
-            && n * r == t
-            && meta.seqs.iter().all(|s| {
-                s.q_len == r && s.block_table.len() <= self.max_blocks_per_seq && s.context_len <= self.max_positions
-            })
             && sample_rows.len() == t
             && sample_rows.iter().enumerate().all(|(i, &row)| row as usize == i);
-        let Some(&bucket) = self.buckets.iter().find(|&&b| b >= n).filter(|_| uniform) else { return Ok(None) };
-        if matches!(self.graphs.get(&(bucket, r)), Some(None)) {
+        let Some(&bucket) = self.buckets.iter().find(|&&b| b >= n).filter(|_| decodes) else { return Ok(None) };
+        // Sequences verifying fewer drafts than the most are padded to its rows, when the
+        // padding costs less than running op by op would (`pad_pays`).
+        let padded;
+        let (meta, real_rows) = if batch.attn.seqs.iter().all(|s| s.q_len == r) {
+            (&batch.attn, None)
+        } else if pad_pays(bucket * r, t) {
+            padded = batch.attn.rows_padded_to(r);
+            (&padded.0, Some(&padded.1))
+        } else {
+            return Ok(None);
+        };
+        let fits = meta
+            .seqs
+            .iter()
+            .all(|s| s.block_table.len() <= self.max_blocks_per_seq + r && s.context_len <= self.max_positions);
+        if !fits || matches!(self.graphs.get(&(bucket, r)), Some(None)) {
             return Ok(None);
         }
         let layout = MetaLayout::new(bucket * r, bucket, 0);
@@ -174,7 +198,17 @@ impl DecodeGraphs {
             self.buffers = Some(self.make_buffers(model)?);
         }
         let bufs = self.buffers.as_ref().expect("made above");
-        let mut tokens: Vec<u32> = batch.token_ids.to_vec1()?;
+        let step_tokens: Vec<u32> = batch.token_ids.to_vec1()?;
+        let mut tokens = match real_rows {
+            None => step_tokens,
+            Some(real) => {
+                let mut padded = vec![0; n * r];
+                for (&row, &tok) in real.iter().zip(&step_tokens) {
+                    padded[row as usize] = tok;
+                }
+                padded
+            }
+        };
         tokens.resize(bucket * r, 0);
         write_host(&bufs.tokens, &tokens)?;
         write_host(&bufs.meta, &meta.packed(&layout))?;
@@ -196,17 +230,24 @@ impl DecodeGraphs {
             }
         }
         let bufs = self.buffers.as_ref().expect("made above");
-        let logits = bufs.logits.narrow(0, 0, t)?;
+        let (logits, ids) = match real_rows {
+            None => (bufs.logits.narrow(0, 0, t)?, bufs.ids.narrow(0, 0, t)?),
+            Some(real) => {
+                let real = Tensor::new(real.as_slice(), &self.device)?;
+                (bufs.logits.index_select(&real, 0)?, bufs.ids.index_select(&real, 0)?)
+            }
+        };
         Ok(Some(match draws {
-            Some(draws) => StepOutput::Tokens(draw_on_device(&logits, Some(&bufs.ids.narrow(0, 0, t)?), draws)?),
+            Some(draws) => StepOutput::Tokens(draw_on_device(&logits, Some(&ids), draws)?),
             None => StepOutput::Logits(logits.to_vec2()?),
         }))
     }
 
     fn make_buffers(&self, model: &dyn TextModel) -> Result<Buffers> {
         let (dev, b, r) = (&self.device, self.max_bucket(), self.max_rows_per_seq);
-        // The padding sequences' block table entries follow the real tables (`packed`).
-        let meta_len = MetaLayout::new(b * r, b, 0).block_tables + b * self.max_blocks_per_seq + r;
+        // The padding sequences' block table entries follow the real tables (`packed`), which
+        // rows padded to `r` may lengthen by a block per row at most.
+        let meta_len = MetaLayout::new(b * r, b, 0).block_tables + b * (self.max_blocks_per_seq + r) + r;
         Ok(Buffers {
             tokens: Tensor::zeros(b * r, DType::U32, dev)?,
             meta: Tensor::zeros(meta_len, DType::U32, dev)?,
@@ -281,6 +322,21 @@ impl DecodeGraphs {
             }
         })
     }
+}
+
+fn graphs_on(device: &Device) -> bool {
+    device.is_cuda() && crate::switches::switched_on!("IRIS_CUDA_GRAPHS")
+}
+
+/// Whether a step of `real` rows whose sequences verify different numbers of drafts runs
+/// padded to `padded` rows in a graph rather than op by op. A decode step costs about the same
+/// for any row count while its weights are read once for all rows, up to some tens of rows
+/// (on an H200, 8 sequences of 5 rows cost 1.04x 8 of 1 at the 7B shape), and op by op costs
+/// the launches of hundreds of kernels: so padding up to `IRIS_CUDA_PAD_ROWS` rows (64) always
+/// pays, and beyond that while it at most doubles the rows. `IRIS_CUDA_PAD_ROWS=0`: never.
+fn pad_pays(padded: usize, real: usize) -> bool {
+    let free = crate::switches::tuned!("IRIS_CUDA_PAD_ROWS", usize, 64);
+    free > 0 && padded <= free.max(2 * real)
 }
 
 /// Copies host values into the start of a device u32 tensor, in stream order.

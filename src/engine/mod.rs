@@ -17,6 +17,8 @@ pub mod sampler;
 pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
+#[cfg(test)]
+mod spec_distribution;
 pub mod speculative;
 pub mod step_output;
 pub mod stop;

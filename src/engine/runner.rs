@@ -81,6 +81,18 @@ impl ModelRunner {
         }
     }
 
+    /// Device memory the runner's fast paths keep for themselves at most (the CUDA graphs'
+    /// buffers), for a runner built with these settings; 0 on the CPU.
+    pub fn reserved_bytes(device: &Device, max_num_seqs: usize, max_rows_per_seq: usize, vocab: usize) -> u64 {
+        #[cfg(feature = "cuda")]
+        return super::cuda_graph::DecodeGraphs::buffer_bytes(device, max_num_seqs, max_rows_per_seq, vocab);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, max_num_seqs, max_rows_per_seq, vocab);
+            0
+        }
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }

@@ -357,12 +357,12 @@ pub(crate) fn logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     thread_local! {
         /// Makes `residual_pick` draw from the target distribution itself (a wrong residual).
-        pub(super) static WRONG_RESIDUAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        pub(crate) static WRONG_RESIDUAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
 
     fn params(temperature: f32) -> SamplingParams {
