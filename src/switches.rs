@@ -13,6 +13,7 @@
 //! | `IRIS_CPU_ISA` | simd/isa.rs | the CPU kernels' instruction set: `avx512`, `avx2`, `neon` or `portable` (default: the best this CPU has; one it lacks is refused at start) |
 //! | `IRIS_DEVICE_SAMPLING=0` | engine/runner.rs | sample on the host instead of the GPU |
 //! | `IRIS_CUDA_GRAPHS=0` | engine/cuda_graph.rs | no CUDA graphs (op by op) |
+//! | `IRIS_CUDA_PAD_ROWS=N` | engine/cuda_graph.rs | most rows a verify step with mixed draft counts is padded to for a graph (64; beyond, while it at most doubles the rows; 0: never) |
 //! | `IRIS_CUDA_STEP_TIMING=1` | engine/cuda_graph.rs | log the replayed graphs' GPU time per step |
 //! | `IRIS_CUDA_PDL=0` | ops/cuda | no programmatic dependent launches |
 //! | `IRIS_CUDA_FUSED_KV_WRITE=0` | ops/qkv_rope.rs | the KV write apart from q/k/v + rotary |
