@@ -11,6 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TGT=${CARGO_TARGET_DIR:-$PWD/target}
 cargo build --release --features cuda
+stage=$(mktemp -d)
+# At once: another build in the same target dir (a CPU one) would overwrite release/iris.
+strip -o "$stage/iris" "$TGT/release/iris"
 cargo test --release --features cuda --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
@@ -29,7 +32,6 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kv_decode":
         print(m["executable"])
 ')
-stage=$(mktemp -d)
 mkdir -p "$stage/tests" .gpu
 # Not shipped: tests that download real models or need the Python SDKs (absent there).
 while read -r name exe; do
@@ -37,7 +39,6 @@ while read -r name exe; do
   cp "$exe" "$stage/tests/$name"
 done < /tmp/iris-gpu-tests.txt
 strip "$stage"/tests/*
-strip -o "$stage/iris" "$TGT/release/iris"
 # One archive with a large window: the test binaries share most of their bytes (candle's kernels).
 tar -C "$stage" -cf - tests | xz -T1 --lzma2=preset=3,dict=512MiB > .gpu/tests.tar.xz
 xz -T2 -9 -c "$stage/iris" > .gpu/iris.xz
