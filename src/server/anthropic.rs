@@ -162,10 +162,12 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
     let sub = submit_with_images(&app, &engine, vec![Request { prompt_tokens: prompt.clone(), params }], images)?;
     let id = random_id("msg_");
     if req.stream.unwrap_or(false) {
+        // What the forced opening gives (a streaming format's call starts there) goes out
+        // after message_start.
+        let mut early = Vec::new();
         let parser = (!setup.is_plain()).then(|| {
             let mut p = ReplyParser::new(&setup);
-            // The forced opening is inside a call: it emits nothing by itself.
-            p.feed(&forced, &mut Vec::new());
+            p.feed(&forced, &mut early);
             p
         });
         let conv = MessageStream {
@@ -180,6 +182,7 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
             finished: false,
             failed: false,
             parser,
+            early,
             blocks: Blocks::default(),
         };
         return Ok(sse_response(sub, conv));
@@ -221,6 +224,8 @@ struct MessageStream {
     /// With tools or a reasoning parser: the reply's parser (blocks then open as their
     /// deltas arrive); without, one text block carries the text as it comes.
     parser: Option<ReplyParser>,
+    /// The parser's deltas from the forced call opening, sent at the start.
+    early: Vec<Delta>,
     blocks: Blocks,
 }
 
@@ -357,6 +362,9 @@ impl Converter for MessageStream {
         ));
         if self.parser.is_none() {
             self.blocks.open(BlockKind::Text, json!({ "type": "text", "text": "" }), out);
+        }
+        for d in std::mem::take(&mut self.early) {
+            self.blocks.apply(d, out);
         }
         out.push(named_event("ping", &json!({ "type": "ping" })));
     }

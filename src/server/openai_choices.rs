@@ -117,21 +117,25 @@ pub struct ChatFormat {
     /// Per choice, its parser (already fed the call opening iris appended to the prompt
     /// under tool_choice required or named, if any).
     parsers: Vec<Option<ReplyParser>>,
+    /// Per choice, what that opening gave (a streaming format's call starts there), sent
+    /// with the choice's first update.
+    early: Vec<Vec<Delta>>,
 }
 
 impl ChatFormat {
     pub fn new(tok: Arc<TextTokenizer>, logprobs: bool, setup: ReplySetup, forced: String, n: usize) -> Self {
-        let parsers = (0..n)
-            .map(|_| {
+        let mut early = vec![Vec::new(); n];
+        let parsers = early
+            .iter_mut()
+            .map(|out| {
                 (!setup.is_plain()).then(|| {
                     let mut p = ReplyParser::new(&setup);
-                    // The forced opening is inside a call: it emits nothing by itself.
-                    p.feed(&forced, &mut Vec::new());
+                    p.feed(&forced, out);
                     p
                 })
             })
             .collect();
-        ChatFormat { tok, logprobs, parsers }
+        ChatFormat { tok, logprobs, parsers, early }
     }
 
     fn delta_fields(d: Delta) -> Value {
@@ -166,7 +170,7 @@ impl ChoiceFormat for ChatFormat {
             }
             return;
         };
-        let mut deltas = Vec::new();
+        let mut deltas = self.early.get_mut(index).map(std::mem::take).unwrap_or_default();
         parser.feed(&u.text, &mut deltas);
         if u.finish.is_some() {
             parser.finish(&mut deltas);

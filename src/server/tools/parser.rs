@@ -1,7 +1,7 @@
 //! What every tool-call parser shares: the [`ToolParser`] trait, the events it emits, and the
 //! tools of the request (their parameter schemas turn the XML formats' text values into JSON).
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 /// One piece of a reply as a tool-call parser sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,11 +85,6 @@ pub fn typed_value(text: &str, ty: Option<&str>, untyped_as_json: bool) -> Value
         None => None,
     };
     v.unwrap_or_else(|| Value::String(text.to_string()))
-}
-
-/// A call's arguments as the JSON text OpenAI's `function.arguments` carries.
-pub fn arguments_text(args: &Map<String, Value>) -> String {
-    Value::Object(args.clone()).to_string()
 }
 
 /// The events of one complete call.

@@ -2,64 +2,69 @@
 //! `<tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n</function>\n</tool_call>`
 //! (Qwen3-Coder.jinja, Qwen3.5-4B.jinja). Values are bare text; the tool's schema says what
 //! each one is (strings stay text, numbers, booleans, objects and arrays are read as JSON;
-//! a parameter the schema does not list stays text, as in vLLM).
+//! a parameter the schema does not list stays text, as in vLLM). Calls stream: the call
+//! begins at `<function=f>`, each parameter is a piece of its arguments at `</parameter>`.
 
-use serde_json::Map;
-
-use super::parser::{arguments_text, typed_value, Tools};
-use super::tagged::BlockFormat;
+use super::parser::{typed_value, Tools};
+use super::tagged::{BlockFormat, Header, Item};
 
 pub struct Qwen3Xml;
+
+const FUNCTION: &str = "<function=";
+const PARAMETER: &str = "<parameter=";
+const END_PARAMETER: &str = "</parameter>";
+const END_FUNCTION: &str = "</function>";
 
 impl BlockFormat for Qwen3Xml {
     const OPEN: &'static str = "<tool_call>";
     const CLOSE: &'static str = "</tool_call>";
+    const STREAMS: bool = true;
 
-    fn parse(body: &str, tools: &Tools) -> Option<Vec<(String, String)>> {
-        let mut calls = Vec::new();
-        let mut rest = body.trim();
-        while !rest.is_empty() {
-            let after = rest.strip_prefix("<function=")?;
-            let gt = after.find('>')?;
-            let name = after[..gt].trim().to_string();
-            if name.is_empty() {
-                return None;
+    fn header(rest: &str, complete: bool) -> Header {
+        let t = rest.trim_start();
+        let lead = rest.len() - t.len();
+        let Some(after) = t.strip_prefix(FUNCTION) else {
+            return if !complete && FUNCTION.starts_with(t) { Header::Pending } else { Header::Invalid };
+        };
+        match after.find('>') {
+            Some(gt) => {
+                let name = after[..gt].trim();
+                if name.is_empty() || name.contains(char::is_whitespace) || name.contains('<') {
+                    Header::Invalid
+                } else {
+                    Header::Name(name.to_string(), lead + FUNCTION.len() + gt + 1)
+                }
             }
-            let inner_and_rest = &after[gt + 1..];
-            // A call cut short (no `</function>`) keeps what it has, when it ends cleanly.
-            let (inner, next) = match inner_and_rest.find("</function>") {
-                Some(end) => (&inner_and_rest[..end], &inner_and_rest[end + "</function>".len()..]),
-                None => (inner_and_rest, ""),
-            };
-            let args = parameters(inner, &name, tools)?;
-            calls.push((name, arguments_text(&args)));
-            rest = next.trim();
+            None if complete => Header::Invalid,
+            None => Header::Pending,
         }
-        (!calls.is_empty()).then_some(calls)
     }
-}
 
-fn parameters(mut inner: &str, function: &str, tools: &Tools) -> Option<Map<String, serde_json::Value>> {
-    let mut args = Map::new();
-    loop {
-        inner = inner.trim_start();
-        if inner.is_empty() {
-            return Some(args);
+    fn item(rest: &str, name: &str, tools: &Tools, complete: bool) -> Item {
+        let t = rest.trim_start();
+        let lead = rest.len() - t.len();
+        if t.starts_with(END_FUNCTION) {
+            return Item::EndFunction(lead + END_FUNCTION.len());
         }
-        let after = inner.strip_prefix("<parameter=")?;
-        let gt = after.find('>')?;
+        let Some(after) = t.strip_prefix(PARAMETER) else {
+            let maybe = PARAMETER.starts_with(t) || END_FUNCTION.starts_with(t);
+            return if !complete && maybe { Item::Pending } else { Item::End };
+        };
+        let Some(gt) = after.find('>') else { return if complete { Item::End } else { Item::Pending } };
         let key = after[..gt].trim().to_string();
         let value_and_rest = &after[gt + 1..];
-        // The value runs to its closing tag; a value cut short at the end runs to the end.
-        let (value, next) = match value_and_rest.find("</parameter>") {
-            Some(end) => (&value_and_rest[..end], &value_and_rest[end + "</parameter>".len()..]),
-            None => (value_and_rest, ""),
+        // The value runs to its closing tag; one cut short at the end of the reply runs to
+        // the end.
+        let (value, used) = match value_and_rest.find(END_PARAMETER) {
+            Some(end) => (&value_and_rest[..end], end + END_PARAMETER.len()),
+            None if complete => (value_and_rest, value_and_rest.len()),
+            None => return Item::Pending,
         };
         // The template writes one newline on each side of a value.
         let value = value.strip_prefix('\n').unwrap_or(value);
         let value = value.strip_suffix('\n').unwrap_or(value);
-        let ty = tools.param_type(function, &key);
-        args.insert(key, typed_value(value, ty.as_deref(), false));
-        inner = next;
+        let ty = tools.param_type(name, &key);
+        let v = typed_value(value, ty.as_deref(), false);
+        Item::Param(key, v, lead + PARAMETER.len() + gt + 1 + used)
     }
 }

@@ -237,3 +237,65 @@ fn formats_are_detected_from_the_real_templates() {
         assert!(ToolFormat::from_name(name).is_some(), "{name}");
     }
 }
+
+#[test]
+fn xml_calls_stream_before_their_block_closes() {
+    let t = weather_tools();
+    for (format, text) in [
+        (
+            ToolFormat::Qwen3Xml,
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n",
+        ),
+        (
+            ToolFormat::Glm45,
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>",
+        ),
+    ] {
+        let mut p = format.parser(t.clone());
+        let mut events = Vec::new();
+        p.feed(text, &mut events);
+        // The call has begun and its first argument is out; the second is not complete.
+        assert_eq!(
+            events,
+            vec![
+                ToolEvent::Start { name: "get_weather".into() },
+                ToolEvent::Args("{\"city\":\"Paris\"}".replace('}', ""))
+            ],
+            "{}",
+            format.name()
+        );
+        p.finish(&mut events);
+        let args: String =
+            events.iter().filter_map(|e| if let ToolEvent::Args(a) = e { Some(a.as_str()) } else { None }).collect();
+        let v: Value = serde_json::from_str(&args).expect("arguments are JSON");
+        assert_eq!(v["city"], "Paris", "{}", format.name());
+    }
+}
+
+#[test]
+fn xml_calls_drop_what_is_no_parameter() {
+    let t = weather_tools();
+    // A header makes a call: what follows its last complete parameter and is none is dropped.
+    every_split(
+        ToolFormat::Qwen3Xml,
+        &t,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\nI think that is all.\n</function>\n</tool_call>",
+        "",
+        &[("get_weather", json!({"city": "Rome"}))],
+    );
+    every_split(
+        ToolFormat::Glm45,
+        &t,
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\noops</tool_call>Done.",
+        "Done.",
+        &[("get_weather", json!({"city": "Rome"}))],
+    );
+    // Two functions in one block (Qwen3-Coder sometimes does).
+    every_split(
+        ToolFormat::Qwen3Xml,
+        &t,
+        "<tool_call>\n<function=note>\n</function>\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n</function>\n</tool_call>",
+        "",
+        &[("note", json!({})), ("get_weather", json!({"city": "X"}))],
+    );
+}
