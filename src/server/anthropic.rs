@@ -53,6 +53,19 @@ struct MessagesRequest {
     tool_choice: Option<Value>,
     #[serde(default)]
     thinking: Option<Value>,
+    /// vLLM's sampling extensions, as the OpenAI endpoints read them.
+    #[serde(default)]
+    ignore_eos: Option<bool>,
+    #[serde(default)]
+    min_tokens: Option<i64>,
+    #[serde(default)]
+    seed: Option<i64>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    repetition_penalty: Option<f32>,
+    #[serde(default)]
+    stop_token_ids: Option<Vec<u32>>,
 }
 
 /// Renders the conversation; an assistant message last is continued (prefill), as the
@@ -154,8 +167,17 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
         stop: req.stop_sequences.clone().unwrap_or_default(),
         // Tool-call and thinking tags may be special tokens (GLM's are): the parsers need them.
         skip_special_tokens: setup.is_plain(),
+        ignore_eos: req.ignore_eos.unwrap_or(false),
+        seed: req.seed.map(|s| s as u64),
+        min_p: req.min_p.unwrap_or(0.0),
+        repetition_penalty: req.repetition_penalty.unwrap_or(1.0),
+        stop_token_ids: req.stop_token_ids.clone().unwrap_or_default(),
         ..SamplingParams::default()
     };
+    if let Some(m) = req.min_tokens {
+        params.min_tokens = usize::try_from(m)
+            .map_err(|_| ApiError::invalid_param("min_tokens", format!("`min_tokens` must be >= 0, got {m}")))?;
+    }
     let max_tokens = MaxTokens { requested: Some(max_tokens), default: None };
     check_request(&engine, &prompt, &mut params, max_tokens, "messages")?;
     let stops = params.stop.clone();

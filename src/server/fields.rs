@@ -96,6 +96,13 @@ pub const MESSAGES: Fields = Fields {
         "tools",
         "tool_choice",
         "thinking",
+        // vLLM's sampling extensions.
+        "ignore_eos",
+        "min_tokens",
+        "seed",
+        "min_p",
+        "repetition_penalty",
+        "stop_token_ids",
     ],
     sampling: false,
     ignored: &["metadata", "service_tier", "cache_control"],
