@@ -292,6 +292,37 @@ mod tests {
     }
 
     #[test]
+    fn tool_results_carry_text_and_images() {
+        let messages = json!([
+            {"role": "user", "content": "Look at the screen."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [
+                    {"type": "text", "text": "Here:"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+                ]},
+                {"type": "tool_result", "tool_use_id": "t2", "content": "failed", "is_error": true},
+            ]},
+        ]);
+        let (msgs, images) = to_chat(None, messages.as_array().expect("list")).expect("ok");
+        assert_eq!(images.len(), 1);
+        let roles: Vec<&str> = msgs.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["user", "assistant", "tool", "tool"]);
+        match &msgs[2].content {
+            Some(MessageContent::Parts(p)) => {
+                assert_eq!(p.iter().map(|x| x.kind.as_str()).collect::<Vec<_>>(), ["text", "image"])
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(msgs[3].content, Some(MessageContent::Text("Error: failed".into())));
+        // A tool_result without its id, and an unknown assistant block, are 400s.
+        let bad = json!([{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]);
+        assert!(to_chat(None, bad.as_array().expect("list")).is_err());
+        let bad = json!([{"role": "assistant", "content": [{"type": "server_tool_use", "id": "x"}]}]);
+        assert!(to_chat(None, bad.as_array().expect("list")).is_err());
+    }
+
+    #[test]
     fn anthropic_tool_choices() {
         let t = json!([{"name": "f", "input_schema": {"type": "object"}}]);
         assert_eq!(tools(Some(&t), None).expect("ok").choice, ToolChoice::Auto);

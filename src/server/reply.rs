@@ -125,7 +125,10 @@ impl ReplyParser {
                 }
             }
             ToolEvent::Args(args) if !self.dropping => {
-                out.push(Delta::CallArgs { index: self.calls - 1, args });
+                // Arguments belong to the call begun last (a parser never sends them first).
+                if let Some(index) = self.calls.checked_sub(1) {
+                    out.push(Delta::CallArgs { index, args });
+                }
             }
             ToolEvent::Args(_) => {}
             ToolEvent::End => self.dropping = false,
