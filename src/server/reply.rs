@@ -293,3 +293,60 @@ mod tests {
         assert_eq!(r.content, "  <think>x</think> <tool_call>{}</tool_call>\n");
     }
 }
+
+/// How fast a reply is parsed as it streams: `cargo test --release --lib -- --ignored
+/// parser_speed --nocapture` (numbers in the commit that added it and in docs/serving.md).
+#[cfg(test)]
+mod speed {
+    use super::*;
+    use crate::server::tools::ToolSpec;
+
+    #[test]
+    #[ignore]
+    fn parser_speed() {
+        let call = "<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/main.rs\n</parameter>\n<parameter=content>\nfn main() {\n    println!(\"hello\");\n}\n</parameter>\n</function>\n</tool_call>\n";
+        let text: String =
+            format!("<think>\n{}\n</think>\n\nWriting files.\n\n{}", "thinking ".repeat(2000), call.repeat(200));
+        let setup = ReplySetup {
+            reasoning: Some(ReasoningFormat::Qwen3),
+            starts_in_thinking: false,
+            tools: Some((
+                ToolFormat::Qwen3Xml,
+                Tools(vec![ToolSpec { name: "write_file".into(), parameters: serde_json::json!({}) }]),
+            )),
+            single_call: false,
+            id_prefix: "call_",
+        };
+        // Pieces of 4 bytes (about a token), cut at char boundaries.
+        let mut pieces = Vec::new();
+        let mut start = 0;
+        while start < text.len() {
+            let mut end = (start + 4).min(text.len());
+            while !text.is_char_boundary(end) {
+                end += 1;
+            }
+            pieces.push(&text[start..end]);
+            start = end;
+        }
+        let t = std::time::Instant::now();
+        let mut p = ReplyParser::new(&setup);
+        let mut out = Vec::new();
+        for s in &pieces {
+            p.feed(s, &mut out);
+        }
+        p.finish(&mut out);
+        let dt = t.elapsed();
+        let mut r = Reply::default();
+        for d in out {
+            r.apply(d);
+        }
+        assert_eq!(r.calls.len(), 200);
+        println!(
+            "{} bytes in {} pieces: {:.2} ms, {:.0} ns per piece",
+            text.len(),
+            pieces.len(),
+            dt.as_secs_f64() * 1e3,
+            dt.as_nanos() as f64 / pieces.len() as f64
+        );
+    }
+}
