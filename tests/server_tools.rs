@@ -172,6 +172,13 @@ fn anthropic_tool_use_streamed_and_not() {
     let r = s.post("/v1/messages", &body(false));
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
+    // count_tokens counts the prompt the request ran, the forced call's opening included.
+    let mut count = body(false);
+    for k in ["max_tokens", "temperature", "stream", "stop_sequences"] {
+        count.as_object_mut().expect("object").remove(k);
+    }
+    let n = s.post("/v1/messages/count_tokens", &count);
+    assert_eq!(n.json()["input_tokens"], v["usage"]["input_tokens"], "{}", n.text());
     assert_eq!(v["model"], "claude-haiku-4-5");
     assert_eq!(v["stop_reason"], "tool_use", "{v}");
     let block = &v["content"][0];

@@ -464,7 +464,13 @@ async fn count_tokens_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejecti
     let tools = anthropic_request::tools(req.tools.as_ref(), req.tool_choice.as_ref())?;
     let (messages, images) = to_chat(req.system.as_ref(), &req.messages)?;
     super::images::check_accepted(&engine, &images)?;
-    let prompt = encode(&engine.tokenizer, &messages, template_vars(&tools, req.thinking.as_ref())?)?;
+    let tok = &engine.tokenizer;
+    let mut prompt = encode(tok, &messages, template_vars(&tools, req.thinking.as_ref())?)?;
+    // A forced call's opening is part of the prompt /v1/messages runs.
+    let (_, forced) = reply_setup(&app.cfg.parsers, &engine, &tools, &prompt, "toolu_")?;
+    if !forced.is_empty() {
+        prompt.extend(tok.encode_plain_text(&forced).map_err(|e| ApiError::bad_request(e.to_string()))?);
+    }
     let (prompt, _) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
     Ok(Json(json!({ "input_tokens": prompt.len() })).into_response())
 }
