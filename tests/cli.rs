@@ -981,6 +981,8 @@ fn serve_refuses_nonsense_flags_and_a_bad_model_before_binding() {
         (vec!["--shutdown-timeout=-1"], "--shutdown-timeout"),
         (vec!["--max-num-seqs", "0"], "--max-num-seqs"),
         (vec!["--allowed-origins", "evil.example"], "is not an origin"),
+        (vec!["--tool-call-parser", "pythonic"], "--tool-call-parser pythonic: not one of hermes"),
+        (vec!["--reasoning-parser", "gpt_oss"], "--reasoning-parser gpt_oss: not one of qwen3"),
     ] {
         let mut args = vec!["serve", "--model", tiny, "--port", "0"];
         args.extend(flags.iter().copied());

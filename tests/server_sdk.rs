@@ -22,21 +22,27 @@ fn python() -> Option<String> {
     ok.then(|| "python3".to_string())
 }
 
-#[test]
-fn official_python_sdks() {
+/// The interpreter with the SDKs, or `None` when the test is to be skipped (said why).
+fn sdk_python() -> Option<String> {
     let Some(py) = python() else {
         let msg = "the openai and anthropic Python packages are not installed: set IRIS_TEST_PYTHON to a \
                    python that has them (.ci/run does)";
         if let Ok(reason) = std::env::var("IRIS_SDK_SKIP_REASON") {
             eprintln!("skipped: {reason}");
-            return;
+            return None;
         }
         if std::env::var("CI").is_ok_and(|v| v == "true") {
             panic!("{msg}");
         }
         eprintln!("skipped: {msg}");
-        return;
+        return None;
     };
+    Some(py)
+}
+
+#[test]
+fn official_python_sdks() {
+    let Some(py) = sdk_python() else { return };
     let s = Server::start(&["--api-key", "test-key", "--served-model-name", "tiny-llama"]);
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk.py");
     let out = Command::new(&py)
@@ -50,4 +56,50 @@ fn official_python_sdks() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
     assert!(out.status.success(), "SDK tests failed:\n{stderr}\nserver log:\n{}", s.log());
+}
+
+/// Tool round trips through both SDKs (tests/python/test_sdk_tools.py) on the tiny Qwen3
+/// fixture with Qwen3.5's real chat template, its XML tool format and its thinking.
+#[test]
+fn official_python_sdks_tools() {
+    let Some(py) = sdk_python() else { return };
+    let model = server_support::model_with_template("tiny-qwen3", "Qwen3.5-4B.jinja");
+    let model_str = model.display().to_string();
+    let s = Server::start_path(
+        &model,
+        &[
+            "--api-key",
+            "test-key",
+            "--served-model-name",
+            "tiny-qwen3",
+            "claude-*",
+            "--tool-call-parser",
+            "qwen3_xml",
+            "--enable-auto-tool-choice",
+            "--reasoning-parser",
+            "qwen3",
+        ],
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("generation_config.json")).expect("config"))
+            .expect("json");
+    let eos = match &config["eos_token_id"] {
+        serde_json::Value::Array(ids) => ids[0].clone(),
+        id => id.clone(),
+    };
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk_tools.py");
+    let out = Command::new(&py)
+        .arg(&script)
+        .arg("-v")
+        .env("IRIS_BASE_URL", format!("http://{}", s.addr))
+        .env("IRIS_API_KEY", "test-key")
+        .env("IRIS_MODEL", "tiny-qwen3")
+        .env("IRIS_EOS_ID", eos.to_string())
+        .output()
+        .expect("python runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert!(out.status.success(), "SDK tool tests failed:\n{stderr}\nserver log:\n{}", s.log());
+    drop(s);
+    let _ = std::fs::remove_dir_all(&model_str);
 }

@@ -13,6 +13,9 @@ use crate::media::DecodeLimits;
 use crate::server::browser::BrowserPolicy;
 use crate::server::engine_loop::RequestLimits;
 use crate::server::images::MediaPolicy;
+use crate::server::reasoning::ReasoningFormat;
+use crate::server::tool_request::ParserConfig;
+use crate::server::tools::ToolFormat;
 use crate::server::{self, AppState, ConnectionLimits, Metrics, ServeConfig};
 
 #[derive(Args, Debug)]
@@ -25,9 +28,26 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port; the log says which).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Model name clients use in `model` (default: the model file or directory name).
+    /// Model name clients use in `model` (default: the model file or directory name). More
+    /// names after the first are aliases the server also accepts (vLLM's form); `*` in an
+    /// alias matches any run of characters, e.g. `--served-model-name qwen 'claude-*'` for
+    /// the model names Claude Code sends.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// How tool calls in replies are written (vLLM's names): hermes (Qwen2.5, Qwen3),
+    /// qwen3_xml or qwen3_coder (Qwen3-Coder, Qwen3.5), glm45 (GLM-4.5/4.6, 4.5V/4.6V),
+    /// llama3_json (Llama 3.x). Default: read from the chat template.
     #[arg(long)]
-    pub served_model_name: Option<String>,
+    pub tool_call_parser: Option<String>,
+    /// Let requests leave the choice of calling a tool to the model (`tool_choice: auto`,
+    /// the default when a request has tools). iris always allows it; the flag is accepted so
+    /// that vLLM command lines run unchanged.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+    /// Split the model's thinking from its answer (vLLM's names): qwen3, glm45, deepseek_r1.
+    /// OpenAI replies carry it as `reasoning_content`, Anthropic ones as `thinking` blocks.
+    #[arg(long)]
+    pub reasoning_parser: Option<String>,
     /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on the APIs.
     #[arg(long, env = "IRIS_API_KEY")]
     pub api_key: Option<String>,
@@ -206,9 +226,31 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let device = a.engine.device()?;
     let fetch_timeout = seconds("--remote-media-timeout", a.remote_media_timeout)?;
     let opts = a.engine.options()?;
-    let name = a.served_model_name.clone().unwrap_or_else(|| default_name(&path));
+    let name = a.served_model_name.first().cloned().unwrap_or_else(|| default_name(&path));
+    let parsers = ParserConfig {
+        tool_format: a
+            .tool_call_parser
+            .as_deref()
+            .map(|n| {
+                ToolFormat::from_name(n).ok_or_else(|| {
+                    anyhow::anyhow!("--tool-call-parser {n}: not one of {}", ToolFormat::NAMES.join(", "))
+                })
+            })
+            .transpose()?,
+        reasoning: a
+            .reasoning_parser
+            .as_deref()
+            .map(|n| {
+                ReasoningFormat::from_name(n).ok_or_else(|| {
+                    anyhow::anyhow!("--reasoning-parser {n}: not one of {}", ReasoningFormat::NAMES.join(", "))
+                })
+            })
+            .transpose()?,
+    };
     let cfg = ServeConfig {
         served_model_name: name.clone(),
+        aliases: a.served_model_name.iter().skip(1).cloned().collect(),
+        parsers,
         model_path: a
             .engine
             .model

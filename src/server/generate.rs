@@ -19,9 +19,7 @@ use crate::tokenizer::TextTokenizer;
 /// Most choices (`n`) one request may ask for.
 pub const MAX_N: usize = 64;
 
-pub fn random_id(prefix: &str) -> String {
-    format!("{prefix}{:024x}", rand::random::<u128>() >> 32)
-}
+pub use super::ids::random_id;
 
 /// Reads a JSON object body into `serde_json::Value`, with a clear error for each way it can
 /// be wrong (too large, not UTF-8, not JSON, not an object).

@@ -8,6 +8,7 @@
 //! shares: the settings, the engine, the metrics).
 
 pub mod anthropic;
+pub mod anthropic_request;
 mod auth;
 pub mod browser;
 mod browser_policy;
@@ -15,14 +16,20 @@ pub mod connections;
 mod content;
 pub mod engine_loop;
 pub mod errors;
+pub mod fields;
 pub mod generate;
+mod ids;
 pub mod images;
 pub mod metrics;
 pub mod openai;
 pub mod openai_choices;
+pub mod reasoning;
+pub mod reply;
 pub mod sse;
 mod state;
 pub mod timed_body;
+pub mod tool_request;
+pub mod tools;
 
 use std::sync::Arc;
 use std::time::Duration;

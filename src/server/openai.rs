@@ -11,16 +11,19 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::errors::ApiError;
+use super::fields;
 use super::generate::{
     check_request, collect, parse_json, random_id, seeded, submit, submit_with_images, typed, Collected, MaxTokens,
     SamplingFields,
 };
 use super::images::ImageRef;
 use super::openai_choices::{chat_logprob_entry, usage, ChatFormat, CompletionFormat, LegacyLogprobs, OpenAiStream};
+use super::reply::Reply;
 use super::sse::sse_response;
 use super::state::{now_unix, AppState};
+use super::tool_request::{reply_setup, template_tool_calls, ToolRequest};
 use crate::engine::sampling_params::MAX_LOGPROBS;
-use crate::engine::Request;
+use crate::engine::{FinishReason, Request};
 use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
 
 type AppRef = State<Arc<AppState>>;
@@ -52,11 +55,22 @@ struct ChatRequest {
     add_generation_prompt: Option<bool>,
     #[serde(default)]
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    parallel_tool_calls: Option<bool>,
+    #[serde(default)]
+    response_format: Option<Value>,
+    #[serde(default)]
+    modalities: Option<Value>,
 }
 
 /// OpenAI messages -> chat template messages, and the images of their `image_url` parts in
 /// order. Roles: system, developer (rendered as system, which is what chat templates know),
-/// user, assistant.
+/// user, assistant (with `tool_calls`, and its thinking as `reasoning_content`, the field
+/// Qwen3's and GLM's templates read), tool (with `tool_call_id`).
 pub fn parse_messages(messages: &[Value]) -> Result<(Vec<ChatMessage>, Vec<ImageRef>), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid_param("messages", "`messages` must contain at least one message"));
@@ -89,23 +103,67 @@ pub fn parse_messages(messages: &[Value]) -> Result<(Vec<ChatMessage>, Vec<Image
             "system" | "developer" => "system",
             "user" => "user",
             "assistant" => "assistant",
+            "tool" => "tool",
             other => {
                 return Err(ApiError::invalid_param(
                     format!("messages[{i}].role"),
-                    format!("unknown role `{other}` in `messages[{i}]`: use one of system, developer, user, assistant"),
+                    format!(
+                        "unknown role `{other}` in `messages[{i}]`: use one of system, developer, user, assistant, tool"
+                    ),
                 ))
             }
         };
         let path = format!("messages[{i}].content");
-        match obj.get("content") {
+        let has_calls = role == "assistant" && obj.get("tool_calls").is_some_and(|c| !c.is_null());
+        let mut msg = match obj.get("content") {
             Some(Value::Array(items)) if items.iter().any(|p| p.get("type") == Some(&json!("image_url"))) => {
                 let (parts, refs) =
                     super::content::mixed_items(items, &path, "part", "image_url", super::images::openai_image)?;
                 images.extend(refs);
-                out.push(ChatMessage::parts(role, parts));
+                ChatMessage::parts(role, parts)
             }
-            content => out.push(ChatMessage::text(role, content_text(content, &path, role == "assistant")?)),
+            content => ChatMessage::text(role, content_text(content, &path, role == "assistant")?),
+        };
+        let at = |field: &str| format!("messages[{i}].{field}");
+        if has_calls {
+            let calls = obj.get("tool_calls").unwrap_or(&Value::Null);
+            msg.extra.insert("tool_calls".into(), template_tool_calls(calls, &at("tool_calls"))?);
         }
+        if role == "assistant" {
+            // vLLM's newer name `reasoning` and the older `reasoning_content` alike.
+            match obj.get("reasoning_content").or_else(|| obj.get("reasoning")) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(r)) => {
+                    msg.extra.insert("reasoning_content".into(), json!(r));
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid_param(
+                        at("reasoning_content"),
+                        format!("`{}` must be a string", at("reasoning_content")),
+                    ))
+                }
+            }
+        }
+        if role == "tool" {
+            match obj.get("tool_call_id") {
+                Some(Value::String(id)) => {
+                    msg.extra.insert("tool_call_id".into(), json!(id));
+                }
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        at("tool_call_id"),
+                        format!("`messages[{i}]` (a tool result) needs a string `tool_call_id`"),
+                    ))
+                }
+            }
+        }
+        if let Some(name) = obj.get("name") {
+            let Value::String(name) = name else {
+                return Err(ApiError::invalid_param(at("name"), format!("`{}` must be a string", at("name"))));
+            };
+            msg.extra.insert("name".into(), json!(name));
+        }
+        out.push(msg);
     }
     Ok((out, images))
 }
@@ -160,21 +218,30 @@ pub async fn chat_completions(State(app): AppRef, body: Result<Bytes, BytesRejec
 async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let engine = app.engine()?.clone();
     let v = parse_json(body, app.cfg.max_body_bytes)?;
+    fields::CHAT.check(&v)?;
     let req: ChatRequest = typed(&v)?;
     let fields: SamplingFields = typed(&v)?;
     let model = app.check_model(req.model.as_deref())?;
+    fields::check_response_format(req.response_format.as_ref())?;
+    fields::check_modalities(req.modalities.as_ref())?;
+    let tools = ToolRequest::openai(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
     let (messages, images) = parse_messages(&req.messages)?;
     super::images::check_accepted(&engine, &images)?;
     let tok = engine.tokenizer.clone();
-    let prompt = encode_chat(
-        &tok,
-        &messages,
-        req.add_generation_prompt.unwrap_or(true),
-        req.chat_template_kwargs.clone().unwrap_or_default(),
-    )?;
+    let mut extra = req.chat_template_kwargs.clone().unwrap_or_default();
+    tools.template_vars(&mut extra);
+    let mut prompt = encode_chat(&tok, &messages, req.add_generation_prompt.unwrap_or(true), extra)?;
+    let (setup, forced) = reply_setup(&app.cfg.parsers, &engine, &tools, &prompt, "call_")?;
+    if !forced.is_empty() {
+        prompt.extend(tok.encode_plain_text(&forced).map_err(|e| ApiError::bad_request(e.to_string()))?);
+    }
     let (prompt, images) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
     let n = fields.n()?;
     let mut params = fields.params()?;
+    if !setup.is_plain() && fields.skip_special_tokens.is_none() {
+        // Tool-call and thinking tags may be special tokens (GLM's are): the parsers need them.
+        params.skip_special_tokens = false;
+    }
     params.logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
     // Without max_tokens a chat reply may use the rest of the context (vLLM's default).
     let max_tokens = MaxTokens { requested: fields.max_tokens()?, default: None };
@@ -185,7 +252,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let created = now_unix();
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        let format = ChatFormat { tok, logprobs: params.logprobs.is_some() };
+        let format = ChatFormat::new(tok, params.logprobs.is_some(), setup, forced, n);
         let conv = OpenAiStream::new(id, created, model, n, include_usage, prompt.len(), format);
         return Ok(sse_response(sub, conv));
     }
@@ -198,12 +265,17 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
             let logprobs = params.logprobs.map(
                 |_| json!({ "content": c.logprobs.iter().map(|lp| chat_logprob_entry(&tok, lp)).collect::<Vec<_>>() }),
             );
-            json!({
-                "index": i,
-                "message": { "role": "assistant", "content": c.text },
-                "logprobs": logprobs,
-                "finish_reason": finish_str(c),
-            })
+            let (message, called) = if setup.is_plain() {
+                (json!({ "role": "assistant", "content": c.text }), false)
+            } else {
+                let reply = Reply::parse(&setup, &format!("{forced}{}", c.text));
+                (chat_message(&reply, setup.reasoning.is_some()), !reply.calls.is_empty())
+            };
+            let finish = match &c.finish {
+                Some(FinishReason::Stop) if called => "tool_calls",
+                _ => finish_str(c),
+            };
+            json!({ "index": i, "message": message, "logprobs": logprobs, "finish_reason": finish })
         })
         .collect();
     Ok(Json(json!({
@@ -216,6 +288,26 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
         "system_fingerprint": null,
     }))
     .into_response())
+}
+
+/// A parsed reply as a chat completion's `message`: `content` null when the reply is only
+/// calls (as OpenAI answers), `reasoning_content` when a reasoning parser runs.
+fn chat_message(reply: &Reply, with_reasoning: bool) -> Value {
+    let content = if reply.content.is_empty() && !reply.calls.is_empty() { Value::Null } else { json!(reply.content) };
+    let mut m = json!({ "role": "assistant", "content": content });
+    if with_reasoning {
+        m["reasoning_content"] = if reply.reasoning.is_empty() { Value::Null } else { json!(reply.reasoning) };
+    }
+    if !reply.calls.is_empty() {
+        m["tool_calls"] = reply
+            .calls
+            .iter()
+            .map(
+                |c| json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } }),
+            )
+            .collect();
+    }
+    m
 }
 
 fn finish_str(c: &Collected) -> &'static str {
@@ -260,6 +352,7 @@ pub async fn completions(State(app): AppRef, body: Result<Bytes, BytesRejection>
 async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let engine = app.engine()?.clone();
     let v = parse_json(body, app.cfg.max_body_bytes)?;
+    fields::COMPLETIONS.check(&v)?;
     let req: CompletionRequest = typed(&v)?;
     let fields: SamplingFields = typed(&v)?;
     let model = app.check_model(req.model.as_deref())?;
@@ -408,6 +501,10 @@ struct TokenizeRequest {
     add_special_tokens: Option<bool>,
     #[serde(default)]
     add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 pub async fn tokenize(State(app): AppRef, body: Result<Bytes, BytesRejection>) -> Response {
@@ -419,6 +516,7 @@ pub async fn tokenize(State(app): AppRef, body: Result<Bytes, BytesRejection>) -
 async fn tokenize_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let engine = app.engine()?.clone();
     let v = parse_json(body, app.cfg.max_body_bytes)?;
+    fields::TOKENIZE.check(&v)?;
     let req: TokenizeRequest = typed(&v)?;
     app.check_model(req.model.as_deref())?;
     let tok = &engine.tokenizer;
@@ -429,7 +527,10 @@ async fn tokenize_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
         (None, Some(m)) => {
             let (messages, images) = parse_messages(m)?;
             super::images::check_accepted(&engine, &images)?;
-            let prompt = encode_chat(tok, &messages, req.add_generation_prompt.unwrap_or(true), Default::default())?;
+            let tools = ToolRequest::openai(req.tools.as_ref(), None, None)?;
+            let mut extra = req.chat_template_kwargs.clone().unwrap_or_default();
+            tools.template_vars(&mut extra);
+            let prompt = encode_chat(tok, &messages, req.add_generation_prompt.unwrap_or(true), extra)?;
             super::images::prepare(&app.cfg.media, &engine, prompt, images).await?.0
         }
         _ => return Err(ApiError::bad_request("give exactly one of `prompt` and `messages`")),
@@ -449,6 +550,7 @@ pub async fn detokenize(State(app): AppRef, body: Result<Bytes, BytesRejection>)
     respond((|| {
         let engine = app.engine()?;
         let v = parse_json(body, app.cfg.max_body_bytes)?;
+        fields::DETOKENIZE.check(&v)?;
         let req: DetokenizeRequest = typed(&v)?;
         app.check_model(req.model.as_deref())?;
         let vocab = engine.info.vocab_size;

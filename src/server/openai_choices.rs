@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use super::engine_loop::{SeqEvent, SeqEventKind};
 use super::errors::ApiError;
 use super::generate::{aborted, request_error, token_text};
+use super::reply::{Delta, ReplyParser, ReplySetup};
 use super::sse::{json_event, Converter};
 use crate::engine::FinishReason;
 use crate::engine::{Sampled, SeqUpdate};
@@ -100,11 +101,55 @@ pub trait ChoiceFormat: Send + 'static {
     fn update(&mut self, index: usize, u: &SeqUpdate, out: &mut Vec<(Value, Value)>);
     /// Content fields of the chunk that carries only a finish reason.
     fn closing(&self) -> Value;
+    /// The `finish_reason` choice `index` ends with (chat: `tool_calls` after calls).
+    fn finish_reason(&self, _index: usize, reason: &FinishReason) -> &'static str {
+        reason.as_openai_str()
+    }
 }
 
+/// The chat API's choices: text, or with parsers on (tools, reasoning) the deltas of each
+/// choice's [`ReplyParser`]: `content`, `reasoning_content` and `tool_calls` in OpenAI's
+/// shape (a call's first delta has its index, id, type and name; later ones carry pieces of
+/// its arguments).
 pub struct ChatFormat {
-    pub tok: Arc<TextTokenizer>,
-    pub logprobs: bool,
+    tok: Arc<TextTokenizer>,
+    logprobs: bool,
+    /// Per choice, its parser (already fed the call opening iris appended to the prompt
+    /// under tool_choice required or named, if any).
+    parsers: Vec<Option<ReplyParser>>,
+    /// Per choice, what that opening gave (a streaming format's call starts there), sent
+    /// with the choice's first update.
+    early: Vec<Vec<Delta>>,
+}
+
+impl ChatFormat {
+    pub fn new(tok: Arc<TextTokenizer>, logprobs: bool, setup: ReplySetup, forced: String, n: usize) -> Self {
+        let mut early = vec![Vec::new(); n];
+        let parsers = early
+            .iter_mut()
+            .map(|out| {
+                (!setup.is_plain()).then(|| {
+                    let mut p = ReplyParser::new(&setup);
+                    p.feed(&forced, out);
+                    p
+                })
+            })
+            .collect();
+        ChatFormat { tok, logprobs, parsers, early }
+    }
+
+    fn delta_fields(d: Delta) -> Value {
+        match d {
+            Delta::Content(t) => json!({ "delta": { "content": t } }),
+            Delta::Reasoning(t) => json!({ "delta": { "reasoning_content": t } }),
+            Delta::CallStart { index, id, name } => json!({ "delta": { "tool_calls": [{
+                "index": index, "id": id, "type": "function", "function": { "name": name, "arguments": "" },
+            }] } }),
+            Delta::CallArgs { index, args } => {
+                json!({ "delta": { "tool_calls": [{ "index": index, "function": { "arguments": args } }] } })
+            }
+        }
+    }
 }
 
 impl ChoiceFormat for ChatFormat {
@@ -114,13 +159,37 @@ impl ChoiceFormat for ChatFormat {
         Some(json!({ "delta": { "role": "assistant", "content": "" } }))
     }
 
-    fn update(&mut self, _index: usize, u: &SeqUpdate, out: &mut Vec<(Value, Value)>) {
+    fn update(&mut self, index: usize, u: &SeqUpdate, out: &mut Vec<(Value, Value)>) {
         let lp = match (&u.token, self.logprobs) {
             (Some(t), true) => json!({ "content": [chat_logprob_entry(&self.tok, t)] }),
             _ => Value::Null,
         };
-        if !u.text.is_empty() || !lp.is_null() {
-            out.push((json!({ "delta": { "content": u.text } }), lp));
+        let Some(Some(parser)) = self.parsers.get_mut(index) else {
+            if !u.text.is_empty() || !lp.is_null() {
+                out.push((json!({ "delta": { "content": u.text } }), lp));
+            }
+            return;
+        };
+        let mut deltas = self.early.get_mut(index).map(std::mem::take).unwrap_or_default();
+        parser.feed(&u.text, &mut deltas);
+        if u.finish.is_some() {
+            parser.finish(&mut deltas);
+        }
+        let mut lp = Some(lp).filter(|l| !l.is_null());
+        for d in deltas {
+            out.push((Self::delta_fields(d), lp.take().unwrap_or(Value::Null)));
+        }
+        // A token whose text the parser holds back still reports its logprobs.
+        if let Some(lp) = lp {
+            out.push((json!({ "delta": { "content": "" } }), lp));
+        }
+    }
+
+    fn finish_reason(&self, index: usize, reason: &FinishReason) -> &'static str {
+        let called = self.parsers.get(index).and_then(Option::as_ref).is_some_and(ReplyParser::made_calls);
+        match reason {
+            FinishReason::Stop if called => "tool_calls",
+            r => r.as_openai_str(),
         }
     }
 
@@ -262,7 +331,8 @@ impl<F: ChoiceFormat> OpenAiStream<F> {
         if matches!(reason, FinishReason::Cancelled | FinishReason::Error(_)) && !self.finished[index] {
             self.error_event(aborted(reason), out);
         }
-        self.finish(index, reason.as_openai_str(), out)
+        let name = self.format.finish_reason(index, reason);
+        self.finish(index, name, out)
     }
 }
 

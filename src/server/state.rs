@@ -12,11 +12,17 @@ use super::engine_loop::EngineHandle;
 use super::errors::ApiError;
 use super::images::MediaPolicy;
 use super::metrics::Metrics;
+use super::tool_request::ParserConfig;
 
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
-    /// The name clients use in `model`.
+    /// The name clients use in `model` (the first of --served-model-name).
     pub served_model_name: String,
+    /// Other names accepted in `model` (the rest of --served-model-name); `*` in one matches
+    /// any run of characters, so `claude-*` takes the names Claude Code sends.
+    pub aliases: Vec<String>,
+    /// The tool-call and reasoning parsers.
+    pub parsers: ParserConfig,
     /// Also accepted in `model` (the path given with --model).
     pub model_path: String,
     pub api_key: Option<String>,
@@ -49,13 +55,15 @@ impl AppState {
         self.engine.get().ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the model is still loading"))
     }
 
-    /// The model name to answer with; unknown names are a 404.
+    /// The model name to answer with; unknown names are a 404. A name matched by an alias
+    /// is answered with as sent (vLLM answers with the request's name too).
     pub fn check_model(&self, model: Option<&str>) -> Result<String, ApiError> {
         match model {
             None | Some("") => Ok(self.cfg.served_model_name.clone()),
             Some(m) if m == self.cfg.served_model_name || m == self.cfg.model_path => {
                 Ok(self.cfg.served_model_name.clone())
             }
+            Some(m) if self.cfg.aliases.iter().any(|a| glob_match(a, m)) => Ok(m.to_string()),
             Some(m) => Err(ApiError::not_found(format!(
                 "The model `{m}` does not exist. This server serves `{}`.",
                 self.cfg.served_model_name
@@ -63,6 +71,41 @@ impl AppState {
             .param("model")
             .code("model_not_found")),
         }
+    }
+}
+
+/// Does `name` match `pattern`, where `*` stands for any run of characters?
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    if parts.len() == 1 {
+        return pattern == name;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !name.starts_with(first) || name.len() < first.len() + last.len() || !name.ends_with(last) {
+        return false;
+    }
+    let mut rest = &name[first.len()..name.len() - last.len()];
+    for p in &parts[1..parts.len() - 1] {
+        match rest.find(p) {
+            Some(i) => rest = &rest[i + p.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn globs() {
+        use super::glob_match as g;
+        assert!(g("claude-*", "claude-sonnet-4-5"));
+        assert!(g("*", "anything"));
+        assert!(g("a*b*c", "aXbYc"));
+        assert!(!g("a*b*c", "aXcYb"));
+        assert!(!g("claude-*", "gpt-4"));
+        assert!(g("exact", "exact"));
+        assert!(!g("ab*ba", "aba"));
     }
 }
 

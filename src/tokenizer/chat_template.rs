@@ -6,8 +6,9 @@
 //!   output (no HTML escaping, `ensure_ascii=False`, `indent`, `separators`, `sort_keys`);
 //! * Python string/dict methods (`strip`, `startswith`, `split`, `items`, ...) via
 //!   minijinja-contrib's pycompat; `{% break %}` / `{% continue %}`;
-//! * variables `messages`, `add_generation_prompt`, `tools`, `documents` (none), the special
-//!   tokens (`bos_token`, `eos_token`, ...) and any extra keyword arguments.
+//! * variables `messages`, `add_generation_prompt`, `tools` (none unless the extra variables
+//!   give them), `documents` (none), the special tokens (`bos_token`, `eos_token`, ...) and
+//!   any extra keyword arguments.
 
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -96,6 +97,8 @@ pub struct RenderOptions {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template's text (the server reads the tool-call format a model was taught from it).
+    source: String,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -117,7 +120,12 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, without_generation_tags(source)).map_err(ChatTemplateError::Syntax)?;
-        Ok(Self { env })
+        Ok(Self { env, source: source.to_string() })
+    }
+
+    /// The template's source text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Render `messages` like transformers' `apply_chat_template(..., tokenize=False)`.
@@ -127,7 +135,9 @@ impl ChatTemplate {
             ctx.insert(name.clone(), token.clone().into());
         }
         ctx.extend(options.extra.clone());
-        ctx.insert("tools".into(), serde_json::Value::Null);
+        // `tools` comes in with the extra variables when the request has tools (a list of
+        // `{"type": "function", "function": {...}}`, as transformers passes them).
+        ctx.entry("tools").or_insert(serde_json::Value::Null);
         ctx.insert("documents".into(), serde_json::Value::Null);
         ctx.insert("add_generation_prompt".into(), options.add_generation_prompt.into());
         let mut ctx = Value::from_serialize(&ctx);
@@ -648,12 +658,13 @@ mod tests {
         let x = serde_json::json!({"name": "é<tag>&'", "n": 1, "f": 0.5, "e": [], "l": [true, null]});
         o.extra.insert("x".into(), x);
         let out = t.render(&[], &o).expect("render");
-        // serde_json (without preserve_order) sorts keys: e, f, l, n, name.
+        // Keys keep the order they were written in (serde_json's preserve_order), as Python
+        // dicts do; sort_keys sorts them.
         assert_eq!(
             out,
-            "{\"e\": [], \"f\": 0.5, \"l\": [true, null], \"n\": 1, \"name\": \"é<tag>&'\"}\n\
-             {\n  \"e\": [],\n  \"f\": 0.5,\n  \"l\": [\n    true,\n    null\n  ],\n  \"n\": 1,\n  \"name\": \"é<tag>&'\"\n}\n\
-             {\"e\": [], \"f\": 0.5, \"l\": [true, null], \"n\": 1, \"name\": \"\\u00e9<tag>&'\"}\n\
+            "{\"name\": \"é<tag>&'\", \"n\": 1, \"f\": 0.5, \"e\": [], \"l\": [true, null]}\n\
+             {\n  \"name\": \"é<tag>&'\",\n  \"n\": 1,\n  \"f\": 0.5,\n  \"e\": [],\n  \"l\": [\n    true,\n    null\n  ]\n}\n\
+             {\"name\": \"\\u00e9<tag>&'\", \"n\": 1, \"f\": 0.5, \"e\": [], \"l\": [true, null]}\n\
              {\"e\":[],\"f\":0.5,\"l\":[true,null],\"n\":1,\"name\":\"é<tag>&'\"}"
         );
     }

@@ -13,6 +13,24 @@ pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
+/// A copy of fixture model `base` whose chat template is the real template `template`
+/// (a file of tests/fixtures/templates), in a directory of its own under the system's temp.
+pub fn model_with_template(base: &str, template: &str) -> PathBuf {
+    // One directory per call: tests running at once may use the same pair and remove theirs.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("iris-{base}-{template}-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp model dir");
+    for entry in std::fs::read_dir(fixture(base)).expect("fixture dir") {
+        let path = entry.expect("entry").path();
+        if path.is_file() {
+            std::fs::copy(&path, dir.join(path.file_name().expect("name"))).expect("copy");
+        }
+    }
+    std::fs::copy(fixture("templates").join(template), dir.join("chat_template.jinja")).expect("template");
+    dir
+}
+
 pub struct Server {
     child: Option<Child>,
     pub addr: String,

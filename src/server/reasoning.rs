@@ -1,0 +1,264 @@
+//! Reasoning parsers (`--reasoning-parser`, vLLM's names): the thinking a model writes
+//! between `<think>` and `</think>` is split from the answer, incrementally and with the
+//! same result for any split of the text into pieces.
+//!
+//! A reply may begin inside the thinking: Qwen3.5's and DeepSeek-R1's templates end the
+//! prompt with `<think>` (the reply then has only the closing tag), which the caller reads
+//! from the prompt ([`ReasoningParser::new`]'s `inside`); `deepseek_r1` always begins inside,
+//! as vLLM's parser does. Only a `<think>` at the very start opens the thinking and only the
+//! first `</think>` closes it: tags later in the answer are answer text. Whitespace at the
+//! edges of the thinking and at the start of the answer after it is dropped.
+
+use super::tools::tagged::partial_suffix;
+
+const OPEN: &str = "<think>";
+const CLOSE: &str = "</think>";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningFormat {
+    Qwen3,
+    Glm45,
+    DeepSeekR1,
+}
+
+impl ReasoningFormat {
+    pub const NAMES: &'static [&'static str] = &["qwen3", "glm45", "deepseek_r1"];
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "qwen3" => ReasoningFormat::Qwen3,
+            "glm45" | "glm4_moe" => ReasoningFormat::Glm45,
+            "deepseek_r1" => ReasoningFormat::DeepSeekR1,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReasoningFormat::Qwen3 => "qwen3",
+            ReasoningFormat::Glm45 => "glm45",
+            ReasoningFormat::DeepSeekR1 => "deepseek_r1",
+        }
+    }
+}
+
+/// A piece of a reply: thinking or answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    Reasoning(String),
+    Text(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    /// At the start of the reply: does it open with `<think>`?
+    Before,
+    /// In the thinking; `fresh` until its first non-space character.
+    Inside { fresh: bool },
+    /// In the answer; `fresh` until its first non-space character after the thinking.
+    After { fresh: bool },
+}
+
+pub struct ReasoningParser {
+    state: State,
+    pending: String,
+}
+
+/// Does a prompt end inside a thinking block (its last `<think>` after its last `</think>`)?
+/// Then the reply begins in the thinking.
+pub fn prompt_opens_thinking(prompt_tail: &str) -> bool {
+    match (prompt_tail.rfind(OPEN), prompt_tail.rfind(CLOSE)) {
+        (Some(o), Some(c)) => o > c,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+impl ReasoningParser {
+    /// `inside`: the prompt already opened the thinking.
+    pub fn new(format: ReasoningFormat, inside: bool) -> Self {
+        let inside = inside || format == ReasoningFormat::DeepSeekR1;
+        ReasoningParser {
+            state: if inside { State::Inside { fresh: true } } else { State::Before },
+            pending: String::new(),
+        }
+    }
+
+    pub fn feed(&mut self, text: &str, out: &mut Vec<Piece>) {
+        self.pending.push_str(text);
+        loop {
+            match self.state {
+                State::Before => {
+                    let lead = self.pending.trim_start();
+                    if lead.starts_with(OPEN) {
+                        let cut = self.pending.len() - lead.len() + OPEN.len();
+                        self.pending.drain(..cut);
+                        self.state = State::Inside { fresh: true };
+                    } else if OPEN.starts_with(lead) {
+                        return; // spaces, or the start of the tag, so far
+                    } else {
+                        self.state = State::After { fresh: false };
+                    }
+                }
+                State::Inside { fresh } => {
+                    if fresh {
+                        // A model may write the opening tag the prompt already has.
+                        let lead = self.pending.trim_start();
+                        if lead.is_empty() || (lead.len() < OPEN.len() && OPEN.starts_with(lead)) {
+                            return;
+                        }
+                        let lead = lead.strip_prefix(OPEN).map(str::trim_start).unwrap_or(lead);
+                        if lead.is_empty() {
+                            self.pending.clear();
+                            return;
+                        }
+                        let cut = self.pending.len() - lead.len();
+                        self.pending.drain(..cut);
+                        self.state = State::Inside { fresh: false };
+                    }
+                    match self.pending.find(CLOSE) {
+                        Some(end) => {
+                            let thought = self.pending[..end].trim_end().to_string();
+                            self.pending.drain(..end + CLOSE.len());
+                            if !thought.is_empty() {
+                                out.push(Piece::Reasoning(thought));
+                            }
+                            self.state = State::After { fresh: true };
+                        }
+                        None => {
+                            // Hold back a partial closing tag and trailing spaces (they are
+                            // dropped if the tag follows).
+                            let keep = partial_suffix(&self.pending, CLOSE);
+                            let body = &self.pending[..self.pending.len() - keep];
+                            let cut = body.trim_end().len();
+                            if cut > 0 {
+                                out.push(Piece::Reasoning(self.pending[..cut].to_string()));
+                                self.pending.drain(..cut);
+                            }
+                            return;
+                        }
+                    }
+                }
+                State::After { fresh } => {
+                    let text = if fresh { self.pending.trim_start() } else { self.pending.as_str() };
+                    if !text.is_empty() {
+                        out.push(Piece::Text(text.to_string()));
+                        self.state = State::After { fresh: false };
+                    }
+                    self.pending.clear();
+                    return;
+                }
+            }
+        }
+    }
+
+    pub fn finish(&mut self, out: &mut Vec<Piece>) {
+        let rest = std::mem::take(&mut self.pending);
+        match self.state {
+            State::Before if !rest.is_empty() => out.push(Piece::Text(rest)),
+            State::Inside { fresh } => {
+                // The reply ended in the thinking (max_tokens, or a model that never closed it).
+                let t = if fresh { rest.trim_start() } else { rest.as_str() };
+                let t = if fresh { t.strip_prefix(OPEN).unwrap_or(t) } else { t };
+                let t = t.trim_end();
+                if !t.is_empty() {
+                    out.push(Piece::Reasoning(t.to_string()));
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (reasoning, text) from feeding `text` cut at the given char boundaries.
+    fn run(format: ReasoningFormat, inside: bool, pieces: &[&str]) -> (String, String) {
+        let mut p = ReasoningParser::new(format, inside);
+        let mut out = Vec::new();
+        for s in pieces {
+            p.feed(s, &mut out);
+        }
+        p.finish(&mut out);
+        let (mut r, mut t) = (String::new(), String::new());
+        for piece in out {
+            match piece {
+                Piece::Reasoning(s) => r.push_str(&s),
+                Piece::Text(s) => t.push_str(&s),
+            }
+        }
+        (r, t)
+    }
+
+    /// Every way of cutting `text` in two and in three pieces (at char boundaries) gives
+    /// the same result as the whole text.
+    fn every_split(format: ReasoningFormat, inside: bool, text: &str, want: (&str, &str)) {
+        let whole = run(format, inside, &[text]);
+        assert_eq!((whole.0.as_str(), whole.1.as_str()), want, "whole text {text:?}");
+        let cuts: Vec<usize> = text.char_indices().map(|(i, _)| i).chain([text.len()]).collect();
+        for &a in &cuts {
+            assert_eq!(run(format, inside, &[&text[..a], &text[a..]]), whole, "cut at {a} of {text:?}");
+            for &b in cuts.iter().filter(|&&b| b >= a) {
+                let got = run(format, inside, &[&text[..a], &text[a..b], &text[b..]]);
+                assert_eq!(got, whole, "cuts at {a}, {b} of {text:?}");
+            }
+        }
+        // One character at a time.
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
+        assert_eq!(run(format, inside, &refs), whole);
+    }
+
+    #[test]
+    fn qwen3_thinking_then_answer() {
+        let q = ReasoningFormat::Qwen3;
+        every_split(
+            q,
+            false,
+            "<think>\nLet me add: 2 + 2 = 4.\n</think>\n\nIt is 4.",
+            ("Let me add: 2 + 2 = 4.", "It is 4."),
+        );
+        // No thinking at all: everything is the answer.
+        every_split(q, false, "Just the answer, with <think> inside.", ("", "Just the answer, with <think> inside."));
+        // Thinking switched off in the prompt (`<think>\n\n</think>\n\n` there).
+        every_split(q, false, "4", ("", "4"));
+        // Tags in the answer stay text.
+        every_split(q, false, "<think>a</think>b </think> <think>c", ("a", "b </think> <think>c"));
+        // Non-ASCII, and an unclosed thinking cut by max_tokens.
+        every_split(q, false, "<think>日本語で考える…", ("日本語で考える…", ""));
+        every_split(q, false, "", ("", ""));
+    }
+
+    #[test]
+    fn a_prompt_that_opens_the_thinking() {
+        // Qwen3.5's template ends the prompt with `<think>\n`: the reply has only `</think>`.
+        let q = ReasoningFormat::Qwen3;
+        every_split(q, true, "The user greets.\n</think>\n\nHello!", ("The user greets.", "Hello!"));
+        every_split(q, true, "<think>\nthinks again</think>ok", ("thinks again", "ok"));
+        every_split(q, true, "never closed", ("never closed", ""));
+        assert!(prompt_opens_thinking("<|im_start|>assistant\n<think>\n"));
+        assert!(!prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+        assert!(!prompt_opens_thinking("<|im_start|>assistant\n"));
+    }
+
+    #[test]
+    fn deepseek_r1_begins_inside() {
+        let d = ReasoningFormat::DeepSeekR1;
+        every_split(d, false, "hmm, 7 is prime</think>Yes.", ("hmm, 7 is prime", "Yes."));
+        every_split(d, false, "<think>\nhmm\n</think>\n\nYes.", ("hmm", "Yes."));
+    }
+
+    #[test]
+    fn glm45_thinking() {
+        let g = ReasoningFormat::Glm45;
+        every_split(
+            g,
+            false,
+            "\n<think>Weather needs a tool.</think>\nCalling it.",
+            ("Weather needs a tool.", "Calling it."),
+        );
+        every_split(g, false, "<think></think>\nDirect.", ("", "Direct."));
+    }
+}

@@ -1,0 +1,152 @@
+"""Tool round trips (call, result, final answer) with the official OpenAI and Anthropic SDKs,
+streamed and not, against a running `iris serve`.
+
+Run by tests/server_sdk.rs on the tiny Qwen3 fixture with Qwen3.5's real chat template
+(`--tool-call-parser qwen3_xml --reasoning-parser qwen3`). A random tiny model writes no calls
+of its own, so the call turn names the function (tool_choice): iris then writes the call's
+opening (`<tool_call>\\n<function=get_weather>\\n`) after the prompt, and the reply is made to
+end at once (OpenAI: logit_bias on EOS; Anthropic: stop sequences that any first token
+meets). What comes back is parsed as the model's own call would be: a `get_weather` call with
+no arguments, whose id the next turn answers with a tool result.
+"""
+
+import json
+import os
+import string
+import unittest
+
+import anthropic
+import openai
+
+BASE = os.environ["IRIS_BASE_URL"]
+KEY = os.environ["IRIS_API_KEY"]
+MODEL = os.environ["IRIS_MODEL"]
+EOS = int(os.environ["IRIS_EOS_ID"])
+
+OAI_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}}]
+CLAUDE_TOOLS = [{"name": "get_weather", "description": "Weather in a city.",
+                 "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+                 "cache_control": {"type": "ephemeral"}}]
+# Any first token meets one of these: ASCII, or a piece of a character (U+FFFD until whole).
+STOPS = list(string.printable) + ["\ufffd"]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def oai():
+    return openai.OpenAI(base_url=BASE + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def claude():
+    return anthropic.Anthropic(base_url=BASE, api_key=KEY, max_retries=0, timeout=120)
+
+
+class OpenAITools(unittest.TestCase):
+    def call(self, stream):
+        kw = dict(model=MODEL, messages=ASK, tools=OAI_TOOLS, max_tokens=8, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                  logit_bias={str(EOS): 100})
+        c = oai()
+        if not stream:
+            r = c.chat.completions.create(**kw)
+            ch = r.choices[0]
+            return ch.finish_reason, ch.message.content, [(t.id, t.function.name, t.function.arguments)
+                                                          for t in ch.message.tool_calls or []]
+        calls, content, finish = {}, "", None
+        for chunk in c.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                d = ch.delta
+                content += d.content or ""
+                for t in d.tool_calls or []:
+                    if t.index not in calls:
+                        # The first delta of a call names it.
+                        self.assertTrue(t.id and t.id.startswith("call_"), t)
+                        self.assertEqual(t.type, "function")
+                        calls[t.index] = [t.id, t.function.name, ""]
+                    calls[t.index][2] += t.function.arguments or ""
+                finish = ch.finish_reason or finish
+        return finish, content or None, [tuple(calls[i]) for i in sorted(calls)]
+
+    def test_round_trip(self):
+        for stream in (False, True):
+            finish, content, calls = self.call(stream)
+            self.assertEqual(finish, "tool_calls", (stream, content, calls))
+            self.assertIsNone(content)
+            self.assertEqual(len(calls), 1)
+            call_id, name, args = calls[0]
+            self.assertTrue(call_id.startswith("call_"))
+            self.assertEqual((name, json.loads(args)), ("get_weather", {}))
+            history = ASK + [
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": "18C and sunny"},
+            ]
+            kw = dict(model=MODEL, messages=history, tools=OAI_TOOLS, max_tokens=5, temperature=0,
+                      extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True})
+            r = oai().chat.completions.create(**kw)
+            self.assertEqual(r.choices[0].finish_reason, "length")
+            text = "".join(ch.choices[0].delta.content or "" for ch in oai().chat.completions.create(stream=True, **kw)
+                           if ch.choices)
+            self.assertEqual(text, r.choices[0].message.content or "")
+            self.assertNotIn("<tool_call>", text)
+
+    def test_unsupported_fields_are_400(self):
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
+                                          response_format={"type": "json_object"})
+        self.assertIn("response_format", str(e.exception))
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body={"guided_json": {}})
+        self.assertIn("guided_json", str(e.exception))
+
+
+class AnthropicTools(unittest.TestCase):
+    def call(self, stream):
+        # The pinned SDK takes sampling settings through extra_body.
+        kw = dict(model=MODEL, max_tokens=8, messages=ASK, tools=CLAUDE_TOOLS, extra_body={"temperature": 0},
+                  tool_choice={"type": "tool", "name": "get_weather"}, stop_sequences=STOPS)
+        if not stream:
+            return claude().messages.create(**kw)
+        with claude().messages.stream(**kw) as s:
+            events = [e.type for e in s]
+            m = s.get_final_message()
+        self.assertIn("content_block_start", events)
+        self.assertIn("input_json", events)  # the SDK's event for input_json_delta
+        return m
+
+    def test_round_trip(self):
+        for stream in (False, True):
+            m = self.call(stream)
+            self.assertEqual(m.stop_reason, "tool_use", m)
+            uses = [b for b in m.content if b.type == "tool_use"]
+            self.assertEqual(len(uses), 1, m.content)
+            self.assertTrue(uses[0].id.startswith("toolu_"))
+            self.assertEqual((uses[0].name, uses[0].input), ("get_weather", {}))
+            history = ASK + [
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "I need the weather.", "signature": "x"},
+                    {"type": "tool_use", "id": uses[0].id, "name": "get_weather", "input": {}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": uses[0].id,
+                     "content": [{"type": "text", "text": "18C and sunny"}]}]},
+            ]
+            kw = dict(model=MODEL, max_tokens=5, messages=history, tools=CLAUDE_TOOLS,
+                      thinking={"type": "disabled"}, extra_body={"temperature": 0})
+            r = claude().messages.create(**kw)
+            self.assertIn(r.stop_reason, ("max_tokens", "end_turn"))
+            with claude().messages.stream(**kw) as s:
+                streamed = s.get_final_message()
+            self.assertEqual([b.type for b in streamed.content], [b.type for b in r.content])
+            n = claude().messages.count_tokens(model=MODEL, messages=history, tools=CLAUDE_TOOLS,
+                                               thinking={"type": "disabled"})
+            self.assertEqual(n.input_tokens, r.usage.input_tokens)
+
+    def test_claude_code_model_names(self):
+        r = claude().messages.create(model="claude-next-9", max_tokens=2, messages=ASK)
+        self.assertEqual(r.model, "claude-next-9")
+
+
+if __name__ == "__main__":
+    unittest.main()
