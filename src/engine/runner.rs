@@ -10,6 +10,7 @@
 //! here (`SequenceSampler::verify`); a rejected draft's float-window ring rows are restored.
 
 use candle_core::{Device, Result, Tensor};
+use rayon::prelude::*;
 use std::sync::Arc;
 
 use super::multimodal::EmbedCache;
@@ -306,24 +307,33 @@ fn verify(
                 ids[..take].iter().map(|&t| Sampled::token_only(t)).collect()
             })
             .collect(),
-        StepOutput::Logits(mut logits) => plan
-            .items
-            .iter()
-            .zip(sampled)
-            .map(|(item, &(_, n))| {
-                let rows = &mut logits[next_rows(n)];
-                if n == 0 {
-                    return Vec::new();
-                }
-                // Each sequence samples with its own RNG, so results do not depend on the batch.
-                let s = seqs.expect_mut(item.id).sampling();
-                if item.num_draft == 0 {
-                    vec![s.sampler.sample(&mut rows[0], s.params, s.prompt, s.output)]
-                } else {
-                    s.sampler.verify(rows, &s.draft[..item.num_draft], s.params, s.prompt, s.output)
-                }
-            })
-            .collect(),
+        // The sequences side by side: each filters whole-vocabulary rows, which one after
+        // another held up GPU steps of sampled sequences with drafts. Each samples with its own
+        // RNG, so results depend neither on the batch nor on the threads.
+        StepOutput::Logits(mut logits) => {
+            let mut rest = &mut logits[..];
+            let mut rows_of = Vec::with_capacity(sampled.len());
+            for &(_, n) in sampled {
+                let (rows, tail) = std::mem::take(&mut rest).split_at_mut(n);
+                rows_of.push(rows);
+                rest = tail;
+            }
+            let ids: Vec<_> = plan.items.iter().map(|item| item.id).collect();
+            let work: Vec<_> = plan.items.iter().zip(seqs.expect_many_mut(&ids)).zip(rows_of).collect();
+            work.into_par_iter()
+                .map(|((item, seq), rows)| {
+                    if rows.is_empty() {
+                        return Vec::new();
+                    }
+                    let s = seq.sampling();
+                    if item.num_draft == 0 {
+                        vec![s.sampler.sample(&mut rows[0], s.params, s.prompt, s.output)]
+                    } else {
+                        s.sampler.verify(rows, &s.draft[..item.num_draft], s.params, s.prompt, s.output)
+                    }
+                })
+                .collect()
+        }
     }
 }
 

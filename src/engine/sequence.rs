@@ -146,6 +146,12 @@ impl Sequences {
         self.0.get_mut(&id).unwrap_or_else(|| panic!("{id} is scheduled but not live"))
     }
 
+    /// The sequences of `ids` (distinct, each scheduled), mutably at once, in that order.
+    pub fn expect_many_mut(&mut self, ids: &[SeqId]) -> Vec<&mut Sequence> {
+        let mut by_id: HashMap<SeqId, &mut Sequence> = self.0.iter_mut().map(|(&id, s)| (id, s)).collect();
+        ids.iter().map(|id| by_id.remove(id).unwrap_or_else(|| panic!("{id} is scheduled but not live"))).collect()
+    }
+
     pub fn insert(&mut self, seq: Sequence) {
         self.0.insert(seq.id, seq);
     }

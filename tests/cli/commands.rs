@@ -1,0 +1,307 @@
+//! The subcommands, end to end, on the tiny fixtures.
+
+use super::*;
+
+/// `IRIS_CPU_ISA` picks the CPU kernels' instruction set: unknown names and sets this CPU
+/// lacks are refused in one line, `inspect` names the set in use, and every set the CPU has
+/// generates the same tokens (the kernels give the same bits on all of them) from quantized
+/// weights.
+#[test]
+fn cpu_instruction_set_override() {
+    let tmp = TempDir::new("isa");
+    let gguf = tmp.join("tiny-q4_1.gguf");
+    write_tiny_llama_gguf_as(&gguf, GgmlDType::Q4_1);
+    let m = gguf.to_str().unwrap();
+    let with_isa = |isa: &str, args: &[&str]| {
+        let (mut c, _cache) = iris_cmd(args);
+        c.env("IRIS_CPU_ISA", isa).output().expect("run iris")
+    };
+    let inspect = ["inspect", "--model", m];
+    let out = with_isa("sse9", &inspect);
+    check_error(&out, &inspect, &["IRIS_CPU_ISA", "sse9", "avx512, avx2, neon or portable"]);
+    let lacking = if cfg!(target_arch = "aarch64") { "avx2" } else { "neon" };
+    let out = with_isa(lacking, &inspect);
+    check_error(&out, &inspect, &["IRIS_CPU_ISA", lacking, "does not have", "portable"]);
+
+    let out = with_isa("portable", &inspect);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("CPU kernels:      portable"), "{}", text(&out.stdout));
+    let best = stdout_of(&inspect);
+    let line = best.lines().find(|l| l.starts_with("CPU kernels:")).expect("inspect names the CPU kernels");
+    let have: Vec<String> =
+        line.split("this CPU has: ").nth(1).unwrap().trim_end_matches(')').split(", ").map(String::from).collect();
+    assert!(line.contains(&format!("CPU kernels:      {} ", have[0])), "the best set by default: {line}");
+
+    let gen = [
+        "generate",
+        "--model",
+        m,
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--quiet",
+    ];
+    let reference = text(&with_isa("portable", &gen).stdout);
+    assert!(!reference.trim().is_empty());
+    for isa in &have {
+        let out = with_isa(isa, &gen);
+        assert!(out.status.success(), "{isa}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), reference, "{isa} generates other tokens than the portable kernels");
+    }
+}
+
+#[test]
+fn generate_greedy_matches_reference() {
+    let dir = fixture("tiny-llama");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let prompt = reference["text_prompt"].as_str().unwrap();
+    let ids: Vec<u32> =
+        reference["text_generated_ids"].as_array().unwrap()[..8].iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let tok = iris::tokenizer::TextTokenizer::from_dir(&dir).unwrap();
+    let expected = tok.decode(&ids, true).unwrap();
+
+    let m = dir.to_str().unwrap();
+    let args = ["generate", "--model", m, "--prompt", prompt, "--max-tokens", "8", "--temperature", "0"];
+    let out = iris(&args);
+    assert_no_panic(&out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let got = text(&out.stdout);
+    assert_eq!(got.strip_suffix('\n').unwrap_or(&got), expected);
+    // Timing statistics go to stderr, not stdout.
+    assert!(text(&out.stderr).contains("generated"), "{}", text(&out.stderr));
+
+    let short = ["generate", "--model", m, "--prompt", "The quick", "--max-tokens", "8", "--temperature", "0"];
+    let a = stdout_of(&short);
+    assert!(!a.trim().is_empty(), "empty continuation");
+    assert_eq!(a, stdout_of(&short), "greedy decoding must be deterministic");
+}
+
+#[test]
+fn generate_chat_and_seeded_sampling() {
+    let m = fixture("tiny-llama");
+    let m = m.to_str().unwrap();
+    let chat = ["generate", "--model", m, "--chat", "--prompt", "Hello there", "--max-tokens", "8", "-q"];
+    let a = stdout_of(&chat);
+    assert!(!a.trim().is_empty());
+    assert_eq!(a, stdout_of(&chat));
+
+    let sampled = |seed: &str| {
+        stdout_of(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "The quick",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "1",
+            "--seed",
+            seed,
+            "--ignore-eos",
+            "-q",
+        ])
+    };
+    let s7 = sampled("7");
+    assert!(!s7.trim().is_empty());
+    assert_eq!(s7, sampled("7"), "the same seed must give the same output");
+    assert_ne!(s7, sampled("8"), "different seeds should (almost surely) differ");
+}
+
+#[test]
+fn generate_from_gguf_default_dir() {
+    // A directory holding exactly one .gguf resolves to it.
+    let tmp = TempDir::new("gguf-dir");
+    write_tiny_llama_gguf(&tmp.join("tiny.gguf"));
+    let out = stdout_of(&["generate", "--model", tmp.arg(), "--prompt", "The quick", "--max-tokens", "4", "-q"]);
+    assert!(!out.trim().is_empty());
+    let inspect = stdout_of(&["inspect", "--model", tmp.arg()]);
+    assert!(inspect.contains("GGUF"), "{inspect}");
+}
+
+#[test]
+fn inspect_reports_architecture_parameters_and_kv() {
+    let dir = fixture("tiny-qwen3");
+    let out = stdout_of(&["inspect", "--model", dir.to_str().unwrap()]);
+    // Expected numbers from the files themselves.
+    let mut params = 0u64;
+    let mut n_files = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        if name.starts_with("model-") && name.ends_with(".safetensors") {
+            n_files += 1;
+            for (_, info) in safetensors_header(&p) {
+                params += info["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>();
+            }
+        }
+    }
+    assert_eq!(n_files, 3);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let c = |k: &str| cfg[k].as_u64().unwrap();
+    let kv_f32 = c("num_hidden_layers") * 2 * c("num_key_value_heads") * c("head_dim") * 4;
+
+    let line = |key: &str| {
+        out.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("no `{key}` line in:\n{out}")).to_string()
+    };
+    assert!(line("architecture:").contains("qwen3"), "{out}");
+    let p = line("parameters:");
+    let count: u64 = p.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert_eq!(count, params, "{out}");
+    let kv: Vec<String> = out.lines().filter(|l| l.starts_with("KV bytes/token:")).map(String::from).collect();
+    assert!(kv.iter().any(|l| l.contains(&format!(" {kv_f32} (f32)"))), "{out}");
+    assert!(kv.iter().any(|l| l.contains(&format!(" {} (bf16)", kv_f32 / 2))), "{out}");
+    assert!(line("format:").contains("3 files"), "{out}");
+
+    // Every fixture's parameter count matches its files (tied embeddings counted once).
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-gemma3"] {
+        let dir = fixture(name);
+        let out = stdout_of(&["inspect", "--model", dir.to_str().unwrap()]);
+        let expected: u64 = safetensors_header(&dir.join("model.safetensors"))
+            .values()
+            .map(|i| i["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>())
+            .sum();
+        let p = out.lines().find(|l| l.starts_with("parameters:")).unwrap();
+        let count: u64 = p.split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert_eq!(count, expected, "{name}:\n{out}");
+    }
+}
+
+/// A TurboQuant cache with a float window and a float layer generates (on the CPU: the only
+/// device TurboQuant runs on so far), and `eval-kv`
+/// prints its table.
+#[test]
+fn turboquant_cache_generates_and_evaluates() {
+    let m = fixture("tiny-llama");
+    let m = m.to_str().unwrap();
+    let args = ["--device", "cpu", "--kv-cache-dtype", "tq-k3v4", "--kv-float-window", "4", "--kv-skip-layers", "-1"];
+    let out = iris(&generate_args(m, &args));
+    assert_no_panic(&out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let text_file = std::env::temp_dir().join(format!("iris-eval-kv-{}.txt", std::process::id()));
+    std::fs::write(&text_file, "The quick brown fox jumps over the lazy dog. ".repeat(8)).unwrap();
+    let table = stdout_of(&[
+        "eval-kv",
+        "--model",
+        m,
+        "--text",
+        text_file.to_str().unwrap(),
+        "--chunk",
+        "7",
+        "--variant",
+        "tq-k4v4",
+        "--variant",
+        "tq-k2v3/w8/s0",
+    ]);
+    let rows: Vec<&str> = table.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| KV")).collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    assert!(rows[0].starts_with("| bf16 | 256 | 1.00x |"), "{table}");
+    assert!(rows[1].starts_with("| tq-k4v4 | 96 | 2.67x |"), "{table}");
+    expect_error(&["eval-kv", "--model", m, "--text", "/nonexistent"], &["--text", "/nonexistent"]);
+    let bad = ["eval-kv", "--model", m, "--text", text_file.to_str().unwrap(), "--variant", "bf16/w4"];
+    expect_error(&bad, &["bf16/w4"]);
+    std::fs::remove_file(&text_file).ok();
+}
+
+#[test]
+fn chat_through_stdin() {
+    let m = fixture("tiny-llama");
+    let args = ["chat", "--model", m.to_str().unwrap(), "--max-tokens", "6"];
+    let out = iris_with_stdin(&args, "hello\n/reset\nhi\n/exit\n");
+    assert_no_panic(&out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.matches("> ").count() >= 3, "prompts: {stdout:?}");
+    assert!(text(&out.stderr).contains("reset"), "{}", text(&out.stderr));
+    assert!(!text(&out.stderr).contains("error"), "{}", text(&out.stderr));
+
+    // End of input without /exit also ends cleanly.
+    let out = iris_with_stdin(&args, "hello\n");
+    assert_no_panic(&out);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn bench_json() {
+    let m = fixture("tiny-llama");
+    let args = [
+        "bench",
+        "--model",
+        m.to_str().unwrap(),
+        "--batch-sizes",
+        "1,2",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "4",
+        "--repeats",
+        "1",
+        "--json",
+    ];
+    let out = stdout_of(&args);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}):\n{out}"));
+    let rows = v["rows"].as_array().expect("an array of rows");
+    assert_eq!(rows.len(), 2, "{out}");
+    assert!(v["image"].is_null(), "a text model has no image benchmark: {out}");
+    for (row, batch) in rows.iter().zip([1, 2]) {
+        assert_eq!(row["batch"], batch);
+        assert_eq!(row["prompt_len"], 8);
+        assert_eq!(row["gen_len"], 4);
+        for k in ["prefill_tok_s", "ttft_ms", "decode_tok_s", "total_tok_s"] {
+            let x = row[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {out}"));
+            assert!(x.is_finite() && x > 0.0, "{k} = {x}: {out}");
+        }
+    }
+    // The table form too.
+    let args_table: Vec<&str> = args[..args.len() - 1].to_vec();
+    let table = stdout_of(&args_table);
+    assert!(table.starts_with("| batch"), "{table}");
+    assert_eq!(table.lines().count(), 4, "{table}");
+    // --image needs a vision-language model.
+    let img = fixture("tiny-qwen2-vl").join("image_square.png");
+    expect_error(&["bench", "--model", m.to_str().unwrap(), "--image", img.to_str().unwrap()], &["images"]);
+}
+
+#[test]
+fn bench_reports_the_vision_tower_and_image_ttft() {
+    for model in ["tiny-qwen2-vl", "tiny-qwen2.5-vl"] {
+        let m = fixture(model);
+        let image = m.join("image_70x90.png");
+        let base = ["bench", "--model", m.to_str().unwrap(), "--batch-sizes", "1", "--prompt-len", "8"];
+        let base = [&base[..], &["--gen-len", "2", "--repeats", "2"]].concat();
+        // A generated image (the default size, 448x448), and a file.
+        for (extra, size, tokens) in [
+            (vec![], (448, 448), None),
+            (vec!["--image-size", "300x200"], (300, 200), None),
+            // 90 wide, 70 high; transformers' processor: grid [1, 4, 6] -> 24 / (2 x 2) tokens.
+            (vec!["--image", image.to_str().unwrap()], (90, 70), Some(6)),
+        ] {
+            let args = [&base[..], &extra[..], &["--json"]].concat();
+            let out = stdout_of(&args);
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}):\n{out}"));
+            let i = &v["image"];
+            assert_eq!((i["width"].as_u64(), i["height"].as_u64()), (Some(size.0), Some(size.1)), "{out}");
+            let n = i["image_tokens"].as_u64().expect("image_tokens");
+            if let Some(t) = tokens {
+                assert_eq!(n, t, "{model}: {out}");
+            }
+            assert!(n > 0 && i["prompt_len"].as_u64().unwrap() > n, "{out}");
+            for k in ["preprocess_ms", "vision_ms_per_image", "ttft_ms"] {
+                let x = i[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {out}"));
+                assert!(x.is_finite() && x > 0.0, "{model}: {k} = {x}: {out}");
+            }
+            assert_eq!(v["rows"].as_array().map(Vec::len), Some(1), "{out}");
+        }
+        let table = stdout_of(&base);
+        assert!(table.contains("| vision ms/image |") && table.contains("| 448x448 |"), "{table}");
+    }
+    let m = fixture("tiny-qwen2-vl");
+    expect_error(&["bench", "--model", m.to_str().unwrap(), "--image-size", "448"], &["--image-size"]);
+    expect_error(&["bench", "--model", m.to_str().unwrap(), "--image", "/nonexistent.png"], &["/nonexistent.png"]);
+}
