@@ -230,20 +230,19 @@ impl DecodeGraphs {
             }
         }
         let bufs = self.buffers.as_ref().expect("made above");
-        // The step's own rows, gathered into tensors of their own: a narrowed view of the
-        // buffers would copy the whole buffer to the host (candle copies a tensor's storage,
-        // not its view; so does `Tensor::copy`), 250 MB for 256 sequences of 5 rows over a 49k
-        // vocabulary.
+        // The step's own rows. Greedy steps read the ids buffer whole (a u32 per row) and pick
+        // them on the host; logits are gathered on the device first, since a narrowed view
+        // would copy the whole buffer to the host (candle copies a tensor's storage, not its
+        // view; so does `Tensor::copy`): 250 MB for 256 sequences of 5 rows over 49k tokens.
         let rows: Vec<u32> = match real_rows {
             Some(real) => real.clone(),
             None => (0..t as u32).collect(),
         };
-        let rows = Tensor::new(rows.as_slice(), &self.device)?;
-        let logits = || bufs.logits.index_select(&rows, 0);
+        let logits = || bufs.logits.index_select(&Tensor::new(rows.as_slice(), &self.device)?, 0);
         Ok(Some(match draws {
-            // Greedy: the graph's argmax is all it takes.
             Some(draws) if draws.iter().all(|d| d.inv_temperature == 0.0) => {
-                StepOutput::Tokens(bufs.ids.index_select(&rows, 0)?.to_vec1()?)
+                let ids: Vec<u32> = bufs.ids.to_vec1()?;
+                StepOutput::Tokens(rows.iter().map(|&r| ids[r as usize]).collect())
             }
             Some(draws) => StepOutput::Tokens(draw_on_device(&logits()?, None, draws)?),
             None => StepOutput::Logits(logits()?.to_vec2()?),
