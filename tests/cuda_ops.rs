@@ -217,7 +217,7 @@ fn argmax_matches_cpu_including_ties_and_non_finite_rows() {
 /// vocabulary size and a small one, with coarse logits (many ties), masks and NaN.
 #[test]
 fn sample_matches_cpu_exactly() {
-    use iris::ops::sample::{Draw, Sample, PARAMS_PER_ROW};
+    use iris::ops::sample::{DraftCheck, Draw, Sample, PARAMS_PER_ROW};
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(11);
     for (vocab, coarse) in [(152_064usize, false), (152_064, true), (1000, true), (49_152, false)] {
@@ -233,6 +233,7 @@ fn sample_matches_cpu_exactly() {
                             top_p: p,
                             min_p: mp,
                             u: rng.random::<f32>(),
+                            draft: None,
                         });
                     }
                 }
@@ -256,17 +257,42 @@ fn sample_matches_cpu_exactly() {
         let logits = Tensor::from_vec(v, (rows, vocab), &Device::Cpu).unwrap();
         let params: Vec<f32> = draws.iter().flat_map(|d| d.to_params()).collect();
         let params = Tensor::from_vec(params, (rows, PARAMS_PER_ROW), &Device::Cpu).unwrap();
-        let cpu: Vec<u32> = Sample::forward(&logits, &params).unwrap().to_vec1().unwrap();
-        let gpu: Vec<u32> = Sample::forward(&logits.to_device(&dev).unwrap(), &params.to_device(&dev).unwrap())
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let differ: Vec<usize> = (0..rows).filter(|&r| cpu[r] != gpu[r]).collect();
-        assert!(
-            differ.is_empty(),
-            "vocab {vocab} coarse {coarse}: rows {differ:?} differ, e.g. {:?}",
-            differ.first().map(|&r| (draws[r], cpu[r], gpu[r]))
-        );
+        let plain: Vec<u32> = Sample::forward(&logits, &params).unwrap().to_vec1().unwrap();
+        // Then every row judges a draft (speculative verification): its own plain draw (often
+        // accepted), a random id, or a masked one (never accepted).
+        let judged: Vec<Draw> = draws
+            .iter()
+            .enumerate()
+            .map(|(r, d)| {
+                let token = match r % 3 {
+                    0 => plain[r],
+                    1 => rng.random_range(0..vocab as u32),
+                    _ => rng.random_range(0..vocab as u32 / 3),
+                };
+                Draw { draft: Some(DraftCheck { token, u_residual: rng.random::<f32>() }), ..*d }
+            })
+            .collect();
+        let judged_params: Vec<f32> = judged.iter().flat_map(|d| d.to_params()).collect();
+        let judged_params = Tensor::from_vec(judged_params, (rows, PARAMS_PER_ROW), &Device::Cpu).unwrap();
+        let mut cpu_judged = Vec::new();
+        for (draws, params) in [(&draws, &params), (&judged, &judged_params)] {
+            let cpu: Vec<u32> = Sample::forward(&logits, params).unwrap().to_vec1().unwrap();
+            let gpu: Vec<u32> = Sample::forward(&logits.to_device(&dev).unwrap(), &params.to_device(&dev).unwrap())
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let differ: Vec<usize> = (0..rows).filter(|&r| cpu[r] != gpu[r]).collect();
+            assert!(
+                differ.is_empty(),
+                "vocab {vocab} coarse {coarse}: rows {differ:?} differ, e.g. {:?}",
+                differ.first().map(|&r| (draws[r], cpu[r], gpu[r]))
+            );
+            cpu_judged = cpu;
+        }
+        let sampled = |r: &usize| judged[*r].inv_temperature > 0.0;
+        let accepted = (0..rows).filter(sampled).filter(|&r| cpu_judged[r] == judged[r].draft.unwrap().token).count();
+        let rejected = (0..rows).filter(sampled).count() - accepted;
+        assert!(accepted > 0 && rejected > 0, "vocab {vocab}: {accepted} drafts accepted, {rejected} rejected");
     }
 }
 
@@ -275,28 +301,43 @@ fn sample_matches_cpu_exactly() {
 #[test]
 fn seeded_sampling_gives_the_cpu_tokens() {
     use iris::engine::build::{build_engine, EngineOptions};
+    use iris::engine::SpeculativeConfig;
     let Some(dev) = gpu() else { return };
     let _gpu = common::gpu_lock();
-    for name in common::TINY_MODELS {
-        let path = common::fixture(name);
-        let reqs: Vec<_> = (0..6u32)
-            .map(|i| {
-                let mut p = common::greedy(24);
-                p.temperature = [0.0, 0.7, 1.0, 1.3, 0.9, 0.5][i as usize];
-                p.top_k = [0, 0, 20, 0, 5, 0][i as usize];
-                p.top_p = [1.0, 0.9, 1.0, 0.8, 0.95, 1.0][i as usize];
-                p.min_p = [0.0, 0.0, 0.0, 0.05, 0.0, 0.1][i as usize];
-                p.seed = Some(77 + i as u64);
-                ((0..3 + 4 * i).map(|t| 5 + t * 3).collect::<Vec<u32>>(), p)
-            })
-            .collect();
-        let arrivals = [0, 0, 1, 2, 2, 5];
-        let run = |d: &Device| {
-            let mut e = build_engine(&path, d, &EngineOptions::default()).unwrap().0;
-            common::run_requests(&mut e, &reqs, &arrivals)
-        };
-        let (cpu, gpu) = (run(&Device::Cpu), run(&dev));
-        assert_eq!(gpu, cpu, "{name}");
+    // Plain, then with n-gram drafts: their rows are judged on the device (rejection sampling)
+    // with the numbers the host takes, so the tokens are the host's.
+    let speculative = SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 };
+    for spec in [None, Some(speculative)] {
+        for name in common::TINY_MODELS {
+            let path = common::fixture(name);
+            let reqs: Vec<_> = (0..6u32)
+                .map(|i| {
+                    let mut p = common::greedy(24);
+                    p.temperature = [0.0, 0.7, 1.0, 1.3, 0.9, 0.5][i as usize];
+                    p.top_k = [0, 0, 20, 0, 5, 0][i as usize];
+                    p.top_p = [1.0, 0.9, 1.0, 0.8, 0.95, 1.0][i as usize];
+                    p.min_p = [0.0, 0.0, 0.0, 0.05, 0.0, 0.1][i as usize];
+                    p.seed = Some(77 + i as u64);
+                    if spec.is_some() {
+                        p.temperature *= 0.4; // these random models then repeat enough to be drafted
+                    }
+                    // Prompts that repeat a unit, so prompt lookup finds drafts.
+                    ((0..3 + 4 * i).map(|t| 5 + t % (2 + i) * 3).collect::<Vec<u32>>(), p)
+                })
+                .collect();
+            let arrivals = [0, 0, 1, 2, 2, 5];
+            let opts = EngineOptions { speculative: spec, ..Default::default() };
+            let run = |d: &Device| {
+                let mut e = build_engine(&path, d, &opts).unwrap().0;
+                let out = common::run_requests(&mut e, &reqs, &arrivals);
+                (out, e.stats.spec.num_draft_tokens, e.stats.spec.num_accepted_tokens)
+            };
+            let ((cpu, ..), (gpu, drafted, accepted)) = (run(&Device::Cpu), run(&dev));
+            assert_eq!(gpu, cpu, "{name}, speculation {spec:?}");
+            if spec.is_some() {
+                assert!(0 < accepted && accepted < drafted, "{name}: {accepted} of {drafted} drafts accepted");
+            }
+        }
     }
 }
 

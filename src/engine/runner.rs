@@ -21,7 +21,7 @@ use super::step_output::{draw_on_device, StepOutput};
 use crate::batch::{Batch, ImageRows, Positions, SeqSlice};
 use crate::kv::KvCache;
 use crate::models::{TextModel, VisionModel};
-use crate::ops::sample::Draw;
+use crate::ops::sample::{Draw, NO_TOKEN};
 
 /// Default byte budget of the image-embedding cache.
 const EMBED_CACHE_BYTES: usize = 256 << 20;
@@ -199,9 +199,10 @@ impl ModelRunner {
 
     /// On a GPU, when every sampled row draws from its logits as they are, each row's draw, for
     /// the device to pick the tokens (only their ids are copied back); None otherwise (the
-    /// logits come to the host). Takes from each row's generator what host sampling would. A
-    /// sequence with drafts qualifies only when greedy (its rows' argmax is all verification
-    /// needs). `IRIS_DEVICE_SAMPLING=0` sends every step's logits to the host (for comparisons).
+    /// logits come to the host). Takes from each row's generator what host sampling would; a
+    /// sequence with drafts has its drafts judged on the device (rejection sampling, see
+    /// `SequenceSampler::verify_draws`) and its generator advanced once the outcome is known.
+    /// `IRIS_DEVICE_SAMPLING=0` sends every step's logits to the host (for comparisons).
     fn device_draws(
         &self,
         seqs: &mut Sequences,
@@ -211,9 +212,11 @@ impl ModelRunner {
         if self.device.is_cpu() || !crate::switches::switched_on!("IRIS_DEVICE_SAMPLING") {
             return None;
         }
+        // Every row a sequence samples, the last after all its drafts, draws plainly.
         let plain = |item: &ScheduledSeq, n: usize| {
             let s = seqs.expect(item.id);
-            n == 0 || (draws_plainly(&s.params, s.output().len()) && (item.num_draft == 0 || s.params.is_greedy()))
+            let out = s.output().len();
+            n == 0 || (draws_plainly(&s.params, out) && draws_plainly(&s.params, out + item.num_draft))
         };
         if !plan.items.iter().zip(sampled).all(|(item, &(_, n))| plain(item, n)) {
             return None;
@@ -221,7 +224,9 @@ impl ModelRunner {
         let mut draws = Vec::new();
         for (item, &(_, n)) in plan.items.iter().zip(sampled) {
             let s = seqs.expect_mut(item.id);
-            for _ in 0..n {
+            if item.num_draft > 0 {
+                draws.extend(s.sampler.verify_draws(&s.params, &s.draft[..item.num_draft]));
+            } else if n > 0 {
                 draws.push(s.sampler.device_draw(&s.params));
             }
         }
@@ -295,16 +300,21 @@ fn verify(
         r
     };
     match out {
-        // Greedy on the device: a draft is accepted while it equals its row's argmax.
+        // Drawn on the device: a draft is accepted while its row gave it (the argmax, or the
+        // draft judged by rejection sampling, whose rejections never give the draft).
         StepOutput::Tokens(ids) => plan
             .items
             .iter()
             .zip(sampled)
             .map(|(item, &(_, n))| {
                 let ids = &ids[next_rows(n)];
-                let drafts = &seqs.expect(item.id).draft[..item.num_draft];
-                let take = if n == 0 { 0 } else { 1 + ids.iter().zip(drafts).take_while(|(a, b)| a == b).count() };
-                ids[..take].iter().map(|&t| Sampled::token_only(t)).collect()
+                let seq = seqs.expect_mut(item.id);
+                let accepted = ids.iter().zip(&seq.draft[..item.num_draft]).take_while(|(a, b)| a == b).count();
+                if item.num_draft > 0 {
+                    seq.sampler.settle_verify(&seq.params, item.num_draft, accepted);
+                }
+                let take = if n == 0 { 0 } else { 1 + accepted };
+                ids[..take].iter().map(|&t| Sampled::token_only(if t == NO_TOKEN { 0 } else { t })).collect()
             })
             .collect(),
         // The sequences side by side: each filters whole-vocabulary rows, which one after

@@ -18,7 +18,7 @@
 
 use crate::engine::sampling_params::SamplingParams;
 use crate::ops::argmax::argmax_row as argmax;
-use crate::ops::sample::{draw_row, kept, Draw, Kept};
+use crate::ops::sample::{draw_row, kept, DraftCheck, Draw, Kept};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -178,7 +178,12 @@ impl SequenceSampler {
             return (t, t == draft);
         }
         let accept = self.next_draw(params);
-        let Some(kept) = kept(logits, &accept, cand) else { return (0, false) };
+        let Some(kept) = kept(logits, &accept, cand) else {
+            // Nothing finite: rejected, taking the residual's number all the same (as a
+            // device verifying the row does; see `settle_verify`).
+            self.rng.random::<f32>();
+            return (0, false);
+        };
         if kept.accepts(draft, accept.u) {
             return (draft, true);
         }
@@ -194,12 +199,35 @@ impl SequenceSampler {
 
     /// The draw of this step for a non-greedy row; takes one number from the generator.
     fn next_draw(&mut self, params: &SamplingParams) -> Draw {
-        Draw {
-            inv_temperature: 1.0 / params.temperature,
-            top_k: params.top_k.min(u32::MAX as usize) as u32,
-            top_p: params.top_p,
-            min_p: params.min_p,
-            u: self.rng.random::<f32>(),
+        Draw { u: self.rng.random::<f32>(), ..draw_shape(params) }
+    }
+
+    /// The draws a device makes to verify `drafts` (rows after the last token and after each
+    /// draft, as `verify` takes them), when nothing but the draws shapes those rows (see
+    /// `draws_plainly`). Greedy rows take their argmax. Sampled rows take the uniforms `verify`
+    /// would take, in its order: row i judges draft i with u_i and, rejected, draws the residual
+    /// with u_(i+1), the number `verify` takes next in that case; the last row draws with u_k.
+    /// The generator is not advanced here: `settle_verify` does it once the outcome is known.
+    pub fn verify_draws(&self, params: &SamplingParams, drafts: &[u32]) -> Vec<Draw> {
+        if params.is_greedy() {
+            return vec![Draw::greedy(); drafts.len() + 1];
+        }
+        let mut probe = self.rng.clone();
+        let mut draws: Vec<Draw> =
+            (0..=drafts.len()).map(|_| Draw { u: probe.random::<f32>(), ..draw_shape(params) }).collect();
+        for i in 0..drafts.len() {
+            draws[i].draft = Some(DraftCheck { token: drafts[i], u_residual: draws[i + 1].u });
+        }
+        draws
+    }
+
+    /// Advances the generator as `verify` would have for `num_draft` drafts of which the first
+    /// `accepted` were: one number per judged draft, and one for the token after.
+    pub fn settle_verify(&mut self, params: &SamplingParams, num_draft: usize, accepted: usize) {
+        if !params.is_greedy() {
+            for _ in 0..(accepted + 2).min(num_draft + 1) {
+                self.rng.random::<f32>();
+            }
         }
     }
 
@@ -212,6 +240,18 @@ impl SequenceSampler {
         } else {
             self.next_draw(params)
         }
+    }
+}
+
+/// A non-greedy row's draw for `params`, u still to be set.
+fn draw_shape(params: &SamplingParams) -> Draw {
+    Draw {
+        inv_temperature: 1.0 / params.temperature,
+        top_k: params.top_k.min(u32::MAX as usize) as u32,
+        top_p: params.top_p,
+        min_p: params.min_p,
+        u: 0.0,
+        draft: None,
     }
 }
 
@@ -678,6 +718,57 @@ pub(crate) mod tests {
         let worst = speculative_chi2();
         WRONG_RESIDUAL.with(|w| w.set(false));
         assert!(worst > 1000.0, "a residual that keeps the draft went unnoticed: chi2 {worst}");
+    }
+
+    /// Verifying on a device (`verify_draws`, the rows drawn by the `Sample` op, then
+    /// `settle_verify`) gives `verify`'s tokens and leaves the generator where `verify` does,
+    /// for every count of accepted drafts, including rows with nothing finite.
+    #[test]
+    fn device_verification_matches_the_host() {
+        use crate::ops::sample::{Sample, PARAMS_PER_ROW};
+        use candle_core::{Device, Tensor};
+        let vocab = 8;
+        let mut outcomes = std::collections::BTreeSet::new();
+        for seed in 0..400u64 {
+            let params = SamplingParams {
+                temperature: [0.0, 0.6, 1.0, 1.5][seed as usize % 4],
+                top_k: [0, 3][seed as usize / 4 % 2],
+                ..Default::default()
+            };
+            let mut g = StdRng::seed_from_u64(seed ^ 0xabc);
+            let mut rows: Vec<Vec<f32>> =
+                (0..4).map(|_| (0..vocab).map(|_| g.random_range(-1.5f32..1.5)).collect()).collect();
+            if seed % 37 == 5 {
+                rows[1] = vec![f32::NAN; vocab];
+            }
+            // Drafts mostly each row's likeliest token, so that every count gets accepted.
+            let drafts: Vec<u32> = rows[..3]
+                .iter()
+                .map(|r| if g.random::<f32>() < 0.8 { argmax(r).unwrap_or(0) } else { g.random_range(0..vocab as u32) })
+                .collect();
+            let (mut host, mut dev) = (SequenceSampler::new(Some(seed)), SequenceSampler::new(Some(seed)));
+            let want: Vec<u32> =
+                host.verify(&mut rows.clone(), &drafts, &params, &[], &[]).iter().map(|t| t.token).collect();
+
+            let draws = dev.verify_draws(&params, &drafts);
+            let flat: Vec<f32> = rows.concat();
+            let p: Vec<f32> = draws.iter().flat_map(|d| d.to_params()).collect();
+            let ids: Vec<u32> = Sample::forward(
+                &Tensor::from_vec(flat, (4, vocab), &Device::Cpu).unwrap(),
+                &Tensor::from_vec(p, (4, PARAMS_PER_ROW), &Device::Cpu).unwrap(),
+            )
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+            let accepted = ids.iter().zip(&drafts).take_while(|(a, b)| a == b).count();
+            dev.settle_verify(&params, drafts.len(), accepted);
+            let got: Vec<u32> =
+                ids[..accepted + 1].iter().map(|&t| if t == crate::ops::sample::NO_TOKEN { 0 } else { t }).collect();
+            assert_eq!(got, want, "seed {seed}, {params:?}");
+            assert_eq!(host.rng.random::<u64>(), dev.rng.random::<u64>(), "seed {seed}: the generators part");
+            outcomes.insert(accepted);
+        }
+        assert_eq!(outcomes.into_iter().collect::<Vec<_>>(), [0, 1, 2, 3], "every count of accepted drafts");
     }
 
     #[test]

@@ -32,23 +32,41 @@ pub struct Draw {
     pub min_p: f32,
     /// Uniform in [0, 1), from the sequence's own generator.
     pub u: f32,
+    /// Speculative verification: the drafted token this row judges instead of drawing.
+    pub draft: Option<DraftCheck>,
+}
+
+/// A drafted token judged by a sampled row (rejection sampling): accepted when `u` falls in
+/// its mass (probability p(draft)); else the row draws with `u_residual` from what it keeps
+/// less the draft, renormalised. The row's token is the draft exactly when it was accepted.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftCheck {
+    pub token: u32,
+    pub u_residual: f32,
 }
 
 /// Floats per row in the parameter tensor of [`Sample`].
-pub const PARAMS_PER_ROW: usize = 5;
+pub const PARAMS_PER_ROW: usize = 7;
+
+/// What a row that judges a draft gives when none of its logits is finite (a plain row gives
+/// 0): never equal to the draft, so the draft counts as rejected.
+pub const NO_TOKEN: u32 = u32::MAX;
 
 impl Draw {
     pub fn greedy() -> Self {
-        Draw { inv_temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0 }
+        Draw { inv_temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0, draft: None }
     }
 
-    /// The row's parameters as the kernel reads them (top_k is exact in f32 below 2^24).
+    /// The row's parameters as the kernel reads them (top_k and token ids are exact in f32
+    /// below 2^24; a draft of -1 is none).
     pub fn to_params(&self) -> [f32; PARAMS_PER_ROW] {
-        [self.inv_temperature, self.top_k.min(1 << 24) as f32, self.top_p, self.min_p, self.u]
+        let (draft, u_residual) = self.draft.map_or((-1.0, 0.0), |c| (c.token as f32, c.u_residual));
+        [self.inv_temperature, self.top_k.min(1 << 24) as f32, self.top_p, self.min_p, self.u, draft, u_residual]
     }
 
     fn from_params(p: &[f32]) -> Self {
-        Draw { inv_temperature: p[0], top_k: p[1] as u32, top_p: p[2], min_p: p[3], u: p[4] }
+        let draft = (p[5] >= 0.0).then(|| DraftCheck { token: p[5] as u32, u_residual: p[6] });
+        Draw { inv_temperature: p[0], top_k: p[1] as u32, top_p: p[2], min_p: p[3], u: p[4], draft }
     }
 }
 
@@ -74,9 +92,28 @@ fn in_order(a: &(u32, u32), b: &(u32, u32)) -> Ordering {
 const MASS_SCALE: f32 = (1u64 << 40) as f32;
 
 /// The host reference: the token `d` draws from `logits`, None when no logit is finite.
-/// `cand` is scratch space (kept between calls to avoid a vocabulary-sized allocation).
+/// With a draft to judge (not greedy: a greedy row's argmax is compared by the caller), the
+/// draft when accepted, else the residual draw. `cand` is scratch space (kept between calls to
+/// avoid a vocabulary-sized allocation).
 pub fn draw_row(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> Option<u32> {
-    kept(logits, d, cand)?.pick(d.u, None)
+    let kept = kept(logits, d, cand)?;
+    match d.draft {
+        Some(c) if !kept.greedy => {
+            // Nothing is left less the draft only when the draft holds all the mass, and then
+            // it is always accepted.
+            if kept.accepts(c.token, d.u) {
+                Some(c.token)
+            } else {
+                kept.pick(c.u_residual, Some(c.token))
+            }
+        }
+        _ => kept.pick(d.u, None),
+    }
+}
+
+/// [`draw_row`] as the op and the kernel give it: 0 (a draft row: [`NO_TOKEN`]) when nothing is finite.
+fn row_token(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> u32 {
+    draw_row(logits, d, cand).unwrap_or(if d.draft.is_some() { NO_TOKEN } else { 0 })
 }
 
 /// The tokens a draw keeps, with their masses: the distribution [`draw_row`] samples from.
@@ -198,7 +235,7 @@ pub fn kept<'a>(logits: &[f32], d: &Draw, cand: &'a mut Vec<(u32, u32)>) -> Opti
 }
 
 /// `[rows, vocab]` f32 logits and `[rows, PARAMS_PER_ROW]` f32 parameters (`Draw::to_params`)
-/// -> `[rows]` u32 token ids (0 for a row with nothing finite).
+/// -> `[rows]` u32 token ids (each [`row_token`]).
 pub struct Sample;
 
 impl Sample {
@@ -223,7 +260,7 @@ impl CustomOp2 for Sample {
         let out = (0..rows)
             .map(|r| {
                 let d = Draw::from_params(&p[r * PARAMS_PER_ROW..(r + 1) * PARAMS_PER_ROW]);
-                draw_row(&x[r * vocab..(r + 1) * vocab], &d, &mut cand).unwrap_or(0)
+                row_token(&x[r * vocab..(r + 1) * vocab], &d, &mut cand)
             })
             .collect();
         Ok((CpuStorage::U32(out), Shape::from(rows)))
@@ -286,7 +323,7 @@ mod tests {
         let mut c = Vec::new();
         assert_eq!(draw_row(&l, &Draw::greedy(), &mut c), Some(1));
         for u in [0.0, 0.3, 0.999] {
-            let d = Draw { inv_temperature: 1.0, top_k: 1, top_p: 1.0, min_p: 0.0, u };
+            let d = Draw { inv_temperature: 1.0, top_k: 1, u, ..Draw::greedy() };
             assert_eq!(draw_row(&l, &d, &mut c), Some(1));
         }
         assert_eq!(draw_row(&[f32::NAN, f32::INFINITY], &Draw::greedy(), &mut c), None);
@@ -330,6 +367,7 @@ mod tests {
                     top_p: p as f32,
                     min_p: mp,
                     u: (s as f32 + 0.5) / n as f32,
+                    draft: None,
                 };
                 counts[draw_row(&l, &d, &mut c).unwrap() as usize] += 1;
             }
@@ -352,7 +390,7 @@ mod tests {
             s.dedup();
             s
         };
-        let base = Draw { inv_temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0 };
+        let base = Draw { inv_temperature: 1.0, ..Draw::greedy() };
         assert_eq!(drawn(Draw { top_k: 3, ..base }, &mut c), vec![0, 1, 2]);
         assert_eq!(drawn(Draw { top_p: 0.5, ..base }, &mut c), vec![0, 1, 2]);
     }
@@ -369,6 +407,8 @@ mod tests {
                 top_p: 0.9,
                 min_p: 0.0,
                 u: lcg(&mut seed),
+                // Odd rows judge a draft: a likely token, then any.
+                draft: (r % 2 == 1).then(|| DraftCheck { token: (r * 13 % vocab) as u32, u_residual: lcg(&mut seed) }),
             })
             .collect();
         let params: Vec<f32> = draws.iter().flat_map(|d| d.to_params()).collect();
@@ -383,6 +423,50 @@ mod tests {
         let mut c = Vec::new();
         for (r, d) in draws.iter().enumerate() {
             assert_eq!(ids[r], draw_row(&l[r * vocab..(r + 1) * vocab], d, &mut c).unwrap());
+        }
+        let nan = Tensor::from_vec(vec![f32::NAN; 2 * vocab], (2, vocab), &dev).unwrap();
+        let judged = Draw { draft: Some(DraftCheck { token: 0, u_residual: 0.5 }), ..draws[1] };
+        let p: Vec<f32> = [Draw { draft: None, ..draws[1] }, judged].iter().flat_map(|d| d.to_params()).collect();
+        let ids: Vec<u32> =
+            Sample::forward(&nan, &Tensor::from_vec(p, (2, PARAMS_PER_ROW), &dev).unwrap()).unwrap().to_vec1().unwrap();
+        assert_eq!(ids, [0, NO_TOKEN], "nothing finite: 0, and a draft row never gives its draft");
+    }
+
+    /// Over a grid of (u, u_residual), a row judging a draft gives the draft with its
+    /// probability, and every token with its probability in all: rejection sampling keeps the
+    /// row's distribution.
+    #[test]
+    fn judging_a_draft_keeps_the_distribution() {
+        let mut seed = 11;
+        let mut c = Vec::new();
+        let l = logits(40, &mut seed);
+        let base = Draw { inv_temperature: 1.0 / 0.8, top_k: 0, top_p: 0.9, min_p: 0.0, u: 0.0, draft: None };
+        let n = 400;
+        let grid = |d: Draw, c: &mut Vec<(u32, u32)>| {
+            let mut counts = vec![0usize; l.len()];
+            for i in 0..n {
+                for j in 0..n {
+                    let u = (i as f32 + 0.5) / n as f32;
+                    let draft = d.draft.map(|dc| DraftCheck { u_residual: (j as f32 + 0.5) / n as f32, ..dc });
+                    counts[draw_row(&l, &Draw { u, draft, ..d }, c).unwrap() as usize] += 1;
+                }
+            }
+            counts
+        };
+        let plain = grid(base, &mut c);
+        let order = {
+            let mut o: Vec<usize> = (0..l.len()).collect();
+            o.sort_by_key(|&i| std::cmp::Reverse(plain[i]));
+            o
+        };
+        // The most likely token, one in the middle of the nucleus, and one outside it.
+        for draft in [order[0], order[3], order[l.len() - 1]] {
+            let judged =
+                grid(Draw { draft: Some(DraftCheck { token: draft as u32, u_residual: 0.0 }), ..base }, &mut c);
+            for t in 0..l.len() {
+                let (a, b) = (judged[t] as f64 / (n * n) as f64, plain[t] as f64 / (n * n) as f64);
+                assert!((a - b).abs() < 5e-3, "draft {draft}, token {t}: {a} vs {b}");
+            }
         }
     }
 }

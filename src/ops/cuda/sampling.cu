@@ -71,6 +71,7 @@ struct Row {
     // logit first, then lower id". (0, ~0) keeps every finite logit.
     uint32_t ck, ci;
     float min_p;  // also required of the draw's elements (0 in the passes before it)
+    uint32_t exclude;  // an id the draw leaves out (a rejected draft), ~0 for none
 };
 
 // w = exp(l / T - max / T) of a finite logit.
@@ -138,7 +139,7 @@ __device__ __forceinline__ u64 value_of(const Row& r, Count what, uint32_t tk, u
     if (!isfinite(l)) return 0;
     const uint32_t key = order_key(l);
     if (what == TIED) return key == tk && (uint32_t)i <= tci;
-    if (!kept(r, key, i, l)) return 0;
+    if ((uint32_t)i == r.exclude || !kept(r, key, i, l)) return 0;
     return mass_of(weight(r, l));
 }
 
@@ -260,8 +261,10 @@ __device__ uint32_t radix_select(const Row& r, Count what, u64 need, u64* above,
     return prefix;
 }
 
-// One block per row of `[rows, vocab]` f32 logits. `params` is `[rows, 5]`: 1/temperature
-// (0: greedy), top_k (0: off), top_p, min_p, u in [0, 1).
+// One block per row of `[rows, vocab]` f32 logits. `params` is `[rows, 7]`: 1/temperature
+// (0: greedy), top_k (0: off), top_p, min_p, u in [0, 1), a draft to judge (-1: none) and the
+// uniform of its residual draw. A sampled row with a draft gives the draft when u falls in its
+// mass, else draws with the second uniform from the kept tokens less the draft.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f32(const float* __restrict__ logits, const float* __restrict__ params, uint32_t* __restrict__ out,
                int vocab) {
@@ -269,10 +272,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ u64 scratch[SAMPLE_WARPS];
     __shared__ unsigned int uscratch[SAMPLE_WARPS];
     const float* p = params + (size_t)blockIdx.x * 5;
-    const float inv_t = p[0], top_p = p[2], min_p = p[3], u = p[4];
+    const float inv_t = p[0], top_p = p[2], min_p = p[3], u = p[4], u_residual = p[6];
     const unsigned int top_k = (unsigned int)p[1];
+    const int draft = p[5] >= 0.0f ? (int)p[5] : -1;
     const int chunk = ((vocab + SAMPLE_WARPS - 1) / SAMPLE_WARPS + 31) / 32 * 32;
-    Row row{logits + (size_t)blockIdx.x * vocab, vocab, chunk, inv_t, 0.0f, 0u, 0xffffffffu, 0.0f};
+    Row row{logits + (size_t)blockIdx.x * vocab, vocab, chunk, inv_t, 0.0f, 0u, 0xffffffffu, 0.0f, 0xffffffffu};
 
     // Largest finite logit (its key) and how many are finite.
     uint32_t kmax = 0;
@@ -295,8 +299,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __syncthreads();
     kmax = uscratch[0];
     __syncthreads();
-    if (n == 0) {
-        if (threadIdx.x == 0) out[blockIdx.x] = 0u;
+    if (n == 0) {  // a draft row never gives its draft here (NO_TOKEN in ops/sample.rs)
+        if (threadIdx.x == 0) out[blockIdx.x] = draft >= 0 ? 0xffffffffu : 0u;
         return;
     }
     if (inv_t == 0.0f) {  // greedy: the largest logit, lowest id on ties
@@ -332,6 +336,26 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     // The draw: x = floor(u * M) over the kept masses, the first id whose running mass passes x.
     // M > 0: the largest logit weighs 1 and survives every filter (min_p <= 1).
     row.min_p = min_p;
-    const uint32_t id = find_in_id_order(row, MASS, 0, 0, 0, true, u, nullptr, scratch);
+    float draw_u = u;
+    if (draft >= 0) {
+        // Accept the draft when floor(u * M) falls below its mass (the host's Kept::accepts);
+        // a draft outside the vocabulary has none.
+        u64 total = 0;
+        for_each_group(row, [&](int i, float l) {
+            total += value_of(row, MASS, 0, 0, i, l);
+            return false;
+        });
+        total = block_sum<u64>(total, scratch);
+        const u64 md = draft < vocab ? value_of(row, MASS, 0, 0, draft, row.l[draft]) : 0;
+        u64 x = (u64)floor((double)u * (double)total);
+        if (x >= total) x = total - 1;
+        if (x < md) {
+            if (threadIdx.x == 0) out[blockIdx.x] = (uint32_t)draft;
+            return;
+        }
+        row.exclude = (uint32_t)draft;
+        draw_u = u_residual;
+    }
+    const uint32_t id = find_in_id_order(row, MASS, 0, 0, 0, true, draw_u, nullptr, scratch);
     if (threadIdx.x == 0) out[blockIdx.x] = id == 0xffffffffu ? 0u : id;
 }
