@@ -122,7 +122,7 @@ fn decode_step(model: &dyn TextModel, dev: &Device, float: KvDtype, cache: Cache
     fill(&kv, cfg.num_layers, context, cfg.num_kv_heads, cfg.head_dim, dev);
     let max_positions = cfg.max_position_embeddings.min(iris::layers::rotary::MAX_TABLE_POSITIONS);
     let mut runner = ModelRunner::new(dev.clone(), 1, spec.num_blocks, max_positions, 1);
-    let greedy = [Draw { inv_temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0 }];
+    let greedy = [Draw::greedy()];
     let mut times = Vec::new();
     for _ in 0..steps + 2 {
         let seq = SeqSlice {

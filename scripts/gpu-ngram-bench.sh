@@ -11,7 +11,7 @@
 #   steps verify the same number of drafts in each sequence); then sampled (temperature 0.7,
 #   top-k 40, a seed per sequence), where sequences part ways and a step's sequences verify
 #   different numbers of drafts: padded into graphs (the default) and op by op
-#   (IRIS_CUDA_PAD_ROWS=0). Two rounds, alternated.
+#   (IRIS_CUDA_PAD_ROWS=0; UNPADDED=0 leaves it out). $ROUNDS rounds (default 2), alternated.
 # - Greedy text with and without speculation, compared (`iris generate`), with the default
 #   GEMV threshold and with IRIS_CUDA_GEMV=8.
 # Prints tables; JSON per run in RESULTS_DIR (default $OUT or /tmp/iris-ngram/results).
@@ -34,12 +34,12 @@ run() { # name, args...
   shift
   "$IRIS" bench "${common[@]}" "$@" > "$RES/$name.json" 2> "$RES/$name.err" || { echo "$name failed:"; tail -3 "$RES/$name.err"; }
 }
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   run "greedy-plain-$round"
   run "greedy-ngram-$round" --speculative-config "$SPEC"
   run "sampled-plain-$round" "${sampled[@]}"
   run "sampled-ngram-$round" "${sampled[@]}" --speculative-config "$SPEC"
-  IRIS_CUDA_PAD_ROWS=0 run "sampled-ngram-unpadded-$round" "${sampled[@]}" --speculative-config "$SPEC"
+  [ "${UNPADDED:-1}" = 0 ] || IRIS_CUDA_PAD_ROWS=0 run "sampled-ngram-unpadded-$round" "${sampled[@]}" --speculative-config "$SPEC"
 done
 prompt=$(cat benches/prompts/edit_code.txt)
 gen=(--model "$MODEL" --device cuda --dtype bf16 --max-tokens 200 --prompt "$prompt")
