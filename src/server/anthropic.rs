@@ -20,7 +20,7 @@ use super::generate::{
     aborted, check_request, collect, matched_stop, parse_json, random_id, request_error, submit_with_images, typed,
     MaxTokens,
 };
-use super::openai::encode_chat;
+use super::chat_prompt::encode_chat;
 use super::reply::{Delta, Reply, ReplyParser};
 use super::sse::{named_event, sse_response, Converter};
 use super::state::AppState;

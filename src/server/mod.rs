@@ -12,6 +12,7 @@ pub mod anthropic_request;
 mod auth;
 pub mod browser;
 mod browser_policy;
+pub mod chat_prompt;
 pub mod connections;
 mod content;
 pub mod engine_loop;
