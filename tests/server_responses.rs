@@ -91,7 +91,10 @@ fn string_and_item_input_and_instructions() {
         { "role": "user", "content": "Hello\nthere" },
     ]);
     assert_eq!(r["usage"]["input_tokens"], tokens(&s, expected, None), "{r}");
-    assert_eq!((r["instructions"].as_str(), r["metadata"].clone(), r["user"].as_str()), (Some("Be brief."), json!({ "k": "v" }), Some("u1")));
+    assert_eq!(
+        (r["instructions"].as_str(), r["metadata"].clone(), r["user"].as_str()),
+        (Some("Be brief."), json!({ "k": "v" }), Some("u1"))
+    );
     assert_eq!(r["store"], false);
     // store: false: nothing to get back.
     let id = r["id"].as_str().expect("id");
@@ -101,7 +104,8 @@ fn string_and_item_input_and_instructions() {
 #[test]
 fn previous_response_id_continues_the_stored_conversation() {
     let s = Server::start(&[]);
-    let first = create(&s, &json!({ "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 3, "temperature": 0 }));
+    let first =
+        create(&s, &json!({ "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 3, "temperature": 0 }));
     let id = first["id"].as_str().expect("id");
     let answer = output_text(&first);
     // GET returns what create returned.
@@ -157,7 +161,9 @@ fn previous_response_id_continues_the_stored_conversation() {
 #[test]
 fn the_store_is_bounded_and_evicts_the_least_recently_used() {
     let s = Server::start(&["--max-stored-responses", "2"]);
-    let make = |input: &str| create(&s, &json!({ "input": input, "max_output_tokens": 1 }))["id"].as_str().expect("id").to_string();
+    let make = |input: &str| {
+        create(&s, &json!({ "input": input, "max_output_tokens": 1 }))["id"].as_str().expect("id").to_string()
+    };
     let (a, b) = (make("a"), make("b"));
     // A lookup is a use: a becomes more recent than b.
     assert_eq!(s.get(&format!("/v1/responses/{a}")).status, 200);
@@ -209,12 +215,8 @@ fn a_stream_is_openai_s_event_sequence_and_assembles_to_the_response() {
     let t = types(&evs);
     let deltas = t.iter().filter(|t| **t == "response.output_text.delta").count();
     assert!(deltas >= 1, "{t:?}");
-    let mut expected = vec![
-        "response.created",
-        "response.in_progress",
-        "response.output_item.added",
-        "response.content_part.added",
-    ];
+    let mut expected =
+        vec!["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"];
     expected.extend(std::iter::repeat_n("response.output_text.delta", deltas));
     expected.extend([
         "response.output_text.done",
@@ -225,7 +227,11 @@ fn a_stream_is_openai_s_event_sequence_and_assembles_to_the_response() {
     assert_eq!(t, expected);
     assert_eq!(evs[0]["response"]["status"], "in_progress");
     assert_eq!(evs[0]["response"]["output"], json!([]));
-    let text: String = evs.iter().filter(|e| e["type"] == "response.output_text.delta").map(|e| e["delta"].as_str().expect("delta")).collect();
+    let text: String = evs
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| e["delta"].as_str().expect("delta"))
+        .collect();
     assert_eq!(text, output_text(&whole));
     let done = evs.iter().find(|e| e["type"] == "response.output_text.done").expect("done");
     assert_eq!(done["text"], json!(text));
@@ -252,7 +258,8 @@ fn a_stream_is_openai_s_event_sequence_and_assembles_to_the_response() {
 #[test]
 fn a_client_that_goes_away_cancels_the_stream_and_nothing_is_stored() {
     let s = Server::start(&["--device", "cpu"]);
-    let body = json!({ "input": "hello", "max_output_tokens": 4000, "ignore_eos": true, "stream": true, "temperature": 0 });
+    let body =
+        json!({ "input": "hello", "max_output_tokens": 4000, "ignore_eos": true, "stream": true, "temperature": 0 });
     let mut st = OpenStream::open(&s.addr, "/v1/responses", &body);
     st.read_until("response.output_text.delta");
     let received = String::from_utf8_lossy(&st.received).into_owned();
@@ -286,7 +293,8 @@ fn a_tool_round_trip_stored_and_by_items() {
     };
     let r = create(&s, &ask(false));
     assert_eq!(r["status"], "completed", "{r}");
-    let calls: Vec<&Value> = r["output"].as_array().expect("output").iter().filter(|i| i["type"] == "function_call").collect();
+    let calls: Vec<&Value> =
+        r["output"].as_array().expect("output").iter().filter(|i| i["type"] == "function_call").collect();
     assert_eq!(calls.len(), 1, "{r}");
     let call = calls[0];
     assert_eq!((call["name"].as_str(), call["arguments"].as_str()), (Some("get_weather"), Some("{}")));
@@ -298,14 +306,22 @@ fn a_tool_round_trip_stored_and_by_items() {
     // Streamed: the call's item, its arguments in deltas, the same call at the end.
     let evs = events(&s.post("/v1/responses", &ask(true)));
     let t = types(&evs);
-    let added = evs.iter().position(|e| e["type"] == "response.output_item.added" && e["item"]["type"] == "function_call").expect("call added");
-    let args: String = evs.iter().filter(|e| e["type"] == "response.function_call_arguments.delta").map(|e| e["delta"].as_str().expect("delta")).collect();
+    let added = evs
+        .iter()
+        .position(|e| e["type"] == "response.output_item.added" && e["item"]["type"] == "function_call")
+        .expect("call added");
+    let args: String = evs
+        .iter()
+        .filter(|e| e["type"] == "response.function_call_arguments.delta")
+        .map(|e| e["delta"].as_str().expect("delta"))
+        .collect();
     assert_eq!(args, "{}");
     let done = evs.iter().find(|e| e["type"] == "response.function_call_arguments.done").expect("args done");
     assert_eq!((done["arguments"].as_str(), done["item_id"].clone()), (Some("{}"), evs[added]["item"]["id"].clone()));
     assert_eq!(t.last(), Some(&"response.completed"), "{t:?}");
     let last = &evs[evs.len() - 1]["response"];
-    let streamed_call = last["output"].as_array().expect("output").iter().find(|i| i["type"] == "function_call").expect("call");
+    let streamed_call =
+        last["output"].as_array().expect("output").iter().find(|i| i["type"] == "function_call").expect("call");
     assert_eq!(streamed_call["call_id"], evs[added]["item"]["call_id"]);
 
     // The result goes back by previous_response_id, or with the whole history as items.
@@ -329,7 +345,8 @@ fn a_tool_round_trip_stored_and_by_items() {
             { "id": call_id, "type": "function", "function": { "name": "get_weather", "arguments": "{}" } }] },
         { "role": "tool", "tool_call_id": call_id, "content": "18C and sunny" },
     ]);
-    let mut tok = json!({ "messages": history, "tools": chat_tools, "chat_template_kwargs": { "enable_thinking": false } });
+    let mut tok =
+        json!({ "messages": history, "tools": chat_tools, "chat_template_kwargs": { "enable_thinking": false } });
     let n = s.post("/tokenize", &tok);
     assert_eq!(n.status, 200, "{}", n.text());
     assert_eq!(by_id["usage"]["input_tokens"], n.json()["count"], "{by_id}");
@@ -362,7 +379,11 @@ fn reasoning_becomes_reasoning_items() {
     let mut sbody = body.clone();
     sbody["stream"] = json!(true);
     let evs = events(&s.post("/v1/responses", &sbody));
-    let streamed: String = evs.iter().filter(|e| e["type"] == "response.reasoning_text.delta").map(|e| e["delta"].as_str().expect("delta")).collect();
+    let streamed: String = evs
+        .iter()
+        .filter(|e| e["type"] == "response.reasoning_text.delta")
+        .map(|e| e["delta"].as_str().expect("delta"))
+        .collect();
     assert_eq!(streamed, thinking);
     let part = evs.iter().find(|e| e["type"] == "response.content_part.added").expect("part");
     assert_eq!(part["part"]["type"], "reasoning_text");
@@ -383,14 +404,20 @@ fn what_iris_does_not_implement_is_a_400_naming_it() {
     let cases = [
         (json!({ "input": "x", "max_tokens": 3 }), "max_tokens"),
         (json!({ "input": "x", "conversation": "conv_1" }), "conversation"),
-        (json!({ "input": "x", "text": { "format": { "type": "json_schema", "name": "n", "schema": {} } } }), "text.format"),
+        (
+            json!({ "input": "x", "text": { "format": { "type": "json_schema", "name": "n", "schema": {} } } }),
+            "text.format",
+        ),
         (json!({ "input": "x", "text": { "format": { "type": "json_object" } } }), "text.format"),
         (json!({ "input": "x", "truncation": "auto" }), "truncation"),
         (json!({ "input": "x", "background": true }), "background"),
         (json!({ "input": "x", "include": ["message.output_text.logprobs"] }), "include[0]"),
         (json!({ "input": "x", "tools": [{ "type": "web_search" }] }), "tools[0].type"),
         (json!({ "input": [{ "type": "computer_call", "id": "c" }] }), "input[0].type"),
-        (json!({ "input": [{ "role": "user", "content": [{ "type": "input_file", "file_id": "f" }] }] }), "input[0].content[0].type"),
+        (
+            json!({ "input": [{ "role": "user", "content": [{ "type": "input_file", "file_id": "f" }] }] }),
+            "input[0].content[0].type",
+        ),
         (json!({ "input": "x", "reasoning": { "effort": "max" } }), "reasoning.effort"),
         (json!({ "input": "x", "max_output_tokens": 0 }), "max_output_tokens"),
         (json!({ "input": "x", "temperature": "hot" }), "temperature"),
@@ -415,6 +442,10 @@ fn what_iris_does_not_implement_is_a_400_naming_it() {
                      "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "s",
                      "stream_options": { "include_obfuscation": false }, "top_logprobs": 0, "parallel_tool_calls": true });
     assert_eq!(error_param(&s, &ok), (200, Value::Null));
+    // GET takes no query parameters (OpenAI's `stream=true` replay is not built).
+    let id = create(&s, &json!({ "input": "x", "max_output_tokens": 1 }))["id"].as_str().expect("id").to_string();
+    let r = s.get(&format!("/v1/responses/{id}?stream=true"));
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("stream")), "{}", r.text());
     // The model is checked as everywhere.
     assert_eq!(s.post("/v1/responses", &json!({ "input": "x", "model": "gpt-5" })).status, 404);
 }

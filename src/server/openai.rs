@@ -10,6 +10,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::chat_prompt::ChatPrompt;
 use super::errors::ApiError;
 use super::fields;
 use super::generate::{
@@ -21,7 +22,6 @@ use super::openai_choices::{chat_logprob_entry, usage, ChatFormat, CompletionFor
 use super::reply::Reply;
 use super::sse::sse_response;
 use super::state::{now_unix, AppState};
-use super::chat_prompt::ChatPrompt;
 use super::tool_request::{template_tool_calls, ToolRequest};
 use crate::engine::sampling_params::MAX_LOGPROBS;
 use crate::engine::{FinishReason, Request};
@@ -228,8 +228,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let max_tokens = MaxTokens { requested: fields.max_tokens()?, default: None };
     let prompt_len = chat.tokens.len();
     check_request(&engine, &chat.tokens, &mut params, max_tokens, "messages")?;
-    let requests =
-        (0..n).map(|i| Request { prompt_tokens: chat.tokens.clone(), params: seeded(&params, i) }).collect();
+    let requests = (0..n).map(|i| Request { prompt_tokens: chat.tokens.clone(), params: seeded(&params, i) }).collect();
     let sub = submit_with_images(&app, &engine, requests, std::mem::take(&mut chat.images))?;
     let id = random_id("chatcmpl-");
     let created = now_unix();

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
@@ -19,7 +19,9 @@ use serde_json::{json, Map, Value};
 use super::chat_prompt::ChatPrompt;
 use super::errors::ApiError;
 use super::fields;
-use super::generate::{check_request, collect, parse_json, random_id, submit_with_images, typed, MaxTokens, SamplingFields};
+use super::generate::{
+    check_request, collect, parse_json, random_id, submit_with_images, typed, MaxTokens, SamplingFields,
+};
 use super::response_store::Turn;
 use super::responses_output::{usage, OutputBuilder, ResponseMeta, Status};
 use super::responses_request::{check_settings, check_text, input_messages, reasoning_vars, tools};
@@ -72,9 +74,10 @@ fn unknown_response(id: &str) -> ApiError {
 
 fn max_output_tokens(m: Option<i64>) -> Result<Option<usize>, ApiError> {
     match m {
-        Some(m) if m <= 0 => {
-            Err(ApiError::invalid_param("max_output_tokens", format!("`max_output_tokens` must be at least 1, got {m}")))
-        }
+        Some(m) if m <= 0 => Err(ApiError::invalid_param(
+            "max_output_tokens",
+            format!("`max_output_tokens` must be at least 1, got {m}"),
+        )),
         m => Ok(m.map(|m| m as usize)),
     }
 }
@@ -134,12 +137,8 @@ async fn create_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         metadata: Value::Object(req.metadata.clone().unwrap_or_default()),
         user: req.user.clone().map_or(Value::Null, Value::String),
     };
-    let turn = meta.store.then(|| Turn {
-        store: app.responses.clone(),
-        parent,
-        messages: turn_messages,
-        images: turn_images,
-    });
+    let turn =
+        meta.store.then(|| Turn { store: app.responses.clone(), parent, messages: turn_messages, images: turn_images });
     let prompt_tokens = chat.tokens.len();
     let request = Request { prompt_tokens: chat.tokens.clone(), params };
     let sub = submit_with_images(&app, &engine, vec![request], std::mem::take(&mut chat.images))?;
@@ -171,8 +170,23 @@ async fn create_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     Ok(Json(response).into_response())
 }
 
+/// GET and DELETE take no query parameters: OpenAI's (`stream` to replay, `include`,
+/// `starting_after`) ask for what iris does not do, so they are refused, not ignored.
+fn no_query(query: Option<String>) -> Result<(), ApiError> {
+    let Some(q) = query.filter(|q| !q.is_empty()) else { return Ok(()) };
+    let name = q.split('&').next().and_then(|p| p.split('=').next()).unwrap_or(&q).to_string();
+    Err(ApiError::invalid_param(
+        name.clone(),
+        format!("unsupported query parameter `{name}`: iris returns a stored response as JSON and takes no parameters"),
+    )
+    .code("unsupported_field"))
+}
+
 /// `GET /v1/responses/{id}`: a stored response.
-pub async fn get(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+pub async fn get(State(app): State<Arc<AppState>>, Path(id): Path<String>, RawQuery(q): RawQuery) -> Response {
+    if let Err(e) = no_query(q) {
+        return e.into_response();
+    }
     match app.responses.get(&id) {
         Some(s) => Json(s.response.clone()).into_response(),
         None => unknown_response(&id).into_response(),
@@ -180,7 +194,10 @@ pub async fn get(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> Re
 }
 
 /// `DELETE /v1/responses/{id}`. Responses that continued it keep their history.
-pub async fn delete(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+pub async fn delete(State(app): State<Arc<AppState>>, Path(id): Path<String>, RawQuery(q): RawQuery) -> Response {
+    if let Err(e) = no_query(q) {
+        return e.into_response();
+    }
     if app.responses.remove(&id) {
         Json(json!({ "id": id, "object": "response.deleted", "deleted": true })).into_response()
     } else {

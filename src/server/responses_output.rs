@@ -50,8 +50,10 @@ impl OutputBuilder {
                     let id = random_id("rs_");
                     ev.push(json!({ "type": "response.output_item.added", "output_index": self.index(),
                         "item": { "type": "reasoning", "id": id, "summary": [], "content": [], "status": "in_progress" } }));
-                    ev.push(json!({ "type": "response.content_part.added", "item_id": id, "output_index": self.index(),
-                        "content_index": 0, "part": { "type": "reasoning_text", "text": "" } }));
+                    ev.push(
+                        json!({ "type": "response.content_part.added", "item_id": id, "output_index": self.index(),
+                        "content_index": 0, "part": { "type": "reasoning_text", "text": "" } }),
+                    );
                     self.open = Some(Open::Reasoning { id, text: String::new() });
                 }
                 let index = self.index();

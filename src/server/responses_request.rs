@@ -233,11 +233,7 @@ pub fn input_messages(input: &Value, noun: &str) -> Result<(Vec<ChatMessage>, Ve
 /// Function tools in the Responses' flat shape (`{"type": "function", "name": ...,
 /// "parameters": ...}`) as the chat API's, for [`ToolRequest::openai`]; the flat `tool_choice`
 /// `{"type": "function", "name": ...}` likewise. Checked at the request's own paths.
-pub fn tools(
-    tools: Option<&Value>,
-    choice: Option<&Value>,
-    parallel: Option<bool>,
-) -> Result<ToolRequest, ApiError> {
+pub fn tools(tools: Option<&Value>, choice: Option<&Value>, parallel: Option<bool>) -> Result<ToolRequest, ApiError> {
     let chat_tools = match tools {
         None | Some(Value::Null) => None,
         Some(Value::Array(list)) => {
@@ -314,7 +310,8 @@ pub fn reasoning_vars(reasoning: Option<&Value>, extra: &mut Map<String, Value>)
                     ))
                 }
             },
-            ("summary" | "generate_summary", Value::String(s)) if matches!(s.as_str(), "auto" | "concise" | "detailed") => {}
+            ("summary" | "generate_summary", Value::String(s))
+                if matches!(s.as_str(), "auto" | "concise" | "detailed") => {}
             (k @ ("effort" | "summary" | "generate_summary"), v) => {
                 return Err(bad(format!("reasoning.{k}"), format!("invalid value {v} for `reasoning.{k}`")))
             }
@@ -405,7 +402,10 @@ pub fn check_settings(body: &Value) -> Result<(), ApiError> {
         None => {}
         Some(Value::Object(o)) => {
             if let Some(k) = o.keys().find(|k| k.as_str() != "include_obfuscation") {
-                return Err(unsupported(format!("stream_options.{k}"), format!("unsupported field `stream_options.{k}`")));
+                return Err(unsupported(
+                    format!("stream_options.{k}"),
+                    format!("unsupported field `stream_options.{k}`"),
+                ));
             }
         }
         Some(_) => return Err(bad("stream_options", "`stream_options` must be an object")),
@@ -473,8 +473,14 @@ mod tests {
             (json!([{ "type": "item_reference", "id": "x" }]), "input[0].type"),
             (json!(["hi"]), "input[0]"),
             (json!([{ "role": "tool", "content": "x" }]), "input[0].role"),
-            (json!([{ "role": "user", "content": [{ "type": "input_file", "file_id": "f" }] }]), "input[0].content[0].type"),
-            (json!([{ "role": "user", "content": [{ "type": "input_image", "file_id": "f" }] }]), "input[0].content[0].file_id"),
+            (
+                json!([{ "role": "user", "content": [{ "type": "input_file", "file_id": "f" }] }]),
+                "input[0].content[0].type",
+            ),
+            (
+                json!([{ "role": "user", "content": [{ "type": "input_image", "file_id": "f" }] }]),
+                "input[0].content[0].file_id",
+            ),
             (json!([{ "type": "function_call", "name": "f" }]), "input[0].call_id"),
             (json!([{ "type": "function_call_output", "call_id": "c" }]), "input[0].output"),
             (json!(7), "input"),
@@ -505,14 +511,18 @@ mod tests {
     #[test]
     fn settings_and_formats() {
         assert!(check_text(Some(&json!({ "format": { "type": "text" } }))).is_ok());
-        let e = check_text(Some(&json!({ "format": { "type": "json_schema", "name": "x", "schema": {} } }))).expect_err("no");
+        let e = check_text(Some(&json!({ "format": { "type": "json_schema", "name": "x", "schema": {} } })))
+            .expect_err("no");
         assert_eq!(e.param.as_deref(), Some("text.format"));
         assert!(e.message.contains("not supported yet"), "{e}");
         let mut extra = Map::new();
         reasoning_vars(Some(&json!({ "effort": "none", "summary": "auto" })), &mut extra).expect("ok");
         assert_eq!(extra["enable_thinking"], json!(false));
         assert!(reasoning_vars(Some(&json!({ "effort": "max" })), &mut extra).is_err());
-        assert!(check_settings(&json!({ "truncation": "disabled", "background": false, "include": ["reasoning.encrypted_content"] })).is_ok());
+        assert!(check_settings(
+            &json!({ "truncation": "disabled", "background": false, "include": ["reasoning.encrypted_content"] })
+        )
+        .is_ok());
         for (body, param) in [
             (json!({ "truncation": "auto" }), "truncation"),
             (json!({ "background": true }), "background"),
