@@ -58,13 +58,10 @@ fn official_python_sdks() {
     assert!(out.status.success(), "SDK tests failed:\n{stderr}\nserver log:\n{}", s.log());
 }
 
-/// Tool round trips through both SDKs (tests/python/test_sdk_tools.py) on the tiny Qwen3
-/// fixture with Qwen3.5's real chat template, its XML tool format and its thinking.
-#[test]
-fn official_python_sdks_tools() {
-    let Some(py) = sdk_python() else { return };
+/// `iris serve` on the tiny Qwen3 fixture with Qwen3.5's real chat template, its XML tool
+/// format and its thinking; the model directory (to remove) and its EOS id.
+fn qwen35_server() -> (Server, std::path::PathBuf, String) {
     let model = server_support::model_with_template("tiny-qwen3", "Qwen3.5-4B.jinja");
-    let model_str = model.display().to_string();
     let s = Server::start_path(
         &model,
         &[
@@ -87,19 +84,43 @@ fn official_python_sdks_tools() {
         serde_json::Value::Array(ids) => ids[0].clone(),
         id => id.clone(),
     };
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk_tools.py");
-    let out = Command::new(&py)
+    (s, model, eos.to_string())
+}
+
+/// Runs one of tests/python/ against `s` (serving `tiny-qwen3` with the EOS id `eos`).
+fn run_script(py: &str, script: &str, s: &Server, eos: &str) {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(script);
+    let out = Command::new(py)
         .arg(&script)
         .arg("-v")
         .env("IRIS_BASE_URL", format!("http://{}", s.addr))
         .env("IRIS_API_KEY", "test-key")
         .env("IRIS_MODEL", "tiny-qwen3")
-        .env("IRIS_EOS_ID", eos.to_string())
+        .env("IRIS_EOS_ID", eos)
         .output()
         .expect("python runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
-    assert!(out.status.success(), "SDK tool tests failed:\n{stderr}\nserver log:\n{}", s.log());
+    assert!(out.status.success(), "{} failed:\n{stderr}\nserver log:\n{}", script.display(), s.log());
+}
+
+/// Tool round trips through both SDKs (tests/python/test_sdk_tools.py).
+#[test]
+fn official_python_sdks_tools() {
+    let Some(py) = sdk_python() else { return };
+    let (s, model, eos) = qwen35_server();
+    run_script(&py, "test_sdk_tools.py", &s, &eos);
     drop(s);
-    let _ = std::fs::remove_dir_all(&model_str);
+    let _ = std::fs::remove_dir_all(&model);
+}
+
+/// The Responses API through the OpenAI SDK (tests/python/test_sdk_responses.py): create,
+/// stream, previous_response_id, a function tool round trip.
+#[test]
+fn official_python_sdk_responses() {
+    let Some(py) = sdk_python() else { return };
+    let (s, model, eos) = qwen35_server();
+    run_script(&py, "test_sdk_responses.py", &s, &eos);
+    drop(s);
+    let _ = std::fs::remove_dir_all(&model);
 }

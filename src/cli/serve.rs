@@ -119,6 +119,11 @@ pub struct ServeArgs {
     /// loopback address, any otherwise.
     #[arg(long, value_delimiter = ',')]
     pub allowed_hosts: Vec<String>,
+    /// Most responses `/v1/responses` keeps in memory (with `store: true`, OpenAI's default)
+    /// for `previous_response_id` and `GET /v1/responses/{id}`; past that the least recently
+    /// used is dropped (its id is then a 404). 0 stores none.
+    #[arg(long, default_value_t = 1024)]
+    pub max_stored_responses: usize,
 }
 
 /// A flag's number of seconds: positive and finite.
@@ -283,6 +288,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             allow_credentials: a.allowed_credentials,
             allowed_hosts: None,
         },
+        max_stored_responses: a.max_stored_responses,
     };
     let limits = RequestLimits {
         default_max_tokens: a.default_max_tokens,

@@ -13,6 +13,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::anthropic_request::{self, prefill_text, thinking_vars, to_chat};
+use super::chat_prompt::encode_chat;
 use super::engine_loop::{SeqEvent, SeqEventKind};
 use super::errors::ApiError;
 use super::fields;
@@ -20,7 +21,6 @@ use super::generate::{
     aborted, check_request, collect, matched_stop, parse_json, random_id, request_error, submit_with_images, typed,
     MaxTokens,
 };
-use super::openai::encode_chat;
 use super::reply::{Delta, Reply, ReplyParser};
 use super::sse::{named_event, sse_response, Converter};
 use super::state::AppState;

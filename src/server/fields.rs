@@ -108,6 +108,51 @@ pub const MESSAGES: Fields = Fields {
     ignored: &["metadata", "service_tier", "cache_control"],
 };
 
+/// The Responses API. Besides its own fields it reads vLLM's sampling extensions, as the
+/// chat endpoint does (not `max_tokens` / `n`: `max_output_tokens`, one output). `include`,
+/// `truncation`, `background`, `max_tool_calls`, `top_logprobs` and `stream_options` are read
+/// to refuse the values iris cannot honour (`responses_request::check_settings`).
+pub const RESPONSES: Fields = Fields {
+    read: &[
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "reasoning",
+        "text",
+        "metadata",
+        "user",
+        "stream",
+        "store",
+        "previous_response_id",
+        "include",
+        "truncation",
+        "background",
+        "max_tool_calls",
+        "top_logprobs",
+        "stream_options",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "ignore_eos",
+        "min_tokens",
+        "stop_token_ids",
+        "skip_special_tokens",
+    ],
+    sampling: false,
+    ignored: &["service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"],
+};
+
 pub const COUNT_TOKENS: Fields = Fields {
     read: &["model", "messages", "system", "tools", "tool_choice", "thinking"],
     sampling: false,
@@ -176,6 +221,11 @@ mod tests {
         let e = CHAT.check(&json!({"messages": [], "functions": []})).expect_err("unknown");
         assert!(e.to_string().contains("`functions`"), "{e}");
         assert!(MESSAGES.check(&json!({"messages": [], "n": 2})).is_err());
+        assert!(RESPONSES.check(&json!({"input": "x", "max_output_tokens": 4, "store": false, "seed": 1})).is_ok());
+        for f in ["max_tokens", "n", "conversation", "prompt", "messages"] {
+            let e = RESPONSES.check(&json!({"input": "x", f: 1})).expect_err(f);
+            assert_eq!(e.param.as_deref(), Some(f));
+        }
         assert!(check_response_format(Some(&json!({"type": "text"}))).is_ok());
         assert!(check_response_format(Some(&json!({"type": "json_object"}))).is_err());
         assert!(check_modalities(Some(&json!(["text", "audio"]))).is_err());

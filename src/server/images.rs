@@ -92,9 +92,16 @@ pub fn anthropic_image(block: &Value, path: &str) -> Result<ImageRef, ApiError> 
 }
 
 fn url_source(url: &str) -> Source {
-    match url.strip_prefix("data:").and_then(|rest| rest.split_once(',')) {
-        Some((meta, data)) if meta.ends_with(";base64") => Source::Base64(data.to_string()),
-        _ => Source::Url(url.to_string()),
+    Source::from_url(url)
+}
+
+impl Source {
+    /// A `data:...;base64,` URL's bytes, else the URL to fetch.
+    pub fn from_url(url: &str) -> Source {
+        match url.strip_prefix("data:").and_then(|rest| rest.split_once(',')) {
+            Some((meta, data)) if meta.ends_with(";base64") => Source::Base64(data.to_string()),
+            _ => Source::Url(url.to_string()),
+        }
     }
 }
 

@@ -5,13 +5,15 @@
 //! engine's continuous batch. Modules: `openai` and `anthropic` (the APIs), `openai_choices`
 //! (the chat and completions output formats and their stream), `generate` (what the APIs
 //! share), `sse` (streaming), `errors` (error bodies), `metrics`, `state` (what every handler
-//! shares: the settings, the engine, the metrics).
+//! shares: the settings, the engine, the metrics), `responses*` and `response_store` (the
+//! Responses API).
 
 pub mod anthropic;
 pub mod anthropic_request;
 mod auth;
 pub mod browser;
 mod browser_policy;
+pub mod chat_prompt;
 pub mod connections;
 mod content;
 pub mod engine_loop;
@@ -25,6 +27,11 @@ pub mod openai;
 pub mod openai_choices;
 pub mod reasoning;
 pub mod reply;
+pub mod response_store;
+pub mod responses;
+pub mod responses_output;
+pub mod responses_request;
+pub mod responses_stream;
 pub mod sse;
 mod state;
 pub mod timed_body;
@@ -56,6 +63,7 @@ const KNOWN: &[&str] = &[
     "/detokenize",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
     "/health",
     "/ping",
     "/version",
@@ -70,6 +78,7 @@ const POST_ROUTES: &[&str] = &[
     "/detokenize",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
 ];
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -83,6 +92,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/detokenize", post(openai::detokenize))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::get).delete(responses::delete))
         .route_layer(middleware::from_fn(browser::require_json))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth::auth));
     // Layers run outside in: counting, JSON error bodies, Host and CORS checks, the routes.
@@ -107,6 +118,8 @@ async fn count_requests(State(app): State<Arc<AppState>>, req: Request, next: Ne
         path.as_str()
     } else if path.starts_with("/v1/models/") {
         "/v1/models/{id}"
+    } else if path.starts_with("/v1/responses/") {
+        "/v1/responses/{id}"
     } else {
         "other"
     };
@@ -136,6 +149,8 @@ async fn json_errors(req: Request, next: Next) -> Response {
         // axum adds the `Allow` header outside this layer; the routes say the same.
         let allow = if path == "/ping" {
             "GET, POST"
+        } else if path.starts_with("/v1/responses/") {
+            "GET, DELETE"
         } else if POST_ROUTES.contains(&path.as_str()) {
             "POST"
         } else {

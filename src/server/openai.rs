@@ -10,6 +10,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::chat_prompt::ChatPrompt;
 use super::errors::ApiError;
 use super::fields;
 use super::generate::{
@@ -21,10 +22,10 @@ use super::openai_choices::{chat_logprob_entry, usage, ChatFormat, CompletionFor
 use super::reply::Reply;
 use super::sse::sse_response;
 use super::state::{now_unix, AppState};
-use super::tool_request::{reply_setup, template_tool_calls, ToolRequest};
+use super::tool_request::{template_tool_calls, ToolRequest};
 use crate::engine::sampling_params::MAX_LOGPROBS;
 use crate::engine::{FinishReason, Request};
-use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
+use crate::tokenizer::ChatMessage;
 
 type AppRef = State<Arc<AppState>>;
 
@@ -179,19 +180,7 @@ fn content_text(content: Option<&Value>, path: &str, may_be_null: bool) -> Resul
     }
 }
 
-/// Renders and tokenizes a conversation; template errors are the client's (400). Special
-/// tokens come only from the template: what the client wrote is tokenized as text.
-pub fn encode_chat(
-    tok: &TextTokenizer,
-    messages: &[ChatMessage],
-    add_generation_prompt: bool,
-    extra: serde_json::Map<String, Value>,
-) -> Result<Vec<u32>, ApiError> {
-    tok.encode_chat_with(messages, add_generation_prompt, extra).map_err(|e| match e {
-        TokenizerError::Encode(m) => ApiError::bad_request(format!("cannot tokenize the conversation: {m}")),
-        e => ApiError::bad_request(format!("cannot apply the chat template: {e}")).param("messages"),
-    })
-}
+pub use super::chat_prompt::encode_chat;
 
 fn logprobs_setting(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<usize>, ApiError> {
     let top = match top {
@@ -226,34 +215,27 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     fields::check_modalities(req.modalities.as_ref())?;
     let tools = ToolRequest::openai(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
     let (messages, images) = parse_messages(&req.messages)?;
-    super::images::check_accepted(&engine, &images)?;
     let tok = engine.tokenizer.clone();
-    let mut extra = req.chat_template_kwargs.clone().unwrap_or_default();
-    tools.template_vars(&mut extra);
-    let mut prompt = encode_chat(&tok, &messages, req.add_generation_prompt.unwrap_or(true), extra)?;
-    let (setup, forced) = reply_setup(&app.cfg.parsers, &engine, &tools, &prompt, "call_")?;
-    if !forced.is_empty() {
-        prompt.extend(tok.encode_plain_text(&forced).map_err(|e| ApiError::bad_request(e.to_string()))?);
-    }
-    let (prompt, images) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
+    let extra = req.chat_template_kwargs.clone().unwrap_or_default();
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let mut chat =
+        ChatPrompt::build(&app, &engine, &messages, images, &tools, extra, add_generation_prompt, "call_").await?;
     let n = fields.n()?;
     let mut params = fields.params()?;
-    if !setup.is_plain() && fields.skip_special_tokens.is_none() {
-        // Tool-call and thinking tags may be special tokens (GLM's are): the parsers need them.
-        params.skip_special_tokens = false;
-    }
+    chat.keep_special_tokens(&mut params, fields.skip_special_tokens);
     params.logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
     // Without max_tokens a chat reply may use the rest of the context (vLLM's default).
     let max_tokens = MaxTokens { requested: fields.max_tokens()?, default: None };
-    check_request(&engine, &prompt, &mut params, max_tokens, "messages")?;
-    let requests = (0..n).map(|i| Request { prompt_tokens: prompt.clone(), params: seeded(&params, i) }).collect();
-    let sub = submit_with_images(&app, &engine, requests, images)?;
+    let prompt_len = chat.tokens.len();
+    check_request(&engine, &chat.tokens, &mut params, max_tokens, "messages")?;
+    let requests = (0..n).map(|i| Request { prompt_tokens: chat.tokens.clone(), params: seeded(&params, i) }).collect();
+    let sub = submit_with_images(&app, &engine, requests, std::mem::take(&mut chat.images))?;
     let id = random_id("chatcmpl-");
     let created = now_unix();
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        let format = ChatFormat::new(tok, params.logprobs.is_some(), setup, forced, n);
-        let conv = OpenAiStream::new(id, created, model, n, include_usage, prompt.len(), format);
+        let format = ChatFormat::new(tok, params.logprobs.is_some(), chat.setup, chat.forced, n);
+        let conv = OpenAiStream::new(id, created, model, n, include_usage, prompt_len, format);
         return Ok(sse_response(sub, conv));
     }
     let results = collect(sub, n, params.logprobs.is_some()).await?;
@@ -265,11 +247,11 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
             let logprobs = params.logprobs.map(
                 |_| json!({ "content": c.logprobs.iter().map(|lp| chat_logprob_entry(&tok, lp)).collect::<Vec<_>>() }),
             );
-            let (message, called) = if setup.is_plain() {
+            let (message, called) = if chat.setup.is_plain() {
                 (json!({ "role": "assistant", "content": c.text }), false)
             } else {
-                let reply = Reply::parse(&setup, &format!("{forced}{}", c.text));
-                (chat_message(&reply, setup.reasoning.is_some()), !reply.calls.is_empty())
+                let reply = chat.reply(&c.text);
+                (chat_message(&reply, chat.setup.reasoning.is_some()), !reply.calls.is_empty())
             };
             let finish = match &c.finish {
                 Some(FinishReason::Stop) if called => "tool_calls",
@@ -284,7 +266,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(prompt.len(), completion),
+        "usage": usage(prompt_len, completion),
         "system_fingerprint": null,
     }))
     .into_response())

@@ -12,6 +12,7 @@ use super::engine_loop::EngineHandle;
 use super::errors::ApiError;
 use super::images::MediaPolicy;
 use super::metrics::Metrics;
+use super::response_store::ResponseStore;
 use super::tool_request::ParserConfig;
 
 #[derive(Debug, Clone)]
@@ -36,6 +37,9 @@ pub struct ServeConfig {
     pub connections: ConnectionLimits,
     /// Host check and CORS.
     pub browser: BrowserPolicy,
+    /// Most responses the Responses API keeps for `previous_response_id` and GET
+    /// (--max-stored-responses; 0: none).
+    pub max_stored_responses: usize,
 }
 
 pub struct AppState {
@@ -44,11 +48,14 @@ pub struct AppState {
     /// Set once the model is loaded; until then the APIs answer 503 and /health too.
     pub engine: OnceLock<EngineHandle>,
     pub started: u64,
+    /// The Responses API's stored responses.
+    pub responses: Arc<ResponseStore>,
 }
 
 impl AppState {
     pub fn new(cfg: ServeConfig, metrics: Arc<Metrics>) -> Self {
-        AppState { cfg, metrics, engine: OnceLock::new(), started: now_unix() }
+        let responses = Arc::new(ResponseStore::new(cfg.max_stored_responses));
+        AppState { cfg, metrics, engine: OnceLock::new(), started: now_unix(), responses }
     }
 
     pub fn engine(&self) -> Result<&EngineHandle, ApiError> {

@@ -1,0 +1,89 @@
+//! A conversation made into the prompt the engine runs, as the chat and the Responses
+//! endpoints both do it: the chat template with the request's tools and variables, the
+//! opening of a forced tool call after it, the images' tokens; and how the replies are
+//! parsed. One place, so the two endpoints cannot drift apart.
+
+use serde_json::{Map, Value};
+
+use super::engine_loop::EngineHandle;
+use super::errors::ApiError;
+use super::images::ImageRef;
+use super::reply::{Delta, Reply, ReplyParser, ReplySetup};
+use super::state::AppState;
+use super::tool_request::{reply_setup, ToolRequest};
+use crate::engine::{ImageInput, SamplingParams};
+use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
+
+/// Renders and tokenizes a conversation; template errors are the client's (400). Special
+/// tokens come only from the template: what the client wrote is tokenized as text.
+pub fn encode_chat(
+    tok: &TextTokenizer,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    extra: Map<String, Value>,
+) -> Result<Vec<u32>, ApiError> {
+    tok.encode_chat_with(messages, add_generation_prompt, extra).map_err(|e| match e {
+        TokenizerError::Encode(m) => ApiError::bad_request(format!("cannot tokenize the conversation: {m}")),
+        e => ApiError::bad_request(format!("cannot apply the chat template: {e}")).param("messages"),
+    })
+}
+
+/// What a conversation became.
+pub struct ChatPrompt {
+    /// The prompt, with each image's tokens expanded.
+    pub tokens: Vec<u32>,
+    pub images: Vec<ImageInput>,
+    /// How the replies are parsed.
+    pub setup: ReplySetup,
+    /// What iris wrote after the template (a forced call's opening): every reply continues
+    /// it, so its parser reads it first.
+    pub forced: String,
+}
+
+impl ChatPrompt {
+    /// Renders `messages` with `tools` (put where the template reads them, next to `extra`),
+    /// appends a forced call's opening and loads the images. Tool-call ids get `id_prefix`.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn build(
+        app: &AppState,
+        engine: &EngineHandle,
+        messages: &[ChatMessage],
+        images: Vec<ImageRef>,
+        tools: &ToolRequest,
+        mut extra: Map<String, Value>,
+        add_generation_prompt: bool,
+        id_prefix: &'static str,
+    ) -> Result<ChatPrompt, ApiError> {
+        super::images::check_accepted(engine, &images)?;
+        let tok = &engine.tokenizer;
+        tools.template_vars(&mut extra);
+        let mut prompt = encode_chat(tok, messages, add_generation_prompt, extra)?;
+        let (setup, forced) = reply_setup(&app.cfg.parsers, engine, tools, &prompt, id_prefix)?;
+        if !forced.is_empty() {
+            prompt.extend(tok.encode_plain_text(&forced).map_err(|e| ApiError::bad_request(e.to_string()))?);
+        }
+        let (tokens, images) = super::images::prepare(&app.cfg.media, engine, prompt, images).await?;
+        Ok(ChatPrompt { tokens, images, setup, forced })
+    }
+
+    /// Tool-call and thinking tags may be special tokens (GLM's are): the parsers need them,
+    /// unless the request said otherwise (`explicit`).
+    pub fn keep_special_tokens(&self, params: &mut SamplingParams, explicit: Option<bool>) {
+        if !self.setup.is_plain() && explicit.is_none() {
+            params.skip_special_tokens = false;
+        }
+    }
+
+    /// A parser for one reply, already fed the forced opening; what that gave (a streaming
+    /// format's call starts there) goes to `early`.
+    pub fn parser(&self, early: &mut Vec<Delta>) -> ReplyParser {
+        let mut p = ReplyParser::new(&self.setup);
+        p.feed(&self.forced, early);
+        p
+    }
+
+    /// A whole reply's text, parsed.
+    pub fn reply(&self, text: &str) -> Reply {
+        Reply::parse(&self.setup, &format!("{}{text}", self.forced))
+    }
+}
