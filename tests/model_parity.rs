@@ -30,7 +30,9 @@ fn forward_chunked(name: &str, tokens: &[u32], chunk: usize) -> (Tensor, Tensor,
     while start < tokens.len() {
         let n = chunk.min(tokens.len() - start);
         let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
-        let batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
+        let mut batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
+        // A hybrid model's recurrent layers keep this sequence's state in slot 0.
+        batch.attn.set_state_slots(vec![0]).unwrap();
         let t = if chunk >= tokens.len() { Some(&mut taps) } else { None };
         hidden.push(loaded.model.forward(&batch, &kv, t).unwrap());
         start += n;
@@ -71,7 +73,8 @@ fn check_layers(name: &str) {
 fn check_greedy(name: &str) {
     let _gpu = gpu_lock();
     let r = reference(name);
-    let mut engine = engine_with(&fixture(name), EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
+    // 8 MiB: a hybrid model also reserves a recurrent state for each of the 256 sequences.
+    let mut engine = engine_with(&fixture(name), EngineOptions { kv_memory: Some(8 << 20), ..Default::default() });
     for key in ["text", "chat"] {
         let prompt = ids(&r[&format!("{key}.input_ids")]);
         let want = ids(&r[&format!("{key}.generated_ids")]);
@@ -101,7 +104,7 @@ fn check_prompt_logprobs(name: &str) {
     let scale = logits.abs().unwrap().max_keepdim(1).unwrap().max(0).unwrap().to_vec1::<f32>().unwrap()[0];
     let want_lp = candle_nn::ops::log_softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();
     let opts =
-        EngineOptions { kv_memory: Some(1 << 20), max_num_batched_tokens: 7, block_size: 4, ..Default::default() };
+        EngineOptions { kv_memory: Some(8 << 20), max_num_batched_tokens: 7, block_size: 4, ..Default::default() };
     let mut engine = engine_with(&fixture(name), opts);
     let other = ids(&r["chat.input_ids"]);
     engine.add_request(iris::engine::Request { prompt_tokens: other, params: greedy(6) }).unwrap();
@@ -168,4 +171,11 @@ macro_rules! parity_tests {
     )*};
 }
 
-parity_tests!(llama => "tiny-llama", qwen2 => "tiny-qwen2", qwen3 => "tiny-qwen3", gemma3 => "tiny-gemma3");
+parity_tests!(
+    llama => "tiny-llama",
+    qwen2 => "tiny-qwen2",
+    qwen3 => "tiny-qwen3",
+    gemma3 => "tiny-gemma3",
+    qwen35 => "tiny-qwen3.5",
+    qwen35_moe => "tiny-qwen3.5-moe"
+);

@@ -397,6 +397,17 @@ fn build_batch(seqs: &Sequences, plan: &SchedulerOutput, kv: &KvCache) -> Result
             .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no state slot".into()))?;
         batch.attn.set_float_window(len, rings)?;
     }
+    if kv.has_recurrent_layers() {
+        // The scheduler gives every running sequence its own slot; a recurrent layer carries
+        // the sequence's state there from one step (or prompt chunk) to the next.
+        let slots = plan
+            .items
+            .iter()
+            .map(|item| seqs.expect(item.id).state_slot)
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no state slot".into()))?;
+        batch.attn.set_state_slots(slots)?;
+    }
     Ok(BuiltStep { batch, sampled })
 }
 

@@ -64,6 +64,36 @@ impl Routing {
     }
 }
 
+/// Qwen's routing, on the host: p = softmax(logits) per row (`[T, E]` f32), the `top_k`
+/// largest p (larger first, then lower id), weights p / (sum of the chosen p, added largest
+/// first, as transformers adds its top-k values); returned by ascending expert id.
+pub fn route_softmax(logits: &Tensor, top_k: usize) -> Result<Routing> {
+    let (t, e) = logits.dims2()?;
+    if top_k == 0 || top_k > e {
+        candle_core::bail!("moe-route: top {top_k} of {e} experts");
+    }
+    let device = logits.device().clone();
+    let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_device(&candle_core::Device::Cpu)?.to_vec2()?;
+    let (mut experts, mut weights) = (Vec::with_capacity(t * top_k), Vec::with_capacity(t * top_k));
+    for row in &rows {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
+        let chosen = &order[..top_k];
+        let total: f32 = chosen.iter().map(|&i| exps[i] / sum).sum();
+        let mut picked: Vec<(u32, f32)> = chosen.iter().map(|&i| (i as u32, exps[i] / sum / total)).collect();
+        picked.sort_by_key(|&(i, _)| i);
+        experts.extend(picked.iter().map(|p| p.0));
+        weights.extend(picked.iter().map(|p| p.1));
+    }
+    Ok(Routing {
+        experts: Tensor::from_vec(experts, (t, top_k), &device)?,
+        weights: Tensor::from_vec(weights, (t, top_k), &device)?,
+    })
+}
+
 pub fn sigmoid(l: f32) -> f32 {
     1.0 / (1.0 + exp_det(-l))
 }
