@@ -91,8 +91,10 @@ fn check(name: &str, quant: Quant) {
         }
         None => (KvCacheSpec::bytes_per_token(&cfg, KvDtype::F32) * 4, 0),
     };
+    // A hybrid model's recurrent state per sequence comes out of the same budget.
+    let state_bytes = cfg.state_bytes_per_sequence() * 8;
     let opts = EngineOptions {
-        kv_memory: Some((24 * bytes_per_block + window_bytes) as u64),
+        kv_memory: Some((24 * bytes_per_block + window_bytes + state_bytes) as u64),
         block_size: 4,
         max_num_batched_tokens: 16,
         max_num_seqs: 8,
@@ -110,6 +112,7 @@ fn check(name: &str, quant: Quant) {
     // Every block is back once all sequences are done.
     let sched = engine.scheduler();
     assert_eq!(sched.allocator.num_free(), sched.allocator.num_blocks());
+    assert_eq!(sched.num_free_slots(), 8, "{name}: a state slot leaked");
 }
 
 #[test]
@@ -125,6 +128,25 @@ fn qwen3_is_batch_invariant() {
 #[test]
 fn gemma3_is_batch_invariant() {
     check("tiny-gemma3", None);
+}
+
+/// The hybrid models: each sequence's recurrent state is zeroed at its first position (a new
+/// sequence in a reused slot, or one recomputed after preemption) and carried across its
+/// prompt chunks; nothing of it leaks into other sequences.
+#[test]
+fn qwen35_is_batch_invariant() {
+    check("tiny-qwen3.5", None);
+}
+
+#[test]
+fn qwen35_moe_is_batch_invariant() {
+    check("tiny-qwen3.5-moe", None);
+}
+
+/// TurboQuant codes in the attention layer; the DeltaNet states stay f32.
+#[test]
+fn qwen35_is_batch_invariant_with_turboquant() {
+    check("tiny-qwen3.5", Some((K3V4, 0, vec![])));
 }
 
 const K3V4: TqBits = TqBits { key: 3, value: 4 };

@@ -148,6 +148,17 @@ impl CacheSpec {
             .sum()
     }
 
+    /// Of `bytes_per_slot`, the recurrent states' share.
+    pub fn recurrent_bytes_per_slot(&self) -> usize {
+        self.groups
+            .iter()
+            .map(|g| match &g.kind {
+                CacheKind::Recurrent { state_bytes } => g.layers.len() * state_bytes * self.state_checkpoints,
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// The pool `budget` bytes hold: `slots` state slots first, the rest in blocks of
     /// `block_size` tokens. None when the slots alone do not fit.
     pub fn pool(&self, budget: u64, block_size: usize, slots: usize) -> Option<PoolSize> {
@@ -171,7 +182,8 @@ impl TqSpec {
     /// Bytes of the float-window rings of `window_rings` sequences (outside the paged blocks,
     /// fixed at start).
     pub fn window_bytes(&self, cfg: &TextConfig, float: KvDtype) -> usize {
-        self.window_rings * CacheSpec::for_model(cfg, float, Some(self)).bytes_per_slot()
+        let spec = CacheSpec::for_model(cfg, float, Some(self));
+        self.window_rings * (spec.bytes_per_slot() - spec.recurrent_bytes_per_slot())
     }
 }
 
