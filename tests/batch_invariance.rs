@@ -427,3 +427,25 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
     let wrong = run_together(&batch_wide);
     assert_ne!(wrong, solo, "positions from a batch-wide offset must change some sequence's tokens");
 }
+
+/// A cancelled hybrid sequence gives its state slot back, and the next sequence in that slot
+/// (the only one: one sequence at a time) starts from a zero state, not the cancelled one's.
+#[test]
+fn qwen35_cancelled_sequence_frees_its_state_slot() {
+    let _gpu = gpu_lock();
+    let path = fixture("tiny-qwen3.5");
+    let opts = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 1, ..Default::default() };
+    let ps = prompts(1024);
+    let want = run_requests(&mut engine_with(&path, opts.clone()), &[(ps[3].clone(), greedy(8))], &[0]).remove(0);
+    let mut e = engine_with(&path, opts);
+    let request = iris::engine::Request { prompt_tokens: ps[5].clone(), params: greedy(40) };
+    let gone = e.add_request(request).unwrap();
+    for _ in 0..4 {
+        e.step().unwrap();
+    }
+    assert_eq!(e.scheduler().num_free_slots(), 0, "the running sequence holds the slot");
+    assert!(e.abort(gone), "the sequence is still running");
+    assert_eq!(e.scheduler().num_free_slots(), 1, "the cancelled sequence's slot is free");
+    let got = run_requests(&mut e, &[(ps[3].clone(), greedy(8))], &[0]).remove(0);
+    assert_eq!(got, want, "the cancelled sequence's state leaked into the next one");
+}

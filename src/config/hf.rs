@@ -441,6 +441,58 @@ mod tests {
         }
     }
 
+    /// Qwen3.5's text config: layer kinds from `full_attention_interval` when `layer_types` is
+    /// absent, the DeltaNet sizes, partial rotary from `rope_parameters` (0.25 by default), and
+    /// the MoE variant's softmax routing with a gated shared expert, top level or nested.
+    #[test]
+    fn qwen35_text_and_moe_configs() {
+        let text = serde_json::json!({
+            "model_type": "qwen3_5_text", "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 4,
+            "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "full_attention_interval": 4
+        });
+        let c = TextConfig::from_hf_json(&text).unwrap();
+        assert_eq!(c.arch, Arch::Qwen35);
+        assert_eq!(c.attention_layers(), vec![3, 7]);
+        assert_eq!(c.linear_layers(), vec![0, 1, 2, 4, 5, 6]);
+        assert_eq!(c.rotary_dim, 4);
+        assert!(c.moe.is_none());
+        let l = c.linear_attn.as_ref().unwrap();
+        assert_eq!((l.key_dim(), l.value_dim(), l.conv_dim()), (8, 48, 64));
+        assert_eq!(l.state_bytes(), 4 * (3 * 64 + 6 * 4 * 8));
+        assert_eq!(c.window_for(0), None);
+
+        let mut bad = text.clone();
+        bad["linear_num_value_heads"] = 5.into();
+        let err = TextConfig::from_hf_json(&bad).unwrap_err().to_string();
+        assert!(err.contains("linear_num_value_heads"), "{err}");
+        let mut bad = text.clone();
+        bad["layer_types"] = serde_json::json!(vec!["linear_attention"; 8]);
+        bad["model_type"] = "qwen3".into();
+        let err = TextConfig::from_hf_json(&bad).unwrap_err().to_string();
+        assert!(err.contains("linear_attention"), "only qwen3_5 has linear layers: {err}");
+
+        let mut inner = text.clone();
+        inner["model_type"] = "qwen3_5_moe_text".into();
+        inner["layer_types"] = serde_json::json!(["linear_attention", "full_attention"]);
+        inner["num_hidden_layers"] = 2.into();
+        inner["rope_parameters"] = serde_json::json!({"rope_theta": 1e7, "partial_rotary_factor": 0.5,
+                                                      "mrope_section": [2, 1, 1], "mrope_interleaved": true});
+        inner["num_experts"] = 8.into();
+        inner["num_experts_per_tok"] = 2.into();
+        inner["moe_intermediate_size"] = 4.into();
+        inner["shared_expert_intermediate_size"] = 6.into();
+        inner.as_object_mut().unwrap().remove("intermediate_size");
+        let moe = serde_json::json!({"model_type": "qwen3_5_moe", "text_config": inner, "vision_config": {}});
+        let c = TextConfig::from_hf_json(&moe).unwrap();
+        assert_eq!((c.arch, c.rotary_dim, c.rope.theta), (Arch::Qwen35Moe, 8, 1e7));
+        assert_eq!(c.layer_kinds, vec![LayerKind::Linear, LayerKind::Full]);
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.scoring, m.top_k, m.shared_intermediate_size, m.shared_expert_gate), (MoeScoring::Softmax, 2, 6, true));
+        assert!(m.is_moe_layer(0) && m.norm_topk_prob);
+    }
+
     #[test]
     fn unknown_architecture_is_named() {
         let j = serde_json::json!({"model_type": "mamba"});

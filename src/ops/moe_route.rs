@@ -253,6 +253,20 @@ mod tests {
         RouteConfig { top_k, n_group, topk_group, norm_topk_prob: true, routed_scaling_factor: 1.0 }
     }
 
+    /// Qwen's routing: the two largest softmax probabilities, renormalised to sum to 1, listed
+    /// by ascending expert; a tie goes to the lower id.
+    #[test]
+    fn softmax_routing_takes_the_top_k_and_renormalises() {
+        let logits = Tensor::new(&[[0.0f32, 2.0, -1.0, 1.0], [3.0, 0.5, 3.0, 0.0]], &candle_core::Device::Cpu).unwrap();
+        let r = route_softmax(&logits, 2).unwrap();
+        let (experts, weights) = r.to_host().unwrap();
+        assert_eq!(experts, vec![1, 3, 0, 2]);
+        let e = std::f32::consts::E;
+        assert!((weights[0] - e / (e + 1.0)).abs() < 1e-6 && (weights[1] - 1.0 / (e + 1.0)).abs() < 1e-6);
+        assert!((weights[2] - 0.5).abs() < 1e-6 && (weights[3] - 0.5).abs() < 1e-6);
+        assert!(route_softmax(&logits, 5).is_err());
+    }
+
     #[test]
     fn groups_restrict_the_choice_and_bias_only_steers_it() {
         // Groups of 2 score 0.95, 1.2, 1.4, 0: the best expert (0) sits in a weak group.
