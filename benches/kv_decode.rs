@@ -45,6 +45,7 @@ fn fill(kv: &KvCache, layers: usize, context: usize, kv_heads: usize, dim: usize
                     c.v.inplace_op2(&v, &TqWrite::values(c, &slots, dm.as_ref())).unwrap();
                 }
                 LayerCache::Calibration(_) => unreachable!("the bench builds no calibration cache"),
+                LayerCache::Recurrent(_) => unreachable!("the bench's models have no recurrent layers"),
             }
             start += n;
         }
