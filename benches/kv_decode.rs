@@ -45,6 +45,7 @@ fn fill(kv: &KvCache, layers: usize, context: usize, kv_heads: usize, dim: usize
                     c.v.inplace_op2(&v, &TqWrite::values(c, &slots, dm.as_ref())).unwrap();
                 }
                 LayerCache::Calibration(_) => unreachable!("the bench builds no calibration cache"),
+                LayerCache::Recurrent(_) => unreachable!("the bench's models have no recurrent layers"),
             }
             start += n;
         }
@@ -118,7 +119,7 @@ fn decode_step(model: &dyn TextModel, dev: &Device, float: KvDtype, cache: Cache
         ),
     };
     let spec = KvCacheSpec { block_size: BLOCK, num_blocks: (context + 1).div_ceil(BLOCK), dtype: float };
-    let kv = KvCache::build(cfg, spec, tq.as_ref(), dev).unwrap();
+    let kv = KvCache::build(cfg, spec, tq.as_ref(), 1, dev).unwrap();
     fill(&kv, cfg.num_layers, context, cfg.num_kv_heads, cfg.head_dim, dev);
     let max_positions = cfg.max_position_embeddings.min(iris::layers::rotary::MAX_TABLE_POSITIONS);
     let mut runner = ModelRunner::new(dev.clone(), 1, spec.num_blocks, max_positions, 1);

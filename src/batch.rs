@@ -37,6 +37,9 @@ pub struct AttentionMeta {
     pub row_seq: Vec<u32>,
     /// A TurboQuant cache's float window, when it has one (`set_float_window`).
     pub window: Option<WindowMeta>,
+    /// Per sequence, its state slot in a hybrid model's recurrent layers (None: no such layers,
+    /// or not given; a recurrent layer then refuses the step).
+    pub state_slots: Option<Vec<u32>>,
     /// The same metadata in device memory, for kernels that run there (`upload`); None on CPU.
     pub device: Option<DeviceAttentionMeta>,
 }
@@ -142,7 +145,7 @@ impl AttentionMeta {
                 row_seq.push(i as u32);
             }
         }
-        AttentionMeta { block_size, seqs, slot_mapping, row_seq, window: None, device: None }
+        AttentionMeta { block_size, seqs, slot_mapping, row_seq, window: None, state_slots: None, device: None }
     }
 
     /// Gives each sequence its float-window ring (`rings[i]` for `seqs[i]`) in a TurboQuant
@@ -171,6 +174,15 @@ impl AttentionMeta {
             Some(device) => self.upload(&device),
             None => Ok(()),
         }
+    }
+
+    /// Gives each sequence its state slot (`slots[i]` for `seqs[i]`) in recurrent layers.
+    pub fn set_state_slots(&mut self, slots: Vec<u32>) -> candle_core::Result<()> {
+        if slots.len() != self.seqs.len() {
+            candle_core::bail!("{} state slots for {} sequences", slots.len(), self.seqs.len());
+        }
+        self.state_slots = Some(slots);
+        Ok(())
     }
 
     /// Copies the metadata to `device` for the kernels there; nothing to do on the CPU.
@@ -258,7 +270,8 @@ impl AttentionMeta {
         }
         let window =
             self.window.as_ref().map(|w| WindowMeta { len: w.len, rings: w.rings.clone(), slots: window_slots });
-        (AttentionMeta { block_size: bs, seqs, slot_mapping, row_seq, window, device: None }, real)
+        // Padding rows would run a recurrence; a recurrent model never pads (it does not speculate).
+        (AttentionMeta { block_size: bs, seqs, slot_mapping, row_seq, window, state_slots: None, device: None }, real)
     }
 
     pub fn num_rows(&self) -> usize {

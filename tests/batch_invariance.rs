@@ -91,8 +91,10 @@ fn check(name: &str, quant: Quant) {
         }
         None => (KvCacheSpec::bytes_per_token(&cfg, KvDtype::F32) * 4, 0),
     };
+    // A hybrid model's recurrent state per sequence comes out of the same budget.
+    let state_bytes = cfg.state_bytes_per_sequence() * 8;
     let opts = EngineOptions {
-        kv_memory: Some((24 * bytes_per_block + window_bytes) as u64),
+        kv_memory: Some((24 * bytes_per_block + window_bytes + state_bytes) as u64),
         block_size: 4,
         max_num_batched_tokens: 16,
         max_num_seqs: 8,
@@ -110,6 +112,7 @@ fn check(name: &str, quant: Quant) {
     // Every block is back once all sequences are done.
     let sched = engine.scheduler();
     assert_eq!(sched.allocator.num_free(), sched.allocator.num_blocks());
+    assert_eq!(sched.num_free_slots(), 8, "{name}: a state slot leaked");
 }
 
 #[test]
@@ -125,6 +128,25 @@ fn qwen3_is_batch_invariant() {
 #[test]
 fn gemma3_is_batch_invariant() {
     check("tiny-gemma3", None);
+}
+
+/// The hybrid models: each sequence's recurrent state is zeroed at its first position (a new
+/// sequence in a reused slot, or one recomputed after preemption) and carried across its
+/// prompt chunks; nothing of it leaks into other sequences.
+#[test]
+fn qwen35_is_batch_invariant() {
+    check("tiny-qwen3.5", None);
+}
+
+#[test]
+fn qwen35_moe_is_batch_invariant() {
+    check("tiny-qwen3.5-moe", None);
+}
+
+/// TurboQuant codes in the attention layer; the DeltaNet states stay f32.
+#[test]
+fn qwen35_is_batch_invariant_with_turboquant() {
+    check("tiny-qwen3.5", Some((K3V4, 0, vec![])));
 }
 
 const K3V4: TqBits = TqBits { key: 3, value: 4 };
@@ -404,4 +426,26 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
     assert_eq!(run_together(&own), solo, "per-sequence positions: each sequence gives its solo tokens");
     let wrong = run_together(&batch_wide);
     assert_ne!(wrong, solo, "positions from a batch-wide offset must change some sequence's tokens");
+}
+
+/// A cancelled hybrid sequence gives its state slot back, and the next sequence in that slot
+/// (the only one: one sequence at a time) starts from a zero state, not the cancelled one's.
+#[test]
+fn qwen35_cancelled_sequence_frees_its_state_slot() {
+    let _gpu = gpu_lock();
+    let path = fixture("tiny-qwen3.5");
+    let opts = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 1, ..Default::default() };
+    let ps = prompts(1024);
+    let want = run_requests(&mut engine_with(&path, opts.clone()), &[(ps[3].clone(), greedy(8))], &[0]).remove(0);
+    let mut e = engine_with(&path, opts);
+    let request = iris::engine::Request { prompt_tokens: ps[5].clone(), params: greedy(40) };
+    let gone = e.add_request(request).unwrap();
+    for _ in 0..4 {
+        e.step().unwrap();
+    }
+    assert_eq!(e.scheduler().num_free_slots(), 0, "the running sequence holds the slot");
+    assert!(e.abort(gone), "the sequence is still running");
+    assert_eq!(e.scheduler().num_free_slots(), 1, "the cancelled sequence's slot is free");
+    let got = run_requests(&mut e, &[(ps[3].clone(), greedy(8))], &[0]).remove(0);
+    assert_eq!(got, want, "the cancelled sequence's state leaked into the next one");
 }

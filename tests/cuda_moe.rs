@@ -144,6 +144,9 @@ const MOE_CASES: [MoeCase; 3] = [
 
 fn moe_config(c: &MoeCase) -> iris::config::MoeConfig {
     iris::config::MoeConfig {
+        scoring: iris::config::MoeScoring::SigmoidGrouped,
+        shared_intermediate_size: c.inter * c.shared,
+        shared_expert_gate: false,
         num_experts: c.experts,
         top_k: c.top_k,
         n_group: c.n_group,

@@ -32,7 +32,7 @@ fn byte_accounting_equals_allocation() {
             (tq(2, 2, 0, vec![cfg.num_layers - 1]), KvDtype::F16),
         ] {
             let kv_spec = KvCacheSpec { block_size: 4, num_blocks: 7, dtype: float };
-            let kv = KvCache::build(&cfg, kv_spec, Some(&spec), &Device::Cpu).unwrap();
+            let kv = KvCache::build(&cfg, kv_spec, Some(&spec), 1, &Device::Cpu).unwrap();
             let want = 7 * 4 * spec.bytes_per_token(&cfg, float) + spec.window_bytes(&cfg, float);
             assert_eq!(kv.allocated_bytes(), want, "{name} {spec:?}");
         }
@@ -65,7 +65,7 @@ fn forward_chunked(name: &str, tokens: &[u32], chunk: usize, spec: Option<&TqSpe
     let cfg = loaded.config().clone();
     let bs = 4;
     let kv_spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs) + 2, dtype: KvDtype::F32 };
-    let kv = KvCache::build(&cfg, kv_spec, spec, &dev).unwrap();
+    let kv = KvCache::build(&cfg, kv_spec, spec, 1, &dev).unwrap();
     let table: Vec<u32> = (0..kv_spec.num_blocks as u32).rev().collect();
     let mut hidden = Vec::new();
     let mut start = 0;

@@ -30,7 +30,9 @@ fn forward_chunked(name: &str, tokens: &[u32], chunk: usize) -> (Tensor, Tensor,
     while start < tokens.len() {
         let n = chunk.min(tokens.len() - start);
         let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
-        let batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
+        let mut batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
+        // A hybrid model's recurrent layers keep this sequence's state in slot 0.
+        batch.attn.set_state_slots(vec![0]).unwrap();
         let t = if chunk >= tokens.len() { Some(&mut taps) } else { None };
         hidden.push(loaded.model.forward(&batch, &kv, t).unwrap());
         start += n;
@@ -71,7 +73,8 @@ fn check_layers(name: &str) {
 fn check_greedy(name: &str) {
     let _gpu = gpu_lock();
     let r = reference(name);
-    let mut engine = engine_with(&fixture(name), EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
+    // 8 MiB: a hybrid model also reserves a recurrent state for each of the 256 sequences.
+    let mut engine = engine_with(&fixture(name), EngineOptions { kv_memory: Some(8 << 20), ..Default::default() });
     for key in ["text", "chat"] {
         let prompt = ids(&r[&format!("{key}.input_ids")]);
         let want = ids(&r[&format!("{key}.generated_ids")]);
@@ -101,7 +104,7 @@ fn check_prompt_logprobs(name: &str) {
     let scale = logits.abs().unwrap().max_keepdim(1).unwrap().max(0).unwrap().to_vec1::<f32>().unwrap()[0];
     let want_lp = candle_nn::ops::log_softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();
     let opts =
-        EngineOptions { kv_memory: Some(1 << 20), max_num_batched_tokens: 7, block_size: 4, ..Default::default() };
+        EngineOptions { kv_memory: Some(8 << 20), max_num_batched_tokens: 7, block_size: 4, ..Default::default() };
     let mut engine = engine_with(&fixture(name), opts);
     let other = ids(&r["chat.input_ids"]);
     engine.add_request(iris::engine::Request { prompt_tokens: other, params: greedy(6) }).unwrap();
@@ -145,6 +148,74 @@ fn check_prompt_logprobs(name: &str) {
     }
 }
 
+/// A hybrid model's prompt prefilled in chunks of every size from 1 (token by token, as decode
+/// runs) to the whole prompt: the recurrent state carries each chunk's end into the next, so
+/// the logits are those of the whole prefill (the recurrence gives the same bits in any
+/// chunking; the matrix products may round a row differently among fewer rows).
+fn check_every_chunk_size(name: &str) {
+    let _gpu = gpu_lock();
+    let r = reference(name);
+    let tokens = ids(&r["text.input_ids"]);
+    let (_, whole, _) = forward_chunked(name, &tokens, usize::MAX);
+    for chunk in 1..tokens.len() {
+        let (_, chunked, _) = forward_chunked(name, &tokens, chunk);
+        let e = rel_err(&chunked, &whole);
+        assert!(e <= 1e-5, "{name}: chunks of {chunk}: logits differ from the whole prefill by {e}");
+    }
+}
+
+#[test]
+fn qwen35_chunked_prefill_of_every_size_equals_whole_prefill() {
+    check_every_chunk_size("tiny-qwen3.5");
+}
+
+#[test]
+fn qwen35_moe_chunked_prefill_of_every_size_equals_whole_prefill() {
+    check_every_chunk_size("tiny-qwen3.5-moe");
+}
+
+/// The KV pool of a 3:1 hybrid holds keys and values for its attention layer only; the
+/// DeltaNet layers' state is per sequence, beside it.
+#[test]
+fn qwen35_kv_pool_covers_only_the_attention_layers() {
+    let cfg = iris::loader::read_config(&fixture("tiny-qwen3.5")).unwrap().1;
+    assert_eq!(cfg.attention_layers(), vec![3]);
+    assert_eq!(KvCacheSpec::bytes_per_token(&cfg, KvDtype::F32), 2 * cfg.num_kv_heads * cfg.head_dim * 4);
+    // 3 layers x (conv: 3 inputs of 2*32 + 64 channels; state: 4 heads x 16 x 16), f32.
+    assert_eq!(cfg.state_bytes_per_sequence(), 3 * (3 * 128 + 4 * 16 * 16) * 4);
+    let opts = EngineOptions { kv_memory: Some(1 << 20), max_num_seqs: 4, block_size: 4, ..Default::default() };
+    let (_, report) = iris::engine::build::build_engine(&fixture("tiny-qwen3.5"), &device(), &opts).unwrap();
+    let state = 4 * cfg.state_bytes_per_sequence();
+    assert_eq!(report.kv_capacity_tokens, ((1 << 20) - state) / (4 * report.kv_bytes_per_token) * 4);
+    assert!(report.kv_summary().contains("recurrent state of 4 sequences"), "{}", report.kv_summary());
+}
+
+/// Speculative decoding would advance the recurrent state past drafts that may be rejected:
+/// refused at start, in one line that says what to do.
+#[test]
+fn qwen35_refuses_speculative_decoding() {
+    let spec = iris::engine::speculative::SpeculativeConfig { num_tokens: 2, lookup_min: 1, lookup_max: 3 };
+    let opts = EngineOptions { kv_memory: Some(8 << 20), speculative: Some(spec), ..Default::default() };
+    let err = match iris::engine::build::build_engine(&fixture("tiny-qwen3.5"), &device(), &opts) {
+        Ok(_) => panic!("speculation on a hybrid model must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("--speculative-config is not supported for qwen3_5"), "{err}");
+    assert!(!err.contains('\n'), "{err}");
+}
+
+/// `iris inspect`'s counts equal transformers' (text model; the MoE's active count leaves out
+/// the routed experts a token is not sent to).
+#[test]
+fn qwen35_parameter_counts_match_transformers() {
+    for name in ["tiny-qwen3.5", "tiny-qwen3.5-moe"] {
+        let cfg = iris::loader::read_config(&fixture(name)).unwrap().1;
+        let j = reference_json(name);
+        assert_eq!(cfg.parameter_count(), j["n_text_params"].as_u64().unwrap(), "{name} total");
+        assert_eq!(cfg.active_parameter_count(), j["n_active_text_params"].as_u64().unwrap(), "{name} active");
+    }
+}
+
 macro_rules! parity_tests {
     ($($m:ident => $name:literal),*) => {$(
         mod $m {
@@ -168,4 +239,11 @@ macro_rules! parity_tests {
     )*};
 }
 
-parity_tests!(llama => "tiny-llama", qwen2 => "tiny-qwen2", qwen3 => "tiny-qwen3", gemma3 => "tiny-gemma3");
+parity_tests!(
+    llama => "tiny-llama",
+    qwen2 => "tiny-qwen2",
+    qwen3 => "tiny-qwen3",
+    gemma3 => "tiny-gemma3",
+    qwen35 => "tiny-qwen3.5",
+    qwen35_moe => "tiny-qwen3.5-moe"
+);

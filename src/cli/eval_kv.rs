@@ -131,7 +131,7 @@ fn score(
     };
     let bs = 16;
     let spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs), dtype: float };
-    let kv = KvCache::build(cfg, spec, tq.as_ref(), &dev)?;
+    let kv = KvCache::build(cfg, spec, tq.as_ref(), 1, &dev)?;
     let table: Vec<u32> = (0..spec.num_blocks as u32).collect();
     let (mut nll, mut argmax) = (Vec::with_capacity(tokens.len()), Vec::with_capacity(tokens.len()));
     let mut start = 0;

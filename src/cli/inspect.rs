@@ -83,6 +83,18 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
             cfg.num_layers - sliding
         );
     }
+    if let Some(l) = &cfg.linear_attn {
+        println!(
+            "linear attention: {} Gated DeltaNet layers ({} key / {} value heads of {} / {}, conv {}), {} attention",
+            cfg.linear_layers().len(),
+            l.num_key_heads,
+            l.num_value_heads,
+            l.key_head_dim,
+            l.value_head_dim,
+            l.conv_kernel,
+            cfg.attention_layers().len()
+        );
+    }
     println!("vocabulary:       {}", cfg.vocab_size);
     println!("context length:   {}", cfg.max_position_embeddings);
     println!("rope theta:       {}", cfg.rope.theta);
@@ -93,6 +105,10 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     for (key, value) in [(4, 4), (3, 4), (2, 3)] {
         let tq = TqSpec::new(TqBits { key, value });
         println!("KV bytes/token:   {} ({})", tq.bytes_per_token(&cfg, KvDtype::Bf16), tq.bits);
+    }
+    if cfg.state_bytes_per_sequence() > 0 {
+        // Fixed per running sequence, whatever its length (f32).
+        println!("state bytes/seq:  {} (f32, linear-attention layers)", cfg.state_bytes_per_sequence());
     }
     println!("{}", cpu_kernels_line());
     Ok(())

@@ -136,6 +136,7 @@ impl Metadata<'_> {
             bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
             eos_token_ids,
             moe: None,
+            linear_attn: None,
         };
         cfg.validate()?;
         Ok(cfg)

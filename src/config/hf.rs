@@ -8,7 +8,8 @@ use serde_json::Value;
 
 use super::error::ConfigError::{self, Invalid};
 use super::text::{
-    gemma_layer_pattern, Activation, Arch, LayerKind, MoeConfig, RopeConfig, RopeLayout, RopeScaling, TextConfig,
+    gemma_layer_pattern, Activation, Arch, LayerKind, LinearAttnConfig, MoeConfig, MoeScoring, RopeConfig, RopeLayout,
+    RopeScaling, TextConfig,
 };
 
 impl TextConfig {
@@ -48,8 +49,9 @@ impl TextConfig {
         let arch = Arch::from_model_type(model_type).ok_or_else(|| ConfigError::Unsupported {
             what: "architecture",
             value: model_type.into(),
-            supported: "llama, qwen2, qwen3, gemma3_text, qwen2_vl, qwen2_5_vl, glm4v, glm4v_moe",
+            supported: "llama, qwen2, qwen3, gemma3_text, qwen2_vl, qwen2_5_vl, glm4v, glm4v_moe, qwen3_5, qwen3_5_moe",
         })?;
+        let qwen35 = matches!(arch, Arch::Qwen35 | Arch::Qwen35Moe);
 
         let hidden_size = usize_of("hidden_size")?;
         let num_heads = usize_of("num_attention_heads")?;
@@ -63,12 +65,16 @@ impl TextConfig {
             _ => hidden_size / num_heads,
         };
         // transformers 5 keeps the factor in `rope_parameters`, the hub files next to it; GLM-4.5V's
-        // config class defaults it to 0.5.
+        // config class defaults it to 0.5, Qwen3.5's to 0.25.
         let partial = get("rope_parameters")
             .and_then(|r| r.get("partial_rotary_factor"))
             .or_else(|| get("partial_rotary_factor"))
             .and_then(Value::as_f64)
-            .unwrap_or(if arch == Arch::Glm4vMoe { 0.5 } else { 1.0 });
+            .unwrap_or(match arch {
+                Arch::Glm4vMoe => 0.5,
+                Arch::Qwen35 | Arch::Qwen35Moe => 0.25,
+                _ => 1.0,
+            });
         if !(partial > 0.0 && partial <= 1.0) {
             return Err(Invalid(format!("`partial_rotary_factor` must be in (0, 1], got {partial}")));
         }
@@ -102,10 +108,11 @@ impl TextConfig {
                     .map(|t| match t.as_str() {
                         Some("full_attention") => Ok(LayerKind::Full),
                         Some("sliding_attention") => Ok(LayerKind::Sliding),
+                        Some("linear_attention") if qwen35 => Ok(LayerKind::Linear),
                         other => Err(ConfigError::Unsupported {
                             what: "layer type",
                             value: other.map_or_else(|| t.to_string(), String::from),
-                            supported: "full_attention, sliding_attention",
+                            supported: "full_attention, sliding_attention (and linear_attention in qwen3_5)",
                         }),
                     })
                     .collect::<Result<Vec<_>, _>>()?
@@ -113,6 +120,17 @@ impl TextConfig {
             None if arch == Arch::Gemma3 => {
                 let pattern = get("sliding_window_pattern").and_then(Value::as_u64).unwrap_or(6) as usize;
                 gemma_layer_pattern(num_layers, pattern)
+            }
+            // Qwen3.5 without `layer_types`: every `full_attention_interval`-th layer attends,
+            // the others are Gated DeltaNet (transformers' rule).
+            None if qwen35 => {
+                let interval = get("full_attention_interval").and_then(Value::as_u64).unwrap_or(4) as usize;
+                if interval == 0 {
+                    return Err(Invalid("`full_attention_interval` must be positive".into()));
+                }
+                (0..num_layers)
+                    .map(|i| if (i + 1) % interval == 0 { LayerKind::Full } else { LayerKind::Linear })
+                    .collect()
             }
             None => vec![LayerKind::Full; num_layers],
         };
@@ -124,7 +142,17 @@ impl TextConfig {
             _ => None,
         };
 
-        let moe = if arch == Arch::Glm4vMoe { Some(parse_moe(&get)?) } else { None };
+        let moe = match arch {
+            Arch::Glm4vMoe => Some(parse_moe(&get)?),
+            Arch::Qwen35Moe => Some(parse_qwen_moe(&get)?),
+            _ => None,
+        };
+        let linear_attn = if qwen35 { Some(parse_linear_attn(&get)?) } else { None };
+        // Qwen3.5-MoE has no dense MLP width; its routed experts' width stands in (unused).
+        let intermediate_size = match (&moe, get("intermediate_size")) {
+            (Some(m), None) => m.intermediate_size,
+            _ => usize_of("intermediate_size")?,
+        };
         let eos_token_ids = match get("eos_token_id") {
             Some(Value::Array(ids)) => ids.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
             Some(v) => v.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
@@ -134,7 +162,7 @@ impl TextConfig {
             arch,
             vocab_size: usize_of("vocab_size")?,
             hidden_size,
-            intermediate_size: usize_of("intermediate_size")?,
+            intermediate_size,
             num_layers,
             num_heads,
             num_kv_heads,
@@ -165,6 +193,7 @@ impl TextConfig {
             bos_token_id: get("bos_token_id").and_then(Value::as_u64).map(|v| v as u32),
             eos_token_ids,
             moe,
+            linear_attn,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -182,16 +211,62 @@ fn parse_moe<'a>(get: &dyn Fn(&str) -> Option<&'a Value>) -> Result<MoeConfig, C
                 .ok_or_else(|| ConfigError::Field { field: key.into(), expected: "a non-negative integer" }),
         }
     };
+    let (inter, shared) = (int("moe_intermediate_size", 1408)?, int("n_shared_experts", 1)?);
     Ok(MoeConfig {
+        scoring: MoeScoring::SigmoidGrouped,
+        shared_intermediate_size: inter * shared,
+        shared_expert_gate: false,
         num_experts: int("n_routed_experts", 128)?,
         top_k: int("num_experts_per_tok", 8)?,
         n_group: int("n_group", 1)?,
         topk_group: int("topk_group", 1)?,
-        intermediate_size: int("moe_intermediate_size", 1408)?,
-        n_shared_experts: int("n_shared_experts", 1)?,
+        intermediate_size: inter,
+        n_shared_experts: shared,
         norm_topk_prob: get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(true),
         routed_scaling_factor: get("routed_scaling_factor").and_then(Value::as_f64).unwrap_or(1.0),
         first_k_dense_replace: int("first_k_dense_replace", 1)?,
+    })
+}
+
+/// A non-negative integer field, `default` when absent.
+fn int_or<'a>(get: &dyn Fn(&str) -> Option<&'a Value>, key: &str, default: usize) -> Result<usize, ConfigError> {
+    match get(key) {
+        None => Ok(default),
+        Some(v) => v
+            .as_u64()
+            .map(|n| n as usize)
+            .ok_or_else(|| ConfigError::Field { field: key.into(), expected: "a non-negative integer" }),
+    }
+}
+
+/// Qwen3.5-MoE's experts (`Qwen3_5MoeTextConfig` defaults where absent): softmax over all
+/// experts, the top k always renormalised (the config has no switch for it), one shared expert
+/// behind a sigmoid gate, in every layer.
+fn parse_qwen_moe<'a>(get: &dyn Fn(&str) -> Option<&'a Value>) -> Result<MoeConfig, ConfigError> {
+    Ok(MoeConfig {
+        scoring: MoeScoring::Softmax,
+        num_experts: int_or(get, "num_experts", 256)?,
+        top_k: int_or(get, "num_experts_per_tok", 8)?,
+        n_group: 1,
+        topk_group: 1,
+        intermediate_size: int_or(get, "moe_intermediate_size", 512)?,
+        n_shared_experts: 1,
+        shared_intermediate_size: int_or(get, "shared_expert_intermediate_size", 512)?,
+        shared_expert_gate: true,
+        norm_topk_prob: true,
+        routed_scaling_factor: 1.0,
+        first_k_dense_replace: 0,
+    })
+}
+
+/// Qwen3.5's Gated DeltaNet sizes (`Qwen3_5TextConfig` defaults where absent).
+fn parse_linear_attn<'a>(get: &dyn Fn(&str) -> Option<&'a Value>) -> Result<LinearAttnConfig, ConfigError> {
+    Ok(LinearAttnConfig {
+        num_key_heads: int_or(get, "linear_num_key_heads", 16)?,
+        num_value_heads: int_or(get, "linear_num_value_heads", 32)?,
+        key_head_dim: int_or(get, "linear_key_head_dim", 128)?,
+        value_head_dim: int_or(get, "linear_value_head_dim", 128)?,
+        conv_kernel: int_or(get, "linear_conv_kernel_dim", 4)?,
     })
 }
 
@@ -364,6 +439,58 @@ mod tests {
             let err = TextConfig::from_hf_json(&j).unwrap_err().to_string();
             assert!(err.contains(needle), "{key}: {err}");
         }
+    }
+
+    /// Qwen3.5's text config: layer kinds from `full_attention_interval` when `layer_types` is
+    /// absent, the DeltaNet sizes, partial rotary from `rope_parameters` (0.25 by default), and
+    /// the MoE variant's softmax routing with a gated shared expert, top level or nested.
+    #[test]
+    fn qwen35_text_and_moe_configs() {
+        let text = serde_json::json!({
+            "model_type": "qwen3_5_text", "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 4,
+            "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "full_attention_interval": 4
+        });
+        let c = TextConfig::from_hf_json(&text).unwrap();
+        assert_eq!(c.arch, Arch::Qwen35);
+        assert_eq!(c.attention_layers(), vec![3, 7]);
+        assert_eq!(c.linear_layers(), vec![0, 1, 2, 4, 5, 6]);
+        assert_eq!(c.rotary_dim, 4);
+        assert!(c.moe.is_none());
+        let l = c.linear_attn.as_ref().unwrap();
+        assert_eq!((l.key_dim(), l.value_dim(), l.conv_dim()), (8, 48, 64));
+        assert_eq!(l.state_bytes(), 4 * (3 * 64 + 6 * 4 * 8));
+        assert_eq!(c.window_for(0), None);
+
+        let mut bad = text.clone();
+        bad["linear_num_value_heads"] = 5.into();
+        let err = TextConfig::from_hf_json(&bad).unwrap_err().to_string();
+        assert!(err.contains("linear_num_value_heads"), "{err}");
+        let mut bad = text.clone();
+        bad["layer_types"] = serde_json::json!(vec!["linear_attention"; 8]);
+        bad["model_type"] = "qwen3".into();
+        let err = TextConfig::from_hf_json(&bad).unwrap_err().to_string();
+        assert!(err.contains("linear_attention"), "only qwen3_5 has linear layers: {err}");
+
+        let mut inner = text.clone();
+        inner["model_type"] = "qwen3_5_moe_text".into();
+        inner["layer_types"] = serde_json::json!(["linear_attention", "full_attention"]);
+        inner["num_hidden_layers"] = 2.into();
+        inner["rope_parameters"] = serde_json::json!({"rope_theta": 1e7, "partial_rotary_factor": 0.5,
+                                                      "mrope_section": [2, 1, 1], "mrope_interleaved": true});
+        inner["num_experts"] = 8.into();
+        inner["num_experts_per_tok"] = 2.into();
+        inner["moe_intermediate_size"] = 4.into();
+        inner["shared_expert_intermediate_size"] = 6.into();
+        inner.as_object_mut().unwrap().remove("intermediate_size");
+        let moe = serde_json::json!({"model_type": "qwen3_5_moe", "text_config": inner, "vision_config": {}});
+        let c = TextConfig::from_hf_json(&moe).unwrap();
+        assert_eq!((c.arch, c.rotary_dim, c.rope.theta), (Arch::Qwen35Moe, 8, 1e7));
+        assert_eq!(c.layer_kinds, vec![LayerKind::Linear, LayerKind::Full]);
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.scoring, m.top_k, m.shared_intermediate_size, m.shared_expert_gate), (MoeScoring::Softmax, 2, 6, true));
+        assert!(m.is_moe_layer(0) && m.norm_topk_prob);
     }
 
     #[test]

@@ -11,4 +11,4 @@ mod validate;
 
 pub use error::ConfigError;
 pub use gguf::gguf_arch;
-pub use text::{Activation, Arch, LayerKind, MoeConfig, RopeConfig, RopeLayout, RopeScaling, TextConfig};
+pub use text::{Activation, Arch, LayerKind, LinearAttnConfig, MoeConfig, MoeScoring, RopeConfig, RopeLayout, RopeScaling, TextConfig};

@@ -16,6 +16,12 @@ pub enum Arch {
     Glm4v,
     /// GLM-4.5V / GLM-4.6V: dense then mixture-of-experts layers, rotate-half partial M-RoPE.
     Glm4vMoe,
+    /// Qwen3.5: Gated DeltaNet layers (a recurrent state per sequence) with every
+    /// `full_attention_interval`-th layer gated full attention; (1+w) RMSNorms.
+    Qwen35,
+    /// Qwen3.5-MoE: the same layers with a mixture of experts (softmax router, shared expert) in
+    /// every layer.
+    Qwen35Moe,
 }
 
 impl Arch {
@@ -29,6 +35,8 @@ impl Arch {
             "qwen2_5_vl" | "qwen2_5_vl_text" => Some(Arch::Qwen25Vl),
             "glm4v" | "glm4v_text" | "glm46v" => Some(Arch::Glm4v),
             "glm4v_moe" | "glm4v_moe_text" => Some(Arch::Glm4vMoe),
+            "qwen3_5" | "qwen3_5_text" => Some(Arch::Qwen35),
+            "qwen3_5_moe" | "qwen3_5_moe_text" => Some(Arch::Qwen35Moe),
             _ => None,
         }
     }
@@ -43,6 +51,8 @@ impl Arch {
             Arch::Qwen25Vl => "qwen2_5_vl",
             Arch::Glm4v => "glm4v",
             Arch::Glm4vMoe => "glm4v_moe",
+            Arch::Qwen35 => "qwen3_5",
+            Arch::Qwen35Moe => "qwen3_5_moe",
         }
     }
 
@@ -80,6 +90,8 @@ impl Activation {
 pub enum LayerKind {
     Full,
     Sliding,
+    /// Linear attention (Gated DeltaNet): no KV cache, a fixed recurrent state per sequence.
+    Linear,
 }
 
 /// How rotary pairs are laid out in a head: HF's `rotate_half` (first half with second half)
@@ -107,10 +119,21 @@ pub struct RopeConfig {
     pub mrope_section: Option<Vec<usize>>,
 }
 
-/// A mixture-of-experts MLP (DeepSeek-V3 / GLM-4.5 routing): sigmoid scores, a per-expert
-/// correction bias that only steers the choice, experts chosen within the best groups.
+/// How a mixture of experts scores its experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeScoring {
+    /// DeepSeek-V3 / GLM-4.5: sigmoid scores, a correction bias that only steers the choice,
+    /// experts chosen within the best groups.
+    SigmoidGrouped,
+    /// Qwen: softmax over all experts, the top k renormalised to sum to 1.
+    Softmax,
+}
+
+/// A mixture-of-experts MLP: routed experts chosen per token as `scoring` says, plus shared
+/// experts every token runs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
+    pub scoring: MoeScoring,
     pub num_experts: usize,
     /// Experts each token is sent to.
     pub top_k: usize,
@@ -121,6 +144,11 @@ pub struct MoeConfig {
     pub intermediate_size: usize,
     /// Always-on experts, run as one MLP `n_shared_experts` times as wide.
     pub n_shared_experts: usize,
+    /// Width of that shared MLP (GLM: `n_shared_experts * intermediate_size`; Qwen:
+    /// `shared_expert_intermediate_size`).
+    pub shared_intermediate_size: usize,
+    /// The shared MLP's output is scaled by `sigmoid(x w_gate)` (Qwen's `shared_expert_gate`).
+    pub shared_expert_gate: bool,
     /// The chosen experts' weights are divided by their sum.
     pub norm_topk_prob: bool,
     pub routed_scaling_factor: f64,
@@ -131,6 +159,48 @@ pub struct MoeConfig {
 impl MoeConfig {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         layer >= self.first_k_dense_replace
+    }
+}
+
+/// Gated DeltaNet layers' sizes (Qwen3.5's `linear_*` fields).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearAttnConfig {
+    pub num_key_heads: usize,
+    /// A multiple of `num_key_heads`: consecutive value heads share a key head.
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    /// Width of the causal depthwise convolution over time.
+    pub conv_kernel: usize,
+}
+
+impl LinearAttnConfig {
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+
+    /// Channels of the convolution: q, k and v side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// f32 values of one sequence's state in one layer: the convolution's last `conv_kernel - 1`
+    /// inputs, then the delta rule's `[value heads, key dim, value dim]` matrix.
+    pub fn state_len(&self) -> (usize, usize) {
+        (
+            (self.conv_kernel - 1) * self.conv_dim(),
+            self.num_value_heads * self.key_head_dim * self.value_head_dim,
+        )
+    }
+
+    /// Bytes of one sequence's state in one layer (kept in f32).
+    pub fn state_bytes(&self) -> usize {
+        let (conv, ssm) = self.state_len();
+        4 * (conv + ssm)
     }
 }
 
@@ -166,9 +236,26 @@ pub struct TextConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub moe: Option<MoeConfig>,
+    /// The linear-attention layers' sizes, for a hybrid model (`LayerKind::Linear` layers).
+    pub linear_attn: Option<LinearAttnConfig>,
 }
 
 impl TextConfig {
+    /// Layers with a KV cache (every one but the linear-attention layers).
+    pub fn attention_layers(&self) -> Vec<usize> {
+        (0..self.num_layers).filter(|&l| self.layer_kinds[l] != LayerKind::Linear).collect()
+    }
+
+    /// Layers with a recurrent state per sequence instead of a KV cache.
+    pub fn linear_layers(&self) -> Vec<usize> {
+        (0..self.num_layers).filter(|&l| self.layer_kinds[l] == LayerKind::Linear).collect()
+    }
+
+    /// Bytes of one sequence's recurrent state over all linear-attention layers (0 without them).
+    pub fn state_bytes_per_sequence(&self) -> usize {
+        self.linear_attn.as_ref().map_or(0, |l| l.state_bytes() * self.linear_layers().len())
+    }
+
     pub fn attention_scale(&self) -> f64 {
         self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64).powf(-0.5)
     }
@@ -183,7 +270,7 @@ impl TextConfig {
     pub fn window_for(&self, layer: usize) -> Option<usize> {
         match self.layer_kinds[layer] {
             LayerKind::Sliding => self.sliding_window,
-            LayerKind::Full => None,
+            LayerKind::Full | LayerKind::Linear => None,
         }
     }
 
@@ -201,13 +288,22 @@ impl TextConfig {
     fn parameter_counts(&self) -> (u64, u64) {
         let (h, i, v) = (self.hidden_size as u64, self.intermediate_size as u64, self.vocab_size as u64);
         let (q, kv) = ((self.num_heads * self.head_dim) as u64, (self.num_kv_heads * self.head_dim) as u64);
-        let mut attn = h * q + 2 * h * kv + q * h;
+        // Qwen3.5's q_proj also gives each head's output gate.
+        let gated = matches!(self.arch, Arch::Qwen35 | Arch::Qwen35Moe);
+        let mut attn = h * q * if gated { 2 } else { 1 } + 2 * h * kv + q * h;
         if self.attention_bias {
             attn += q + 2 * kv;
         }
         let mut norms = 2 * h;
+        let qk_norms = 2 * self.head_dim as u64;
+        // in_proj_qkv, in_proj_z, in_proj_b and _a, the convolution, dt_bias and A_log, the
+        // gated norm, out_proj.
+        let linear = self.linear_attn.as_ref().map_or(0, |l| {
+            let (c, vd, hv, kk) = (l.conv_dim() as u64, l.value_dim() as u64, l.num_value_heads as u64, l.conv_kernel);
+            h * c + h * vd + 2 * h * hv + c * kk as u64 + 2 * hv + l.value_head_dim as u64 + vd * h
+        });
         match self.arch {
-            Arch::Qwen3 => norms += 2 * self.head_dim as u64,
+            Arch::Qwen3 => norms += qk_norms,
             Arch::Gemma3 => norms += 2 * h + 2 * self.head_dim as u64,
             // GLM-4.1V also normalises the attention and MLP outputs.
             Arch::Glm4v => norms += 2 * h,
@@ -218,13 +314,20 @@ impl TextConfig {
             let (t, a) = match &self.moe {
                 Some(m) if m.is_moe_layer(layer) => {
                     let (e, k, mi) = (m.num_experts as u64, m.top_k as u64, m.intermediate_size as u64);
-                    let always = e * h + e + 3 * h * mi * m.n_shared_experts as u64;
+                    let bias = if m.scoring == MoeScoring::SigmoidGrouped { e } else { 0 };
+                    let shared_gate = if m.shared_expert_gate { h } else { 0 };
+                    let always = e * h + bias + 3 * h * m.shared_intermediate_size as u64 + shared_gate;
                     (always + e * 3 * h * mi, always + k * 3 * h * mi)
                 }
                 _ => (3 * h * i, 3 * h * i),
             };
-            total += attn + norms + t;
-            active += attn + norms + a;
+            let mixer = match self.layer_kinds[layer] {
+                LayerKind::Linear => linear,
+                _ if gated => attn + qk_norms,
+                _ => attn,
+            };
+            total += mixer + norms + t;
+            active += mixer + norms + a;
         }
         let embed = v * h * if self.tie_word_embeddings { 1 } else { 2 };
         (total + embed + h, active + embed + h)

@@ -1,7 +1,7 @@
 //! Checks that a parsed config describes a model the code can run, whatever it was read from.
 
 use super::error::ConfigError::{self, Invalid};
-use super::text::{MoeConfig, TextConfig};
+use super::text::{LayerKind, LinearAttnConfig, MoeConfig, TextConfig};
 
 impl TextConfig {
     /// Rejects values the model code cannot run with (zero sizes, heads that do not group),
@@ -60,11 +60,40 @@ impl TextConfig {
         if let Some(m) = &self.moe {
             m.validate(self.num_layers)?;
         }
+        let has_linear = self.layer_kinds.contains(&LayerKind::Linear);
+        match &self.linear_attn {
+            Some(l) => l.validate()?,
+            None if has_linear => return Err(Invalid("linear-attention layers need the `linear_*` sizes".into())),
+            None => {}
+        }
         if self.arch.is_vision_language() && self.rope.mrope_section.is_none() {
             return Err(Invalid("a vision-language model needs `mrope_section` in its rotary settings".into()));
         }
         if self.sliding_window == Some(0) {
             return Err(Invalid("`sliding_window` must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+impl LinearAttnConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (field, v) in [
+            ("linear_num_key_heads", self.num_key_heads),
+            ("linear_num_value_heads", self.num_value_heads),
+            ("linear_key_head_dim", self.key_head_dim),
+            ("linear_value_head_dim", self.value_head_dim),
+            ("linear_conv_kernel_dim", self.conv_kernel),
+        ] {
+            if v == 0 {
+                return Err(Invalid(format!("`{field}` must be positive")));
+            }
+        }
+        if !self.num_value_heads.is_multiple_of(self.num_key_heads) {
+            return Err(Invalid(format!(
+                "`linear_num_value_heads` ({}) is not a multiple of `linear_num_key_heads` ({})",
+                self.num_value_heads, self.num_key_heads
+            )));
         }
         Ok(())
     }

@@ -80,6 +80,11 @@ pub struct StartupReport {
     pub kv_quant: Option<TqSpec>,
     /// Tokens a bf16 cache would hold in the same memory.
     pub kv_bf16_capacity_tokens: usize,
+    /// A hybrid model's recurrent state per sequence (all its linear-attention layers), in
+    /// bytes; 0 for other models.
+    pub state_bytes_per_seq: usize,
+    /// Sequences whose state was reserved (`--max-num-seqs`), when there is a state.
+    pub state_slots: usize,
     pub max_model_len: usize,
     pub weight_bytes: u64,
 }
@@ -88,8 +93,15 @@ impl StartupReport {
     /// One line about the KV cache for the startup log.
     pub fn kv_summary(&self) -> String {
         let mib = self.kv_allocated_bytes as f64 / (1 << 20) as f64;
-        let base =
+        let mut base =
             format!("{} bytes/token, {} tokens in {mib:.0} MiB", self.kv_bytes_per_token, self.kv_capacity_tokens);
+        if self.state_bytes_per_seq > 0 {
+            base += &format!(
+                " (with the recurrent state of {} sequences, {:.2} MiB each)",
+                self.state_slots,
+                self.state_bytes_per_seq as f64 / (1 << 20) as f64
+            );
+        }
         match &self.kv_quant {
             None => format!("KV cache {}: {base}", self.kv_dtype),
             Some(tq) => {
@@ -156,6 +168,14 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         }
         None => None,
     };
+    if opts.speculative.is_some() && !cfg.linear_layers().is_empty() {
+        // Verifying drafts advances the recurrent state past rows that may be rejected, and
+        // there are no per-row state checkpoints to roll back to yet.
+        return Err(BuildError::Setting(format!(
+            "--speculative-config is not supported for {} (its linear-attention layers keep a state per sequence that a rejected draft cannot roll back yet); run without it",
+            cfg.arch.name()
+        )));
+    }
     if let (Some(spec), Some(tq)) = (&opts.speculative, &tq) {
         // A verify step writes a sequence's last token and its drafts into its ring at once; a
         // rejected draft's ring row is restored from a copy, which needs all of them in the ring.
@@ -166,8 +186,9 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
             )));
         }
     }
-    // Every group of layers' memory: paged per token, and per state slot (one per sequence
-    // that may run: float-window rings), fixed at start outside the blocks.
+    // Every group of layers' memory: paged per token (attention layers only), and per state slot
+    // (one per sequence that may run: float-window rings, recurrent states), fixed at start
+    // outside the blocks.
     let caches = CacheSpec::for_model(&cfg, kv_dtype, tq.as_ref());
     let per_token = caches.bytes_per_token();
     let slot_bytes = (caches.bytes_per_slot() * opts.max_num_seqs) as u64;
@@ -184,9 +205,17 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
             .min(useful.max(per_token as u64 * opts.block_size as u64) + slot_bytes)
     });
     let Some(pool) = caches.pool(budget, opts.block_size, opts.max_num_seqs) else {
+        let what = if cfg.linear_layers().is_empty() {
+            format!("the float window needs {slot_bytes} bytes ({} sequences x {} tokens)", opts.max_num_seqs, opts.kv_float_window)
+        } else {
+            format!(
+                "the per-sequence state needs {slot_bytes} bytes ({} sequences x {} bytes)",
+                opts.max_num_seqs,
+                caches.bytes_per_slot()
+            )
+        };
         return Err(BuildError::Kv(format!(
-            "the float window needs {slot_bytes} bytes ({} sequences x {} tokens); raise --kv-cache-memory or lower --kv-float-window or --max-num-seqs",
-            opts.max_num_seqs, opts.kv_float_window
+            "{what}, the whole budget of {budget} bytes; raise --kv-cache-memory or lower --max-num-seqs"
         )));
     };
     let spec = KvCacheSpec { block_size: opts.block_size, num_blocks: pool.num_blocks, dtype: kv_dtype };
@@ -206,7 +235,8 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         Some(n) => n,
         None => wanted_len.min(capacity),
     };
-    let kv = KvCache::build(&cfg, spec, tq.as_ref(), device).map_err(|e| BuildError::Kv(e.to_string()))?;
+    let kv = KvCache::build(&cfg, spec, tq.as_ref(), opts.max_num_seqs, device)
+        .map_err(|e| BuildError::Kv(e.to_string()))?;
     let report = StartupReport {
         kv_bytes_per_token: per_token,
         kv_capacity_tokens: capacity,
@@ -215,6 +245,8 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         kv_quant: tq,
         kv_bf16_capacity_tokens: KvCacheSpec::from_budget(&cfg, KvDtype::Bf16, opts.block_size, budget)
             .capacity_tokens(),
+        state_bytes_per_seq: cfg.state_bytes_per_sequence(),
+        state_slots: opts.max_num_seqs,
         max_model_len,
         weight_bytes: loaded.weight_bytes,
     };

@@ -49,7 +49,9 @@ pub fn key_scales(model: &dyn TextModel, tokenizer: &TextTokenizer, device: &Dev
         context_len: tokens.len(),
         block_table: (0..tokens.len().div_ceil(bs) as u32).collect(),
     };
-    let batch = Batch::from_tokens(device, bs, vec![seq], &tokens)?;
+    let mut batch = Batch::from_tokens(device, bs, vec![seq], &tokens)?;
+    // A hybrid model's recurrent layers hold one state, for this sequence.
+    batch.attn.set_state_slots(vec![0])?;
     model.forward(&batch, &kv, None)?;
     Ok(kv.key_scales(cfg))
 }

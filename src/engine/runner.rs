@@ -247,8 +247,10 @@ impl ModelRunner {
             let hidden = model.forward(&batch, kv, None)?;
             return self.logits(model, &hidden, sample_rows);
         }
+        // A recurrent layer copies its rows to the host (no kernel yet), which a capture cannot
+        // hold, and a graph's padding rows would run its recurrence: those models go op by op.
         #[cfg(feature = "cuda")]
-        if let Some(graphs) = &mut self.graphs {
+        if let Some(graphs) = self.graphs.as_mut().filter(|_| !kv.has_recurrent_layers()) {
             if let Some(out) = graphs.run(model, kv, &batch, sample_rows, draws)? {
                 return Ok(out);
             }
@@ -406,6 +408,17 @@ fn build_batch(seqs: &Sequences, plan: &SchedulerOutput, kv: &KvCache) -> Result
             .collect::<Option<Vec<u32>>>()
             .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no state slot".into()))?;
         batch.attn.set_float_window(len, rings)?;
+    }
+    if kv.has_recurrent_layers() {
+        // The scheduler gives every running sequence its own slot; a recurrent layer carries
+        // the sequence's state there from one step (or prompt chunk) to the next.
+        let slots = plan
+            .items
+            .iter()
+            .map(|item| seqs.expect(item.id).state_slot)
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no state slot".into()))?;
+        batch.attn.set_state_slots(slots)?;
     }
     Ok(BuiltStep { batch, sampled })
 }

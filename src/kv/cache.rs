@@ -4,7 +4,9 @@ use candle_core::{DType, Device, Tensor};
 
 use super::calibration::CalibrationCache;
 use super::format::{KvDtype, TqSpec};
-use crate::config::TextConfig;
+use super::recurrent::RecurrentState;
+use crate::config::{LayerKind, TextConfig};
+use crate::ops::gated_delta::DeltaDims;
 use crate::ops::turboquant::{Codebook, FloatWindow, LayerCodecs, TqLayerCache};
 
 /// Shape of the pool: how many blocks of how many tokens, in which float type (that of every
@@ -48,6 +50,8 @@ pub enum LayerCache {
     TurboQuant(Box<TqLayerCache>),
     /// Dense f32, recording the queries' and keys' moments (`kv::calibration`).
     Calibration(Box<CalibrationCache>),
+    /// A linear-attention layer's state per state slot; no blocks.
+    Recurrent(Box<RecurrentState>),
 }
 
 /// The whole pool: every layer's storage for the same set of blocks.
@@ -59,17 +63,18 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// A dense pool of `spec.dtype`.
+    /// A dense pool of `spec.dtype` (with one sequence's state in each linear-attention layer).
     pub fn new(cfg: &TextConfig, spec: KvCacheSpec, device: &Device) -> candle_core::Result<Self> {
-        Self::build(cfg, spec, None, device)
+        Self::build(cfg, spec, None, 1, device)
     }
 
     /// A pool whose layers store TurboQuant codes, except `tq.skip_layers`, which (like the
-    /// float window) store `spec.dtype`.
+    /// float window) store `spec.dtype`; linear-attention layers hold `state_slots` states.
     pub fn build(
         cfg: &TextConfig,
         spec: KvCacheSpec,
         tq: Option<&TqSpec>,
+        state_slots: usize,
         device: &Device,
     ) -> candle_core::Result<Self> {
         let slots = spec.num_blocks * spec.block_size;
@@ -82,6 +87,9 @@ impl KvCache {
         };
         let layers = (0..cfg.num_layers)
             .map(|layer| {
+                if let Some(state) = recurrent_state(cfg, layer, state_slots) {
+                    return Ok(LayerCache::Recurrent(Box::new(state)));
+                }
                 let (tq, (kb, vb)) = match (tq, &codebooks) {
                     (Some(tq), Some(cb)) if tq.quantizes(layer) => (tq, cb),
                     _ => {
@@ -90,7 +98,7 @@ impl KvCache {
                     }
                 };
                 let mut codecs = LayerCodecs::for_layer(layer, d, kb, vb);
-                if let Some(scale) = tq.key_scales.get(layer) {
+                if let Some(scale) = tq.key_scales.get(layer).filter(|s| !s.is_empty()) {
                     if scale.len() != h * d {
                         candle_core::bail!("key scales of layer {layer}: {} values for {h} x {d}", scale.len());
                     }
@@ -111,8 +119,7 @@ impl KvCache {
                 })))
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let bytes =
-            layers.iter().flat_map(LayerCache::tensors).map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+        let bytes = layers.iter().map(LayerCache::bytes).sum();
         Ok(KvCache { spec, turboquant: tq.cloned(), layers, bytes })
     }
 
@@ -127,25 +134,34 @@ impl KvCache {
         let spec = KvCacheSpec { block_size, num_blocks: tokens.div_ceil(block_size), dtype: KvDtype::F32 };
         let shape = (spec.num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim);
         let layers = (0..cfg.num_layers)
-            .map(|_| {
+            .map(|layer| {
+                if let Some(state) = recurrent_state(cfg, layer, 1) {
+                    return Ok(LayerCache::Recurrent(Box::new(state)));
+                }
                 let k = Tensor::zeros(shape, DType::F32, device)?;
                 let v = Tensor::zeros(shape, DType::F32, device)?;
                 Ok(LayerCache::Calibration(Box::new(CalibrationCache::new(k, v))))
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let bytes = layers.iter().flat_map(LayerCache::tensors).map(|t| t.elem_count() * 4).sum();
+        let bytes = layers.iter().map(LayerCache::bytes).sum();
         Ok(KvCache { spec, turboquant: None, layers, bytes })
     }
 
-    /// Per layer, the key scales measured by a calibration cache (empty for other caches).
+    /// Per layer, the key scales measured by a calibration cache (empty for other caches and
+    /// for layers without keys).
     pub fn key_scales(&self, cfg: &TextConfig) -> Vec<Vec<f32>> {
         self.layers
             .iter()
-            .filter_map(|l| match l {
-                LayerCache::Calibration(c) => Some(c.key_scales(cfg.head_dim, cfg.rope_layout)),
-                _ => None,
+            .map(|l| match l {
+                LayerCache::Calibration(c) => c.key_scales(cfg.head_dim, cfg.rope_layout),
+                _ => Vec::new(),
             })
             .collect()
+    }
+
+    /// Whether some layer keeps a recurrent state per sequence (which cannot be rolled back).
+    pub fn has_recurrent_layers(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_)))
     }
 
     pub fn spec(&self) -> &KvCacheSpec {
@@ -224,10 +240,32 @@ impl KvCache {
     }
 }
 
+/// A linear-attention layer's state storage, for `slots` sequences.
+fn recurrent_state(cfg: &TextConfig, layer: usize, slots: usize) -> Option<RecurrentState> {
+    let l = cfg.linear_attn.as_ref().filter(|_| cfg.layer_kinds[layer] == LayerKind::Linear)?;
+    let dims = DeltaDims {
+        num_key_heads: l.num_key_heads,
+        num_value_heads: l.num_value_heads,
+        key_head_dim: l.key_head_dim,
+        value_head_dim: l.value_head_dim,
+        conv_kernel: l.conv_kernel,
+    };
+    Some(RecurrentState::new(dims, slots))
+}
+
 impl LayerCache {
+    /// Bytes the layer allocated.
+    fn bytes(&self) -> usize {
+        match self {
+            LayerCache::Recurrent(r) => r.bytes(),
+            other => other.tensors().iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum(),
+        }
+    }
+
     /// Every tensor the layer allocated.
     fn tensors(&self) -> Vec<&Tensor> {
         match self {
+            LayerCache::Recurrent(_) => vec![],
             LayerCache::Dense { k, v } => vec![k, v],
             LayerCache::Calibration(c) => vec![&c.k, &c.v],
             LayerCache::TurboQuant(t) => {

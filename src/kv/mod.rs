@@ -7,12 +7,14 @@ pub mod block_table;
 pub mod cache;
 pub mod calibration;
 pub mod format;
+pub mod recurrent;
 pub mod slots;
 pub mod spec;
 
 pub use block_allocator::{BlockAllocator, BlockId};
 pub use block_table::BlockTable;
 pub use cache::{KvCache, KvCacheSpec, LayerCache, WindowCheckpoint};
+pub use recurrent::RecurrentState;
 pub use format::{KvCacheDtype, KvDtype, KvFormatError, TqBits, TqSpec};
 pub use slots::SlotPool;
 pub use spec::{CacheGroup, CacheKind, CacheSpec, PoolSize};

@@ -47,10 +47,17 @@ pub struct PoolSize {
 }
 
 impl CacheSpec {
-    /// The attention layers of `cfg`: dense in `float`, or TurboQuant codes as `tq` says
-    /// (its skipped layers dense).
+    /// Every layer of `cfg`: attention layers dense in `float`, or TurboQuant codes as `tq`
+    /// says (its skipped layers dense); a hybrid model's linear-attention layers recurrent.
     pub fn for_model(cfg: &TextConfig, float: KvDtype, tq: Option<&TqSpec>) -> Self {
-        Self::for_layers(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, float, tq)
+        let spec = Self::for_attention_layers(cfg.attention_layers(), cfg.num_kv_heads, cfg.head_dim, float, tq);
+        match &cfg.linear_attn {
+            Some(l) if !cfg.linear_layers().is_empty() => spec.with_group(CacheGroup {
+                kind: CacheKind::Recurrent { state_bytes: l.state_bytes() },
+                layers: cfg.linear_layers(),
+            }),
+            _ => spec,
+        }
     }
 
     /// The same for `num_layers` attention layers of `num_kv_heads` x `head_dim`.
@@ -61,13 +68,22 @@ impl CacheSpec {
         float: KvDtype,
         tq: Option<&TqSpec>,
     ) -> Self {
-        let all = 0..num_layers;
+        Self::for_attention_layers((0..num_layers).collect(), num_kv_heads, head_dim, float, tq)
+    }
+
+    fn for_attention_layers(
+        all: Vec<usize>,
+        num_kv_heads: usize,
+        head_dim: usize,
+        float: KvDtype,
+        tq: Option<&TqSpec>,
+    ) -> Self {
         let groups = match tq {
-            None => vec![CacheGroup { kind: CacheKind::PagedDense { dtype: float }, layers: all.collect() }],
+            None => vec![CacheGroup { kind: CacheKind::PagedDense { dtype: float }, layers: all }],
             Some(t) => {
                 let quantized =
                     CacheKind::PagedTurboQuant { bits: t.bits, float_dtype: float, float_window: t.float_window };
-                let (coded, dense): (Vec<usize>, Vec<usize>) = all.partition(|&l| t.quantizes(l));
+                let (coded, dense): (Vec<usize>, Vec<usize>) = all.into_iter().partition(|&l| t.quantizes(l));
                 [(CacheKind::PagedDense { dtype: float }, dense), (quantized, coded)]
                     .into_iter()
                     .filter(|(_, layers)| !layers.is_empty())
@@ -132,6 +148,17 @@ impl CacheSpec {
             .sum()
     }
 
+    /// Of `bytes_per_slot`, the recurrent states' share.
+    pub fn recurrent_bytes_per_slot(&self) -> usize {
+        self.groups
+            .iter()
+            .map(|g| match &g.kind {
+                CacheKind::Recurrent { state_bytes } => g.layers.len() * state_bytes * self.state_checkpoints,
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// The pool `budget` bytes hold: `slots` state slots first, the rest in blocks of
     /// `block_size` tokens. None when the slots alone do not fit.
     pub fn pool(&self, budget: u64, block_size: usize, slots: usize) -> Option<PoolSize> {
@@ -155,7 +182,8 @@ impl TqSpec {
     /// Bytes of the float-window rings of `window_rings` sequences (outside the paged blocks,
     /// fixed at start).
     pub fn window_bytes(&self, cfg: &TextConfig, float: KvDtype) -> usize {
-        self.window_rings * CacheSpec::for_model(cfg, float, Some(self)).bytes_per_slot()
+        let spec = CacheSpec::for_model(cfg, float, Some(self));
+        self.window_rings * (spec.bytes_per_slot() - spec.recurrent_bytes_per_slot())
     }
 }
 

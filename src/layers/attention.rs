@@ -1,5 +1,6 @@
 //! Self-attention over the paged KV cache: projections, optional per-head q/k norms, rotary,
-//! cache write, attention, output projection.
+//! cache write, attention, output projection. Gated attention (Qwen3.5) also takes from q_proj
+//! an output gate per head (`[q_h | gate_h]` for each head h) and projects attn * sigmoid(gate).
 
 use candle_core::{DType, Result, Tensor};
 
@@ -26,6 +27,8 @@ pub struct SelfAttention {
     scale: f32,
     window: Option<usize>,
     softcap: Option<f32>,
+    /// q_proj gives each head's query and then its output gate.
+    gated: bool,
 }
 
 impl SelfAttention {
@@ -34,6 +37,17 @@ impl SelfAttention {
         cfg: &TextConfig,
         layer: usize,
         qk_norm: Option<NormStyle>,
+    ) -> std::result::Result<Self, WeightsError> {
+        Self::load_gated(w, cfg, layer, qk_norm, false)
+    }
+
+    /// With `gated`, q_proj holds `[q_h | gate_h]` for each head h (twice the query width).
+    pub fn load_gated(
+        w: &Weights,
+        cfg: &TextConfig,
+        layer: usize,
+        qk_norm: Option<NormStyle>,
+        gated: bool,
     ) -> std::result::Result<Self, WeightsError> {
         let p = format!("model.layers.{layer}.self_attn");
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
@@ -51,7 +65,7 @@ impl SelfAttention {
                 w,
                 &[format!("{p}.q_proj"), format!("{p}.k_proj"), format!("{p}.v_proj")],
                 h,
-                &[qd, kvd, kvd],
+                &[if gated { 2 * qd } else { qd }, kvd, kvd],
                 bias,
             )?,
             o_proj: Linear::load(w, &format!("{p}.o_proj"), qd, h, false)?,
@@ -62,14 +76,15 @@ impl SelfAttention {
             scale: cfg.attention_scale() as f32,
             window: cfg.window_for(layer),
             softcap: cfg.attn_logit_softcapping.map(|c| c as f32),
+            gated,
         })
     }
 
     /// `x`: `[T, hidden]` -> `[T, hidden]`.
     pub fn forward(&self, x: &Tensor, rot: &RotaryAngles, cache: &LayerCache, meta: &AttentionMeta) -> Result<Tensor> {
         let t = x.dim(0)?;
-        // The fused kernel rotates whole heads; partial rotary goes op by op.
-        let fused = x.device().is_cuda() && rot.rotated_dims()? == self.head_dim;
+        // The fused kernel rotates whole heads and knows no gate; the rest goes op by op.
+        let fused = x.device().is_cuda() && rot.rotated_dims()? == self.head_dim && !self.gated;
         let rope = self.qkv_proj.merged().filter(|_| fused).map(|qkv| {
             let (cos, sin, layout) = rot.parts();
             let op = QkvRope {
@@ -96,13 +111,21 @@ impl SelfAttention {
                 let (q, fresh) = rope.forward_into_tq_cache(&qkv.forward_unbiased(x)?, c, meta)?;
                 tq_attention::attend_written(self.paged(meta), c, &q, fresh.as_ref().map(|(k, v)| (k, v)))?
             }
-            _ => self.attend(x, rot, rope.as_ref().map(|(qkv, op)| (*qkv, op)), cache, meta)?,
+            _ => {
+                let (out, gate) = self.attend(x, rot, rope.as_ref().map(|(qkv, op)| (*qkv, op)), cache, meta)?;
+                let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
+                if let Some(gate) = gate {
+                    return self.o_proj.forward(&(out * candle_nn::ops::sigmoid(&gate)?)?);
+                }
+                out
+            }
         };
         let out = out.to_dtype(dtype)?.reshape((t, self.num_heads * self.head_dim))?;
         self.o_proj.forward(&out)
     }
 
-    /// Projects, rotates, stores and attends op by op where the fused paths don't apply.
+    /// Projects, rotates, stores and attends op by op where the fused paths don't apply; also
+    /// returns the output gate `[T, heads * head_dim]` of a gated layer.
     fn attend(
         &self,
         x: &Tensor,
@@ -110,9 +133,12 @@ impl SelfAttention {
         rope: Option<(&Linear, &QkvRope)>,
         cache: &LayerCache,
         meta: &AttentionMeta,
-    ) -> Result<Tensor> {
-        let (q, k, v) = match rope {
-            Some((qkv, op)) => op.forward(&qkv.forward_unbiased(x)?)?,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (q, k, v, gate) = match rope {
+            Some((qkv, op)) => {
+                let (q, k, v) = op.forward(&qkv.forward_unbiased(x)?)?;
+                (q, k, v, None)
+            }
             None => self.project_and_rotate(x, rot)?,
         };
         // The CPU ops take f32 inputs, the CUDA kernels the model's type; the cache stores its own.
@@ -124,7 +150,7 @@ impl SelfAttention {
             }
         };
         let (k, v) = (op_input(k)?, op_input(v)?);
-        Ok(match cache {
+        let out = match cache {
             LayerCache::Dense { k: kc, v: vc } => self.attend_dense(&op_input(q)?, &k, &v, kc, vc, meta)?,
             LayerCache::Calibration(c) => {
                 // Calibration records f32 moments over an f32 cache, on any device.
@@ -134,15 +160,24 @@ impl SelfAttention {
                 self.attend_dense(&q, &k, &v, &c.k, &c.v, meta)?
             }
             LayerCache::TurboQuant(c) => tq_attention::write_and_attend(self.paged(meta), c, &op_input(q)?, &k, &v)?,
-        })
+            LayerCache::Recurrent(_) => candle_core::bail!("an attention layer was given a recurrent state"),
+        };
+        Ok((out, gate))
     }
 
     /// Op by op what `QkvRope` does in one pass on CUDA: `[T, hidden]` -> q, k and v heads,
-    /// q and k normed (where the model has it) and rotated.
-    fn project_and_rotate(&self, x: &Tensor, rot: &RotaryAngles) -> Result<(Tensor, Tensor, Tensor)> {
+    /// q and k normed (where the model has it) and rotated; and a gated layer's gate.
+    fn project_and_rotate(&self, x: &Tensor, rot: &RotaryAngles) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
         let t = x.dim(0)?;
         let [q, k, v]: [Tensor; 3] =
             self.qkv_proj.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("qkv: 3 parts".into()))?;
+        let (hd, d) = (self.num_heads * self.head_dim, self.head_dim);
+        let (q, gate) = if self.gated {
+            let qg = q.contiguous()?.reshape((t, self.num_heads, 2 * d))?;
+            (qg.narrow(2, 0, d)?, Some(qg.narrow(2, d, d)?.contiguous()?.reshape((t, hd))?))
+        } else {
+            (q, None)
+        };
         let q = q.contiguous()?.reshape((t, self.num_heads, self.head_dim))?;
         let k = k.contiguous()?.reshape((t, self.num_kv_heads, self.head_dim))?;
         let v = v.contiguous()?.reshape((t, self.num_kv_heads, self.head_dim))?;
@@ -150,7 +185,7 @@ impl SelfAttention {
             Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             None => (q, k),
         };
-        Ok((rot.apply(&q)?, rot.apply(&k)?, v))
+        Ok((rot.apply(&q)?, rot.apply(&k)?, v, gate))
     }
 
     /// Stores the step's keys and values in a dense cache and attends over it.

@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod gated_deltanet;
 pub mod grid_sample;
 pub mod linear;
 pub mod mlp;

@@ -4,6 +4,9 @@
 //!   y = sum_{e in chosen} w_e MLP_e(x) + MLP_shared(x),   w = s_chosen (/ sum s_chosen) * scale
 //! The correction bias b only steers the choice; the weights come from the raw scores. The
 //! routing itself is `ops::moe_route` (one definition for the host and the device kernel).
+//! Or with Qwen's routing (`MoeScoring::Softmax`):
+//!   p = softmax(x W_r^T);  chosen = top_k(p);  w = p_chosen / sum p_chosen
+//!   y = sum_{e in chosen} w_e MLP_e(x) + sigmoid(x w_g) MLP_shared(x)
 //!
 //! On the CPU, tokens are grouped by expert: each chosen expert runs once over the rows sent to
 //! it (one matmul per active expert), never a loop over tokens or over all experts. On CUDA the
@@ -15,7 +18,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::mlp::{gated, GatedMlp};
-use crate::config::{Activation, MoeConfig};
+use crate::config::{Activation, MoeConfig, MoeScoring};
 use crate::ops::gated_act::GatedAct;
 use crate::ops::moe_route::RouteConfig;
 pub use crate::ops::moe_route::Routing;
@@ -39,9 +42,12 @@ pub struct Moe {
     /// `[num_experts]` f32, on the model's device.
     correction_bias: Tensor,
     route: RouteConfig,
+    scoring: MoeScoring,
     experts: Experts,
     num_experts: usize,
     shared: Option<GatedMlp>,
+    /// `[1, hidden]`: the shared MLP's output is scaled by `sigmoid(x w^T)` (Qwen).
+    shared_gate: Option<Tensor>,
     /// One routed expert's intermediate width.
     inter: usize,
     act: Activation,
@@ -49,7 +55,8 @@ pub struct Moe {
 
 impl Moe {
     /// `prefix` is the layer's `mlp`: `{prefix}.gate.weight`, `{prefix}.gate.e_score_correction_bias`,
-    /// `{prefix}.experts.{e}.{gate,up,down}_proj`, `{prefix}.shared_experts.*`.
+    /// `{prefix}.experts.{e}.{gate,up,down}_proj`, `{prefix}.shared_experts.*` (Qwen:
+    /// `{prefix}.shared_expert.*` and `{prefix}.shared_expert_gate.weight`).
     pub fn load(
         w: &Weights,
         prefix: &str,
@@ -74,16 +81,32 @@ impl Moe {
                     .collect::<std::result::Result<Vec<_>, _>>()?,
             )
         };
+        let shared_name = if cfg.shared_expert_gate { "shared_expert" } else { "shared_experts" };
         let shared = (cfg.n_shared_experts > 0)
             .then(|| {
-                let width = inter * cfg.n_shared_experts;
-                GatedMlp::load(w, &format!("{prefix}.shared_experts"), hidden, width, act)
+                let width = cfg.shared_intermediate_size;
+                GatedMlp::load(w, &format!("{prefix}.{shared_name}"), hidden, width, act)
             })
+            .transpose()?;
+        let shared_gate = cfg
+            .shared_expert_gate
+            .then(|| w.dense(&format!("{prefix}.shared_expert_gate.weight"), &[1, hidden]))
             .transpose()?;
         let route: RouteConfig = cfg.into();
         // Routing settings the op cannot take fail the load, not the first request.
         route.check(e)?;
-        Ok(Moe { router, correction_bias, route, experts, num_experts: e, shared, inter, act })
+        Ok(Moe {
+            router,
+            correction_bias,
+            route,
+            scoring: cfg.scoring,
+            experts,
+            num_experts: e,
+            shared,
+            shared_gate,
+            inter,
+            act,
+        })
     }
 
     /// The experts' matrices stacked into one tensor each, written expert by expert into
@@ -116,7 +139,10 @@ impl Moe {
     /// Chooses each row's experts (`x`: `[T, hidden]`), on the rows' device.
     pub fn route(&self, x: &Tensor) -> Result<Routing> {
         let logits = x.to_dtype(DType::F32)?.matmul(&self.router.t()?)?;
-        self.route.route(&logits, &self.correction_bias)
+        match self.scoring {
+            MoeScoring::SigmoidGrouped => self.route.route(&logits, &self.correction_bias),
+            MoeScoring::Softmax => crate::ops::moe_route::route_softmax(&logits, self.route.top_k),
+        }
     }
 
     /// `sum_e w_e MLP_e(x) + shared(x)` for rows `x` (`[T, hidden]`) routed by `routing`.
@@ -136,9 +162,10 @@ impl Moe {
             )?,
             _ => self.grouped(x, routing)?,
         };
-        match &self.shared {
-            Some(s) => routed + s.forward(x)?,
-            None => Ok(routed),
+        match (&self.shared, &self.shared_gate) {
+            (Some(s), Some(g)) => routed + s.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&x.matmul(&g.t()?)?)?)?,
+            (Some(s), None) => routed + s.forward(x)?,
+            (None, _) => Ok(routed),
         }
     }
 

@@ -9,6 +9,7 @@ mod model;
 pub mod mrope;
 pub mod patch_vlm;
 pub mod qwen2_vl;
+pub mod qwen35;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -26,6 +27,7 @@ pub fn load_text_model(w: &Weights, cfg: &TextConfig) -> std::result::Result<Box
         }
         Arch::Gemma3 => Box::new(gemma3::Gemma3::load(w, cfg.clone())?),
         Arch::Glm4v | Arch::Glm4vMoe => Box::new(glm4v::text::GlmText::load(w, cfg.clone())?),
+        Arch::Qwen35 | Arch::Qwen35Moe => Box::new(qwen35::Qwen35::load(w, cfg.clone())?),
     })
 }
 

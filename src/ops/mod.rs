@@ -10,6 +10,7 @@ pub mod argmax;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod gated_act;
+pub mod gated_delta;
 pub mod gemv;
 pub mod kv_elem;
 pub mod kv_write;

@@ -64,6 +64,36 @@ impl Routing {
     }
 }
 
+/// Qwen's routing, on the host: p = softmax(logits) per row (`[T, E]` f32), the `top_k`
+/// largest p (larger first, then lower id), weights p / (sum of the chosen p, added largest
+/// first, as transformers adds its top-k values); returned by ascending expert id.
+pub fn route_softmax(logits: &Tensor, top_k: usize) -> Result<Routing> {
+    let (t, e) = logits.dims2()?;
+    if top_k == 0 || top_k > e {
+        candle_core::bail!("moe-route: top {top_k} of {e} experts");
+    }
+    let device = logits.device().clone();
+    let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_device(&candle_core::Device::Cpu)?.to_vec2()?;
+    let (mut experts, mut weights) = (Vec::with_capacity(t * top_k), Vec::with_capacity(t * top_k));
+    for row in &rows {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
+        let chosen = &order[..top_k];
+        let total: f32 = chosen.iter().map(|&i| exps[i] / sum).sum();
+        let mut picked: Vec<(u32, f32)> = chosen.iter().map(|&i| (i as u32, exps[i] / sum / total)).collect();
+        picked.sort_by_key(|&(i, _)| i);
+        experts.extend(picked.iter().map(|p| p.0));
+        weights.extend(picked.iter().map(|p| p.1));
+    }
+    Ok(Routing {
+        experts: Tensor::from_vec(experts, (t, top_k), &device)?,
+        weights: Tensor::from_vec(weights, (t, top_k), &device)?,
+    })
+}
+
 pub fn sigmoid(l: f32) -> f32 {
     1.0 / (1.0 + exp_det(-l))
 }
@@ -221,6 +251,20 @@ mod tests {
 
     fn cfg(n_group: usize, topk_group: usize, top_k: usize) -> RouteConfig {
         RouteConfig { top_k, n_group, topk_group, norm_topk_prob: true, routed_scaling_factor: 1.0 }
+    }
+
+    /// Qwen's routing: the two largest softmax probabilities, renormalised to sum to 1, listed
+    /// by ascending expert; a tie goes to the lower id.
+    #[test]
+    fn softmax_routing_takes_the_top_k_and_renormalises() {
+        let logits = Tensor::new(&[[0.0f32, 2.0, -1.0, 1.0], [3.0, 0.5, 3.0, 0.0]], &candle_core::Device::Cpu).unwrap();
+        let r = route_softmax(&logits, 2).unwrap();
+        let (experts, weights) = r.to_host().unwrap();
+        assert_eq!(experts, vec![1, 3, 0, 2]);
+        let e = std::f32::consts::E;
+        assert!((weights[0] - e / (e + 1.0)).abs() < 1e-6 && (weights[1] - 1.0 / (e + 1.0)).abs() < 1e-6);
+        assert!((weights[2] - 0.5).abs() < 1e-6 && (weights[3] - 0.5).abs() < 1e-6);
+        assert!(route_softmax(&logits, 5).is_err());
     }
 
     #[test]

@@ -1,0 +1,100 @@
+//! Gated DeltaNet (Qwen3.5's linear attention), for rows `x` of a step:
+//!   qkv, z, b, a = x W_qkv^T, x W_z^T, x W_b^T, x W_a^T
+//!   o = DeltaRule(conv(qkv), a, b)           per sequence, from its state (`ops::gated_delta`)
+//!   y = out_proj(RMSNorm_w(o) * silu(z))     the gated norm over each value head, plain w
+//! The state lives in the layer's `LayerCache::Recurrent`, one slot per running sequence
+//! (`AttentionMeta::state_slots`); a sequence computing its position 0 starts from zero.
+
+use candle_core::{DType, Result, Tensor};
+
+use super::linear::{Linear, StackedLinear};
+use super::norm::{NormStyle, RmsNorm};
+use crate::batch::AttentionMeta;
+use crate::config::TextConfig;
+use crate::kv::LayerCache;
+use crate::ops::gated_delta::{run_sequence, DeltaDims, DeltaParams};
+use crate::weights::{Weights, WeightsError};
+
+pub struct GatedDeltaNet {
+    /// in_proj_qkv, in_proj_z, in_proj_b, in_proj_a as one product.
+    in_proj: StackedLinear,
+    /// `[conv_dim, K]` f32 (HF stores `[conv_dim, 1, K]`).
+    conv_weight: Vec<f32>,
+    /// `-exp(A_log)` per value head.
+    neg_a: Vec<f32>,
+    dt_bias: Vec<f32>,
+    norm: RmsNorm,
+    out_proj: Linear,
+    dims: DeltaDims,
+}
+
+impl GatedDeltaNet {
+    /// Layer `layer`'s `linear_attn` of a config with `linear_attn` sizes.
+    pub fn load(w: &Weights, cfg: &TextConfig, layer: usize) -> std::result::Result<Self, WeightsError> {
+        let l = cfg.linear_attn.as_ref().ok_or_else(|| WeightsError::Config {
+            path: w.origin().to_path_buf(),
+            msg: format!("layer {layer} is linear attention but the config has no `linear_*` sizes"),
+        })?;
+        let p = format!("model.layers.{layer}.linear_attn");
+        let dims = DeltaDims {
+            num_key_heads: l.num_key_heads,
+            num_value_heads: l.num_value_heads,
+            key_head_dim: l.key_head_dim,
+            value_head_dim: l.value_head_dim,
+            conv_kernel: l.conv_kernel,
+        };
+        let (h, c, hv) = (cfg.hidden_size, dims.conv_dim(), dims.num_value_heads);
+        let vec1 = |name: &str, shape: &[usize]| -> std::result::Result<Vec<f32>, WeightsError> {
+            Ok(w.dense_f32(&format!("{p}.{name}"), shape)?.flatten_all()?.to_vec1()?)
+        };
+        let parts = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"].map(|n| format!("{p}.{n}"));
+        Ok(GatedDeltaNet {
+            in_proj: StackedLinear::load(w, &parts, h, &[c, dims.value_dim(), hv, hv], false)?,
+            conv_weight: vec1("conv1d.weight", &[c, 1, dims.conv_kernel])?,
+            neg_a: vec1("A_log", &[hv])?.into_iter().map(|a| -a.exp()).collect(),
+            dt_bias: vec1("dt_bias", &[hv])?,
+            norm: RmsNorm::load(w, &format!("{p}.norm.weight"), dims.value_head_dim, cfg.rms_norm_eps, NormStyle::Plain)?,
+            out_proj: Linear::load(w, &format!("{p}.out_proj"), dims.value_dim(), h, false)?,
+            dims,
+        })
+    }
+
+    /// `x`: `[T, hidden]` -> `[T, hidden]`; advances each sequence's state past its rows.
+    pub fn forward(&self, x: &Tensor, cache: &LayerCache, meta: &AttentionMeta) -> Result<Tensor> {
+        let LayerCache::Recurrent(state) = cache else {
+            candle_core::bail!("a Gated DeltaNet layer needs a recurrent state, not a KV cache")
+        };
+        let Some(slots) = &meta.state_slots else {
+            candle_core::bail!("a Gated DeltaNet layer needs each sequence's state slot (AttentionMeta::set_state_slots)")
+        };
+        let t = x.dim(0)?;
+        let [qkv, z, b, a]: [Tensor; 4] =
+            self.in_proj.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("in_proj: 4 parts".into()))?;
+        // The recurrence runs on the host in f32 (its reference form; no device kernel yet).
+        let host = |t: &Tensor| -> Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+        let (qkv, a, b) = (host(&qkv)?, host(&a)?, host(&b)?);
+        let (c, hv, vd) = (self.dims.conv_dim(), self.dims.num_value_heads, self.dims.value_dim());
+        let params = DeltaParams { conv_weight: &self.conv_weight, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
+        let mut o = vec![0f32; t * vd];
+        for (s, &slot) in meta.seqs.iter().zip(slots) {
+            let rows = s.q_start..s.q_start + s.q_len;
+            let out = state.with_slot(slot, s.first_position() == 0, |conv, ssm| {
+                run_sequence(
+                    &self.dims,
+                    &params,
+                    conv,
+                    ssm,
+                    &qkv[rows.start * c..rows.end * c],
+                    &a[rows.start * hv..rows.end * hv],
+                    &b[rows.start * hv..rows.end * hv],
+                )
+            })?;
+            o[rows.start * vd..rows.end * vd].copy_from_slice(&out);
+        }
+        let dv = self.dims.value_head_dim;
+        let o = Tensor::from_vec(o, (t, hv, dv), x.device())?.to_dtype(x.dtype())?;
+        let z = z.contiguous()?.reshape((t, hv, dv))?;
+        let gated = (self.norm.forward(&o)? * candle_nn::ops::silu(&z)?)?;
+        self.out_proj.forward(&gated.reshape((t, vd))?)
+    }
+}

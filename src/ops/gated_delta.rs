@@ -1,0 +1,246 @@
+//! The Gated DeltaNet recurrence of one sequence's rows, on the host, in f32: the CPU reference
+//! (and, for now, the only implementation). For each row t, in order:
+//!
+//!   y_t  = silu(sum_j w[:, j] * x_{t-K+1+j})       causal depthwise conv over time (the conv
+//!                                                  state holds x_{t-K+1} .. x_{t-1} before t)
+//!   q, k, v = split(y_t);  q^ = q / |q| / sqrt(Dk),  k^ = k / |k|   (per key head, |x| with eps 1e-6)
+//!   g = -exp(A_log) * softplus(a_t + dt_bias),  beta = sigmoid(b_t)      per value head
+//!   per value head h (key head h / (Hv / Hk)), state S [Dk, Dv]:
+//!     S = exp(g) S;   S += k^ (beta (v - S^T k^))^T;   o_t = S^T q^
+//!
+//! Each row depends on the rows before it only through the state, so a sequence computed in
+//! chunks of any size, or token by token, gives the same bits as in one piece (the same
+//! operations in the same order), and nothing depends on other sequences.
+
+use rayon::prelude::*;
+
+/// One layer's sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaDims {
+    pub num_key_heads: usize,
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl DeltaDims {
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// f32 values of a sequence's conv state (`[K - 1, conv_dim]`, oldest row first) and of its
+    /// delta-rule state (`[Hv, Dk, Dv]`).
+    pub fn state_len(&self) -> (usize, usize) {
+        (
+            (self.conv_kernel - 1) * self.conv_dim(),
+            self.num_value_heads * self.key_head_dim * self.value_head_dim,
+        )
+    }
+}
+
+/// A layer's fixed parameters, in f32.
+pub struct DeltaParams<'a> {
+    /// `[conv_dim, K]`.
+    pub conv_weight: &'a [f32],
+    /// `-exp(A_log)`, `[Hv]`.
+    pub neg_a: &'a [f32],
+    /// `[Hv]`.
+    pub dt_bias: &'a [f32],
+}
+
+/// torch's softplus (beta 1, threshold 20: linear above it).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `x / sqrt(sum x^2 + 1e-6) * scale` in place (transformers' `l2norm`, as FLA computes it).
+fn l2norm(x: &mut [f32], scale: f32) {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv * scale);
+}
+
+/// Runs `n` rows of one sequence: `qkv` `[n, conv_dim]` (the projection, before the conv), `a`
+/// and `b` `[n, Hv]`; `conv_state` and `ssm_state` (`DeltaDims::state_len`) are read as the state
+/// before the first row and left as the state after the last. Returns `o` `[n, Hv * Dv]`.
+pub fn run_sequence(
+    dims: &DeltaDims,
+    p: &DeltaParams,
+    conv_state: &mut [f32],
+    ssm_state: &mut [f32],
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+) -> Vec<f32> {
+    let (c, kk, hv) = (dims.conv_dim(), dims.conv_kernel, dims.num_value_heads);
+    let (dk, dv, kd) = (dims.key_head_dim, dims.value_head_dim, dims.key_dim());
+    let n = qkv.len() / c;
+    // The conv window: the state's K - 1 rows, then the new rows.
+    let mut window = Vec::with_capacity((kk - 1 + n) * c);
+    window.extend_from_slice(conv_state);
+    window.extend_from_slice(qkv);
+    let mut y = vec![0f32; n * c];
+    for t in 0..n {
+        for ch in 0..c {
+            let w = &p.conv_weight[ch * kk..(ch + 1) * kk];
+            let acc = (0..kk).fold(0f32, |acc, j| acc + w[j] * window[(t + j) * c + ch]);
+            y[t * c + ch] = silu(acc);
+        }
+    }
+    conv_state.copy_from_slice(&window[n * c..]);
+    // q^ and k^ per key head, in place.
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    for row in y.chunks_mut(c) {
+        for h in 0..dims.num_key_heads {
+            l2norm(&mut row[h * dk..(h + 1) * dk], q_scale);
+            l2norm(&mut row[kd + h * dk..kd + (h + 1) * dk], 1.0);
+        }
+    }
+    let group = hv / dims.num_key_heads;
+    // Each value head's recurrence on its own state; heads are independent.
+    let per_head: Vec<Vec<f32>> = ssm_state
+        .par_chunks_mut(dk * dv)
+        .enumerate()
+        .map(|(h, s)| {
+            let kh = h / group;
+            let mut out = vec![0f32; n * dv];
+            let mut kv = vec![0f32; dv];
+            for t in 0..n {
+                let row = &y[t * c..(t + 1) * c];
+                let (q, k) = (&row[kh * dk..(kh + 1) * dk], &row[kd + kh * dk..kd + (kh + 1) * dk]);
+                let v = &row[2 * kd + h * dv..2 * kd + (h + 1) * dv];
+                let decay = (p.neg_a[h] * softplus(a[t * hv + h] + p.dt_bias[h])).exp();
+                let beta = 1.0 / (1.0 + (-b[t * hv + h]).exp());
+                s.iter_mut().for_each(|x| *x *= decay);
+                kv.iter_mut().for_each(|x| *x = 0.0);
+                for (i, &ki) in k.iter().enumerate() {
+                    for (acc, &sv) in kv.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                        *acc += sv * ki;
+                    }
+                }
+                // delta = beta (v - S^T k^), kept in kv.
+                kv.iter_mut().zip(v).for_each(|(x, &vj)| *x = beta * (vj - *x));
+                for (i, &ki) in k.iter().enumerate() {
+                    for (sv, &d) in s[i * dv..(i + 1) * dv].iter_mut().zip(&kv) {
+                        *sv += ki * d;
+                    }
+                }
+                let o = &mut out[t * dv..(t + 1) * dv];
+                for (i, &qi) in q.iter().enumerate() {
+                    for (acc, &sv) in o.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                        *acc += sv * qi;
+                    }
+                }
+            }
+            out
+        })
+        .collect();
+    let mut o = vec![0f32; n * hv * dv];
+    for (h, out) in per_head.iter().enumerate() {
+        for t in 0..n {
+            o[(t * hv + h) * dv..(t * hv + h + 1) * dv].copy_from_slice(&out[t * dv..(t + 1) * dv]);
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn noise(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    const DIMS: DeltaDims =
+        DeltaDims { num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, value_head_dim: 6, conv_kernel: 4 };
+
+    /// Runs `rows` rows from a zero state in pieces of `chunk`, returning outputs and the states.
+    fn run_in_chunks(chunk: usize, rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let d = DIMS;
+        let (c, hv) = (d.conv_dim(), d.num_value_heads);
+        let (w, neg_a, dt) = (noise(c * 4, 1), noise(hv, 2), noise(hv, 3));
+        let p = DeltaParams { conv_weight: &w, neg_a: &neg_a, dt_bias: &dt };
+        let (qkv, a, b) = (noise(rows * c, 4), noise(rows * hv, 5), noise(rows * hv, 6));
+        let (cl, sl) = d.state_len();
+        let (mut cs, mut ss) = (vec![0f32; cl], vec![0f32; sl]);
+        let mut out = Vec::new();
+        let mut t = 0;
+        while t < rows {
+            let m = chunk.min(rows - t);
+            out.extend(run_sequence(
+                &d,
+                &p,
+                &mut cs,
+                &mut ss,
+                &qkv[t * c..(t + m) * c],
+                &a[t * hv..(t + m) * hv],
+                &b[t * hv..(t + m) * hv],
+            ));
+            t += m;
+        }
+        (out, cs, ss)
+    }
+
+    /// The state carries everything: any chunking gives the bits of one piece, and the
+    /// outputs are not trivially zero.
+    #[test]
+    fn chunks_of_any_size_give_the_same_bits() {
+        let whole = run_in_chunks(usize::MAX, 13);
+        assert!(whole.0.iter().any(|v| v.abs() > 1e-3));
+        for chunk in 1..13 {
+            assert_eq!(run_in_chunks(chunk, 13), whole, "chunk {chunk}");
+        }
+    }
+
+    /// A value head uses the key head h / (Hv / Hk): with the second key head's q and k
+    /// zeroed in the input, heads 2 and 3 see zero keys (nothing written) and give zeros.
+    #[test]
+    fn value_heads_share_their_key_head_in_order() {
+        let d = DIMS;
+        let (c, hv, kd, dk) = (d.conv_dim(), d.num_value_heads, d.key_dim(), d.key_head_dim);
+        let w = vec![1.0; c * 4];
+        let (neg_a, dt) = (vec![-0.5; hv], vec![0.1; hv]);
+        let p = DeltaParams { conv_weight: &w, neg_a: &neg_a, dt_bias: &dt };
+        let mut qkv = noise(3 * c, 7);
+        for t in 0..3 {
+            for i in dk..kd {
+                qkv[t * c + i] = 0.0;
+                qkv[t * c + kd + i] = 0.0;
+            }
+        }
+        let (cl, sl) = d.state_len();
+        let (mut cs, mut ss) = (vec![0f32; cl], vec![0f32; sl]);
+        let o = run_sequence(&d, &p, &mut cs, &mut ss, &qkv, &noise(3 * hv, 8), &noise(3 * hv, 9));
+        let dv = d.value_head_dim;
+        for t in 0..3 {
+            let head = |h: usize| &o[(t * hv + h) * dv..(t * hv + h + 1) * dv];
+            assert!(head(0).iter().chain(head(1)).any(|v| v.abs() > 1e-4), "row {t}: heads 0-1 read key head 0");
+            assert!(head(2).iter().chain(head(3)).all(|&v| v == 0.0), "row {t}: heads 2-3 read key head 1");
+        }
+    }
+}
