@@ -271,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ u64 hist[256];
     __shared__ u64 scratch[SAMPLE_WARPS];
     __shared__ unsigned int uscratch[SAMPLE_WARPS];
-    const float* p = params + (size_t)blockIdx.x * 5;
+    const float* p = params + (size_t)blockIdx.x * 7;
     const float inv_t = p[0], top_p = p[2], min_p = p[3], u = p[4], u_residual = p[6];
     const unsigned int top_k = (unsigned int)p[1];
     const int draft = p[5] >= 0.0f ? (int)p[5] : -1;
