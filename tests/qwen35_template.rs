@@ -27,8 +27,9 @@ fn tokenizer_dir(root: &Path, template: &str) -> PathBuf {
 #[test]
 fn qwen35_template_gives_transformers_text_and_ids() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let f: Value = serde_json::from_str(&std::fs::read_to_string(root.join("qwen35_template/cases.json")).expect("read"))
-        .expect("json");
+    let f: Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("qwen35_template/cases.json")).expect("read"))
+            .expect("json");
     let dir = tokenizer_dir(&root, f["template"].as_str().expect("template"));
     let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
     std::fs::remove_dir_all(&dir).ok();

@@ -305,7 +305,12 @@ fn parse_rope<'a>(
         let local_theta = get("rope_local_base_freq").and_then(Value::as_f64).unwrap_or(10_000.0);
         Some(match local_src {
             Some(src) => parse_one_rope(Some(src), local_theta)?,
-            None => RopeConfig { theta: local_theta, scaling: RopeScaling::None, mrope_section: None, mrope_interleaved: false },
+            None => RopeConfig {
+                theta: local_theta,
+                scaling: RopeScaling::None,
+                mrope_section: None,
+                mrope_interleaved: false,
+            },
         })
     } else {
         None
@@ -315,7 +320,12 @@ fn parse_rope<'a>(
 
 fn parse_one_rope(src: Option<&Value>, default_theta: f64) -> Result<RopeConfig, ConfigError> {
     let Some(src) = src.filter(|v| v.is_object()) else {
-        return Ok(RopeConfig { theta: default_theta, scaling: RopeScaling::None, mrope_section: None, mrope_interleaved: false });
+        return Ok(RopeConfig {
+            theta: default_theta,
+            scaling: RopeScaling::None,
+            mrope_section: None,
+            mrope_interleaved: false,
+        });
     };
     let theta = src.get("rope_theta").and_then(Value::as_f64).unwrap_or(default_theta);
     let kind = src.get("rope_type").or_else(|| src.get("type")).and_then(Value::as_str).unwrap_or("default");
@@ -516,7 +526,10 @@ mod tests {
         assert!(err.contains("mrope_interleaved"), "transformers interleaves regardless: {err}");
         assert_eq!(c.layer_kinds, vec![LayerKind::Linear, LayerKind::Full]);
         let m = c.moe.as_ref().unwrap();
-        assert_eq!((m.scoring, m.top_k, m.shared_intermediate_size, m.shared_expert_gate), (MoeScoring::Softmax, 2, 6, true));
+        assert_eq!(
+            (m.scoring, m.top_k, m.shared_intermediate_size, m.shared_expert_gate),
+            (MoeScoring::Softmax, 2, 6, true)
+        );
         assert!(m.is_moe_layer(0) && m.norm_topk_prob);
     }
 

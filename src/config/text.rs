@@ -196,10 +196,7 @@ impl LinearAttnConfig {
     /// f32 values of one sequence's state in one layer: the convolution's last `conv_kernel - 1`
     /// inputs, then the delta rule's `[value heads, key dim, value dim]` matrix.
     pub fn state_len(&self) -> (usize, usize) {
-        (
-            (self.conv_kernel - 1) * self.conv_dim(),
-            self.num_value_heads * self.key_head_dim * self.value_head_dim,
-        )
+        ((self.conv_kernel - 1) * self.conv_dim(), self.num_value_heads * self.key_head_dim * self.value_head_dim)
     }
 
     /// Bytes of one sequence's state in one layer (kept in f32).

@@ -244,7 +244,8 @@ mod tests {
 
     #[test]
     fn partial_rotary_turns_the_leading_dimensions_only() {
-        let cfg = RopeConfig { theta: 10_000.0, scaling: RopeScaling::None, mrope_section: None, mrope_interleaved: false };
+        let cfg =
+            RopeConfig { theta: 10_000.0, scaling: RopeScaling::None, mrope_section: None, mrope_interleaved: false };
         let dev = Device::Cpu;
         let x = Tensor::arange(0f32, 2.0 * 3.0 * 8.0, &dev).unwrap().reshape((2, 3, 8)).unwrap();
         for layout in [RopeLayout::Half, RopeLayout::Interleaved] {
