@@ -90,12 +90,21 @@ impl Metadata<'_> {
             (Some("linear"), Some(factor)) if factor != 1.0 => RopeScaling::Linear { factor },
             _ => RopeScaling::None,
         };
-        let rope =
-            RopeConfig { theta: self.f("rope.freq_base").unwrap_or(default_theta), scaling, mrope_section: None };
+        let rope = RopeConfig {
+            theta: self.f("rope.freq_base").unwrap_or(default_theta),
+            scaling,
+            mrope_section: None,
+            mrope_interleaved: false,
+        };
         let (rope_local, sliding_window, layer_kinds) = if arch == Arch::Gemma3 {
             // llama.cpp fixes Gemma 3's local rotary base at 10k and every 6th layer global.
             (
-                Some(RopeConfig { theta: 10_000.0, scaling: RopeScaling::None, mrope_section: None }),
+                Some(RopeConfig {
+                    theta: 10_000.0,
+                    scaling: RopeScaling::None,
+                    mrope_section: None,
+                    mrope_interleaved: false,
+                }),
                 self.u("attention.sliding_window"),
                 gemma_layer_pattern(num_layers, 6),
             )

@@ -282,13 +282,35 @@ fn parse_rope<'a>(
     let full_src =
         if per_type { params.and_then(|p| p.get("full_attention")) } else { params.or_else(|| get("rope_scaling")) };
     let theta_top = get("rope_theta").and_then(Value::as_f64);
-    let rope = parse_one_rope(full_src, theta_top.unwrap_or(default_theta))?;
+    let mut rope = parse_one_rope(full_src, theta_top.unwrap_or(default_theta))?;
+    // transformers' Qwen3.5 rotary always interleaves the sections and its Qwen2-VL and GLM-4.xV
+    // ones never do, whatever `mrope_interleaved` says; a config that says otherwise is one
+    // transformers would run differently from what it describes, so it is refused.
+    let interleaves = matches!(arch, Arch::Qwen35 | Arch::Qwen35Moe);
+    match full_src.and_then(|s| s.get("mrope_interleaved")) {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(b)) if *b == interleaves => {}
+        Some(Value::Bool(b)) => {
+            return Err(ConfigError::Unsupported {
+                what: "mrope_interleaved",
+                value: format!("{b} for {}", arch.name()),
+                supported: "true for qwen3_5 and qwen3_5_moe, false or absent otherwise",
+            })
+        }
+        Some(_) => return Err(ConfigError::Field { field: "mrope_interleaved".into(), expected: "a boolean" }),
+    }
+    rope.mrope_interleaved = interleaves && rope.mrope_section.is_some();
     let rope_local = if arch == Arch::Gemma3 {
         let local_src = if per_type { params.and_then(|p| p.get("sliding_attention")) } else { None };
         let local_theta = get("rope_local_base_freq").and_then(Value::as_f64).unwrap_or(10_000.0);
         Some(match local_src {
             Some(src) => parse_one_rope(Some(src), local_theta)?,
-            None => RopeConfig { theta: local_theta, scaling: RopeScaling::None, mrope_section: None },
+            None => RopeConfig {
+                theta: local_theta,
+                scaling: RopeScaling::None,
+                mrope_section: None,
+                mrope_interleaved: false,
+            },
         })
     } else {
         None
@@ -298,7 +320,12 @@ fn parse_rope<'a>(
 
 fn parse_one_rope(src: Option<&Value>, default_theta: f64) -> Result<RopeConfig, ConfigError> {
     let Some(src) = src.filter(|v| v.is_object()) else {
-        return Ok(RopeConfig { theta: default_theta, scaling: RopeScaling::None, mrope_section: None });
+        return Ok(RopeConfig {
+            theta: default_theta,
+            scaling: RopeScaling::None,
+            mrope_section: None,
+            mrope_interleaved: false,
+        });
     };
     let theta = src.get("rope_theta").and_then(Value::as_f64).unwrap_or(default_theta);
     let kind = src.get("rope_type").or_else(|| src.get("type")).and_then(Value::as_str).unwrap_or("default");
@@ -329,7 +356,7 @@ fn parse_one_rope(src: Option<&Value>, default_theta: f64) -> Result<RopeConfig,
             })
         }
     };
-    Ok(RopeConfig { theta, scaling, mrope_section })
+    Ok(RopeConfig { theta, scaling, mrope_section, mrope_interleaved: false })
 }
 
 #[cfg(test)]
@@ -416,6 +443,11 @@ mod tests {
         let mut bad = j.clone();
         bad["text_config"]["rope_parameters"]["mrope_section"] = serde_json::json!([2, 3, 3]);
         assert!(TextConfig::from_hf_json(&bad).unwrap_err().to_string().contains("mrope_section"));
+        // GLM-4.xV's sections lie end to end; transformers would not interleave them.
+        assert!(!c.rope.mrope_interleaved);
+        let mut bad = j.clone();
+        bad["text_config"]["rope_parameters"]["mrope_interleaved"] = true.into();
+        assert!(TextConfig::from_hf_json(&bad).unwrap_err().to_string().contains("mrope_interleaved"));
     }
 
     #[test]
@@ -487,9 +519,17 @@ mod tests {
         let moe = serde_json::json!({"model_type": "qwen3_5_moe", "text_config": inner, "vision_config": {}});
         let c = TextConfig::from_hf_json(&moe).unwrap();
         assert_eq!((c.arch, c.rotary_dim, c.rope.theta), (Arch::Qwen35Moe, 8, 1e7));
+        assert!(c.rope.mrope_interleaved, "Qwen3.5 interleaves its M-RoPE sections");
+        let mut flat = moe.clone();
+        flat["text_config"]["rope_parameters"]["mrope_interleaved"] = false.into();
+        let err = TextConfig::from_hf_json(&flat).unwrap_err().to_string();
+        assert!(err.contains("mrope_interleaved"), "transformers interleaves regardless: {err}");
         assert_eq!(c.layer_kinds, vec![LayerKind::Linear, LayerKind::Full]);
         let m = c.moe.as_ref().unwrap();
-        assert_eq!((m.scoring, m.top_k, m.shared_intermediate_size, m.shared_expert_gate), (MoeScoring::Softmax, 2, 6, true));
+        assert_eq!(
+            (m.scoring, m.top_k, m.shared_intermediate_size, m.shared_expert_gate),
+            (MoeScoring::Softmax, 2, 6, true)
+        );
         assert!(m.is_moe_layer(0) && m.norm_topk_prob);
     }
 

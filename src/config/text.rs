@@ -117,6 +117,11 @@ pub struct RopeConfig {
     /// M-RoPE: how many rotary frequencies (from the first) follow the temporal, height and
     /// width position of a token; their sum is `rotary_dim / 2`.
     pub mrope_section: Option<Vec<usize>>,
+    /// M-RoPE layout. Chunked (Qwen2-VL, GLM-4.xV): the sections lie end to end, the first
+    /// `s_t` frequencies follow t, the next `s_h` h, the rest w. Interleaved (Qwen3.5): the
+    /// frequencies take t, h, w in turn (`j % 3`) while the h and w sections last
+    /// (`j < 3 * s_h`, `j < 3 * s_w`), and t after that.
+    pub mrope_interleaved: bool,
 }
 
 /// How a mixture of experts scores its experts.
@@ -191,10 +196,7 @@ impl LinearAttnConfig {
     /// f32 values of one sequence's state in one layer: the convolution's last `conv_kernel - 1`
     /// inputs, then the delta rule's `[value heads, key dim, value dim]` matrix.
     pub fn state_len(&self) -> (usize, usize) {
-        (
-            (self.conv_kernel - 1) * self.conv_dim(),
-            self.num_value_heads * self.key_head_dim * self.value_head_dim,
-        )
+        ((self.conv_kernel - 1) * self.conv_dim(), self.num_value_heads * self.key_head_dim * self.value_head_dim)
     }
 
     /// Bytes of one sequence's state in one layer (kept in f32).

@@ -49,11 +49,7 @@ impl Rotary {
                 }
             }
         }
-        // Frequency j follows axis a while j is inside section a (sections laid end to end).
-        let axis_of_freq = cfg
-            .mrope_section
-            .as_ref()
-            .map(|sections| sections.iter().enumerate().flat_map(|(axis, &n)| std::iter::repeat_n(axis, n)).collect());
+        let axis_of_freq = cfg.mrope_section.as_ref().map(|s| mrope_axes(s, inv_freq.len(), cfg.mrope_interleaved));
         Rotary { inv_freq, layout, axis_of_freq, table: None }
     }
 
@@ -121,6 +117,25 @@ impl Rotary {
     }
 }
 
+/// The position axis (0 = t, 1 = h, 2 = w) each of `freqs` frequencies follows.
+fn mrope_axes(sections: &[usize], freqs: usize, interleaved: bool) -> Vec<usize> {
+    let section = |a: usize| sections.get(a).copied().unwrap_or(0);
+    if interleaved {
+        // transformers' Qwen3.5 `recomposition_frequencies`: t everywhere, then h on
+        // `[1 : 3 * s_h : 3]` and w on `[2 : 3 * s_w : 3]`.
+        (0..freqs)
+            .map(|j| match j % 3 {
+                1 if j < 3 * section(1) => 1,
+                2 if j < 3 * section(2) => 2,
+                _ => 0,
+            })
+            .collect()
+    } else {
+        // Frequency j follows axis a while j is inside section a (sections laid end to end).
+        sections.iter().enumerate().flat_map(|(axis, &n)| std::iter::repeat_n(axis, n)).collect()
+    }
+}
+
 /// One step's rotation, shared by all layers with the same rotary configuration.
 pub struct RotaryAngles {
     cos: Tensor,
@@ -180,9 +195,57 @@ mod tests {
     use super::*;
     use crate::config::RopeScaling;
 
+    /// Qwen3.5's interleaved M-RoPE for a prompt with two images: the positions
+    /// (`mrope::prompt_positions`) and the cos/sin at them are transformers'
+    /// (tests/fixtures/qwen35_mrope.json, scripts/make_qwen35_mrope_fixture.py).
+    #[test]
+    fn interleaved_mrope_is_transformers_qwen35() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen35_mrope.json");
+        let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let get = |k: &str| f[k].clone();
+        let tokens: Vec<u32> = serde_json::from_value(get("tokens")).unwrap();
+        let grids: Vec<[usize; 3]> = serde_json::from_value(get("grids")).unwrap();
+        let want: Vec<[u32; 3]> = serde_json::from_value(get("positions")).unwrap();
+        let merge = get("merge").as_u64().unwrap() as usize;
+        let image = get("image_token").as_u64().unwrap() as u32;
+        let p = crate::models::mrope::prompt_positions(&tokens, image, &grids, merge).unwrap();
+        assert_eq!(p.positions, want);
+        assert_eq!(p.delta, get("delta").as_i64().unwrap());
+        assert!(want.iter().any(|[t, h, w]| t != h || h != w), "a case where the axes differ");
+
+        let sections: Vec<usize> = serde_json::from_value(get("mrope_section")).unwrap();
+        let rotary_dim = (get("head_dim").as_f64().unwrap() * get("partial_rotary_factor").as_f64().unwrap()) as usize;
+        let cfg = RopeConfig {
+            theta: get("rope_theta").as_f64().unwrap(),
+            scaling: RopeScaling::None,
+            mrope_section: Some(sections),
+            mrope_interleaved: true,
+        };
+        let dev = Device::Cpu;
+        let meta = AttentionMeta::new(16, Vec::new());
+        let angles = |cfg: &RopeConfig| {
+            let a = Rotary::new(cfg, rotary_dim, RopeLayout::Half)
+                .angles_for(&Positions::MRope(want.clone()), &meta, &dev, DType::F32)
+                .unwrap();
+            let (cos, sin, _) = a.parts();
+            (cos.squeeze(1).unwrap().to_vec2::<f32>().unwrap(), sin.squeeze(1).unwrap().to_vec2::<f32>().unwrap())
+        };
+        let max_diff = |a: &[Vec<f32>], b: &serde_json::Value| -> f32 {
+            let b: Vec<Vec<f32>> = serde_json::from_value(b.clone()).unwrap();
+            assert_eq!((a.len(), a[0].len()), (b.len(), b[0].len()));
+            a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+        };
+        let (cos, sin) = angles(&cfg);
+        assert!(max_diff(&cos, &get("cos")) < 1e-6 && max_diff(&sin, &get("sin")) < 1e-6);
+        // The chunked (Qwen2-VL) layout of the same sections is a different rotation here.
+        let (cos, _) = angles(&RopeConfig { mrope_interleaved: false, ..cfg });
+        assert!(max_diff(&cos, &get("cos")) > 1e-2);
+    }
+
     #[test]
     fn partial_rotary_turns_the_leading_dimensions_only() {
-        let cfg = RopeConfig { theta: 10_000.0, scaling: RopeScaling::None, mrope_section: None };
+        let cfg =
+            RopeConfig { theta: 10_000.0, scaling: RopeScaling::None, mrope_section: None, mrope_interleaved: false };
         let dev = Device::Cpu;
         let x = Tensor::arange(0f32, 2.0 * 3.0 * 8.0, &dev).unwrap().reshape((2, 3, 8)).unwrap();
         for layout in [RopeLayout::Half, RopeLayout::Interleaved] {
