@@ -59,11 +59,11 @@ fn small_pool() -> EngineOptions {
     let cfg = iris::loader::read_config(&fixture("tiny-llama")).expect("config").1;
     let per_block = KvCacheSpec::bytes_per_token(&cfg, KvDtype::F32) * 4;
     EngineOptions {
-        kv_memory: Some((20 * per_block) as u64),
+        kv_memory: Some((24 * per_block) as u64),
         block_size: 4,
         max_num_batched_tokens: 16,
         max_num_seqs: 8,
-        max_model_len: Some(120),
+        max_model_len: Some(90),
         ..Default::default()
     }
 }
