@@ -241,9 +241,9 @@ fn what_iris_does_not_implement_is_a_400_naming_it() {
         (json!({ "messages": msgs, "tools": tools() }), "tools"),
         (
             json!({ "messages": msgs, "response_format": { "type": "json_schema", "json_schema": {} } }),
-            "response_format",
+            "response_format.json_schema.schema",
         ),
-        (json!({ "messages": msgs, "guided_json": {} }), "guided_json"),
+        (json!({ "messages": msgs, "guided_json": { "type": "objekt" } }), "guided_json"),
         (json!({ "messages": msgs, "functions": [] }), "functions"),
         (json!({ "messages": msgs, "tool_choice": "required" }), "tool_choice"),
         (

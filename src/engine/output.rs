@@ -154,13 +154,23 @@ impl OutputProcessor {
         let n_prompt = seq.prompt().len();
         let prompt_logprobs =
             (n_out == 1 && p.prompt_logprobs.is_some()).then(|| std::mem::take(&mut seq.prompt_logprobs));
+        // The grammar takes the token (the mask allowed it); once it is complete and nothing
+        // may follow, the sequence ends here as if the model had stopped.
+        let mut grammar_done = false;
+        let mut grammar_error = None;
+        if let Some(c) = seq.constraint.as_mut() {
+            match c.accept(tok.token) {
+                Ok(()) => grammar_done = c.is_finished(),
+                Err(e) => grammar_error = Some(FinishReason::Error(format!("structured output: {e}"))),
+            }
+        }
         let state = &mut seq.text;
         // The sampler keeps EOS and stop ids out until min_tokens, so any here are final.
         let ends = (!p.ignore_eos && self.eos.contains(&tok.token)) || p.stop_token_ids.contains(&tok.token);
-        let mut finish = None;
+        let mut finish = grammar_error;
         let mut text = String::new();
-        if ends {
-            finish = Some(FinishReason::Stop);
+        if ends || finish.is_some() {
+            finish = finish.or(Some(FinishReason::Stop));
         } else {
             let delta = match state.detok.push(tok.token) {
                 Ok(d) => d,
@@ -175,6 +185,9 @@ impl OutputProcessor {
                 // Text after the stop string is dropped, as OpenAI does.
                 return finish_seq(sched, id, tok, text, FinishReason::Stop, prompt_logprobs);
             }
+        }
+        if finish.is_none() && grammar_done {
+            finish = Some(FinishReason::Stop);
         }
         if finish.is_none() && (n_out >= p.max_tokens || at_max_len) {
             finish = Some(FinishReason::Length);

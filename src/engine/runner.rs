@@ -339,9 +339,10 @@ fn verify(
                     }
                     let s = seq.sampling();
                     if item.num_draft == 0 {
-                        vec![s.sampler.sample(&mut rows[0], s.params, s.prompt, s.output)]
+                        vec![s.sampler.sample_constrained(&mut rows[0], s.params, s.prompt, s.output, s.constraint)]
                     } else {
-                        s.sampler.verify(rows, &s.draft[..item.num_draft], s.params, s.prompt, s.output)
+                        let drafts = &s.draft[..item.num_draft];
+                        s.sampler.verify_constrained(rows, drafts, s.params, s.prompt, s.output, s.constraint)
                     }
                 })
                 .collect()

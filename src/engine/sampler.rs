@@ -16,6 +16,7 @@
 //! else shares the batch. Scratch buffers are per thread (not per sequence) so a
 //! batch of hundreds of sequences over a 256k vocabulary does not pin hundreds of MB.
 
+use crate::engine::grammar::Constraint;
 use crate::engine::sampling_params::SamplingParams;
 use crate::ops::argmax::argmax_row as argmax;
 use crate::ops::sample::{draw_row, kept, DraftCheck, Draw, Kept};
@@ -100,6 +101,22 @@ impl SequenceSampler {
         prompt_tokens: &[u32],
         output_tokens: &[u32],
     ) -> Sampled {
+        self.sample_constrained(logits, params, prompt_tokens, output_tokens, None)
+    }
+
+    /// `sample` within a grammar: the tokens `constraint` does not allow next are masked out
+    /// (-inf) before anything else, so neither the draw nor logprobs see them.
+    pub fn sample_constrained(
+        &mut self,
+        logits: &mut [f32],
+        params: &SamplingParams,
+        prompt_tokens: &[u32],
+        output_tokens: &[u32],
+        constraint: Option<&mut Constraint>,
+    ) -> Sampled {
+        if let Some(c) = constraint {
+            c.apply(logits);
+        }
         SCRATCH.with_borrow_mut(|s| {
             process_logits_with(s, logits, params, &self.eos_token_ids, prompt_tokens, output_tokens);
             let token =
@@ -133,14 +150,34 @@ impl SequenceSampler {
         prompt_tokens: &[u32],
         output_tokens: &[u32],
     ) -> Vec<Sampled> {
+        self.verify_constrained(rows, drafts, params, prompt_tokens, output_tokens, None)
+    }
+
+    /// `verify` within a grammar: row i is masked by `constraint` as it stands after the
+    /// drafts before it, so a draft the grammar rejects is never accepted (its logit is -inf:
+    /// not the argmax, and of zero mass). Accepted drafts are consumed only for the rows after
+    /// them and rolled back at the end: the output processor consumes what was accepted.
+    pub fn verify_constrained(
+        &mut self,
+        rows: &mut [Vec<f32>],
+        drafts: &[u32],
+        params: &SamplingParams,
+        prompt_tokens: &[u32],
+        output_tokens: &[u32],
+        mut constraint: Option<&mut Constraint>,
+    ) -> Vec<Sampled> {
         debug_assert_eq!(rows.len(), drafts.len() + 1);
         let mut history = Vec::with_capacity(output_tokens.len() + drafts.len());
         history.extend_from_slice(output_tokens);
         history.extend_from_slice(drafts);
         let mut out = Vec::with_capacity(rows.len());
+        let rows_len = rows.len();
         SCRATCH.with_borrow_mut(|s| {
             for (i, logits) in rows.iter_mut().enumerate() {
                 let output = &history[..output_tokens.len() + i];
+                if let Some(c) = constraint.as_deref_mut() {
+                    c.apply(logits);
+                }
                 process_logits_with(s, logits, params, &self.eos_token_ids, prompt_tokens, output);
                 let (token, accepted) = match drafts.get(i) {
                     None => {
@@ -160,8 +197,18 @@ impl SequenceSampler {
                 if !accepted {
                     break;
                 }
+                // The next row is judged after this draft. One the matcher cannot take (EOS,
+                // or an error) leaves it masking to EOS only, and EOS ends the sequence anyway.
+                if let Some(c) = constraint.as_deref_mut() {
+                    if i + 1 < rows_len {
+                        c.accept_tentative(token);
+                    }
+                }
             }
         });
+        if let Some(c) = constraint {
+            c.end_verify();
+        }
         out
     }
 
@@ -272,10 +319,12 @@ fn residual_pick(kept: &Kept<'_>, draft: u32, u: f32) -> Option<u32> {
 }
 
 /// Whether `sample` would draw from the model's logits as they are for a sequence with
-/// `n_output` tokens so far: no bias or penalty edits them, no logprobs. A device can then
-/// draw the token itself (`SequenceSampler::device_draw`) and copy back only its id.
+/// `n_output` tokens so far: no grammar masks them, no bias or penalty edits them, no
+/// logprobs. A device can then draw the token itself (`SequenceSampler::device_draw`) and copy
+/// back only its id.
 pub fn draws_plainly(params: &SamplingParams, n_output: usize) -> bool {
-    params.logprobs.is_none()
+    params.grammar.is_none()
+        && params.logprobs.is_none()
         && params.logit_bias.is_empty()
         && params.repetition_penalty == 1.0
         && ((params.frequency_penalty == 0.0 && params.presence_penalty == 0.0) || n_output == 0)

@@ -1,6 +1,7 @@
 //! Per-request sampling parameters, in the shape the OpenAI / vLLM APIs use, so the
 //! server can deserialize request fields straight into this struct.
 
+use super::grammar::Grammar;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::HashMap;
 
@@ -58,6 +59,11 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Drop special tokens from the detokenized text.
     pub skip_special_tokens: bool,
+    /// Structured outputs: the grammar the output must match (compiled by the server from
+    /// `response_format` / `guided_*`; never read from JSON). The sequence ends when the
+    /// grammar is complete and nothing may follow.
+    #[serde(skip)]
+    pub grammar: Option<Grammar>,
 }
 
 impl Default for SamplingParams {
@@ -82,6 +88,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             skip_special_tokens: true,
+            grammar: None,
         }
     }
 }

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use super::detokenizer::IncrementalDetokenizer;
+use super::grammar::Constraint;
 use super::multimodal::MultiModalState;
 use super::sampler::{Sampled, SequenceSampler};
 use super::sampling_params::SamplingParams;
@@ -55,11 +56,15 @@ pub struct Sequence {
     pub prompt_logprobs: Vec<Sampled>,
     /// Images, M-RoPE positions and image embeddings of a vision-language prompt.
     pub mm: Option<Box<MultiModalState>>,
+    /// Where the output stands in `params.grammar`: it has consumed exactly the output so far
+    /// (drafts only while they are verified), so preemption, which keeps the output, keeps it.
+    pub constraint: Option<Constraint>,
 }
 
 impl Sequence {
     pub fn new(id: SeqId, prompt: Vec<u32>, params: SamplingParams, eos_token_ids: Vec<u32>, text: TextState) -> Self {
         let sampler = SequenceSampler::new(params.seed).with_eos_token_ids(eos_token_ids);
+        let constraint = params.grammar.as_ref().map(|g| g.constraint());
         Sequence {
             id,
             prompt_len: prompt.len(),
@@ -75,6 +80,7 @@ impl Sequence {
             preemptions: 0,
             prompt_logprobs: Vec::new(),
             mm: None,
+            constraint,
         }
     }
 
@@ -106,7 +112,14 @@ impl Sequence {
     /// What sampling the sequence's next tokens reads, borrowed apart from its generator.
     pub fn sampling(&mut self) -> SamplingView<'_> {
         let (prompt, output) = self.tokens.split_at(self.prompt_len);
-        SamplingView { sampler: &mut self.sampler, params: &self.params, prompt, output, draft: &self.draft }
+        SamplingView {
+            sampler: &mut self.sampler,
+            params: &self.params,
+            prompt,
+            output,
+            draft: &self.draft,
+            constraint: self.constraint.as_mut(),
+        }
     }
 
     /// Tokens still to run through the model before the next token can be sampled.
@@ -122,6 +135,7 @@ pub struct SamplingView<'a> {
     pub prompt: &'a [u32],
     pub output: &'a [u32],
     pub draft: &'a [u32],
+    pub constraint: Option<&'a mut Constraint>,
 }
 
 /// Every live sequence, by id.

@@ -8,14 +8,16 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::metrics::Metrics;
-use crate::engine::{Engine, FinishReason, ImageInput, Request, RequestError, SeqId, SeqUpdate};
+use crate::engine::{
+    Engine, FinishReason, GrammarCompiler, GrammarError, ImageInput, Request, RequestError, SeqId, SeqUpdate,
+};
 use crate::models::VisionModel;
 use crate::tokenizer::TextTokenizer;
 
@@ -94,6 +96,9 @@ pub struct EngineHandle {
     pub vision: Option<Arc<dyn VisionModel>>,
     /// False once the engine thread has ended (it panicked, or every handle was dropped).
     alive: Arc<AtomicBool>,
+    /// Structured outputs' grammar compiler, built at the first request that needs one (its
+    /// vocabulary trie costs a pass over the tokenizer, which other servers need not pay).
+    grammar: Arc<OnceLock<Result<Arc<GrammarCompiler>, GrammarError>>>,
 }
 
 /// Clears the liveness flag when the engine thread ends, by return or by panic.
@@ -127,6 +132,16 @@ impl Drop for Slots {
 }
 
 impl EngineHandle {
+    /// The grammar compiler for this model (built once, on first use).
+    pub fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>, GrammarError> {
+        self.grammar
+            .get_or_init(|| {
+                GrammarCompiler::new(self.tokenizer.inner(), self.info.vocab_size, &self.info.eos_token_ids)
+                    .map(Arc::new)
+            })
+            .clone()
+    }
+
     /// Submits the sequences of one HTTP request; their events arrive on one channel.
     pub fn submit(&self, requests: Vec<Request>) -> Result<Submission, SubmitError> {
         self.submit_with_images(requests, Vec::new())
@@ -236,6 +251,7 @@ where
         tokenizer,
         vision,
         alive,
+        grammar: Arc::new(OnceLock::new()),
     })
 }
 

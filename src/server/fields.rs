@@ -53,13 +53,34 @@ pub const CHAT: Fields = Fields {
         "parallel_tool_calls",
         "response_format",
         "modalities",
+        // vLLM's structured outputs (`structured::from_body`).
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
     ],
     sampling: true,
     ignored: OPENAI_IGNORED,
 };
 
 pub const COMPLETIONS: Fields = Fields {
-    read: &["model", "prompt", "stream", "stream_options", "logprobs", "echo", "suffix", "add_special_tokens"],
+    read: &[
+        "model",
+        "prompt",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "echo",
+        "suffix",
+        "add_special_tokens",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ],
     sampling: true,
     ignored: OPENAI_IGNORED,
 };
@@ -178,25 +199,6 @@ impl Fields {
     }
 }
 
-/// OpenAI's `response_format`: only `{"type": "text"}` until structured outputs exist.
-pub fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(()),
-        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => Ok(()),
-        Some(f) => {
-            let ty = f.get("type").and_then(Value::as_str).unwrap_or("?");
-            Err(ApiError::invalid_param(
-                "response_format",
-                format!(
-                    "`response_format` of type `{ty}` is not supported yet (structured outputs are not built); \
-                     only `{{\"type\": \"text\"}}` is accepted"
-                ),
-            )
-            .code("unsupported_field"))
-        }
-    }
-}
-
 /// `modalities`: text only.
 pub fn check_modalities(v: Option<&Value>) -> Result<(), ApiError> {
     match v {
@@ -226,8 +228,6 @@ mod tests {
             let e = RESPONSES.check(&json!({"input": "x", f: 1})).expect_err(f);
             assert_eq!(e.param.as_deref(), Some(f));
         }
-        assert!(check_response_format(Some(&json!({"type": "text"}))).is_ok());
-        assert!(check_response_format(Some(&json!({"type": "json_object"}))).is_err());
         assert!(check_modalities(Some(&json!(["text", "audio"]))).is_err());
     }
 }

@@ -34,6 +34,7 @@ pub mod responses_request;
 pub mod responses_stream;
 pub mod sse;
 mod state;
+pub mod structured;
 pub mod timed_body;
 pub mod tool_request;
 pub mod tools;

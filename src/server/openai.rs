@@ -22,6 +22,7 @@ use super::openai_choices::{chat_logprob_entry, usage, ChatFormat, CompletionFor
 use super::reply::Reply;
 use super::sse::sse_response;
 use super::state::{now_unix, AppState};
+use super::structured;
 use super::tool_request::{template_tool_calls, ToolRequest};
 use crate::engine::sampling_params::MAX_LOGPROBS;
 use crate::engine::{FinishReason, Request};
@@ -62,8 +63,6 @@ struct ChatRequest {
     tool_choice: Option<Value>,
     #[serde(default)]
     parallel_tool_calls: Option<bool>,
-    #[serde(default)]
-    response_format: Option<Value>,
     #[serde(default)]
     modalities: Option<Value>,
 }
@@ -211,7 +210,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let req: ChatRequest = typed(&v)?;
     let fields: SamplingFields = typed(&v)?;
     let model = app.check_model(req.model.as_deref())?;
-    fields::check_response_format(req.response_format.as_ref())?;
+    let structured = structured::from_body(&v)?;
     fields::check_modalities(req.modalities.as_ref())?;
     let tools = ToolRequest::openai(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
     let (messages, images) = parse_messages(&req.messages)?;
@@ -224,6 +223,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let mut params = fields.params()?;
     chat.keep_special_tokens(&mut params, fields.skip_special_tokens);
     params.logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
+    params.grammar = structured.as_ref().map(|s| structured::compile(&engine, s)).transpose()?;
     // Without max_tokens a chat reply may use the rest of the context (vLLM's default).
     let max_tokens = MaxTokens { requested: fields.max_tokens()?, default: None };
     let prompt_len = chat.tokens.len();
@@ -375,6 +375,8 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
             ))
         }
     };
+    let structured = structured::from_body(&v)?;
+    params.grammar = structured.as_ref().map(|s| structured::compile(&engine, s)).transpose()?;
     let echo = req.echo.unwrap_or(false);
     if echo {
         // Echoed prompt tokens carry logprobs too (vLLM: prompt_logprobs = logprobs).

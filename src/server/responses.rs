@@ -28,6 +28,7 @@ use super::responses_request::{check_settings, check_text, input_messages, reaso
 use super::responses_stream::{reasoning_tokens, ResponseStream};
 use super::sse::sse_response;
 use super::state::{now_unix, AppState};
+use super::structured;
 use crate::engine::Request;
 use crate::tokenizer::ChatMessage;
 
@@ -95,6 +96,7 @@ async fn create_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     let model = app.check_model(req.model.as_deref())?;
     check_settings(&v)?;
     check_text(req.text.as_ref())?;
+    let structured = structured::from_text_format(req.text.as_ref().and_then(|t| t.get("format")))?;
     let mut extra = Map::new();
     reasoning_vars(req.reasoning.as_ref(), &mut extra)?;
     let tool_req = tools(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
@@ -116,6 +118,7 @@ async fn create_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     let mut chat = ChatPrompt::build(&app, &engine, &messages, images, &tool_req, extra, true, "call_").await?;
     let mut params = sampling.params()?;
     chat.keep_special_tokens(&mut params, sampling.skip_special_tokens);
+    params.grammar = structured.as_ref().map(|s| structured::compile(&engine, s)).transpose()?;
     check_request(&engine, &chat.tokens, &mut params, MaxTokens { requested: max_output, default: None }, "input")?;
     let meta = ResponseMeta {
         id: random_id("resp_"),
@@ -136,6 +139,10 @@ async fn create_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         }),
         metadata: Value::Object(req.metadata.clone().unwrap_or_default()),
         user: req.user.clone().map_or(Value::Null, Value::String),
+        text_format: structured
+            .as_ref()
+            .and(req.text.as_ref().and_then(|t| t.get("format")).cloned())
+            .unwrap_or_else(|| json!({ "type": "text" })),
     };
     let turn =
         meta.store.then(|| Turn { store: app.responses.clone(), parent, messages: turn_messages, images: turn_images });

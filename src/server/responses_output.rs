@@ -199,6 +199,8 @@ pub struct ResponseMeta {
     pub reasoning: Value,
     pub metadata: Value,
     pub user: Value,
+    /// `text.format` as asked (`{"type": "text"}` without a grammar).
+    pub text_format: Value,
 }
 
 /// The token counts of a response.
@@ -236,7 +238,7 @@ impl ResponseMeta {
             "service_tier": "default",
             "store": self.store,
             "temperature": self.temperature,
-            "text": { "format": { "type": "text" } },
+            "text": { "format": self.text_format },
             "tool_choice": self.tool_choice,
             "tools": self.tools,
             "top_logprobs": 0,

@@ -336,20 +336,8 @@ pub fn check_text(text: Option<&Value>) -> Result<(), ApiError> {
     };
     for (k, v) in obj {
         match k.as_str() {
-            "format" => match v {
-                Value::Null => {}
-                f if f.get("type").and_then(Value::as_str) == Some("text") => {}
-                f => {
-                    let ty = f.get("type").and_then(Value::as_str).unwrap_or("?");
-                    return Err(unsupported(
-                        "text.format",
-                        format!(
-                            "`text.format` of type `{ty}` is not supported yet (structured outputs are not built); \
-                             only `{{\"type\": \"text\"}}` is accepted"
-                        ),
-                    ));
-                }
-            },
+            // Read by `structured::from_text_format`.
+            "format" => {}
             "verbosity" if v.is_null() || v == "medium" => {}
             "verbosity" => {
                 return Err(unsupported("text.verbosity", "`text.verbosity` other than `medium` is not supported"))
@@ -511,10 +499,11 @@ mod tests {
     #[test]
     fn settings_and_formats() {
         assert!(check_text(Some(&json!({ "format": { "type": "text" } }))).is_ok());
-        let e = check_text(Some(&json!({ "format": { "type": "json_schema", "name": "x", "schema": {} } })))
-            .expect_err("no");
-        assert_eq!(e.param.as_deref(), Some("text.format"));
-        assert!(e.message.contains("not supported yet"), "{e}");
+        assert!(check_text(Some(&json!({ "format": { "type": "json_schema", "name": "x", "schema": {} } }))).is_ok());
+        assert_eq!(
+            check_text(Some(&json!({ "verbosity": "high" }))).expect_err("no").param.as_deref(),
+            Some("text.verbosity")
+        );
         let mut extra = Map::new();
         reasoning_vars(Some(&json!({ "effort": "none", "summary": "auto" })), &mut extra).expect("ok");
         assert_eq!(extra["enable_thinking"], json!(false));

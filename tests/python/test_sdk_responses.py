@@ -99,10 +99,21 @@ class Create(unittest.TestCase):
             c.responses.create(input="x", previous_response_id="resp_unknown", **kw)
         self.assertIn("resp_unknown", str(e.exception))
 
-    def test_structured_outputs_are_refused_until_built(self):
+    def test_structured_outputs(self):
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                   "c": {"enum": ["x", "y"]}},
+                  "required": ["n", "c"], "additionalProperties": False}
+        for seed in range(5):
+            r = client().responses.create(model=MODEL, input="x", max_output_tokens=100, temperature=1.0, reasoning=NO_THINKING,
+                                          extra_body={"seed": seed},
+                                          text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
+            v = json.loads(r.output_text)
+            self.assertEqual(set(v), {"n", "c"})
+            self.assertIn(v["c"], ["x", "y"])
+            self.assertTrue(0 <= v["n"] <= 99)
         with self.assertRaises(openai.BadRequestError) as e:
             client().responses.create(model=MODEL, input="x", max_output_tokens=2, text={
-                "format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}})
+                "format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}})
         self.assertIn("text.format", str(e.exception))
 
 

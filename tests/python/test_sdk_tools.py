@@ -95,10 +95,11 @@ class OpenAITools(unittest.TestCase):
     def test_unsupported_fields_are_400(self):
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
-                                          response_format={"type": "json_object"})
+                                          response_format={"type": "json_schema", "json_schema": {"name": "x"}})
         self.assertIn("response_format", str(e.exception))
         with self.assertRaises(openai.BadRequestError) as e:
-            oai().chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body={"guided_json": {}})
+            oai().chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
+                                          extra_body={"guided_json": {"type": "objekt"}})
         self.assertIn("guided_json", str(e.exception))
 
 
