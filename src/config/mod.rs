@@ -11,4 +11,7 @@ mod validate;
 
 pub use error::ConfigError;
 pub use gguf::gguf_arch;
-pub use text::{Activation, Arch, LayerKind, LinearAttnConfig, MoeConfig, MoeScoring, RopeConfig, RopeLayout, RopeScaling, TextConfig};
+pub use text::{
+    Activation, Arch, LayerKind, LinearAttnConfig, MoeConfig, MoeScoring, RopeConfig, RopeLayout, RopeScaling,
+    TextConfig,
+};

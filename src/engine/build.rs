@@ -206,7 +206,10 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     });
     let Some(pool) = caches.pool(budget, opts.block_size, opts.max_num_seqs) else {
         let what = if cfg.linear_layers().is_empty() {
-            format!("the float window needs {slot_bytes} bytes ({} sequences x {} tokens)", opts.max_num_seqs, opts.kv_float_window)
+            format!(
+                "the float window needs {slot_bytes} bytes ({} sequences x {} tokens)",
+                opts.max_num_seqs, opts.kv_float_window
+            )
         } else {
             format!(
                 "the per-sequence state needs {slot_bytes} bytes ({} sequences x {} bytes)",

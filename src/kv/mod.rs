@@ -14,7 +14,7 @@ pub mod spec;
 pub use block_allocator::{BlockAllocator, BlockId};
 pub use block_table::BlockTable;
 pub use cache::{KvCache, KvCacheSpec, LayerCache, WindowCheckpoint};
-pub use recurrent::RecurrentState;
 pub use format::{KvCacheDtype, KvDtype, KvFormatError, TqBits, TqSpec};
+pub use recurrent::RecurrentState;
 pub use slots::SlotPool;
 pub use spec::{CacheGroup, CacheKind, CacheSpec, PoolSize};

@@ -53,7 +53,13 @@ impl GatedDeltaNet {
             conv_weight: vec1("conv1d.weight", &[c, 1, dims.conv_kernel])?,
             neg_a: vec1("A_log", &[hv])?.into_iter().map(|a| -a.exp()).collect(),
             dt_bias: vec1("dt_bias", &[hv])?,
-            norm: RmsNorm::load(w, &format!("{p}.norm.weight"), dims.value_head_dim, cfg.rms_norm_eps, NormStyle::Plain)?,
+            norm: RmsNorm::load(
+                w,
+                &format!("{p}.norm.weight"),
+                dims.value_head_dim,
+                cfg.rms_norm_eps,
+                NormStyle::Plain,
+            )?,
             out_proj: Linear::load(w, &format!("{p}.out_proj"), dims.value_dim(), h, false)?,
             dims,
         })
@@ -65,7 +71,9 @@ impl GatedDeltaNet {
             candle_core::bail!("a Gated DeltaNet layer needs a recurrent state, not a KV cache")
         };
         let Some(slots) = &meta.state_slots else {
-            candle_core::bail!("a Gated DeltaNet layer needs each sequence's state slot (AttentionMeta::set_state_slots)")
+            candle_core::bail!(
+                "a Gated DeltaNet layer needs each sequence's state slot (AttentionMeta::set_state_slots)"
+            )
         };
         let t = x.dim(0)?;
         let [qkv, z, b, a]: [Tensor; 4] =

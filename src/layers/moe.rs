@@ -163,7 +163,9 @@ impl Moe {
             _ => self.grouped(x, routing)?,
         };
         match (&self.shared, &self.shared_gate) {
-            (Some(s), Some(g)) => routed + s.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&x.matmul(&g.t()?)?)?)?,
+            (Some(s), Some(g)) => {
+                routed + s.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&x.matmul(&g.t()?)?)?)?
+            }
             (Some(s), None) => routed + s.forward(x)?,
             (None, _) => Ok(routed),
         }

@@ -62,7 +62,9 @@ impl Qwen35 {
                 };
                 let ffn = match &cfg.moe {
                     Some(moe) => Ffn::Experts(Moe::load(w, &format!("{p}.mlp"), h, moe, cfg.activation)?),
-                    None => Ffn::Dense(GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.activation)?),
+                    None => {
+                        Ffn::Dense(GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.activation)?)
+                    }
                 };
                 Ok(Layer {
                     input_norm: norm(format!("{p}.input_layernorm.weight"))?,

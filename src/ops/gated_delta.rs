@@ -40,10 +40,7 @@ impl DeltaDims {
     /// f32 values of a sequence's conv state (`[K - 1, conv_dim]`, oldest row first) and of its
     /// delta-rule state (`[Hv, Dk, Dv]`).
     pub fn state_len(&self) -> (usize, usize) {
-        (
-            (self.conv_kernel - 1) * self.conv_dim(),
-            self.num_value_heads * self.key_head_dim * self.value_head_dim,
-        )
+        ((self.conv_kernel - 1) * self.conv_dim(), self.num_value_heads * self.key_head_dim * self.value_head_dim)
     }
 }
 
