@@ -195,22 +195,15 @@ mod tests {
     use super::*;
     use crate::config::RopeScaling;
 
-    /// Qwen3.5's interleaved M-RoPE for a prompt with two images: the positions
-    /// (`mrope::prompt_positions`) and the cos/sin at them are transformers'
-    /// (tests/fixtures/qwen35_mrope.json, scripts/make_qwen35_mrope_fixture.py).
+    /// Qwen3.5's interleaved M-RoPE for a prompt with two images: the cos/sin at transformers'
+    /// positions are transformers' (tests/fixtures/qwen35_mrope.json,
+    /// scripts/make_qwen35_mrope_fixture.py; `models::mrope`'s tests check the positions).
     #[test]
     fn interleaved_mrope_is_transformers_qwen35() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen35_mrope.json");
         let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let get = |k: &str| f[k].clone();
-        let tokens: Vec<u32> = serde_json::from_value(get("tokens")).unwrap();
-        let grids: Vec<[usize; 3]> = serde_json::from_value(get("grids")).unwrap();
         let want: Vec<[u32; 3]> = serde_json::from_value(get("positions")).unwrap();
-        let merge = get("merge").as_u64().unwrap() as usize;
-        let image = get("image_token").as_u64().unwrap() as u32;
-        let p = crate::models::mrope::prompt_positions(&tokens, image, &grids, merge).unwrap();
-        assert_eq!(p.positions, want);
-        assert_eq!(p.delta, get("delta").as_i64().unwrap());
         assert!(want.iter().any(|[t, h, w]| t != h || h != w), "a case where the axes differ");
 
         let sections: Vec<usize> = serde_json::from_value(get("mrope_section")).unwrap();

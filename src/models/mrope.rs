@@ -94,6 +94,23 @@ pub fn prompt_positions(
 mod tests {
     use super::*;
 
+    /// Qwen3.5's positions for a prompt with two images are transformers' `get_rope_index`
+    /// (tests/fixtures/qwen35_mrope.json; `layers::rotary`'s tests check the cos/sin at them).
+    #[test]
+    fn qwen35_prompt_positions_are_transformers() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen35_mrope.json");
+        let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let get = |k: &str| f[k].clone();
+        let tokens: Vec<u32> = serde_json::from_value(get("tokens")).unwrap();
+        let grids: Vec<[usize; 3]> = serde_json::from_value(get("grids")).unwrap();
+        let want: Vec<[u32; 3]> = serde_json::from_value(get("positions")).unwrap();
+        let merge = get("merge").as_u64().unwrap() as usize;
+        let image = get("image_token").as_u64().unwrap() as u32;
+        let p = prompt_positions(&tokens, image, &grids, merge).unwrap();
+        assert_eq!(p.positions, want);
+        assert_eq!(p.delta, get("delta").as_i64().unwrap());
+    }
+
     #[test]
     fn text_then_image_then_text() {
         // 2 text tokens, a 4x6 patch grid (2x3 merged tokens), 2 text tokens

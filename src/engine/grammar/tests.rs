@@ -1,0 +1,148 @@
+//! The grammar's tests (a file of their own: they drive the sampler, which uses the grammar).
+
+use super::*;
+use crate::engine::sampler::SequenceSampler;
+use crate::engine::sampling_params::SamplingParams;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+
+const VOCAB: usize = 1024; // tiny-llama's config (its tokenizer has fewer tokens)
+const EOS: u32 = 2;
+
+fn tokenizer() -> Tokenizer {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-llama/tokenizer.json");
+    Tokenizer::from_file(path).expect("fixture tokenizer")
+}
+
+fn compiler() -> (GrammarCompiler, Tokenizer) {
+    let tok = tokenizer();
+    (GrammarCompiler::new(&tok, VOCAB, &[EOS, 0]).expect("compiler"), tok)
+}
+
+/// Samples from random logits under `grammar` at temperature 1 until the grammar ends it
+/// (or EOS), as the engine would: mask, draw, accept.
+fn generate(grammar: &Grammar, tok: &Tokenizer, seed: u64) -> String {
+    let params = SamplingParams { temperature: 1.0, seed: Some(seed), ..Default::default() };
+    let mut sampler = SequenceSampler::for_params(&params).with_eos_token_ids(vec![EOS]);
+    let mut noise = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let mut c = grammar.constraint();
+    let mut out = Vec::new();
+    for _ in 0..400 {
+        let mut logits: Vec<f32> = (0..VOCAB).map(|_| noise.random::<f32>() * 8.0).collect();
+        let t = sampler.sample_constrained(&mut logits, &params, &[], &out, Some(&mut c)).token;
+        if t == EOS || t == 0 {
+            break;
+        }
+        c.accept(t).expect("a masked draw is allowed");
+        out.push(t);
+        if c.is_finished() {
+            break;
+        }
+    }
+    tok.decode(&out, false).expect("decode")
+}
+
+#[test]
+fn random_logits_under_a_schema_give_valid_json() {
+    let (comp, tok) = compiler();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tag": {"enum": ["a", "b"]},
+        },
+        "required": ["name", "age", "tag"],
+        "additionalProperties": false,
+    });
+    let g = comp.compile(&GrammarSpec::JsonSchema(schema)).expect("compiles");
+    for seed in 0..20 {
+        let text = generate(&g, &tok, seed);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {text:?}: {e}"));
+        assert!(v["name"].as_str().is_some_and(|s| s.chars().count() <= 8), "{text}");
+        assert!(v["age"].as_i64().is_some_and(|a| (0..=120).contains(&a)), "{text}");
+        assert!(v["tag"] == "a" || v["tag"] == "b", "{text}");
+        assert_eq!(v.as_object().map(|o| o.len()), Some(3), "{text}");
+    }
+}
+
+#[test]
+fn choices_and_regexes_are_matched_whole() {
+    let (comp, tok) = compiler();
+    let g = comp.compile(&GrammarSpec::Choice(vec!["yes".into(), "no (maybe)".into()])).expect("choice");
+    let r = comp.compile(&GrammarSpec::Regex("[0-9]{3}-[a-c]+".into())).expect("regex");
+    let mut seen = std::collections::HashSet::new();
+    for seed in 0..30 {
+        let c = generate(&g, &tok, seed);
+        assert!(c == "yes" || c == "no (maybe)", "{c:?}");
+        seen.insert(c);
+        let x = generate(&r, &tok, seed);
+        let (digits, letters) = x.split_once('-').unwrap_or_else(|| panic!("{x:?}"));
+        assert!(digits.len() == 3 && digits.bytes().all(|b| b.is_ascii_digit()), "{x:?}");
+        assert!(!letters.is_empty() && letters.bytes().all(|b| (b'a'..=b'c').contains(&b)), "{x:?}");
+    }
+    assert_eq!(seen.len(), 2, "both choices are reachable");
+}
+
+#[test]
+fn bad_and_unsatisfiable_grammars_are_errors() {
+    let (comp, _) = compiler();
+    for spec in [
+        GrammarSpec::JsonSchema(json!({"type": "objekt"})),
+        GrammarSpec::JsonSchema(json!("a string")),
+        GrammarSpec::JsonSchema(json!({"enum": []})),
+        GrammarSpec::Regex("(unclosed".into()),
+        GrammarSpec::Lark("start: undefined_rule".into()),
+        GrammarSpec::Choice(Vec::new()),
+    ] {
+        assert!(comp.compile(&spec).is_err(), "{spec:?}");
+    }
+    assert!(comp.compile(&GrammarSpec::Lark("start: \"a\" | \"b\"".into())).is_ok());
+    assert!(comp.compile(&GrammarSpec::JsonObject).is_ok());
+}
+
+#[test]
+fn masks_allow_every_eos_only_with_the_grammar_eos() {
+    let (comp, tok) = compiler();
+    let g = comp.compile(&GrammarSpec::Regex("ab?".into())).expect("regex");
+    let mut c = g.constraint();
+    let mut logits = vec![0.0f32; VOCAB];
+    c.apply(&mut logits);
+    assert!(logits[EOS as usize].is_infinite() && logits[0].is_infinite(), "nothing output yet: no EOS");
+    let a = tok.token_to_id("a").expect("a token");
+    assert!(logits[a as usize].is_finite());
+    c.accept(a).expect("a");
+    let mut logits = vec![0.0f32; VOCAB];
+    c.apply(&mut logits);
+    assert!(logits[EOS as usize].is_finite() && logits[0].is_finite(), "complete: both EOS ids allowed");
+    assert!(!c.is_finished(), "b may still follow");
+}
+
+#[test]
+fn verification_rejects_a_draft_the_grammar_rejects_and_rolls_back() {
+    let (comp, tok) = compiler();
+    let g = comp.compile(&GrammarSpec::Regex("ab".into())).expect("regex");
+    let (a, b) = (tok.token_to_id("a").expect("a"), tok.token_to_id("b").expect("b"));
+    let params = SamplingParams::default();
+    let mut sampler = SequenceSampler::for_params(&params);
+    // Raw logits favour `a` at every row: the drafts [a, a] are both the argmax, but the
+    // second breaks the grammar, so it is rejected and the row gives `b`.
+    let row = |fav: u32| {
+        let mut r = vec![0.0f32; VOCAB];
+        r[fav as usize] = 10.0;
+        r[b as usize] = 5.0;
+        r
+    };
+    let mut c = g.constraint();
+    let mut rows = vec![row(a), row(a), row(a)];
+    let got = sampler.verify_constrained(&mut rows, &[a, a], &params, &[], &[], Some(&mut c));
+    assert_eq!(got.iter().map(|s| s.token).collect::<Vec<_>>(), vec![a, b]);
+    // Nothing was consumed for good: the matcher is back at the start.
+    let mut first = vec![0.0f32; VOCAB];
+    c.apply(&mut first);
+    assert!(first[a as usize].is_finite() && first[b as usize].is_infinite());
+    // Unconstrained, the same rows accept both drafts.
+    let mut rows = vec![row(a), row(a), row(a)];
+    assert_eq!(sampler.verify(&mut rows, &[a, a], &params, &[], &[]).len(), 3);
+}
