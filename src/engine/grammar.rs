@@ -8,6 +8,10 @@
 //! token. Draft verification advances it tentatively, row by row, and rolls those tokens back
 //! before the output processor consumes the accepted ones, so the matcher only ever holds the
 //! sequence's output. Preemption keeps the output, and so the matcher, as it is.
+//!
+//! A thinking model's reply may begin with its thinking, which no schema describes: a grammar
+//! made `after` the thinking's closing tokens lets everything through until the output has
+//! written them, and holds the rest (vLLM does the same with its reasoning parsers).
 
 use std::sync::{Arc, Mutex};
 
@@ -142,7 +146,7 @@ impl GrammarCompiler {
         if first.is_zero() {
             return Err(GrammarError::Invalid { kind, reason: "no output satisfies it".into() });
         }
-        Ok(Grammar { parser: Arc::new(Mutex::new(parser)), kind, eos: self.eos.clone().into() })
+        Ok(Grammar { parser: Arc::new(Mutex::new(parser)), kind, eos: self.eos.clone().into(), after: None })
     }
 }
 
@@ -176,6 +180,8 @@ pub struct Grammar {
     parser: Arc<Mutex<TokenParser>>,
     kind: &'static str,
     eos: Arc<[u32]>,
+    /// The tokens after which the grammar begins (a thinking's closing tag), if not at once.
+    after: Option<Arc<[u32]>>,
 }
 
 impl Grammar {
@@ -183,7 +189,15 @@ impl Grammar {
     pub fn constraint(&self) -> Constraint {
         // The lock only guards the clone: a parser is not shared while it runs.
         let parser = self.parser.lock().unwrap_or_else(|p| p.into_inner()).deep_clone();
-        Constraint { matcher: Matcher::new(Ok(parser)), eos: self.eos.clone(), tentative: 0 }
+        let gate = self.after.clone().map(|marker| Gate { marker, recent: Vec::new() });
+        Constraint { matcher: Matcher::new(Ok(parser)), eos: self.eos.clone(), tentative: 0, gate, gate_saved: None }
+    }
+
+    /// This grammar, begun only once the output has written `marker` (its token ids, as the
+    /// model writes them): what comes before is free. An empty marker begins it at once.
+    pub fn after(mut self, marker: Vec<u32>) -> Grammar {
+        self.after = (!marker.is_empty()).then(|| marker.into());
+        self
     }
 
     pub fn kind(&self) -> &'static str {
@@ -204,35 +218,31 @@ impl PartialEq for Grammar {
     }
 }
 
-/// One sequence's place in its grammar.
-pub struct Constraint {
-    matcher: Matcher,
+/// The grammar's masks of one sequence's sampled rows in a step (`Constraint::row_masks`),
+/// computed apart from the rows' logits, so that they can be computed while the model runs.
+pub struct RowMasks {
+    /// None: the grammar has not begun at that row.
+    masks: Vec<Option<SimpleVob>>,
     eos: Arc<[u32]>,
-    /// Draft tokens consumed while verifying, to roll back once the row is judged.
-    tentative: usize,
 }
 
-impl std::fmt::Debug for Constraint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Constraint").field("stopped", &self.matcher.is_stopped()).finish()
-    }
-}
-
-impl Constraint {
-    /// The tokens allowed next (all EOS ids when the grammar is complete and stopped; on a
-    /// matcher error only EOS, so the sequence ends rather than leaves its grammar).
-    pub fn mask(&mut self) -> SimpleVob {
-        let trie_eos = |m: &Matcher| m.tok_env().map(|env| env.tok_trie().eos_token_set());
-        match self.matcher.compute_mask_or_eos() {
-            Ok(m) => m,
-            Err(_) => trie_eos(&self.matcher).unwrap_or_else(|_| SimpleVob::alloc(0)),
-        }
-    }
-
-    /// Sets every logit the grammar does not allow to -inf. The model's other EOS ids follow
-    /// the one llguidance knows: allowed (with their own logits) exactly when it is.
-    pub fn apply(&mut self, logits: &mut [f32]) {
-        let mask = self.mask();
+impl RowMasks {
+    /// Sets every logit of sampled row `row` the grammar does not allow to -inf. The model's
+    /// other EOS ids follow the one llguidance knows: allowed (with their own logits) exactly
+    /// when it is.
+    pub fn apply(&self, row: usize, logits: &mut [f32]) {
+        let Some(entry) = self.masks.get(row) else {
+            // Only a row after a rejected draft has no mask, and it is never judged; were it
+            // judged, it could only end the sequence.
+            debug_assert!(false, "row {row} of a constrained sequence has no mask");
+            for (t, l) in logits.iter_mut().enumerate() {
+                if !self.eos.contains(&(t as u32)) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            return;
+        };
+        let Some(mask) = entry else { return };
         let eos_allowed = self.eos.first().is_some_and(|&e| mask.is_allowed(e));
         let other_eos: Vec<(usize, f32)> = if eos_allowed {
             self.eos.iter().skip(1).filter_map(|&e| logits.get(e as usize).map(|&l| (e as usize, l))).collect()
@@ -255,18 +265,107 @@ impl Constraint {
             logits[e] = l;
         }
     }
+}
+
+/// Where the output stands before its grammar begins: the last tokens, to spot the marker.
+#[derive(Clone)]
+struct Gate {
+    marker: Arc<[u32]>,
+    recent: Vec<u32>,
+}
+
+impl Gate {
+    /// Takes a token; whether the marker is now written.
+    fn opens_with(&mut self, token: u32) -> bool {
+        self.recent.push(token);
+        let n = self.marker.len();
+        if self.recent.len() > n {
+            self.recent.drain(..self.recent.len() - n);
+        }
+        self.recent[..] == self.marker[..]
+    }
+}
+
+/// One sequence's place in its grammar.
+pub struct Constraint {
+    matcher: Matcher,
+    eos: Arc<[u32]>,
+    /// Draft tokens consumed while verifying, to roll back once the row is judged.
+    tentative: usize,
+    /// Some while the grammar has not begun.
+    gate: Option<Gate>,
+    /// The gate as it was before the drafts being verified (restored with the matcher).
+    gate_saved: Option<Option<Gate>>,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint").field("stopped", &self.matcher.is_stopped()).finish()
+    }
+}
+
+impl Constraint {
+    /// The tokens allowed next (all EOS ids when the grammar is complete and stopped; on a
+    /// matcher error only EOS, so the sequence ends rather than leaves its grammar).
+    pub fn mask(&mut self) -> SimpleVob {
+        let trie_eos = |m: &Matcher| m.tok_env().map(|env| env.tok_trie().eos_token_set());
+        match self.matcher.compute_mask_or_eos() {
+            Ok(m) => m,
+            Err(_) => trie_eos(&self.matcher).unwrap_or_else(|_| SimpleVob::alloc(0)),
+        }
+    }
+
+    /// Sets every logit the grammar does not allow next to -inf (none before it begins).
+    pub fn apply(&mut self, logits: &mut [f32]) {
+        self.row_masks(&[]).apply(0, logits);
+    }
+
+    /// The masks of the rows a step samples for this sequence: row 0 after its output, row
+    /// i + 1 after `drafts[..=i]` as well (consumed tentatively and rolled back, so the
+    /// matcher ends where it began). Rows after a draft the grammar does not allow are never
+    /// judged (that draft is rejected) and get no mask.
+    pub fn row_masks(&mut self, drafts: &[u32]) -> RowMasks {
+        let now = |c: &mut Constraint| c.gate.is_none().then(|| c.mask());
+        let mut masks = Vec::with_capacity(drafts.len() + 1);
+        masks.push(now(self));
+        for &d in drafts {
+            if masks.last().is_some_and(|m: &Option<SimpleVob>| m.as_ref().is_some_and(|m| !m.is_allowed(d))) {
+                break;
+            }
+            self.accept_tentative(d);
+            masks.push(now(self));
+        }
+        self.end_verify();
+        RowMasks { masks, eos: self.eos.clone() }
+    }
 
     /// Consumes an accepted output token. EOS ends the sequence without entering the grammar.
     pub fn accept(&mut self, token: u32) -> Result<(), String> {
         if self.eos.contains(&token) {
             return Ok(());
         }
+        if let Some(g) = self.gate.as_mut() {
+            if g.opens_with(token) {
+                self.gate = None;
+            }
+            return Ok(());
+        }
         self.matcher.consume_token(token).map_err(|e| e.to_string())
     }
 
-    /// Consumes a draft token while its sequence's rows are verified; `end_verify` undoes it.
-    pub fn accept_tentative(&mut self, token: u32) {
-        if self.eos.contains(&token) || self.matcher.is_stopped() {
+    /// Consumes a draft token while its sequence's rows are masked; `end_verify` undoes it.
+    fn accept_tentative(&mut self, token: u32) {
+        if self.eos.contains(&token) {
+            return;
+        }
+        if self.gate.is_some() {
+            self.gate_saved.get_or_insert_with(|| self.gate.clone());
+            if self.gate.as_mut().is_some_and(|g| g.opens_with(token)) {
+                self.gate = None;
+            }
+            return;
+        }
+        if self.matcher.is_stopped() {
             return;
         }
         if self.matcher.consume_token(token).is_ok() {
@@ -275,17 +374,20 @@ impl Constraint {
     }
 
     /// Rolls back the drafts consumed by `accept_tentative`.
-    pub fn end_verify(&mut self) {
+    fn end_verify(&mut self) {
         if self.tentative > 0 {
             // A failed rollback leaves the matcher in its error state, which masks to EOS.
             let _ = self.matcher.rollback(self.tentative);
             self.tentative = 0;
         }
+        if let Some(gate) = self.gate_saved.take() {
+            self.gate = gate;
+        }
     }
 
     /// Whether the output is complete and nothing more may follow it.
     pub fn is_finished(&self) -> bool {
-        self.matcher.is_stopped()
+        self.gate.is_none() && self.matcher.is_stopped()
     }
 }
 

@@ -10,6 +10,7 @@ mod cuda_graph;
 pub mod detokenizer;
 pub mod finish;
 pub mod grammar;
+mod mask_job;
 pub mod multimodal;
 pub mod output;
 pub mod request;

@@ -13,6 +13,8 @@ use candle_core::{Device, Result, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
 
+use super::grammar::RowMasks;
+use super::mask_job::masks_beside;
 use super::multimodal::EmbedCache;
 use super::sampler::{draws_plainly, logprobs, Sampled};
 use super::scheduler::{ScheduledSeq, SchedulerOutput};
@@ -139,15 +141,19 @@ impl ModelRunner {
             }
             None => None,
         };
-        let out = if needs_plain_forward(seqs, plan, &step.batch) {
-            let hidden = self.forward(model, kv, step.batch)?;
-            record_prompt_logprobs(model, seqs, plan, &hidden)?;
-            self.logits(model, &hidden, &rows)?
-        } else {
-            let draws = self.device_draws(seqs, plan, &step.sampled);
-            self.run(model, kv, step.batch, &rows, draws.as_deref())?
-        };
-        let mut tokens = verify(seqs, plan, &step.sampled, out);
+        let counts: Vec<usize> = step.sampled.iter().map(|&(_, n)| n).collect();
+        let beside = !self.device.is_cpu();
+        let (out, masks) = masks_beside(seqs, plan, &counts, beside, |seqs| -> Result<StepOutput> {
+            if needs_plain_forward(seqs, plan, &step.batch) {
+                let hidden = self.forward(model, kv, step.batch)?;
+                record_prompt_logprobs(model, seqs, plan, &hidden)?;
+                self.logits(model, &hidden, &rows)
+            } else {
+                let draws = self.device_draws(seqs, plan, &step.sampled);
+                self.run(model, kv, step.batch, &rows, draws.as_deref())
+            }
+        });
+        let mut tokens = verify(seqs, plan, &step.sampled, out?, masks);
         if self.accept_all_drafts {
             for (item, t) in plan.items.iter().zip(&mut tokens) {
                 if let Some(last) = t.last().cloned().filter(|_| item.num_draft > 0) {
@@ -294,6 +300,7 @@ fn verify(
     plan: &SchedulerOutput,
     sampled: &[(usize, usize)],
     out: StepOutput,
+    masks: Vec<Option<RowMasks>>,
 ) -> Vec<Vec<Sampled>> {
     let mut at = 0;
     let mut next_rows = |n: usize| {
@@ -331,18 +338,19 @@ fn verify(
                 rest = tail;
             }
             let ids: Vec<_> = plan.items.iter().map(|item| item.id).collect();
-            let work: Vec<_> = plan.items.iter().zip(seqs.expect_many_mut(&ids)).zip(rows_of).collect();
+            let work: Vec<_> = plan.items.iter().zip(seqs.expect_many_mut(&ids)).zip(rows_of).zip(masks).collect();
             work.into_par_iter()
-                .map(|((item, seq), rows)| {
+                .map(|(((item, seq), rows), masks)| {
                     if rows.is_empty() {
                         return Vec::new();
                     }
                     let s = seq.sampling();
+                    let m = masks.as_ref();
                     if item.num_draft == 0 {
-                        vec![s.sampler.sample_constrained(&mut rows[0], s.params, s.prompt, s.output, s.constraint)]
+                        vec![s.sampler.sample_masked(&mut rows[0], s.params, s.prompt, s.output, m)]
                     } else {
                         let drafts = &s.draft[..item.num_draft];
-                        s.sampler.verify_constrained(rows, drafts, s.params, s.prompt, s.output, s.constraint)
+                        s.sampler.verify_masked(rows, drafts, s.params, s.prompt, s.output, m)
                     }
                 })
                 .collect()

@@ -16,7 +16,7 @@
 //! else shares the batch. Scratch buffers are per thread (not per sequence) so a
 //! batch of hundreds of sequences over a 256k vocabulary does not pin hundreds of MB.
 
-use crate::engine::grammar::Constraint;
+use crate::engine::grammar::{Constraint, RowMasks};
 use crate::engine::sampling_params::SamplingParams;
 use crate::ops::argmax::argmax_row as argmax;
 use crate::ops::sample::{draw_row, kept, DraftCheck, Draw, Kept};
@@ -114,8 +114,21 @@ impl SequenceSampler {
         output_tokens: &[u32],
         constraint: Option<&mut Constraint>,
     ) -> Sampled {
-        if let Some(c) = constraint {
-            c.apply(logits);
+        let masks = constraint.map(|c| c.row_masks(&[]));
+        self.sample_masked(logits, params, prompt_tokens, output_tokens, masks.as_ref())
+    }
+
+    /// `sample_constrained` with the grammar's mask computed beforehand.
+    pub fn sample_masked(
+        &mut self,
+        logits: &mut [f32],
+        params: &SamplingParams,
+        prompt_tokens: &[u32],
+        output_tokens: &[u32],
+        masks: Option<&RowMasks>,
+    ) -> Sampled {
+        if let Some(m) = masks {
+            m.apply(0, logits);
         }
         SCRATCH.with_borrow_mut(|s| {
             process_logits_with(s, logits, params, &self.eos_token_ids, prompt_tokens, output_tokens);
@@ -155,8 +168,8 @@ impl SequenceSampler {
 
     /// `verify` within a grammar: row i is masked by `constraint` as it stands after the
     /// drafts before it, so a draft the grammar rejects is never accepted (its logit is -inf:
-    /// not the argmax, and of zero mass). Accepted drafts are consumed only for the rows after
-    /// them and rolled back at the end: the output processor consumes what was accepted.
+    /// not the argmax, and of zero mass). The drafts are consumed only to mask the rows after
+    /// them and rolled back: the output processor consumes what was accepted.
     pub fn verify_constrained(
         &mut self,
         rows: &mut [Vec<f32>],
@@ -164,19 +177,32 @@ impl SequenceSampler {
         params: &SamplingParams,
         prompt_tokens: &[u32],
         output_tokens: &[u32],
-        mut constraint: Option<&mut Constraint>,
+        constraint: Option<&mut Constraint>,
+    ) -> Vec<Sampled> {
+        let masks = constraint.map(|c| c.row_masks(drafts));
+        self.verify_masked(rows, drafts, params, prompt_tokens, output_tokens, masks.as_ref())
+    }
+
+    /// `verify_constrained` with the grammar's masks computed beforehand.
+    pub fn verify_masked(
+        &mut self,
+        rows: &mut [Vec<f32>],
+        drafts: &[u32],
+        params: &SamplingParams,
+        prompt_tokens: &[u32],
+        output_tokens: &[u32],
+        masks: Option<&RowMasks>,
     ) -> Vec<Sampled> {
         debug_assert_eq!(rows.len(), drafts.len() + 1);
         let mut history = Vec::with_capacity(output_tokens.len() + drafts.len());
         history.extend_from_slice(output_tokens);
         history.extend_from_slice(drafts);
         let mut out = Vec::with_capacity(rows.len());
-        let rows_len = rows.len();
         SCRATCH.with_borrow_mut(|s| {
             for (i, logits) in rows.iter_mut().enumerate() {
                 let output = &history[..output_tokens.len() + i];
-                if let Some(c) = constraint.as_deref_mut() {
-                    c.apply(logits);
+                if let Some(m) = masks {
+                    m.apply(i, logits);
                 }
                 process_logits_with(s, logits, params, &self.eos_token_ids, prompt_tokens, output);
                 let (token, accepted) = match drafts.get(i) {
@@ -197,18 +223,8 @@ impl SequenceSampler {
                 if !accepted {
                     break;
                 }
-                // The next row is judged after this draft. One the matcher cannot take (EOS,
-                // or an error) leaves it masking to EOS only, and EOS ends the sequence anyway.
-                if let Some(c) = constraint.as_deref_mut() {
-                    if i + 1 < rows_len {
-                        c.accept_tentative(token);
-                    }
-                }
             }
         });
-        if let Some(c) = constraint {
-            c.end_verify();
-        }
         out
     }
 

@@ -112,14 +112,7 @@ impl Sequence {
     /// What sampling the sequence's next tokens reads, borrowed apart from its generator.
     pub fn sampling(&mut self) -> SamplingView<'_> {
         let (prompt, output) = self.tokens.split_at(self.prompt_len);
-        SamplingView {
-            sampler: &mut self.sampler,
-            params: &self.params,
-            prompt,
-            output,
-            draft: &self.draft,
-            constraint: self.constraint.as_mut(),
-        }
+        SamplingView { sampler: &mut self.sampler, params: &self.params, prompt, output, draft: &self.draft }
     }
 
     /// Tokens still to run through the model before the next token can be sampled.
@@ -135,7 +128,6 @@ pub struct SamplingView<'a> {
     pub prompt: &'a [u32],
     pub output: &'a [u32],
     pub draft: &'a [u32],
-    pub constraint: Option<&'a mut Constraint>,
 }
 
 /// Every live sequence, by id.

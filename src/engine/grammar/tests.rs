@@ -146,3 +146,51 @@ fn verification_rejects_a_draft_the_grammar_rejects_and_rolls_back() {
     let mut rows = vec![row(a), row(a), row(a)];
     assert_eq!(sampler.verify(&mut rows, &[a, a], &params, &[], &[]).len(), 3);
 }
+
+/// A grammar begun after a marker (a thinking's closing tag): free before it, held after it,
+/// also when the marker arrives in drafts that verification then takes back.
+#[test]
+fn a_grammar_after_a_marker_begins_there() {
+    let (comp, tok) = compiler();
+    let id = |s: &str| tok.token_to_id(s).unwrap_or_else(|| panic!("{s}"));
+    let (a, b, x, y) = (id("a"), id("b"), id("x"), id("y"));
+    let g = comp.compile(&GrammarSpec::Regex("ab".into())).expect("regex").after(vec![x, y]);
+    let free = |c: &mut Constraint| {
+        let mut l = vec![0.0f32; VOCAB];
+        c.apply(&mut l);
+        l.iter().all(|v| v.is_finite())
+    };
+    let mut c = g.constraint();
+    // Before the marker anything goes, `x` alone or `y x` opens nothing.
+    for t in [b, x, b, y, x] {
+        assert!(free(&mut c));
+        c.accept(t).expect("free text");
+        assert!(!c.is_finished());
+    }
+    c.accept(y).expect("the marker's end");
+    assert!(!free(&mut c), "the grammar holds after the marker");
+    c.accept(a).expect("a");
+    c.accept(b).expect("b");
+    assert!(c.is_finished());
+
+    // The marker in drafts: the rows after it are held, and the rollback frees them again.
+    let params = SamplingParams::default();
+    let mut sampler = SequenceSampler::for_params(&params);
+    let row = |fav: u32| {
+        let mut r = vec![0.0f32; VOCAB];
+        r[fav as usize] = 10.0;
+        r[a as usize] = 5.0;
+        r
+    };
+    let mut c = g.constraint();
+    // Drafts [x, y, b]: x and y are the argmax and accepted; after them only `a` may start
+    // the grammar, so the draft `b` is rejected and its row gives `a`.
+    let mut rows = vec![row(x), row(y), row(b), row(b)];
+    let got = sampler.verify_constrained(&mut rows, &[x, y, b], &params, &[], &[], Some(&mut c));
+    assert_eq!(got.iter().map(|s| s.token).collect::<Vec<_>>(), vec![x, y, a]);
+    assert!(free(&mut c), "verification consumed nothing for good");
+    for t in [x, y] {
+        c.accept(t).expect("accepted drafts");
+    }
+    assert!(!free(&mut c));
+}
