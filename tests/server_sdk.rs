@@ -15,7 +15,7 @@ fn python() -> Option<String> {
         return Some(p);
     }
     let ok = Command::new("python3")
-        .args(["-c", "import openai, anthropic"])
+        .args(["-c", "import openai, anthropic, jsonschema"])
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false);
@@ -25,7 +25,7 @@ fn python() -> Option<String> {
 /// The interpreter with the SDKs, or `None` when the test is to be skipped (said why).
 fn sdk_python() -> Option<String> {
     let Some(py) = python() else {
-        let msg = "the openai and anthropic Python packages are not installed: set IRIS_TEST_PYTHON to a \
+        let msg = "the openai, anthropic and jsonschema Python packages are not installed: set IRIS_TEST_PYTHON to a \
                    python that has them (.ci/run does)";
         if let Ok(reason) = std::env::var("IRIS_SDK_SKIP_REASON") {
             eprintln!("skipped: {reason}");
@@ -123,4 +123,36 @@ fn official_python_sdk_responses() {
     run_script(&py, "test_sdk_responses.py", &s, &eos);
     drop(s);
     let _ = std::fs::remove_dir_all(&model);
+}
+
+/// Structured outputs through the OpenAI SDK (tests/python/test_sdk_structured.py): 100 seeds
+/// at temperature 1 validated with `jsonschema`, without and with n-gram speculation.
+#[test]
+fn official_python_sdk_structured_outputs() {
+    let Some(py) = sdk_python() else { return };
+    let spec = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}"#;
+    for (extra, speculating) in [(None, "0"), (Some(spec), "1")] {
+        let mut args = vec!["--api-key", "test-key", "--served-model-name", "tiny-llama"];
+        if let Some(s) = extra {
+            args.extend(["--speculative-config", s]);
+        }
+        let s = Server::start(&args);
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk_structured.py");
+        let out = Command::new(&py)
+            .arg(&script)
+            .arg("-v")
+            .env("IRIS_BASE_URL", format!("http://{}", s.addr))
+            .env("IRIS_API_KEY", "test-key")
+            .env("IRIS_MODEL", "tiny-llama")
+            .env("IRIS_EXPECT_SPECULATION", speculating)
+            .output()
+            .expect("python runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        eprintln!("{stderr}");
+        assert!(
+            out.status.success(),
+            "structured SDK tests (speculation {speculating}) failed:\n{stderr}\nserver log:\n{}",
+            s.log()
+        );
+    }
 }

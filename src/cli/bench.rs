@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::args::EngineArgs;
 use super::image_bench::{self, ImageBench, ImageSource};
 use super::session::open_engine;
-use crate::engine::{Drafter, Engine, ReplayDrafter, Request, SamplingParams};
+use crate::engine::{Drafter, Engine, Grammar, GrammarCompiler, GrammarSpec, ReplayDrafter, Request, SamplingParams};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -83,6 +83,12 @@ pub struct BenchArgs {
     /// model's own where such a tie flipped.
     #[arg(long, requires = "speculative_config")]
     pub all_accepted: bool,
+    /// Hold every generated sequence to this JSON schema (a file), as structured outputs do:
+    /// what the grammar's masks cost. Choose a schema that the generated length cannot
+    /// complete (e.g. an array with many required items), so every sequence runs --gen-len
+    /// tokens.
+    #[arg(long)]
+    pub json_schema: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Serialize, Clone)]
@@ -126,12 +132,24 @@ fn prompt_tokens(engine: &Engine, a: &BenchArgs) -> anyhow::Result<Vec<u32>> {
     Ok(unit.iter().copied().cycle().take(len).collect())
 }
 
+/// The grammar of --json-schema, compiled for the model.
+fn grammar(engine: &Engine, a: &BenchArgs) -> anyhow::Result<Option<Grammar>> {
+    let Some(path) = &a.json_schema else { return Ok(None) };
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("--json-schema {}: {e}", path.display()))?;
+    let schema: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--json-schema {}: {e}", path.display()))?;
+    let compiler =
+        GrammarCompiler::new(engine.tokenizer().inner(), engine.model().config().vocab_size, &engine.eos_token_ids())?;
+    Ok(Some(compiler.compile(&GrammarSpec::JsonSchema(schema)).map_err(|e| anyhow::anyhow!("--json-schema: {e}"))?))
+}
+
 fn run_once(
     engine: &mut Engine,
     batch: usize,
     prompt: &[u32],
     gen_len: usize,
     a: &BenchArgs,
+    grammar: Option<&Grammar>,
 ) -> anyhow::Result<BenchRow> {
     let spec_before = engine.stats.spec.clone();
     let start = Instant::now();
@@ -143,6 +161,7 @@ fn run_once(
             top_p: a.top_p,
             top_k: a.top_k,
             seed: Some(i as u64),
+            grammar: grammar.cloned(),
             ..SamplingParams::default()
         };
         engine.add_request(Request { prompt_tokens: prompt.to_vec(), params })?;
@@ -225,8 +244,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         engine.set_drafter(Drafter::Replay(ReplayDrafter::new(k, vec![(prompt.len(), recorded)])))?;
         engine.accept_all_drafts(true);
     }
+    let grammar = grammar(&engine, &a)?;
     // Warm up caches and thread pools.
-    run_once(&mut engine, 1, &prompt, 4, &a)?;
+    run_once(&mut engine, 1, &prompt, 4, &a, grammar.as_ref())?;
     let pb = ProgressBar::new((a.batch_sizes.len() * a.repeats) as u64);
     pb.set_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} {msg}")
@@ -237,7 +257,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         pb.set_message(format!("batch {b}"));
         let mut runs = Vec::new();
         for _ in 0..a.repeats {
-            runs.push(run_once(&mut engine, b, &prompt, a.gen_len, &a)?);
+            runs.push(run_once(&mut engine, b, &prompt, a.gen_len, &a, grammar.as_ref())?);
             pb.inc(1);
         }
         let m = |f: fn(&BenchRow) -> f64| median(runs.iter().map(f).collect());

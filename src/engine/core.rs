@@ -103,6 +103,17 @@ impl Engine {
         self.runner.embed_cache_mut().clear();
     }
 
+    /// Every id that ends a sequence: the model config's, then the tokenizer's.
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        let mut eos = self.model().config().eos_token_ids.clone();
+        for &id in self.tokenizer().eos_token_ids() {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+        eos
+    }
+
     pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
         &self.tokenizer
     }

@@ -24,6 +24,7 @@ use super::generate::{
 use super::reply::{Delta, Reply, ReplyParser};
 use super::sse::{named_event, sse_response, Converter};
 use super::state::AppState;
+use super::structured::{self, Asked};
 use super::tool_request::{reply_setup, ToolRequest};
 use crate::engine::{FinishReason, Request, SamplingParams};
 use crate::tokenizer::{ChatMessage, TextTokenizer};
@@ -155,11 +156,13 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
     let tok = engine.tokenizer.clone();
     let mut prompt = encode(&tok, &messages, template_vars(&tools, req.thinking.as_ref())?)?;
     let (setup, forced) = reply_setup(&app.cfg.parsers, &engine, &tools, &prompt, "toolu_")?;
-    if !forced.is_empty() {
-        prompt.extend(tok.encode_plain_text(&forced).map_err(|e| ApiError::bad_request(e.to_string()))?);
-    }
+    forced.append_to(&tok, &mut prompt)?;
+    let call = forced.grammar.map(|spec| Asked { spec, field: "tools".into() });
+    let grammar = structured::compile_off_thread(&engine, call.as_ref()).await?;
+    let forced = forced.text;
     let (prompt, images) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
     let mut params = SamplingParams {
+        grammar,
         temperature: req.temperature.unwrap_or(1.0),
         top_p: req.top_p.unwrap_or(1.0),
         top_k: req.top_k.map(|k| usize::try_from(k).unwrap_or(0)).unwrap_or(0),
@@ -468,9 +471,7 @@ async fn count_tokens_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejecti
     let mut prompt = encode(tok, &messages, template_vars(&tools, req.thinking.as_ref())?)?;
     // A forced call's opening is part of the prompt /v1/messages runs.
     let (_, forced) = reply_setup(&app.cfg.parsers, &engine, &tools, &prompt, "toolu_")?;
-    if !forced.is_empty() {
-        prompt.extend(tok.encode_plain_text(&forced).map_err(|e| ApiError::bad_request(e.to_string()))?);
-    }
+    forced.append_to(tok, &mut prompt)?;
     let (prompt, _) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
     Ok(Json(json!({ "input_tokens": prompt.len() })).into_response())
 }

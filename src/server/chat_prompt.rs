@@ -10,9 +10,13 @@ use super::errors::ApiError;
 use super::images::ImageRef;
 use super::reply::{Delta, Reply, ReplyParser, ReplySetup};
 use super::state::AppState;
+use super::structured::{self, Asked};
 use super::tool_request::{reply_setup, ToolRequest};
-use crate::engine::{ImageInput, SamplingParams};
+use crate::engine::{Grammar, GrammarSpec, ImageInput, SamplingParams};
 use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
+
+/// Where a thinking ends (every `--reasoning-parser` format closes it so).
+const THINK_END: &str = "</think>";
 
 /// Renders and tokenizes a conversation; template errors are the client's (400). Special
 /// tokens come only from the template: what the client wrote is tokenized as text.
@@ -38,6 +42,8 @@ pub struct ChatPrompt {
     /// What iris wrote after the template (a forced call's opening): every reply continues
     /// it, so its parser reads it first.
     pub forced: String,
+    /// The grammar of the rest of a forced call.
+    pub call_grammar: Option<GrammarSpec>,
 }
 
 impl ChatPrompt {
@@ -59,11 +65,28 @@ impl ChatPrompt {
         tools.template_vars(&mut extra);
         let mut prompt = encode_chat(tok, messages, add_generation_prompt, extra)?;
         let (setup, forced) = reply_setup(&app.cfg.parsers, engine, tools, &prompt, id_prefix)?;
-        if !forced.is_empty() {
-            prompt.extend(tok.encode_plain_text(&forced).map_err(|e| ApiError::bad_request(e.to_string()))?);
-        }
+        forced.append_to(tok, &mut prompt)?;
         let (tokens, images) = super::images::prepare(&app.cfg.media, engine, prompt, images).await?;
-        Ok(ChatPrompt { tokens, images, setup, forced })
+        Ok(ChatPrompt { tokens, images, setup, forced: forced.text, call_grammar: forced.grammar })
+    }
+
+    /// The grammar the replies follow: a forced call's (the call is the whole reply), else
+    /// the structured output the request asked for, which a reply that begins in its
+    /// thinking follows from the thinking's end on (the answer is what has a schema).
+    pub async fn grammar(&self, engine: &EngineHandle, asked: Option<&Asked>) -> Result<Option<Grammar>, ApiError> {
+        if let Some(spec) = self.call_grammar.clone() {
+            return structured::compile_off_thread(engine, Some(&Asked { spec, field: "tools".into() })).await;
+        }
+        let grammar = structured::compile_off_thread(engine, asked).await?;
+        if !self.setup.begins_in_thinking() {
+            return Ok(grammar);
+        }
+        let tok = &engine.tokenizer;
+        let marker = match tok.token_to_id(THINK_END) {
+            Some(id) => vec![id],
+            None => tok.encode_plain_text(THINK_END).map_err(|e| ApiError::bad_request(e.to_string()))?,
+        };
+        Ok(grammar.map(|g| g.after(marker)))
     }
 
     /// Tool-call and thinking tags may be special tokens (GLM's are): the parsers need them,

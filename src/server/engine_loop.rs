@@ -234,7 +234,7 @@ where
             num_blocks: engine.scheduler().allocator.num_blocks(),
             block_size: cfg.scheduler.block_size,
             max_num_seqs: cfg.scheduler.max_num_seqs,
-            eos_token_ids: eos_ids(&engine),
+            eos_token_ids: engine.eos_token_ids(),
         };
         let _ = ready_tx.send(Ok((info, engine.tokenizer().clone(), engine.vision().cloned())));
         run_loop(engine, cmd_rx, &metrics);
@@ -253,16 +253,6 @@ where
         alive,
         grammar: Arc::new(OnceLock::new()),
     })
-}
-
-fn eos_ids(engine: &Engine) -> Vec<u32> {
-    let mut eos = engine.model().config().eos_token_ids.clone();
-    for &id in engine.tokenizer().eos_token_ids() {
-        if !eos.contains(&id) {
-            eos.push(id);
-        }
-    }
-    eos
 }
 
 fn run_loop(mut engine: Engine, commands: Receiver<Command>, metrics: &Metrics) {

@@ -36,6 +36,7 @@ pub mod sse;
 mod state;
 pub mod structured;
 pub mod timed_body;
+pub mod tool_grammar;
 pub mod tool_request;
 pub mod tools;
 

@@ -223,7 +223,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let mut params = fields.params()?;
     chat.keep_special_tokens(&mut params, fields.skip_special_tokens);
     params.logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
-    params.grammar = structured.as_ref().map(|s| structured::compile(&engine, s)).transpose()?;
+    params.grammar = chat.grammar(&engine, structured.as_ref()).await?;
     // Without max_tokens a chat reply may use the rest of the context (vLLM's default).
     let max_tokens = MaxTokens { requested: fields.max_tokens()?, default: None };
     let prompt_len = chat.tokens.len();
@@ -376,7 +376,7 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
         }
     };
     let structured = structured::from_body(&v)?;
-    params.grammar = structured.as_ref().map(|s| structured::compile(&engine, s)).transpose()?;
+    params.grammar = structured::compile_off_thread(&engine, structured.as_ref()).await?;
     let echo = req.echo.unwrap_or(false);
     if echo {
         // Echoed prompt tokens carry logprobs too (vLLM: prompt_logprobs = logprobs).

@@ -44,6 +44,16 @@ impl ReplySetup {
     pub fn is_plain(&self) -> bool {
         self.reasoning.is_none() && self.tools.is_none()
     }
+
+    /// The reply begins inside a thinking: the prompt opened it, or the format always does
+    /// (as its parser reads it).
+    pub fn begins_in_thinking(&self) -> bool {
+        match self.reasoning {
+            Some(ReasoningFormat::DeepSeekR1) => true,
+            Some(_) => self.starts_in_thinking,
+            None => false,
+        }
+    }
 }
 
 pub struct ReplyParser {

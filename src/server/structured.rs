@@ -163,8 +163,20 @@ pub fn from_text_format(format: Option<&Value>) -> Result<Option<Asked>, ApiErro
     Ok(Some(Asked { spec, field: "text.format".into() }))
 }
 
+/// Compiles what was asked on a blocking thread: a schema can take milliseconds to compile
+/// (the first one also builds the vocabulary trie), which would hold up the other requests
+/// of the async thread it ran on.
+pub async fn compile_off_thread(engine: &EngineHandle, asked: Option<&Asked>) -> Result<Option<Grammar>, ApiError> {
+    let Some(asked) = asked.cloned() else { return Ok(None) };
+    let engine = engine.clone();
+    tokio::task::spawn_blocking(move || compile(&engine, &asked))
+        .await
+        .map_err(|e| ApiError::internal(format!("grammar compilation failed: {e}")))?
+        .map(Some)
+}
+
 /// Compiles what was asked for this model; a bad grammar is a 400 on its field.
-pub fn compile(engine: &EngineHandle, asked: &Asked) -> Result<Grammar, ApiError> {
+fn compile(engine: &EngineHandle, asked: &Asked) -> Result<Grammar, ApiError> {
     let compiler = engine.grammar_compiler().map_err(|e| {
         ApiError::bad_request(e.to_string()).param(asked.field.clone()).code("invalid_structured_output")
     })?;

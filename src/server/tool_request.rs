@@ -1,8 +1,8 @@
 //! What a request says about tools: the tool definitions (for the chat template and the
 //! parsers), `tool_choice`, and how its replies are parsed ([`ReplySetup`]), including the
 //! text iris writes after the prompt to make the model call a tool (`required`, a named
-//! function): the call's opening, in the model's own format, so the reply continues a call.
-//! Arguments are not constrained (that needs a grammar: structured outputs, not built yet).
+//! function): the call's opening, in the model's own format, so the reply continues a call,
+//! and the grammar that holds the rest of the call to the tools' schemas (`tool_grammar`).
 
 use serde_json::{json, Value};
 
@@ -11,6 +11,8 @@ use super::errors::ApiError;
 use super::reasoning::{prompt_opens_thinking, ReasoningFormat};
 use super::reply::ReplySetup;
 use super::tools::{ToolFormat, ToolSpec, Tools};
+use crate::engine::GrammarSpec;
+use crate::tokenizer::TextTokenizer;
 
 /// `--tool-call-parser` and `--reasoning-parser`, as the server runs with them.
 #[derive(Debug, Clone, Default)]
@@ -167,16 +169,34 @@ pub fn spec(f: &Value, at: &str) -> Result<ToolSpec, ApiError> {
     Ok(ToolSpec { name, parameters })
 }
 
-/// How the replies of a request are parsed, and the text (if any) iris appends to its
-/// prompt so that the reply continues a tool call; the caller feeds that text to each
-/// reply's parser before the model's.
+/// A forced tool call: the text iris appends to the prompt so that the reply continues a
+/// call (the caller feeds it to each reply's parser before the model's text), and the
+/// grammar the rest of the call follows. Empty when the request forces no call.
+#[derive(Debug, Clone, Default)]
+pub struct Forced {
+    pub text: String,
+    pub grammar: Option<GrammarSpec>,
+}
+
+impl Forced {
+    /// Appends the opening to `prompt`, tokenized as text.
+    pub fn append_to(&self, tok: &TextTokenizer, prompt: &mut Vec<u32>) -> Result<(), ApiError> {
+        if !self.text.is_empty() {
+            prompt.extend(tok.encode_plain_text(&self.text).map_err(|e| ApiError::bad_request(e.to_string()))?);
+        }
+        Ok(())
+    }
+}
+
+/// How the replies of a request are parsed, and the forced call (if any) that its prompt
+/// ends with.
 pub fn reply_setup(
     cfg: &ParserConfig,
     engine: &EngineHandle,
     tools: &ToolRequest,
     prompt: &[u32],
     id_prefix: &'static str,
-) -> Result<(ReplySetup, String), ApiError> {
+) -> Result<(ReplySetup, Forced), ApiError> {
     let tok = &engine.tokenizer;
     let starts_in_thinking = cfg.reasoning.is_some() && {
         let tail = &prompt[prompt.len().saturating_sub(16)..];
@@ -190,7 +210,7 @@ pub fn reply_setup(
         id_prefix,
     };
     if tools.specs.0.is_empty() || tools.choice == ToolChoice::None {
-        return Ok((setup, String::new()));
+        return Ok((setup, Forced::default()));
     }
     let format = cfg.tool_format.or_else(|| tok.chat_template().and_then(|t| ToolFormat::detect(t.source())));
     let Some(format) = format else {
@@ -204,18 +224,19 @@ pub fn reply_setup(
         ));
     };
     setup.tools = Some((format, tools.specs.clone()));
-    let opening = match &tools.choice {
-        ToolChoice::Required => forced_opening(format, None),
-        ToolChoice::Function(name) => forced_opening(format, Some(name)),
-        _ => return Ok((setup, String::new())),
+    let name = match &tools.choice {
+        ToolChoice::Required => None,
+        ToolChoice::Function(name) => Some(name.as_str()),
+        _ => return Ok((setup, Forced::default())),
     };
     // A forced call is the answer, so a thinking the prompt opened is closed first.
     let close = if starts_in_thinking { "\n</think>\n\n" } else { "" };
-    Ok((setup, format!("{close}{opening}")))
+    let grammar = super::tool_grammar::forced_call(format, &tools.specs.0, name, tools.parallel);
+    Ok((setup, Forced { text: format!("{close}{}", forced_opening(format, name)), grammar: Some(grammar) }))
 }
 
 /// The start of a call in `format`: of any call, or of one to `name`.
-fn forced_opening(format: ToolFormat, name: Option<&str>) -> String {
+pub fn forced_opening(format: ToolFormat, name: Option<&str>) -> String {
     match (format, name) {
         (ToolFormat::Hermes, None) => "<tool_call>\n{\"name\": \"".into(),
         (ToolFormat::Hermes, Some(n)) => format!("<tool_call>\n{{\"name\": {}, \"arguments\": ", json!(n)),

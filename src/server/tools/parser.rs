@@ -49,15 +49,47 @@ impl Tools {
     }
 }
 
-fn schema_type(schema: &Value) -> Option<String> {
+/// A schema's type (the first non-null one of a list or of `anyOf` / `oneOf`), if it says.
+pub fn schema_type(schema: &Value) -> Option<String> {
     match schema.get("type") {
         Some(Value::String(t)) => Some(t.clone()),
         Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).find(|t| *t != "null").map(str::to_string),
         _ => {
+            // An enum or const without a type: the type its values share.
+            let values = match (schema.get("enum"), schema.get("const")) {
+                (Some(Value::Array(e)), _) => Some(e.as_slice()),
+                (_, Some(c)) => Some(std::slice::from_ref(c)),
+                _ => None,
+            };
+            if let Some(values) = values {
+                return shared_type(values);
+            }
             // `anyOf: [{type: ...}, {type: "null"}]`, the shape pydantic writes for Optional.
             let alts = schema.get("anyOf").or_else(|| schema.get("oneOf"))?.as_array()?;
             alts.iter().filter_map(schema_type).find(|t| t != "null")
         }
+    }
+}
+
+/// The JSON type all of `values` have (integers are numbers too), if they share one.
+fn shared_type(values: &[Value]) -> Option<String> {
+    let ty = |v: &Value| match v {
+        Value::String(_) => "string",
+        Value::Bool(_) => "boolean",
+        Value::Number(n) if n.is_i64() || n.is_u64() => "integer",
+        Value::Number(_) => "number",
+        Value::Null => "null",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    };
+    let first = ty(values.first()?);
+    let all = |t: &str| values.iter().all(|v| ty(v) == t || (t == "number" && ty(v) == "integer"));
+    if all(first) {
+        Some(first.to_string())
+    } else if all("number") {
+        Some("number".to_string())
+    } else {
+        None
     }
 }
 
@@ -122,12 +154,18 @@ mod tests {
                 "b": {"type": ["null", "boolean"]},
                 "c": {"anyOf": [{"type": "number"}, {"type": "null"}]},
                 "d": {"description": "no type"},
+                "e": {"enum": [1, 2.5]},
+                "f": {"const": "x"},
+                "g": {"enum": [1, "x"]},
             }}),
         }]);
         assert_eq!(tools.param_type("f", "a").as_deref(), Some("integer"));
         assert_eq!(tools.param_type("f", "b").as_deref(), Some("boolean"));
         assert_eq!(tools.param_type("f", "c").as_deref(), Some("number"));
         assert_eq!(tools.param_type("f", "d"), None);
+        assert_eq!(tools.param_type("f", "e").as_deref(), Some("number"));
+        assert_eq!(tools.param_type("f", "f").as_deref(), Some("string"));
+        assert_eq!(tools.param_type("f", "g"), None);
         assert_eq!(tools.param_type("g", "a"), None);
     }
 }
