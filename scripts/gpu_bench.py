@@ -3,7 +3,9 @@
 
     gpu_bench.py make DIR MODEL        random-weight checkpoint (seeded normal * 0.02, bf16) of
                                        MODEL (qwen2.5-7b | smollm2-135m) + a word-level tokenizer
-                                       covering its whole vocabulary
+                                       covering its whole vocabulary; MODEL+bytes: a byte-level
+                                       tokenizer instead (its first 256 ids the bytes, the rest
+                                       filler), which can spell any text (structured outputs)
     gpu_bench.py bandwidth             device-to-device copy bandwidth (bytes read + written / s)
     gpu_bench.py hf DIR                transformers generate on DIR: decode tok/s at --batches,
                                        prefill tok/s and TTFT for a --prefill-len prompt
@@ -45,16 +47,27 @@ def make(out, name):
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    cfg = CONFIGS[name]
+    base, _, kind = name.partition("+")
+    cfg = CONFIGS[base]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    words = list(dict.fromkeys(BENCH_TEXT.split()))
-    vocab = {w: i for i, w in enumerate(words)}
-    for i in range(len(words), cfg["vocab_size"]):
-        vocab[f"<t{i}>"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=words[0]))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if kind == "bytes":
+        from tokenizers import decoders
+        words = sorted(pre_tokenizers.ByteLevel.alphabet())
+        vocab = {w: i for i, w in enumerate(words)}
+        for i in range(len(words), cfg["vocab_size"]):
+            vocab[f"<t{i}>"] = i
+        tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        words = list(dict.fromkeys(BENCH_TEXT.split()))
+        vocab = {w: i for i, w in enumerate(words)}
+        for i in range(len(words), cfg["vocab_size"]):
+            vocab[f"<t{i}>"] = i
+        tok = Tokenizer(models.WordLevel(vocab, unk_token=words[0]))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(os.path.join(out, "tokenizer.json"))
 
     h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]

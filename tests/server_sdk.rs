@@ -44,18 +44,7 @@ fn sdk_python() -> Option<String> {
 fn official_python_sdks() {
     let Some(py) = sdk_python() else { return };
     let s = Server::start(&["--api-key", "test-key", "--served-model-name", "tiny-llama"]);
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk.py");
-    let out = Command::new(&py)
-        .arg(&script)
-        .arg("-v")
-        .env("IRIS_BASE_URL", format!("http://{}", s.addr))
-        .env("IRIS_API_KEY", "test-key")
-        .env("IRIS_MODEL", "tiny-llama")
-        .output()
-        .expect("python runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stderr}");
-    assert!(out.status.success(), "SDK tests failed:\n{stderr}\nserver log:\n{}", s.log());
+    run_script(&py, "test_sdk.py", &s, "tiny-llama", &[]);
 }
 
 /// `iris serve` on the tiny Qwen3 fixture with Qwen3.5's real chat template, its XML tool
@@ -87,29 +76,29 @@ fn qwen35_server() -> (Server, std::path::PathBuf, String) {
     (s, model, eos.to_string())
 }
 
-/// Runs one of tests/python/ against `s` (serving `tiny-qwen3` with the EOS id `eos`).
-fn run_script(py: &str, script: &str, s: &Server, eos: &str) {
+/// Runs one of tests/python/ against `s`, serving `model`, with `env` set as well.
+fn run_script(py: &str, script: &str, s: &Server, model: &str, env: &[(&str, &str)]) {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(script);
     let out = Command::new(py)
         .arg(&script)
         .arg("-v")
         .env("IRIS_BASE_URL", format!("http://{}", s.addr))
         .env("IRIS_API_KEY", "test-key")
-        .env("IRIS_MODEL", "tiny-qwen3")
-        .env("IRIS_EOS_ID", eos)
+        .env("IRIS_MODEL", model)
+        .envs(env.iter().copied())
         .output()
         .expect("python runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
-    assert!(out.status.success(), "{} failed:\n{stderr}\nserver log:\n{}", script.display(), s.log());
+    assert!(out.status.success(), "{} {env:?} failed:\n{stderr}\nserver log:\n{}", script.display(), s.log());
 }
 
-/// Tool round trips through both SDKs (tests/python/test_sdk_tools.py).
+/// Tool round trips and forced calls through both SDKs (tests/python/test_sdk_tools.py).
 #[test]
 fn official_python_sdks_tools() {
     let Some(py) = sdk_python() else { return };
-    let (s, model, eos) = qwen35_server();
-    run_script(&py, "test_sdk_tools.py", &s, &eos);
+    let (s, model, _) = qwen35_server();
+    run_script(&py, "test_sdk_tools.py", &s, "tiny-qwen3", &[]);
     drop(s);
     let _ = std::fs::remove_dir_all(&model);
 }
@@ -120,7 +109,7 @@ fn official_python_sdks_tools() {
 fn official_python_sdk_responses() {
     let Some(py) = sdk_python() else { return };
     let (s, model, eos) = qwen35_server();
-    run_script(&py, "test_sdk_responses.py", &s, &eos);
+    run_script(&py, "test_sdk_responses.py", &s, "tiny-qwen3", &[("IRIS_EOS_ID", &eos)]);
     drop(s);
     let _ = std::fs::remove_dir_all(&model);
 }
@@ -137,22 +126,6 @@ fn official_python_sdk_structured_outputs() {
             args.extend(["--speculative-config", s]);
         }
         let s = Server::start(&args);
-        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk_structured.py");
-        let out = Command::new(&py)
-            .arg(&script)
-            .arg("-v")
-            .env("IRIS_BASE_URL", format!("http://{}", s.addr))
-            .env("IRIS_API_KEY", "test-key")
-            .env("IRIS_MODEL", "tiny-llama")
-            .env("IRIS_EXPECT_SPECULATION", speculating)
-            .output()
-            .expect("python runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        eprintln!("{stderr}");
-        assert!(
-            out.status.success(),
-            "structured SDK tests (speculation {speculating}) failed:\n{stderr}\nserver log:\n{}",
-            s.log()
-        );
+        run_script(&py, "test_sdk_structured.py", &s, "tiny-llama", &[("IRIS_EXPECT_SPECULATION", speculating)]);
     }
 }

@@ -2,10 +2,13 @@
 //! while the model runs: they depend only on each sequence's output and drafts, which are
 //! known before the forward pass, and a JSON schema's mask over a large vocabulary takes
 //! about as long as a small model's decode step. On a GPU the host thread only waits for the
-//! device meanwhile, so a thread of their own computes them; on the CPU the kernels' threads
-//! already take every core and the masks are computed after the forward pass, in turn.
+//! device meanwhile, so a thread of their own computes them (the sequences in parallel); on
+//! the CPU the kernels' threads already take every core and the masks are computed before the
+//! forward pass, in turn.
 
 use std::thread::JoinHandle;
+
+use rayon::prelude::*;
 
 use super::grammar::{Constraint, RowMasks};
 use super::scheduler::SchedulerOutput;
@@ -37,8 +40,9 @@ pub fn masks_beside<T>(
             work.push((i, c, seq.draft[..item.num_draft].to_vec()));
         }
     }
+    // The sequences side by side (rayon's threads), as they are sampled.
     let compute = |work: Vec<Work>| -> Vec<(usize, Constraint, RowMasks)> {
-        work.into_iter()
+        work.into_par_iter()
             .map(|(i, mut c, drafts)| {
                 let m = c.row_masks(&drafts);
                 (i, c, m)
