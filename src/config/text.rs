@@ -168,7 +168,7 @@ impl MoeConfig {
 }
 
 /// Gated DeltaNet layers' sizes (Qwen3.5's `linear_*` fields).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinearAttnConfig {
     pub num_key_heads: usize,
     /// A multiple of `num_key_heads`: consecutive value heads share a key head.
@@ -194,7 +194,8 @@ impl LinearAttnConfig {
     }
 
     /// f32 values of one sequence's state in one layer: the convolution's last `conv_kernel - 1`
-    /// inputs, then the delta rule's `[value heads, key dim, value dim]` matrix.
+    /// inputs (`[K - 1, conv_dim]`, oldest row first), then the delta rule's `[value heads, key
+    /// dim, value dim]` matrix.
     pub fn state_len(&self) -> (usize, usize) {
         ((self.conv_kernel - 1) * self.conv_dim(), self.num_value_heads * self.key_head_dim * self.value_head_dim)
     }

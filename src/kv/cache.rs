@@ -6,7 +6,6 @@ use super::calibration::CalibrationCache;
 use super::format::{KvDtype, TqSpec};
 use super::recurrent::RecurrentState;
 use crate::config::{LayerKind, TextConfig};
-use crate::ops::gated_delta::DeltaDims;
 use crate::ops::turboquant::{Codebook, FloatWindow, LayerCodecs, TqLayerCache};
 
 /// Shape of the pool: how many blocks of how many tokens, in which float type (that of every
@@ -243,13 +242,7 @@ impl KvCache {
 /// A linear-attention layer's state storage, for `slots` sequences.
 fn recurrent_state(cfg: &TextConfig, layer: usize, slots: usize) -> Option<RecurrentState> {
     let l = cfg.linear_attn.as_ref().filter(|_| cfg.layer_kinds[layer] == LayerKind::Linear)?;
-    let dims = DeltaDims {
-        num_key_heads: l.num_key_heads,
-        num_value_heads: l.num_value_heads,
-        key_head_dim: l.key_head_dim,
-        value_head_dim: l.value_head_dim,
-        conv_kernel: l.conv_kernel,
-    };
+    let dims = *l;
     Some(RecurrentState::new(dims, slots))
 }
 

@@ -5,10 +5,10 @@
 
 use std::sync::Mutex;
 
-use crate::ops::gated_delta::DeltaDims;
+use crate::config::LinearAttnConfig;
 
 pub struct RecurrentState {
-    pub dims: DeltaDims,
+    pub dims: LinearAttnConfig,
     /// `[slots, K - 1, conv_dim]`.
     conv: Mutex<Vec<f32>>,
     /// `[slots, Hv, Dk, Dv]`.
@@ -17,7 +17,7 @@ pub struct RecurrentState {
 }
 
 impl RecurrentState {
-    pub fn new(dims: DeltaDims, slots: usize) -> Self {
+    pub fn new(dims: LinearAttnConfig, slots: usize) -> Self {
         let (c, s) = dims.state_len();
         RecurrentState { dims, conv: Mutex::new(vec![0.0; slots * c]), ssm: Mutex::new(vec![0.0; slots * s]), slots }
     }

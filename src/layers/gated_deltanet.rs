@@ -10,9 +10,9 @@ use candle_core::{DType, Result, Tensor};
 use super::linear::{Linear, StackedLinear};
 use super::norm::{NormStyle, RmsNorm};
 use crate::batch::AttentionMeta;
-use crate::config::TextConfig;
+use crate::config::{LinearAttnConfig, TextConfig};
 use crate::kv::LayerCache;
-use crate::ops::gated_delta::{run_sequence, DeltaDims, DeltaParams};
+use crate::ops::gated_delta::{run_sequence, DeltaParams};
 use crate::weights::{Weights, WeightsError};
 
 pub struct GatedDeltaNet {
@@ -25,7 +25,7 @@ pub struct GatedDeltaNet {
     dt_bias: Vec<f32>,
     norm: RmsNorm,
     out_proj: Linear,
-    dims: DeltaDims,
+    dims: LinearAttnConfig,
 }
 
 impl GatedDeltaNet {
@@ -36,13 +36,7 @@ impl GatedDeltaNet {
             msg: format!("layer {layer} is linear attention but the config has no `linear_*` sizes"),
         })?;
         let p = format!("model.layers.{layer}.linear_attn");
-        let dims = DeltaDims {
-            num_key_heads: l.num_key_heads,
-            num_value_heads: l.num_value_heads,
-            key_head_dim: l.key_head_dim,
-            value_head_dim: l.value_head_dim,
-            conv_kernel: l.conv_kernel,
-        };
+        let dims = *l;
         let (h, c, hv) = (cfg.hidden_size, dims.conv_dim(), dims.num_value_heads);
         let vec1 = |name: &str, shape: &[usize]| -> std::result::Result<Vec<f32>, WeightsError> {
             Ok(w.dense_f32(&format!("{p}.{name}"), shape)?.flatten_all()?.to_vec1()?)

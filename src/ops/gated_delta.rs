@@ -14,35 +14,7 @@
 
 use rayon::prelude::*;
 
-/// One layer's sizes.
-#[derive(Debug, Clone, Copy)]
-pub struct DeltaDims {
-    pub num_key_heads: usize,
-    pub num_value_heads: usize,
-    pub key_head_dim: usize,
-    pub value_head_dim: usize,
-    pub conv_kernel: usize,
-}
-
-impl DeltaDims {
-    pub fn key_dim(&self) -> usize {
-        self.num_key_heads * self.key_head_dim
-    }
-
-    pub fn value_dim(&self) -> usize {
-        self.num_value_heads * self.value_head_dim
-    }
-
-    pub fn conv_dim(&self) -> usize {
-        2 * self.key_dim() + self.value_dim()
-    }
-
-    /// f32 values of a sequence's conv state (`[K - 1, conv_dim]`, oldest row first) and of its
-    /// delta-rule state (`[Hv, Dk, Dv]`).
-    pub fn state_len(&self) -> (usize, usize) {
-        ((self.conv_kernel - 1) * self.conv_dim(), self.num_value_heads * self.key_head_dim * self.value_head_dim)
-    }
-}
+use crate::config::LinearAttnConfig;
 
 /// A layer's fixed parameters, in f32.
 pub struct DeltaParams<'a> {
@@ -74,10 +46,10 @@ fn l2norm(x: &mut [f32], scale: f32) {
 }
 
 /// Runs `n` rows of one sequence: `qkv` `[n, conv_dim]` (the projection, before the conv), `a`
-/// and `b` `[n, Hv]`; `conv_state` and `ssm_state` (`DeltaDims::state_len`) are read as the state
+/// and `b` `[n, Hv]`; `conv_state` and `ssm_state` (`LinearAttnConfig::state_len`) are read as the state
 /// before the first row and left as the state after the last. Returns `o` `[n, Hv * Dv]`.
 pub fn run_sequence(
-    dims: &DeltaDims,
+    dims: &LinearAttnConfig,
     p: &DeltaParams,
     conv_state: &mut [f32],
     ssm_state: &mut [f32],
@@ -173,8 +145,8 @@ mod tests {
             .collect()
     }
 
-    const DIMS: DeltaDims =
-        DeltaDims { num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, value_head_dim: 6, conv_kernel: 4 };
+    const DIMS: LinearAttnConfig =
+        LinearAttnConfig { num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, value_head_dim: 6, conv_kernel: 4 };
 
     /// Runs `rows` rows from a zero state in pieces of `chunk`, returning outputs and the states.
     fn run_in_chunks(chunk: usize, rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
