@@ -13,6 +13,13 @@ use super::sequence::Sequence;
 use crate::kv::prefix_cache::block_hash;
 use crate::kv::{BlockAllocator, BlockExtra, BlockHash};
 
+/// Fewest prompt tokens a sequence starting from cached blocks computes itself. A CPU matmul
+/// rounds a row differently when it is one of fewer than ~5 rows (gemm picks another kernel),
+/// so a repeated prompt whose last token alone were computed would get logits a bit or two off
+/// those of the same prompt computed whole; with this many rows it gets the same bits. It
+/// costs at most this many tokens more per hit.
+pub const MIN_COMPUTED: usize = 8;
+
 /// Names a pool's full blocks (`kv::prefix_cache`): the chain's root and the block size.
 #[derive(Debug, Clone, Copy)]
 pub struct PrefixHasher {
@@ -57,7 +64,8 @@ impl PrefixHasher {
     }
 
     /// Gives a sequence that holds no blocks the longest cached run of its full blocks (never
-    /// its last token: that one's logits are needed) and marks those tokens computed. Returns
+    /// its last `MIN_COMPUTED` tokens: the last one's logits are needed, see `MIN_COMPUTED`
+    /// for the others) and marks those tokens computed. Returns
     /// how many tokens that is. A sequence that wants prompt logprobs computes every prompt
     /// token itself (their logits are what it asks for).
     pub fn start_from_cache(&self, seq: &mut Sequence, alloc: &mut BlockAllocator) -> usize {
@@ -65,7 +73,7 @@ impl PrefixHasher {
             return 0;
         }
         let bs = self.block_size;
-        let max_blocks = seq.num_tokens().saturating_sub(1) / bs;
+        let max_blocks = seq.num_tokens().saturating_sub(MIN_COMPUTED.max(1)) / bs;
         self.extend(seq, max_blocks * bs);
         let hits = alloc.lookup(&seq.block_hashes[..max_blocks]);
         for &b in &hits {

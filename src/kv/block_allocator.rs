@@ -50,6 +50,11 @@ impl BlockAllocator {
         self.index.as_ref().map_or(0, PrefixIndex::len)
     }
 
+    /// Cached blocks evicted (handed out for other keys) so far.
+    pub fn num_evicted(&self) -> u64 {
+        self.index.as_ref().map_or(0, |ix| ix.evictions)
+    }
+
     /// Sum of every block's reference count (0 once every sequence has ended).
     pub fn total_refs(&self) -> u64 {
         self.refs.iter().map(|&r| r as u64).sum()

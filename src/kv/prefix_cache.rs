@@ -130,6 +130,8 @@ pub struct PrefixIndex {
     /// Per block, its key in `evictable` while it is there.
     released_at: Vec<Option<u64>>,
     clock: u64,
+    /// Cached blocks handed out for other keys so far.
+    pub evictions: u64,
 }
 
 impl PrefixIndex {
@@ -140,6 +142,7 @@ impl PrefixIndex {
             evictable: BTreeMap::new(),
             released_at: vec![None; num_blocks],
             clock: 0,
+            evictions: 0,
         }
     }
 
@@ -195,6 +198,7 @@ impl PrefixIndex {
     /// Forgets the least recently released cached block and hands it out for new keys.
     pub fn evict_lru(&mut self) -> Option<BlockId> {
         let (_, b) = self.evictable.pop_first()?;
+        self.evictions += 1;
         self.released_at[b.0 as usize] = None;
         if let Some(h) = self.hash_of[b.0 as usize].take() {
             self.by_hash.remove(&h);
