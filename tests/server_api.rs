@@ -73,7 +73,7 @@ fn chat_completion_matches_its_stream_with_exact_usage() {
     let mut susage = susage.expect("a usage chunk");
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
     let cached = susage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-    assert!(cached > 0 && cached % 16 == 0 && cached < usage["prompt_tokens"].as_u64().unwrap(), "{susage}");
+    assert!(cached > 0 && cached.is_multiple_of(16) && cached < usage["prompt_tokens"].as_u64().unwrap(), "{susage}");
     susage["prompt_tokens_details"]["cached_tokens"] = json!(0);
     assert_eq!(&susage, usage);
 }
@@ -435,7 +435,7 @@ fn prefix_cache_reports_cached_tokens_and_counts_them() {
     assert_eq!(cached_of(&first["usage"]), 0, "{first}");
     let second = s.post("/v1/chat/completions", &chat("Goodbye", json!({}))).json();
     let (cached, prompt) = (cached_of(&second["usage"]), second["usage"]["prompt_tokens"].as_u64().unwrap());
-    assert!(cached >= 48 && cached % 16 == 0 && cached < prompt, "the system prompt's blocks: {second}");
+    assert!(cached >= 48 && cached.is_multiple_of(16) && cached < prompt, "the system prompt's blocks: {second}");
     let r = s.post(
         "/v1/chat/completions",
         &chat("Again", json!({ "stream": true, "stream_options": { "include_usage": true } })),
@@ -466,7 +466,7 @@ fn prefix_cache_reports_cached_tokens_and_counts_them() {
     let m = s.post("/v1/messages", &message("Bonjour", "b2", false)).json();
     let u = &m["usage"];
     let read = u["cache_read_input_tokens"].as_u64().unwrap();
-    assert!(read >= 48 && read % 16 == 0, "{m}");
+    assert!(read >= 48 && read.is_multiple_of(16), "{m}");
     assert_eq!(u["input_tokens"].as_u64().unwrap() + read, with_header, "computed + cached = the prompt: {m}");
     let events = s.post("/v1/messages", &message("Bonjour", "c3", true)).sse();
     let delta = events.iter().find(|(e, _)| e.as_deref() == Some("message_delta")).expect("message_delta");

@@ -172,12 +172,12 @@ fn prefix_caching_setting(
             "{} keeps a recurrent state per sequence in its linear-attention layers, which cached blocks do not hold",
             cfg.arch.name()
         ))
-    } else if let Some(w) = tq.map(|t| t.float_window).filter(|&w| w > 0) {
-        Some(format!(
-            "with --kv-float-window {w} each query reads its last {w} keys unquantized from its own sequence's ring, which a sequence starting from cached blocks does not have"
-        ))
     } else {
-        None
+        tq.map(|t| t.float_window).filter(|&w| w > 0).map(|w| {
+            format!(
+                "with --kv-float-window {w} each query reads its last {w} keys unquantized from its own sequence's ring, which a sequence starting from cached blocks does not have"
+            )
+        })
     };
     match (asked, why) {
         (Some(false), _) => Ok(false),
