@@ -69,7 +69,13 @@ fn chat_completion_matches_its_stream_with_exact_usage() {
     let (streamed, finishes, susage) = chat_stream_parts(&r.sse_data());
     assert_eq!(streamed, text);
     assert_eq!(finishes, vec!["length"]);
-    assert_eq!(susage.as_ref(), Some(usage));
+    // The same usage, except that the second run of the prompt found its blocks cached.
+    let mut susage = susage.expect("a usage chunk");
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+    let cached = susage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached > 0 && cached.is_multiple_of(16) && cached < usage["prompt_tokens"].as_u64().unwrap(), "{susage}");
+    susage["prompt_tokens_details"]["cached_tokens"] = json!(0);
+    assert_eq!(&susage, usage);
 }
 
 #[test]
@@ -89,7 +95,13 @@ fn content_parts_and_developer_role_render_like_strings() {
     assert_eq!(plain.status, 200, "{}", plain.text());
     assert_eq!(parts.status, 200, "{}", parts.text());
     assert_eq!(plain.json()["choices"], parts.json()["choices"]);
-    assert_eq!(plain.json()["usage"], parts.json()["usage"]);
+    // The same prompt: the second found its blocks in the prefix cache.
+    let usage = |r: &server_support::Response| {
+        let mut u = r.json()["usage"].clone();
+        u.as_object_mut().unwrap().remove("prompt_tokens_details");
+        u
+    };
+    assert_eq!(usage(&plain), usage(&parts));
 }
 
 #[test]
@@ -393,4 +405,80 @@ fn api_key_is_required_when_set() {
     // Health and metrics stay open for probes.
     assert_eq!(s.get("/health").status, 200);
     assert_eq!(s.get("/metrics").status, 200);
+}
+
+/// Automatic prefix caching through the server: a request sharing a long system prompt with
+/// an earlier one reports the tokens it read from the cache in OpenAI's usage (plain and
+/// streamed) and in Anthropic's (`cache_read_input_tokens`, with Claude Code's per-request
+/// billing line stripped from `system`), and /metrics counts the cache's queries and hits.
+/// With --no-enable-prefix-caching nothing is cached.
+#[test]
+fn prefix_cache_reports_cached_tokens_and_counts_them() {
+    let system = "You are a careful assistant who answers in one short sentence. ".repeat(6);
+    let chat = |user: &str, extra: Value| {
+        let mut b = json!({ "messages": [{ "role": "system", "content": system }, { "role": "user", "content": user }],
+                            "temperature": 0, "max_tokens": 4, "ignore_eos": true });
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let cached_of = |usage: &Value| usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let metric = |s: &Server, name: &str| -> u64 {
+        let text = s.get("/metrics").text();
+        let line = text.lines().find(|l| l.starts_with(name) && !l.starts_with('#'));
+        line.and_then(|l| l.rsplit(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("no {name}:\n{text}"))
+    };
+
+    let s = Server::start(&[]);
+    let first = s.post("/v1/chat/completions", &chat("Hello", json!({}))).json();
+    assert_eq!(cached_of(&first["usage"]), 0, "{first}");
+    let second = s.post("/v1/chat/completions", &chat("Goodbye", json!({}))).json();
+    let (cached, prompt) = (cached_of(&second["usage"]), second["usage"]["prompt_tokens"].as_u64().unwrap());
+    assert!(cached >= 48 && cached.is_multiple_of(16) && cached < prompt, "the system prompt's blocks: {second}");
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat("Again", json!({ "stream": true, "stream_options": { "include_usage": true } })),
+    );
+    let (_, _, usage) = chat_stream_parts(&r.sse_data());
+    assert_eq!(cached_of(&usage.expect("usage chunk")), cached, "streamed usage");
+    let c = s.post("/v1/completions", &json!({ "prompt": system, "max_tokens": 2 })).json();
+    assert!(c["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64(), "{c}");
+
+    // Anthropic: the billing line changes per request and is not part of the prompt.
+    let message = |user: &str, billing: &str, stream: bool| {
+        json!({ "model": "tiny-llama", "max_tokens": 4, "temperature": 0, "stream": stream,
+                "system": [{ "type": "text", "text": format!("x-anthropic-billing-header: cc_version=2.0; cch={billing};") },
+                           { "type": "text", "text": system }],
+                "messages": [{ "role": "user", "content": user }] })
+    };
+    let counted = |body: &Value| {
+        let mut b = body.clone();
+        for k in ["max_tokens", "temperature", "stream"] {
+            b.as_object_mut().unwrap().remove(k);
+        }
+        s.post("/v1/messages/count_tokens", &b).json()["input_tokens"].as_u64().unwrap()
+    };
+    let mut plain = message("Bonjour", "a1", false);
+    let with_header = counted(&plain);
+    plain["system"] = json!(system);
+    assert_eq!(with_header, counted(&plain), "the billing line is stripped");
+    let m = s.post("/v1/messages", &message("Bonjour", "b2", false)).json();
+    let u = &m["usage"];
+    let read = u["cache_read_input_tokens"].as_u64().unwrap();
+    assert!(read >= 48 && read.is_multiple_of(16), "{m}");
+    assert_eq!(u["input_tokens"].as_u64().unwrap() + read, with_header, "computed + cached = the prompt: {m}");
+    let events = s.post("/v1/messages", &message("Bonjour", "c3", true)).sse();
+    let delta = events.iter().find(|(e, _)| e.as_deref() == Some("message_delta")).expect("message_delta");
+    let d: Value = serde_json::from_str(&delta.1).unwrap();
+    assert!(d["usage"]["cache_read_input_tokens"].as_u64().unwrap() >= read, "{d}");
+
+    let (queries, hits) = (metric(&s, "iris_prefix_cache_queries_total"), metric(&s, "iris_prefix_cache_hits_total"));
+    assert!(hits >= 2 * cached + 2 * read && hits < queries, "hits {hits} of {queries} queries");
+
+    let off = Server::start(&["--no-enable-prefix-caching"]);
+    off.post("/v1/chat/completions", &chat("Hello", json!({})));
+    let again = off.post("/v1/chat/completions", &chat("Hello", json!({}))).json();
+    assert_eq!(cached_of(&again["usage"]), 0, "{again}");
+    assert_eq!(metric(&off, "iris_prefix_cache_queries_total"), 0);
 }

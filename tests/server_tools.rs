@@ -185,7 +185,7 @@ fn anthropic_tool_use_streamed_and_not() {
         count.as_object_mut().expect("object").remove(k);
     }
     let n = s.post("/v1/messages/count_tokens", &count);
-    assert_eq!(n.json()["input_tokens"], v["usage"]["input_tokens"], "{}", n.text());
+    assert_eq!(n.json()["input_tokens"], anthropic_prompt_tokens(&v["usage"]), "{}", n.text());
     assert_eq!(v["model"], "claude-haiku-4-5");
     assert_eq!(v["stop_reason"], "tool_use", "{v}");
     let block = &v["content"][0];
@@ -231,7 +231,7 @@ fn anthropic_tool_use_streamed_and_not() {
     let mut count = history.clone();
     count.as_object_mut().expect("object").remove("max_tokens");
     let n = s.post("/v1/messages/count_tokens", &count);
-    assert_eq!(n.json()["input_tokens"], r.json()["usage"]["input_tokens"]);
+    assert_eq!(n.json()["input_tokens"], anthropic_prompt_tokens(&r.json()["usage"]));
     // Names that match no alias are still a 404.
     let mut other = history.clone();
     other["model"] = json!("gpt-4o");
@@ -288,4 +288,9 @@ fn what_iris_does_not_implement_is_a_400_naming_it() {
     let mut server_tool = m.clone();
     server_tool["tools"] = json!([{ "type": "web_search_20250305", "name": "web_search" }]);
     assert_eq!(s.post("/v1/messages", &server_tool).status, 400);
+}
+
+/// An Anthropic reply's whole prompt: computed (`input_tokens`) and read from the prefix cache.
+fn anthropic_prompt_tokens(usage: &Value) -> Value {
+    json!(usage["input_tokens"].as_u64().unwrap_or(0) + usage["cache_read_input_tokens"].as_u64().unwrap_or(0))
 }

@@ -104,7 +104,7 @@ fn check_reference_continuations(model: &str) {
     // Anthropic's API has no ignore_eos: compare up to where the reference stops.
     let got = v["content"][0]["text"].as_str().unwrap();
     assert!(text.starts_with(got) && !got.is_empty(), "{model} anthropic: {got:?} vs {text:?}");
-    assert_eq!(v["usage"]["input_tokens"], prompt_len, "{model}");
+    assert_eq!(anthropic_prompt_tokens(&v["usage"]), prompt_len as u64, "{model}");
 }
 
 #[test]
@@ -224,7 +224,7 @@ fn tokenize_and_count_tokens_count_the_image_tokens() {
             assert_eq!(c.json()["input_tokens"], want.len(), "{model} {case}: count_tokens");
             body["max_tokens"] = json!(1);
             let m = server.post("/v1/messages", &body);
-            assert_eq!(m.json()["usage"]["input_tokens"], want.len(), "{model} {case}: /v1/messages");
+            assert_eq!(anthropic_prompt_tokens(&m.json()["usage"]), want.len() as u64, "{model} {case}: /v1/messages");
         }
     }
     // Bad images are 400s here too.
@@ -314,4 +314,9 @@ fn official_python_sdks_send_images() {
         .expect("python runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "SDK vision tests failed:\n{stderr}\nserver log:\n{}", server.log());
+}
+
+/// An Anthropic reply's whole prompt: computed (`input_tokens`) and read from the prefix cache.
+fn anthropic_prompt_tokens(usage: &serde_json::Value) -> u64 {
+    usage["input_tokens"].as_u64().unwrap_or(0) + usage["cache_read_input_tokens"].as_u64().unwrap_or(0)
 }

@@ -86,6 +86,17 @@ pub struct EngineArgs {
     /// model's distribution (rejection sampling).
     #[arg(long)]
     pub speculative_config: Option<String>,
+    /// Automatic prefix caching (on by default, as in vLLM): full KV blocks stay cached by a
+    /// hash of their tokens (and images, positions, cache format), and a prompt that starts
+    /// with cached blocks computes only the rest. Cached blocks nobody holds are evicted
+    /// least recently used first whenever a block is needed, so the cache never takes memory
+    /// from running sequences. Off by default (logged) for hybrid models (Qwen3.5) and with
+    /// --kv-float-window, where it could not be exact; asking for it there is an error.
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turns automatic prefix caching off.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
 }
 
 impl EngineArgs {
@@ -127,6 +138,11 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
             speculative,
+            enable_prefix_caching: match (self.enable_prefix_caching, self.no_enable_prefix_caching) {
+                (true, _) => Some(true),
+                (_, true) => Some(false),
+                _ => None,
+            },
         })
     }
 }

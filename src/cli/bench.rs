@@ -89,6 +89,12 @@ pub struct BenchArgs {
     /// tokens.
     #[arg(long)]
     pub json_schema: Option<std::path::PathBuf>,
+    /// Instead of the batch table: a conversation of this many turns, each prompt the previous
+    /// one with its answer (--gen-len tokens) and a new user message (--prompt-len tokens),
+    /// run with prefix caching on and off (two engines from the same flags): time to first
+    /// token per turn, medians over --repeats conversations.
+    #[arg(long, conflicts_with_all = ["url", "all_accepted", "prompt_file"])]
+    pub conversation_turns: Option<usize>,
 }
 
 #[derive(Debug, Serialize, Clone)]
@@ -230,6 +236,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         "--batch-sizes must be positive numbers"
     );
     anyhow::ensure!(!a.all_accepted || a.temperature == 0.0, "--all-accepted needs greedy decoding (--temperature 0)");
+    if let Some(turns) = a.conversation_turns {
+        return conversation(&a, turns);
+    }
     let (mut engine, _) = open_engine(&a.engine)?;
     let prompt = prompt_tokens(&engine, &a)?;
     if a.all_accepted {
@@ -309,6 +318,33 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 i.width, i.height, i.image_tokens, i.prompt_len, i.preprocess_ms, i.vision_ms_per_image, i.ttft_ms
             );
         }
+    }
+    Ok(())
+}
+
+/// `--conversation-turns`: the same flags with prefix caching on, then off.
+fn conversation(a: &BenchArgs, turns: usize) -> anyhow::Result<()> {
+    let mut flags = a.engine.clone();
+    (flags.enable_prefix_caching, flags.no_enable_prefix_caching) = (true, false);
+    let (mut on, _) = open_engine(&flags)?;
+    (flags.enable_prefix_caching, flags.no_enable_prefix_caching) = (false, true);
+    let (mut off, _) = open_engine(&flags)?;
+    let unit = on.tokenizer().encode(TEXT, false)?;
+    // Warm up caches and thread pools (a conversation of its own: other tokens than the runs').
+    super::conversation_bench::run(&mut on, &mut off, &unit[1..], 1, 16, 2, 1)?;
+    let rows = super::conversation_bench::run(&mut on, &mut off, &unit, turns, a.prompt_len, a.gen_len, a.repeats)?;
+    println!("| turn | prompt | cached | TTFT ms, cache on | TTFT ms, cache off | speedup |");
+    println!("|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {:.1} | {:.1} | {:.2}x |",
+            r.turn,
+            r.prompt_len,
+            r.cached,
+            r.ttft_on_ms,
+            r.ttft_off_ms,
+            r.ttft_off_ms / r.ttft_on_ms.max(1e-9)
+        );
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 mod args;
 mod bench;
 mod chat;
+mod conversation_bench;
 mod eval_kv;
 mod generate;
 mod image_bench;

@@ -34,6 +34,10 @@ pub struct EngineOptions {
     pub max_model_len: Option<usize>,
     /// Speculative decoding (`--speculative-config`).
     pub speculative: Option<SpeculativeConfig>,
+    /// Automatic prefix caching (`--[no-]enable-prefix-caching`). None: on where it is exact
+    /// (vLLM's default), off with a log line elsewhere; Some(true) where it cannot be exact
+    /// is an error.
+    pub enable_prefix_caching: Option<bool>,
 }
 
 impl Default for EngineOptions {
@@ -51,6 +55,7 @@ impl Default for EngineOptions {
             max_num_seqs: 256,
             max_model_len: None,
             speculative: None,
+            enable_prefix_caching: None,
         }
     }
 }
@@ -78,6 +83,8 @@ pub struct StartupReport {
     pub kv_dtype: KvDtype,
     /// The TurboQuant layout, for a quantized cache.
     pub kv_quant: Option<TqSpec>,
+    /// Whether full blocks are cached and shared between prompts.
+    pub prefix_caching: bool,
     /// Tokens a bf16 cache would hold in the same memory.
     pub kv_bf16_capacity_tokens: usize,
     /// A hybrid model's recurrent state per sequence (all its linear-attention layers), in
@@ -101,6 +108,9 @@ impl StartupReport {
                 self.state_slots,
                 self.state_bytes_per_seq as f64 / (1 << 20) as f64
             );
+        }
+        if !self.prefix_caching {
+            base += ", no prefix caching";
         }
         match &self.kv_quant {
             None => format!("KV cache {}: {base}", self.kv_dtype),
@@ -140,6 +150,46 @@ pub fn default_kv_budget(device: &Device) -> u64 {
             .map(|kb| kb * 1024)
     });
     total.map(|t| t / 4).unwrap_or(4 << 30)
+}
+
+/// Whether prefix caching is on: as asked, except where a cached prefix cannot give exactly
+/// the keys, values and state a sequence would compute itself:
+/// - a hybrid model's linear-attention layers carry a recurrent state per sequence, which
+///   shared blocks do not hold (the state after a prefix is not kept);
+/// - a TurboQuant float window: a query reads its last positions' keys unquantized from its
+///   sequence's own ring, which a sequence starting after a cached prefix does not have (the
+///   blocks hold only codes, and refilling the ring would need those keys computed, which needs
+///   their own windows: everything back to the first token).
+///
+/// Asked for explicitly, either is an error; by default caching is off for them, logged.
+fn prefix_caching_setting(
+    cfg: &crate::config::TextConfig,
+    tq: Option<&TqSpec>,
+    asked: Option<bool>,
+) -> Result<bool, BuildError> {
+    let why = if !cfg.linear_layers().is_empty() {
+        Some(format!(
+            "{} keeps a recurrent state per sequence in its linear-attention layers, which cached blocks do not hold",
+            cfg.arch.name()
+        ))
+    } else {
+        tq.map(|t| t.float_window).filter(|&w| w > 0).map(|w| {
+            format!(
+                "with --kv-float-window {w} each query reads its last {w} keys unquantized from its own sequence's ring, which a sequence starting from cached blocks does not have"
+            )
+        })
+    };
+    match (asked, why) {
+        (Some(false), _) => Ok(false),
+        (Some(true), Some(why)) => Err(BuildError::Setting(format!(
+            "--enable-prefix-caching is not supported here: {why}; run with --no-enable-prefix-caching"
+        ))),
+        (None, Some(why)) => {
+            tracing::info!("prefix caching off: {why}");
+            Ok(false)
+        }
+        (_, None) => Ok(true),
+    }
 }
 
 pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Result<(Engine, StartupReport), BuildError> {
@@ -186,6 +236,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
             )));
         }
     }
+    let prefix_caching = prefix_caching_setting(&cfg, tq.as_ref(), opts.enable_prefix_caching)?;
     // Every group of layers' memory: paged per token (attention layers only), and per state slot
     // (one per sequence that may run: float-window rings, recurrent states), fixed at start
     // outside the blocks.
@@ -246,6 +297,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         kv_allocated_bytes: kv.allocated_bytes(),
         kv_dtype,
         kv_quant: tq,
+        prefix_caching,
         kv_bf16_capacity_tokens: KvCacheSpec::from_budget(&cfg, KvDtype::Bf16, opts.block_size, budget)
             .capacity_tokens(),
         state_bytes_per_seq: cfg.state_bytes_per_sequence(),
@@ -261,6 +313,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         },
         max_model_len,
         speculative: opts.speculative,
+        prefix_caching,
     };
     let engine = Engine::new(loaded.model, kv, loaded.tokenizer, engine_cfg, device.clone()).with_vision(loaded.vision);
     Ok((engine, report))

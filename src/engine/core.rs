@@ -7,12 +7,14 @@ use candle_core::Device;
 use super::detokenizer::IncrementalDetokenizer;
 use super::multimodal::{EmbedCache, ImageInput, MultiModalState};
 use super::output::{EngineStats, OutputProcessor};
+use super::prefix::PrefixHasher;
 use super::request::{Request, RequestError, SeqUpdate};
 use super::runner::ModelRunner;
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence, TextState};
 use super::speculative::{Drafter, NgramDrafter, SpeculativeConfig};
 use super::stop::StopChecker;
+use crate::kv::prefix_cache::root_hash;
 use crate::kv::KvCache;
 use crate::media::PixelValues;
 use crate::models::{TextModel, VisionModel};
@@ -25,6 +27,10 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// Speculative decoding (None: one token per sequence and step).
     pub speculative: Option<SpeculativeConfig>,
+    /// Automatic prefix caching: full blocks stay cached by content and are shared by
+    /// sequences whose prompts start with them (`engine::prefix`). The builder turns it off
+    /// for models and caches it cannot serve exactly.
+    pub prefix_caching: bool,
 }
 
 /// Owns the model and the KV memory; each step is the scheduler's plan, the runner's pass
@@ -49,7 +55,13 @@ impl Engine {
         cfg: EngineConfig,
         device: Device,
     ) -> Self {
-        let scheduler = Scheduler::new(cfg.scheduler, kv.spec().num_blocks);
+        // The model's whole configuration names it: a cached block is only ever read by the
+        // model that wrote it (one per engine), this keeps the names honest regardless.
+        let prefix = cfg.prefix_caching.then(|| {
+            let model_id = format!("{:?}", model.config());
+            PrefixHasher::new(root_hash(kv.spec(), kv.turboquant(), &model_id), cfg.scheduler.block_size)
+        });
+        let scheduler = Scheduler::new(cfg.scheduler, kv.spec().num_blocks, prefix);
         let mut eos: Vec<u32> = model.config().eos_token_ids.clone();
         for &id in tokenizer.eos_token_ids() {
             if !eos.contains(&id) {
@@ -176,7 +188,8 @@ impl Engine {
                 if image_rows.len() != pixels.iter().map(|p| v.num_image_tokens(p)).sum::<usize>() {
                     return Err(RequestError::BadImages("the prompt's image tokens do not match its images".into()));
                 }
-                Some(Box::new(MultiModalState { images, positions, image_rows, embeds: None }))
+                let image_keys = images.iter().map(|i| (i.key, v.num_image_tokens(&i.pixels))).collect();
+                Some(Box::new(MultiModalState { images, positions, image_rows, image_keys, embeds: None }))
             }
         };
         let id = self.admit(req)?;
@@ -221,6 +234,7 @@ impl Engine {
     fn step_inner(&mut self) -> candle_core::Result<Vec<SeqUpdate>> {
         let plan = self.scheduler.schedule();
         self.stats.preemptions += plan.preempted.len() as u64;
+        self.stats.prefix = self.scheduler.prefix_stats;
         if plan.is_empty() {
             return Ok(Vec::new());
         }

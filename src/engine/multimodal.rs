@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
+use crate::kv::ImageSpan;
 use crate::media::PixelValues;
 use crate::models::PromptPositions;
 
@@ -32,6 +33,9 @@ pub struct MultiModalState {
     pub positions: PromptPositions,
     /// Prompt indices of the image tokens, ascending; the k-th takes embedding row k.
     pub image_rows: Vec<usize>,
+    /// Per image in order, its content key and how many embedding rows (image tokens) it has:
+    /// what names a block's image tokens for the prefix cache (kept after `images` is emptied).
+    pub image_keys: Vec<([u8; 32], usize)>,
     /// `[image_rows.len(), hidden]`, computed when the sequence is first scheduled and kept
     /// across preemption.
     pub embeds: Option<Tensor>,
@@ -50,6 +54,21 @@ impl MultiModalState {
         let k0 = self.image_rows.partition_point(|&i| i < range.start);
         let k1 = self.image_rows.partition_point(|&i| i < range.end);
         k0..k1
+    }
+
+    /// The parts of images among prompt indices `range`, in order (for the block's hash).
+    pub fn image_spans(&self, range: std::ops::Range<usize>) -> Vec<ImageSpan> {
+        let rows = self.embed_rows_in(range);
+        let mut spans = Vec::new();
+        let mut first = 0; // the image's first embedding row
+        for &(key, n) in &self.image_keys {
+            let (lo, hi) = (rows.start.max(first), rows.end.min(first + n));
+            if lo < hi {
+                spans.push(ImageSpan { key, offset: (lo - first) as u32, len: (hi - lo) as u32 });
+            }
+            first += n;
+        }
+        spans
     }
 }
 

@@ -3,6 +3,7 @@
 //! stop conditions, finishes sequences, and asks the drafter for the next step's drafts.
 
 use super::finish::FinishReason;
+use super::prefix::PrefixStats;
 use super::request::SeqUpdate;
 use super::sampler::Sampled;
 use super::scheduler::{Scheduler, SchedulerOutput};
@@ -17,6 +18,8 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     pub preemptions: u64,
     pub spec: SpecStats,
+    /// Prefix caching's counters.
+    pub prefix: PrefixStats,
 }
 
 /// Speculative decoding's counters (vLLM's `spec_decode_*`).
@@ -125,6 +128,8 @@ impl OutputProcessor {
                 }
             }
             if !finished {
+                // Its newly completed blocks are final now: later prompts may share them.
+                sched.publish(item.id);
                 self.propose(sched, item.id);
             }
         }
@@ -152,6 +157,7 @@ impl OutputProcessor {
         let n_out = seq.output().len();
         let at_max_len = seq.num_tokens() >= self.max_model_len;
         let n_prompt = seq.prompt().len();
+        let n_cached = seq.num_cached_tokens;
         let prompt_logprobs =
             (n_out == 1 && p.prompt_logprobs.is_some()).then(|| std::mem::take(&mut seq.prompt_logprobs));
         // The grammar takes the token (the mask allowed it); once it is complete and nothing
@@ -208,6 +214,7 @@ impl OutputProcessor {
                 prompt_logprobs,
                 num_prompt_tokens: n_prompt,
                 num_output_tokens: n_out,
+                num_cached_tokens: n_cached,
             },
         }
     }
@@ -230,6 +237,7 @@ fn finish_seq(
         prompt_logprobs,
         num_prompt_tokens: seq.prompt().len(),
         num_output_tokens: seq.output().len(),
+        num_cached_tokens: seq.num_cached_tokens,
     }
 }
 

@@ -43,4 +43,7 @@ pub struct SeqUpdate {
     /// Prompt tokens (for usage accounting); filled when the sequence finishes.
     pub num_prompt_tokens: usize,
     pub num_output_tokens: usize,
+    /// Of the prompt, tokens whose keys came from the prefix cache (known once the sequence
+    /// first runs: usage's `cached_tokens`, Anthropic's `cache_read_input_tokens`).
+    pub num_cached_tokens: usize,
 }

@@ -180,8 +180,12 @@ impl ModelRunner {
     fn encode_images(&mut self, seqs: &mut Sequences, plan: &SchedulerOutput) -> Result<()> {
         let Some(vision) = self.vision.clone() else { return Ok(()) };
         for item in &plan.items {
-            let Some(mm) = seqs.expect_mut(item.id).mm.as_mut() else { continue };
-            if mm.embeds.is_some() {
+            let seq = seqs.expect_mut(item.id);
+            let (start, prompt_len) = (seq.num_computed, seq.prompt().len());
+            let Some(mm) = seq.mm.as_mut() else { continue };
+            // Images whose tokens all came from the prefix cache need no tower (a preempted
+            // sequence that finds them evicted encodes them when it runs again).
+            if mm.embeds.is_some() || mm.embed_rows_in(start..prompt_len).is_empty() {
                 continue;
             }
             let mut parts = Vec::with_capacity(mm.images.len());

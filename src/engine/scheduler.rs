@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 
+use super::prefix::{PrefixHasher, PrefixStats};
 use super::sequence::{SeqId, SeqStatus, Sequence, Sequences};
 use crate::kv::{BlockAllocator, SlotPool};
 
@@ -62,16 +63,25 @@ pub struct Scheduler {
     /// Per-sequence state slots (one per sequence that may run).
     slots: SlotPool,
     pub total_preemptions: u64,
+    /// With prefix caching: names full blocks; the allocator keeps them cached.
+    prefix: Option<PrefixHasher>,
+    pub prefix_stats: PrefixStats,
 }
 
 impl Scheduler {
-    pub fn new(cfg: SchedulerConfig, num_blocks: usize) -> Self {
+    pub fn new(cfg: SchedulerConfig, num_blocks: usize, prefix: Option<PrefixHasher>) -> Self {
+        let allocator = match prefix {
+            Some(_) => BlockAllocator::with_prefix_caching(num_blocks),
+            None => BlockAllocator::new(num_blocks),
+        };
         Scheduler {
+            prefix,
+            prefix_stats: PrefixStats::default(),
             cfg,
             seqs: Sequences::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            allocator: BlockAllocator::new(num_blocks),
+            allocator,
             slots: SlotPool::new(cfg.max_num_seqs),
             total_preemptions: 0,
         }
@@ -129,8 +139,20 @@ impl Scheduler {
         Some(seq)
     }
 
+    /// Publishes a sequence's blocks that are full of computed, committed tokens.
+    pub fn publish(&mut self, id: SeqId) {
+        if let (Some(p), Some(seq)) = (&self.prefix, self.seqs.get_mut(id)) {
+            p.publish(seq, &mut self.allocator);
+        }
+    }
+
     fn release(&mut self, seq: &mut Sequence) {
+        // What it computed stays cached (a finished prompt, a cancelled one's prefix).
+        if let Some(p) = &self.prefix {
+            p.publish(seq, &mut self.allocator);
+        }
         seq.block_table.release_all(&mut self.allocator);
+        seq.num_published = 0;
         if let Some(slot) = seq.state_slot.take() {
             self.slots.release(slot);
         }
@@ -201,9 +223,21 @@ impl Scheduler {
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
                 let Some(&id) = self.waiting.front() else { break };
                 let seq = self.seqs.expect_mut(id);
+                // A sequence that holds no blocks (new, or preempted) starts after the longest
+                // cached run of its blocks.
+                let cached = self.prefix.map_or(0, |p| p.start_from_cache(seq, &mut self.allocator));
                 let item = Self::share(seq, budget);
                 if !seq.block_table.grow(seq.num_computed + item.num_rows(), bs, &mut self.allocator) {
+                    // Not now: the cached blocks go back (still cached) until it fits.
+                    PrefixHasher::give_back(seq, &mut self.allocator);
                     break;
+                }
+                if self.prefix.is_some() && seq.params.prompt_logprobs.is_none() {
+                    self.prefix_stats.queries += seq.num_tokens() as u64;
+                    self.prefix_stats.hits += cached as u64;
+                }
+                if seq.preemptions == 0 {
+                    seq.num_cached_tokens = cached;
                 }
                 seq.status = SeqStatus::Running;
                 // There is a slot for every sequence that may run, and one is free (checked above).

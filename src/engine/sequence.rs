@@ -8,7 +8,7 @@ use super::multimodal::MultiModalState;
 use super::sampler::{Sampled, SequenceSampler};
 use super::sampling_params::SamplingParams;
 use super::stop::StopChecker;
-use crate::kv::BlockTable;
+use crate::kv::{BlockHash, BlockTable};
 
 /// Engine-wide id of a sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -59,6 +59,12 @@ pub struct Sequence {
     /// Where the output stands in `params.grammar`: it has consumed exactly the output so far
     /// (drafts only while they are verified), so preemption, which keeps the output, keeps it.
     pub constraint: Option<Constraint>,
+    /// Hashes of its first full blocks (`engine::prefix`), computed as they are needed.
+    pub block_hashes: Vec<BlockHash>,
+    /// Leading blocks of its table that are published to the prefix cache (or came from it).
+    pub num_published: usize,
+    /// Prompt tokens its first admission found in the prefix cache (usage's `cached_tokens`).
+    pub num_cached_tokens: usize,
 }
 
 impl Sequence {
@@ -81,6 +87,9 @@ impl Sequence {
             prompt_logprobs: Vec::new(),
             mm: None,
             constraint,
+            block_hashes: Vec::new(),
+            num_published: 0,
+            num_cached_tokens: 0,
         }
     }
 

@@ -35,8 +35,16 @@ impl BlockTable {
         true
     }
 
+    /// Starts an empty table with cached blocks the caller has acquired (a shared prefix).
+    pub fn adopt(&mut self, shared: Vec<BlockId>) {
+        debug_assert!(self.blocks.is_empty(), "a shared prefix goes first");
+        self.blocks = shared;
+    }
+
+    /// Releases every block, the last first: a cached prefix's later blocks then become
+    /// evictable before its first ones, which more prompts share.
     pub fn release_all(&mut self, alloc: &mut BlockAllocator) {
-        for b in self.blocks.drain(..) {
+        for b in self.blocks.drain(..).rev() {
             alloc.release(b);
         }
     }

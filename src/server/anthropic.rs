@@ -204,6 +204,7 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
             prompt_tokens: prompt.len(),
             tokens: Vec::new(),
             output_tokens: 0,
+            cached_tokens: 0,
             finished: false,
             failed: false,
             parser,
@@ -229,9 +230,22 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
         "content": content,
         "stop_reason": stop_reason(&c.finish, &stop, called),
         "stop_sequence": stop,
-        "usage": { "input_tokens": prompt.len(), "output_tokens": c.num_output_tokens },
+        "usage": anthropic_usage(prompt.len(), c.num_cached_tokens, c.num_output_tokens),
     }))
     .into_response())
+}
+
+/// Anthropic's usage: `input_tokens` are the prompt tokens computed, `cache_read_input_tokens`
+/// those read from the prefix cache (their sum is the prompt), nothing is written to a cache
+/// on request (`cache_creation_input_tokens` 0: iris caches every prompt by itself).
+fn anthropic_usage(prompt: usize, cached: usize, output: usize) -> Value {
+    let cached = cached.min(prompt);
+    json!({
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output,
+    })
 }
 
 struct MessageStream {
@@ -243,6 +257,8 @@ struct MessageStream {
     prompt_tokens: usize,
     tokens: Vec<u32>,
     output_tokens: usize,
+    /// Prompt tokens read from the prefix cache.
+    cached_tokens: usize,
     finished: bool,
     /// An `error` event was sent: the stream ends without `message_stop`.
     failed: bool,
@@ -360,7 +376,8 @@ impl MessageStream {
             &json!({
                 "type": "message_delta",
                 "delta": { "stop_reason": stop_reason(&finish, &stop, self.blocks.called), "stop_sequence": stop },
-                "usage": { "output_tokens": self.output_tokens },
+                // The cached share is known once the prompt ran: message_start could not say it.
+                "usage": anthropic_usage(self.prompt_tokens, self.cached_tokens, self.output_tokens),
             }),
         ));
         true
@@ -403,6 +420,7 @@ impl Converter for MessageStream {
                     self.tokens.push(t.token);
                 }
                 self.output_tokens = u.num_output_tokens;
+                self.cached_tokens = u.num_cached_tokens;
                 match &mut self.parser {
                     Some(p) => {
                         let mut deltas = Vec::new();

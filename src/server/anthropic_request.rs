@@ -5,8 +5,14 @@
 //! A user turn's `tool_result` blocks become `tool` messages (what chat templates render as
 //! tool output), ahead of the turn's other blocks; an assistant turn's `tool_use` blocks
 //! become its `tool_calls` and its `thinking` blocks its `reasoning_content`. `cache_control`
-//! on blocks and tools is accepted and ignored (iris has no prompt cache yet), as are
-//! thinking signatures and `redacted_thinking` blocks (no other server can read them).
+//! on blocks and tools is accepted and ignored (iris caches every prompt's blocks by itself:
+//! automatic prefix caching), as are thinking signatures and `redacted_thinking` blocks (no
+//! other server can read them).
+//!
+//! Claude Code puts an `x-anthropic-billing-header: ...` line at the start of `system` that
+//! changes with every request; left in, it would make every prompt differ from its first
+//! tokens on, and no prefix would ever be cached. It is billing metadata for Anthropic's API,
+//! not an instruction, so system lines that start with it are dropped before templating.
 
 use serde_json::{json, Value};
 
@@ -25,6 +31,26 @@ pub fn blocks_text(v: &Value, path: &str) -> Result<String, ApiError> {
     }
 }
 
+/// What starts Claude Code's per-request billing line in `system`.
+const BILLING_HEADER: &str = "x-anthropic-billing-header:";
+
+/// `system` as text, without billing-header lines (see the module doc); a block that held only
+/// that line is gone with it.
+fn system_text(system: &Value) -> Result<String, ApiError> {
+    Ok(match system {
+        Value::Array(blocks) => text_items(blocks, "system", "block")?.into_iter().map(without_billing_lines).collect(),
+        other => without_billing_lines(&blocks_text(other, "system")?),
+    })
+}
+
+/// `text` without its lines that start with the billing header (leading spaces allowed).
+fn without_billing_lines(text: &str) -> String {
+    if !text.contains(BILLING_HEADER) {
+        return text.to_string();
+    }
+    text.split_inclusive('\n').filter(|line| !line.trim_start().starts_with(BILLING_HEADER)).collect()
+}
+
 /// The conversation for the chat template, and the images of its `image` blocks in order.
 pub fn to_chat(system: Option<&Value>, messages: &[Value]) -> Result<(Vec<ChatMessage>, Vec<ImageRef>), ApiError> {
     if messages.is_empty() {
@@ -33,7 +59,7 @@ pub fn to_chat(system: Option<&Value>, messages: &[Value]) -> Result<(Vec<ChatMe
     let mut out = Vec::with_capacity(messages.len() + 1);
     let mut images = Vec::new();
     if let Some(system) = system {
-        let text = blocks_text(system, "system")?;
+        let text = system_text(system)?;
         if !text.is_empty() {
             out.push(ChatMessage::text("system", text));
         }
@@ -262,6 +288,35 @@ pub fn prefill_text(m: &ChatMessage) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Claude Code's billing line changes per request; the system text is the same without it.
+    #[test]
+    fn billing_header_lines_leave_the_system_text() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let system_of = |system: Value| {
+            let (msgs, _) = to_chat(Some(&system), user.as_array().expect("list")).expect("ok");
+            msgs.iter().find(|m| m.role == "system").and_then(|m| m.content.clone())
+        };
+        let text = |s: &str| Some(MessageContent::Text(s.into()));
+        let blocks = |header: &str| {
+            json!([
+                {"type": "text", "text": format!("x-anthropic-billing-header: cc_version=2.0.{header}; cch=ab{header};")},
+                {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            ])
+        };
+        assert_eq!(system_of(blocks("1")), text("You are Claude Code."));
+        assert_eq!(system_of(blocks("1")), system_of(blocks("2")));
+        // As a line of a string, anywhere.
+        let s = "x-anthropic-billing-header: cc_version=1;\nBe brief.\n  x-anthropic-billing-header: x\nEnd.";
+        assert_eq!(system_of(json!(s)), text("Be brief.\nEnd."));
+        // Only the billing line: no system message at all.
+        assert_eq!(system_of(json!("x-anthropic-billing-header: cch=1")), None);
+        // Other text mentioning it stays.
+        assert_eq!(
+            system_of(json!("see x-anthropic-billing-header: docs")),
+            text("see x-anthropic-billing-header: docs")
+        );
+    }
 
     #[test]
     fn tool_turns_become_template_messages() {

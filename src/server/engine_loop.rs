@@ -388,6 +388,7 @@ fn publish_gauges(engine: &Engine, metrics: &Metrics) {
     metrics.kv_used.store(s.allocator.num_used(), Ordering::Relaxed);
     metrics.kv_free.store(s.allocator.num_free(), Ordering::Relaxed);
     metrics.preemptions.store(engine.stats.preemptions as usize, Ordering::Relaxed);
+    *metrics.prefix.lock().unwrap_or_else(|p| p.into_inner()) = engine.stats.prefix;
     if engine.config().speculative.is_some() {
         *metrics.spec.lock().unwrap_or_else(|p| p.into_inner()) = engine.stats.spec.clone();
     }

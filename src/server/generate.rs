@@ -345,6 +345,8 @@ pub struct Collected {
     pub prompt_logprobs: Vec<Sampled>,
     pub finish: Option<FinishReason>,
     pub num_output_tokens: usize,
+    /// Prompt tokens read from the prefix cache.
+    pub num_cached_tokens: usize,
 }
 
 /// Waits until each of the `n` sequences has finished, at most `--request-timeout`.
@@ -394,6 +396,7 @@ async fn collect_all(mut sub: Submission, n: usize, want_logprobs: bool) -> Resu
                     }
                 }
                 c.num_output_tokens = u.num_output_tokens;
+                c.num_cached_tokens = u.num_cached_tokens;
                 if let Some(f) = u.finish {
                     if matches!(f, FinishReason::Cancelled | FinishReason::Error(_)) {
                         return Err(aborted(&f));

@@ -78,6 +78,9 @@ pub struct Metrics {
     pub rejected_queue_full: AtomicU64,
     /// Speculative decoding's counters, as the engine last published them.
     pub spec: Mutex<crate::engine::SpecStats>,
+    /// Prefix caching's counters (vLLM's `prefix_cache_queries` / `prefix_cache_hits`), as the
+    /// engine last published them.
+    pub prefix: Mutex<crate::engine::PrefixStats>,
 }
 
 impl Default for Metrics {
@@ -103,6 +106,7 @@ impl Metrics {
             preemptions: AtomicUsize::new(0),
             rejected_queue_full: AtomicU64::new(0),
             spec: Mutex::new(crate::engine::SpecStats::default()),
+            prefix: Mutex::new(crate::engine::PrefixStats::default()),
         }
     }
 
@@ -172,6 +176,21 @@ impl Metrics {
             "Sequences preempted because KV blocks ran out.",
             self.preemptions.load(Ordering::Relaxed) as u64,
         );
+        {
+            let prefix = *self.prefix.lock().unwrap_or_else(|p| p.into_inner());
+            counter(
+                &mut out,
+                "iris_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache when their sequence started.",
+                prefix.queries,
+            );
+            counter(
+                &mut out,
+                "iris_prefix_cache_hits_total",
+                "Of those, tokens found in the prefix cache (not computed).",
+                prefix.hits,
+            );
+        }
         {
             let spec = self.spec.lock().unwrap_or_else(|p| p.into_inner()).clone();
             counter(

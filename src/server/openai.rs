@@ -18,7 +18,9 @@ use super::generate::{
     SamplingFields,
 };
 use super::images::ImageRef;
-use super::openai_choices::{chat_logprob_entry, usage, ChatFormat, CompletionFormat, LegacyLogprobs, OpenAiStream};
+use super::openai_choices::{
+    cached_per_prompt, chat_logprob_entry, usage, ChatFormat, CompletionFormat, LegacyLogprobs, OpenAiStream,
+};
 use super::reply::Reply;
 use super::sse::sse_response;
 use super::state::{now_unix, AppState};
@@ -235,7 +237,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
         let format = ChatFormat::new(tok, params.logprobs.is_some(), chat.setup, chat.forced, n);
-        let conv = OpenAiStream::new(id, created, model, n, include_usage, prompt_len, format);
+        let conv = OpenAiStream::new(id, created, model, n, n, include_usage, prompt_len, format);
         return Ok(sse_response(sub, conv));
     }
     let results = collect(sub, n, params.logprobs.is_some()).await?;
@@ -266,7 +268,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(prompt_len, completion),
+        "usage": usage(prompt_len, completion, results.first().map_or(0, |c| c.num_cached_tokens)),
         "system_fingerprint": null,
     }))
     .into_response())
@@ -408,11 +410,13 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
             offsets: vec![0; total],
             echoed: vec![false; total],
         };
-        let conv = OpenAiStream::new(id, created, model, total, include_usage, prompt_tokens, format);
+        let conv = OpenAiStream::new(id, created, model, total, n, include_usage, prompt_tokens, format);
         return Ok(sse_response(sub, conv));
     }
     let results = collect(sub, total, params.logprobs.is_some()).await?;
     let completion: usize = results.iter().map(|c| c.num_output_tokens).sum();
+    let cached_each: Vec<usize> = results.iter().map(|c| c.num_cached_tokens).collect();
+    let cached = cached_per_prompt(&cached_each, n);
     let choices: Vec<Value> = results
         .iter()
         .enumerate()
@@ -438,7 +442,7 @@ async fn completions_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejectio
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion),
+        "usage": usage(prompt_tokens, completion, cached),
         "system_fingerprint": null,
     }))
     .into_response())

@@ -24,8 +24,20 @@ pub fn finite(x: f32) -> f32 {
     }
 }
 
-pub fn usage(prompt: usize, completion: usize) -> Value {
-    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+/// The prompt tokens read from the prefix cache over a request's prompts: each prompt's
+/// first choice's (its `n` choices share one prompt, which usage counts once).
+pub fn cached_per_prompt(per_choice: &[usize], per_prompt: usize) -> usize {
+    per_choice.iter().step_by(per_prompt.max(1)).sum()
+}
+
+/// `cached`: prompt tokens read from the prefix cache (`prompt_tokens_details.cached_tokens`).
+pub fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": { "cached_tokens": cached },
+    })
 }
 
 /// One entry of the chat API's `logprobs.content`.
@@ -263,16 +275,23 @@ pub struct OpenAiStream<F> {
     format: F,
     finished: Vec<bool>,
     output_tokens: Vec<usize>,
+    /// Per choice, its prompt's tokens read from the prefix cache.
+    cached_tokens: Vec<usize>,
+    /// Choices per prompt (`n`): usage counts each prompt once, by its first choice.
+    per_prompt: usize,
     /// An error event was sent (once per stream).
     failed: bool,
 }
 
 impl<F: ChoiceFormat> OpenAiStream<F> {
+    /// `choices` in all, `per_prompt` of them (`n`) for each prompt.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         id: String,
         created: u64,
         model: String,
         choices: usize,
+        per_prompt: usize,
         include_usage: bool,
         prompt_tokens: usize,
         format: F,
@@ -286,6 +305,8 @@ impl<F: ChoiceFormat> OpenAiStream<F> {
             format,
             finished: vec![false; choices],
             output_tokens: vec![0; choices],
+            cached_tokens: vec![0; choices],
+            per_prompt: per_prompt.max(1),
             failed: false,
         }
     }
@@ -355,6 +376,7 @@ impl<F: ChoiceFormat> Converter for OpenAiStream<F> {
             SeqEventKind::Ended(reason) => self.finish_with(i, &reason, out),
             SeqEventKind::Update(u) => {
                 self.output_tokens[i] = u.num_output_tokens;
+                self.cached_tokens[i] = u.num_cached_tokens;
                 let mut pieces = Vec::new();
                 self.format.update(i, &u, &mut pieces);
                 for (fields, lp) in pieces {
@@ -386,13 +408,14 @@ impl<F: ChoiceFormat> Converter for OpenAiStream<F> {
         }
         if self.include_usage {
             let completion: usize = self.output_tokens.iter().sum();
+            let cached = cached_per_prompt(&self.cached_tokens, self.per_prompt);
             out.push(json_event(&json!({
                 "id": self.id,
                 "object": F::CHUNK_OBJECT,
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(self.prompt_tokens, completion),
+                "usage": usage(self.prompt_tokens, completion, cached),
             })));
         }
         out.push(Event::default().data("[DONE]"));

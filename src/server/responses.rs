@@ -170,7 +170,12 @@ async fn create_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     out.finish(status, &mut events);
     let state = if status == Status::Completed { "completed" } else { "incomplete" };
     let reasoning = reasoning_tokens(&tok, &out.reasoning, c.num_output_tokens);
-    let response = meta.object(state, out.items(), usage(prompt_tokens, c.num_output_tokens, reasoning), Value::Null);
+    let response = meta.object(
+        state,
+        out.items(),
+        usage(prompt_tokens, c.num_output_tokens, reasoning, c.num_cached_tokens),
+        Value::Null,
+    );
     if let Some(turn) = turn {
         turn.keep(response.clone());
     }

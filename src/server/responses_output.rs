@@ -204,10 +204,11 @@ pub struct ResponseMeta {
 }
 
 /// The token counts of a response.
-pub fn usage(input: usize, output: usize, reasoning: usize) -> Value {
+/// `cached`: input tokens read from the prefix cache.
+pub fn usage(input: usize, output: usize, reasoning: usize, cached: usize) -> Value {
     json!({
         "input_tokens": input,
-        "input_tokens_details": { "cached_tokens": 0 },
+        "input_tokens_details": { "cached_tokens": cached },
         "output_tokens": output,
         "output_tokens_details": { "reasoning_tokens": reasoning },
         "total_tokens": input + output,

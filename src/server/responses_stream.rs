@@ -28,6 +28,8 @@ pub struct ResponseStream {
     tok: Arc<TextTokenizer>,
     prompt_tokens: usize,
     output_tokens: usize,
+    /// Prompt tokens read from the prefix cache.
+    cached_tokens: usize,
     seq: u64,
     parser: ReplyParser,
     /// What the forced call opening gave, sent after `response.in_progress`.
@@ -61,6 +63,7 @@ impl ResponseStream {
             tok,
             prompt_tokens,
             output_tokens: 0,
+            cached_tokens: 0,
             seq: 0,
             parser,
             early,
@@ -85,7 +88,7 @@ impl ResponseStream {
 
     fn usage(&self) -> Value {
         let reasoning = reasoning_tokens(&self.tok, &self.out.reasoning, self.output_tokens);
-        usage(self.prompt_tokens, self.output_tokens, reasoning)
+        usage(self.prompt_tokens, self.output_tokens, reasoning, self.cached_tokens)
     }
 
     fn deltas(&mut self, deltas: Vec<Delta>, out: &mut Vec<Event>) {
@@ -129,6 +132,7 @@ impl ResponseStream {
 
     fn update(&mut self, u: SeqUpdate, out: &mut Vec<Event>) -> bool {
         self.output_tokens = u.num_output_tokens;
+        self.cached_tokens = u.num_cached_tokens;
         let mut deltas = Vec::new();
         self.parser.feed(&u.text, &mut deltas);
         let Some(finish) = u.finish else {
