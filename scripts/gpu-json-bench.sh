@@ -24,7 +24,7 @@ fi
 model_dir() { # model name -> its directory
   local md="$DIR/$1"
   if [ ! -f "$md/done.json" ]; then
-    PYTHONUNBUFFERED=1 python3 scripts/gpu_bench.py make "$md" "$1" > "$RES/make-$1.log" 2>&1 || { cat "$RES/make-$1.log"; exit 1; }
+    PYTHONUNBUFFERED=1 python3 scripts/gpu_bench.py make "$md" "$1" > "$RES/make.log" 2>&1 || { cat "$RES/make.log" >&2; exit 1; }
     touch "$md/done.json"
   fi
   echo "$md"

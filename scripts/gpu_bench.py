@@ -225,7 +225,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")
     m.add_argument("out")
-    m.add_argument("model", choices=sorted(CONFIGS))
+    m.add_argument("model", choices=sorted(CONFIGS) + sorted(f"{c}+bytes" for c in CONFIGS))
     sub.add_parser("bandwidth")
     sub.add_parser("gemv")
     h = sub.add_parser("hf")

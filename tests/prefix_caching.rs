@@ -115,7 +115,10 @@ fn assert_same(what: &str, with: &Got, without: &Got, reqs: &[Req], exact: impl 
         let (a, b) = (&with.tokens[i], &without.tokens[i]);
         let ids = |s: &[Sampled]| s.iter().map(|t| t.token).collect::<Vec<_>>();
         assert_eq!(ids(a), ids(b), "{what}: request {i} gives other tokens with the prefix cache");
-        let mut close = |x: f32, y: f32, at: &str| match exact(i) {
+        // On a GPU, cuBLAS rounds a row by the shape of its step (the tokens stay equal), so
+        // what is exact on the CPU is close there.
+        let exact_here = |i: usize| if on_gpu() { Exact::Close } else { exact(i) };
+        let mut close = |x: f32, y: f32, at: &str| match exact_here(i) {
             Exact::Bits => assert_eq!(x.to_bits(), y.to_bits(), "{what}: request {i} {at}: {x} against {y}"),
             Exact::Close => {
                 worst = worst.max((x - y).abs());

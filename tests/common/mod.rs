@@ -25,8 +25,12 @@ pub fn device() -> Device {
 /// the process creates or drops a CUDA device meanwhile (a server runs one engine per process).
 pub fn gpu_lock() -> Option<std::sync::MutexGuard<'static, ()>> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let on_gpu = std::env::var("IRIS_TEST_DEVICE").is_ok_and(|d| d.starts_with("cuda"));
-    on_gpu.then(|| LOCK.lock().unwrap_or_else(|p| p.into_inner()))
+    on_gpu().then(|| LOCK.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// Whether the model tests run on a GPU (`IRIS_TEST_DEVICE=cuda...`).
+pub fn on_gpu() -> bool {
+    std::env::var("IRIS_TEST_DEVICE").is_ok_and(|d| d.starts_with("cuda"))
 }
 
 pub fn fixture(name: &str) -> PathBuf {
