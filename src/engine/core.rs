@@ -62,12 +62,7 @@ impl Engine {
             PrefixHasher::new(root_hash(kv.spec(), kv.turboquant(), &model_id), cfg.scheduler.block_size)
         });
         let scheduler = Scheduler::new(cfg.scheduler, kv.spec().num_blocks, prefix);
-        let mut eos: Vec<u32> = model.config().eos_token_ids.clone();
-        for &id in tokenizer.eos_token_ids() {
-            if !eos.contains(&id) {
-                eos.push(id);
-            }
-        }
+        let eos = all_eos_ids(model.as_ref(), &tokenizer);
         let max_blocks = cfg.max_model_len.div_ceil(cfg.scheduler.block_size);
         let max_positions = model.config().max_position_embeddings.min(crate::layers::rotary::MAX_TABLE_POSITIONS);
         let max_drafts = cfg.speculative.map_or(0, |s| s.num_tokens);
@@ -117,13 +112,7 @@ impl Engine {
 
     /// Every id that ends a sequence: the model config's, then the tokenizer's.
     pub fn eos_token_ids(&self) -> Vec<u32> {
-        let mut eos = self.model().config().eos_token_ids.clone();
-        for &id in self.tokenizer().eos_token_ids() {
-            if !eos.contains(&id) {
-                eos.push(id);
-            }
-        }
-        eos
+        all_eos_ids(self.model(), &self.tokenizer)
     }
 
     pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
@@ -242,4 +231,15 @@ impl Engine {
         let tokens = self.runner.execute(self.model.as_ref(), &self.kv, self.scheduler.seqs_mut(), &plan)?;
         Ok(self.output.apply(&mut self.scheduler, &plan, tokens, &mut self.stats))
     }
+}
+
+/// The ids that end a sequence: the model config's, then the tokenizer's others.
+fn all_eos_ids(model: &dyn TextModel, tokenizer: &TextTokenizer) -> Vec<u32> {
+    let mut eos = model.config().eos_token_ids.clone();
+    for &id in tokenizer.eos_token_ids() {
+        if !eos.contains(&id) {
+            eos.push(id);
+        }
+    }
+    eos
 }
