@@ -329,7 +329,7 @@ impl Constraint {
         let mut masks = Vec::with_capacity(drafts.len() + 1);
         masks.push(now(self));
         for &d in drafts {
-            if masks.last().is_some_and(|m: &Option<SimpleVob>| m.as_ref().is_some_and(|m| !m.is_allowed(d))) {
+            if matches!(masks.last(), Some(Some(m)) if !m.is_allowed(d)) {
                 break;
             }
             self.accept_tentative(d);

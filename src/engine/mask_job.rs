@@ -33,7 +33,7 @@ pub fn masks_beside<T>(
     let mut work: Vec<Work> = Vec::new();
     for (i, (item, &n)) in plan.items.iter().zip(sampled).enumerate() {
         let seq = seqs.expect_mut(item.id);
-        if n == 0 || seq.constraint.is_none() {
+        if n == 0 {
             continue;
         }
         if let Some(c) = seq.constraint.take() {

@@ -24,7 +24,7 @@ use super::generate::{
 use super::reply::{Delta, Reply, ReplyParser};
 use super::sse::{named_event, sse_response, Converter};
 use super::state::AppState;
-use super::structured::{self, Asked};
+use super::structured;
 use super::tool_request::{reply_setup, ToolRequest};
 use crate::engine::{FinishReason, Request, SamplingParams};
 use crate::tokenizer::{ChatMessage, TextTokenizer};
@@ -157,8 +157,7 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
     let mut prompt = encode(&tok, &messages, template_vars(&tools, req.thinking.as_ref())?)?;
     let (setup, forced) = reply_setup(&app.cfg.parsers, &engine, &tools, &prompt, "toolu_")?;
     forced.append_to(&tok, &mut prompt)?;
-    let call = forced.grammar.map(|spec| Asked { spec, field: "tools".into() });
-    let grammar = structured::compile_off_thread(&engine, call.as_ref()).await?;
+    let grammar = structured::compile_off_thread(&engine, forced.asked().as_ref()).await?;
     let forced = forced.text;
     let (prompt, images) = super::images::prepare(&app.cfg.media, &engine, prompt, images).await?;
     let mut params = SamplingParams {

@@ -11,8 +11,8 @@ use super::images::ImageRef;
 use super::reply::{Delta, Reply, ReplyParser, ReplySetup};
 use super::state::AppState;
 use super::structured::{self, Asked};
-use super::tool_request::{reply_setup, ToolRequest};
-use crate::engine::{Grammar, GrammarSpec, ImageInput, SamplingParams};
+use super::tool_request::{reply_setup, Forced, ToolRequest};
+use crate::engine::{Grammar, ImageInput, SamplingParams};
 use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
 
 /// Where a thinking ends (every `--reasoning-parser` format closes it so).
@@ -39,11 +39,9 @@ pub struct ChatPrompt {
     pub images: Vec<ImageInput>,
     /// How the replies are parsed.
     pub setup: ReplySetup,
-    /// What iris wrote after the template (a forced call's opening): every reply continues
-    /// it, so its parser reads it first.
-    pub forced: String,
-    /// The grammar of the rest of a forced call.
-    pub call_grammar: Option<GrammarSpec>,
+    /// What iris wrote after the template (a forced call's opening: every reply continues
+    /// it, so its parser reads it first) and the grammar of the rest of the call.
+    pub forced: Forced,
 }
 
 impl ChatPrompt {
@@ -67,15 +65,15 @@ impl ChatPrompt {
         let (setup, forced) = reply_setup(&app.cfg.parsers, engine, tools, &prompt, id_prefix)?;
         forced.append_to(tok, &mut prompt)?;
         let (tokens, images) = super::images::prepare(&app.cfg.media, engine, prompt, images).await?;
-        Ok(ChatPrompt { tokens, images, setup, forced: forced.text, call_grammar: forced.grammar })
+        Ok(ChatPrompt { tokens, images, setup, forced })
     }
 
     /// The grammar the replies follow: a forced call's (the call is the whole reply), else
     /// the structured output the request asked for, which a reply that begins in its
     /// thinking follows from the thinking's end on (the answer is what has a schema).
     pub async fn grammar(&self, engine: &EngineHandle, asked: Option<&Asked>) -> Result<Option<Grammar>, ApiError> {
-        if let Some(spec) = self.call_grammar.clone() {
-            return structured::compile_off_thread(engine, Some(&Asked { spec, field: "tools".into() })).await;
+        if let Some(call) = self.forced.asked() {
+            return structured::compile_off_thread(engine, Some(&call)).await;
         }
         let grammar = structured::compile_off_thread(engine, asked).await?;
         if !self.setup.begins_in_thinking() {
@@ -101,12 +99,12 @@ impl ChatPrompt {
     /// format's call starts there) goes to `early`.
     pub fn parser(&self, early: &mut Vec<Delta>) -> ReplyParser {
         let mut p = ReplyParser::new(&self.setup);
-        p.feed(&self.forced, early);
+        p.feed(&self.forced.text, early);
         p
     }
 
     /// A whole reply's text, parsed.
     pub fn reply(&self, text: &str) -> Reply {
-        Reply::parse(&self.setup, &format!("{}{text}", self.forced))
+        Reply::parse(&self.setup, &format!("{}{text}", self.forced.text))
     }
 }

@@ -236,7 +236,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let created = now_unix();
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        let format = ChatFormat::new(tok, params.logprobs.is_some(), chat.setup, chat.forced, n);
+        let format = ChatFormat::new(tok, params.logprobs.is_some(), chat.setup, chat.forced.text, n);
         let conv = OpenAiStream::new(id, created, model, n, n, include_usage, prompt_len, format);
         return Ok(sse_response(sub, conv));
     }

@@ -146,11 +146,12 @@ impl Grammar {
     /// One XML parameter's value and its closing tag: a string bare (one of its enum, or
     /// matching its pattern, else any text up to the first closing tag), anything else JSON.
     fn xml_value(&mut self, prop: &Value, close: &str) -> String {
+        // An enum of strings only (None when any value is not a string).
         let strings: Option<Vec<&str>> =
-            prop.get("enum").and_then(Value::as_array).map(|e| e.iter().filter_map(Value::as_str).collect());
+            prop.get("enum").and_then(Value::as_array).and_then(|e| e.iter().map(Value::as_str).collect());
         let is_string = super::tools::parser::schema_type(prop).as_deref() == Some("string");
         match (is_string, strings) {
-            (_, Some(e)) if !e.is_empty() && prop["enum"].as_array().is_some_and(|a| a.len() == e.len()) => {
+            (_, Some(e)) if !e.is_empty() => {
                 let alts: Vec<String> = e.iter().map(|s| lit(s)).collect();
                 format!("({}) {}", alts.join(" | "), lit(close))
             }

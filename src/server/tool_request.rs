@@ -10,6 +10,7 @@ use super::engine_loop::EngineHandle;
 use super::errors::ApiError;
 use super::reasoning::{prompt_opens_thinking, ReasoningFormat};
 use super::reply::ReplySetup;
+use super::structured::Asked;
 use super::tools::{ToolFormat, ToolSpec, Tools};
 use crate::engine::GrammarSpec;
 use crate::tokenizer::TextTokenizer;
@@ -179,6 +180,11 @@ pub struct Forced {
 }
 
 impl Forced {
+    /// The grammar as a request's structured output, on the field it comes from.
+    pub fn asked(&self) -> Option<Asked> {
+        self.grammar.clone().map(|spec| Asked { spec, field: "tools".into() })
+    }
+
     /// Appends the opening to `prompt`, tokenized as text.
     pub fn append_to(&self, tok: &TextTokenizer, prompt: &mut Vec<u32>) -> Result<(), ApiError> {
         if !self.text.is_empty() {
