@@ -153,7 +153,7 @@ impl GrammarCompiler {
 /// JSON schemas are matched without free whitespace between tokens (llguidance's default
 /// lets any amount through, so a sampled reply could spend its whole budget on spaces); a
 /// schema that sets its own `x-guidance` options keeps them.
-fn compact(mut schema: Value) -> Value {
+pub fn compact(mut schema: Value) -> Value {
     if let Some(obj) = schema.as_object_mut() {
         obj.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
     }

@@ -16,6 +16,7 @@
 use serde_json::{json, Value};
 
 use super::tools::{ToolFormat, ToolSpec};
+use crate::engine::grammar::compact;
 use crate::engine::GrammarSpec;
 
 /// The lark grammar of what follows the forced opening: a call to `name` (a named
@@ -69,11 +70,8 @@ fn lit(s: &str) -> String {
 
 /// `schema` as JSON without free whitespace (as `GrammarCompiler` matches schemas).
 fn json_rule(schema: &Value) -> String {
-    let mut s = if schema.is_object() { schema.clone() } else { json!({}) };
-    if let Some(o) = s.as_object_mut() {
-        o.entry("x-guidance").or_insert_with(|| json!({"whitespace_flexible": false}));
-    }
-    format!("%json {s}")
+    let s = if schema.is_object() { schema.clone() } else { json!({}) };
+    format!("%json {}", compact(s))
 }
 
 #[derive(Default)]
