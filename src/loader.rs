@@ -8,7 +8,7 @@ use candle_core::{DType, Device};
 use crate::config::{ConfigError, TextConfig};
 use crate::models::{load_text_model, load_vision_model, TextModel, VisionModel};
 use crate::tokenizer::{TextTokenizer, TokenizerError};
-use crate::weights::{GgufFile, ModelLocation, SafetensorsDir, Weights, WeightsError};
+use crate::weights::{GgufFile, MlxQuantization, ModelLocation, SafetensorsDir, Weights, WeightsError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -58,7 +58,8 @@ pub fn load(path: &Path, device: &Device, dtype: DType) -> Result<LoadedModel, L
             let tok = TextTokenizer::from_dir(dir)?;
             let st = SafetensorsDir::open(dir)?;
             let bytes = st.files().iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
-            (Weights::from_safetensors(st, device.clone(), dtype), cfg, tok, bytes)
+            let mlx = mlx_quantization(&dir.join("config.json"))?;
+            (Weights::from_safetensors(st, device.clone(), dtype).with_mlx_quantization(mlx), cfg, tok, bytes)
         }
         ModelLocation::Gguf(file) => {
             let g = GgufFile::open(file)?;
@@ -75,6 +76,14 @@ pub fn load(path: &Path, device: &Device, dtype: DType) -> Result<LoadedModel, L
         ModelLocation::Gguf(_) => None,
     };
     Ok(LoadedModel { model, vision, tokenizer: Arc::new(tokenizer), location: loc, weight_bytes })
+}
+
+/// The `quantization` block of an MLX conversion's config.json (None for other checkpoints).
+pub fn mlx_quantization(config: &Path) -> Result<Option<MlxQuantization>, WeightsError> {
+    let text = std::fs::read_to_string(config).map_err(|e| WeightsError::io(config, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| WeightsError::Config { path: config.to_path_buf(), msg: format!("not valid JSON: {e}") })?;
+    MlxQuantization::from_config(&json, config)
 }
 
 /// `generation_config.json` may list more end-of-sequence ids than config.json.

@@ -6,40 +6,14 @@ mod common;
 
 use candle_core::{DType, Tensor};
 use common::*;
-use iris::batch::{Batch, SeqSlice};
 use iris::engine::build::EngineOptions;
-use iris::kv::{KvCache, KvCacheSpec, KvDtype};
+use iris::kv::{KvCacheSpec, KvDtype};
 use iris::models::Taps;
 
 const TOL: f32 = 1e-4;
 
-/// Runs `tokens` through the model in chunks of `chunk` tokens (one sequence), returning
-/// the concatenated final hidden states and, for a single chunk, the taps.
 fn forward_chunked(name: &str, tokens: &[u32], chunk: usize) -> (Tensor, Tensor, Taps) {
-    let dev = device();
-    let loaded = iris::loader::load(&fixture(name), &dev, DType::F32).unwrap();
-    let cfg = loaded.config().clone();
-    let bs = 4;
-    let spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs) + 2, dtype: KvDtype::F32 };
-    let kv = KvCache::new(&cfg, spec, &dev).unwrap();
-    // Deliberately non-contiguous, reversed block order: paging must not assume adjacency.
-    let table: Vec<u32> = (0..spec.num_blocks as u32).rev().collect();
-    let mut taps = Taps::default();
-    let mut hidden = Vec::new();
-    let mut start = 0;
-    while start < tokens.len() {
-        let n = chunk.min(tokens.len() - start);
-        let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
-        let mut batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
-        // A hybrid model's recurrent layers keep this sequence's state in slot 0.
-        batch.attn.set_state_slots(vec![0]).unwrap();
-        let t = if chunk >= tokens.len() { Some(&mut taps) } else { None };
-        hidden.push(loaded.model.forward(&batch, &kv, t).unwrap());
-        start += n;
-    }
-    let hidden = Tensor::cat(&hidden, 0).unwrap();
-    let logits = loaded.model.logits(&hidden).unwrap();
-    (hidden, logits, taps)
+    forward_in_chunks(&fixture(name), tokens, chunk)
 }
 
 fn check_layers(name: &str) {

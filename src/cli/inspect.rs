@@ -3,9 +3,9 @@ use clap::Args;
 use super::args::ModelArg;
 use crate::config::LayerKind;
 use crate::kv::{KvCacheSpec, KvDtype, TqBits, TqSpec};
-use crate::loader::read_config;
+use crate::loader::{mlx_quantization, read_config};
 use crate::simd::Isa;
-use crate::weights::{GgufFile, ModelLocation, SafetensorsDir};
+use crate::weights::{footprint, GgufFile, ModelLocation, SafetensorsDir};
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
@@ -18,21 +18,26 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let (loc, cfg) = read_config(&path)?;
     // Everything that can fail is read before anything is printed.
     let mut vision_params = 0u64;
+    let shares;
     let format = match &loc {
         ModelLocation::Gguf(file) => {
             let g = GgufFile::open(file)?;
+            shares = footprint::of_gguf(&g);
             let types: Vec<String> = g.dtype_histogram().iter().map(|(d, n)| format!("{d:?} x{n}")).collect();
             format!("GGUF; tensor types: {}", types.join(", "))
         }
         ModelLocation::HfDir(dir) => {
             let st = SafetensorsDir::open(dir)?;
+            shares = footprint::of_safetensors(&st, mlx_quantization(&dir.join("config.json"))?.as_ref());
             let summary = st.summary();
             // The vision tower's size is read off its stored tensors (its shape varies too
             // much between families to count from the config).
             if cfg.arch.is_vision_language() {
                 vision_params = summary
                     .iter()
-                    .filter(|(name, _, _)| name.starts_with("visual.") || name.starts_with("model.visual."))
+                    .filter(|(name, _, _)| {
+                        ["visual.", "model.visual.", "vision_tower."].iter().any(|p| name.starts_with(p))
+                    })
                     .map(|(_, _, shape)| shape.iter().product::<usize>() as u64)
                     .sum();
             }
@@ -99,6 +104,18 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     println!("context length:   {}", cfg.max_position_embeddings);
     println!("rope theta:       {}", cfg.rope.theta);
     println!("format:           {format}");
+    let (bytes, weights) = shares.iter().fold((0, 0), |(b, w), s| (b + s.bytes, w + s.weights));
+    println!("weight bytes:     {bytes} ({:.2} bits per weight over {weights} weights)", 8.0 * bytes as f64 / weights.max(1) as f64);
+    for s in &shares {
+        println!(
+            "  {:<22} {:>6.2} bits/weight, {} tensors, {} weights, {} bytes",
+            s.format,
+            s.bits_per_weight(),
+            s.tensors,
+            s.weights,
+            s.bytes
+        );
+    }
     for dt in [KvDtype::F32, KvDtype::Bf16] {
         println!("KV bytes/token:   {} ({dt})", KvCacheSpec::bytes_per_token(&cfg, dt));
     }

@@ -18,6 +18,7 @@ impl Embedding {
         Ok(match w.stored(name, &[vocab, hidden])? {
             StoredTensor::Dense(t) => Embedding::Dense(t.to_dtype(w.dtype())?),
             StoredTensor::Quantized(q) => Embedding::Quantized(Arc::new(QMatrix::new(q)?)),
+            StoredTensor::Affine(a) => Embedding::Quantized(Arc::new(QMatrix::from_affine(&a)?)),
         })
     }
 

@@ -28,6 +28,20 @@ pub struct GatedDeltaNet {
     dims: LinearAttnConfig,
 }
 
+/// The RMSNorm convention of a Qwen3.5 checkpoint's decoder norms: HF checkpoints store `w`
+/// for `1 + w`; MLX conversions store `1 + w` (mlx's sanitize adds the one as it moves
+/// `conv1d`'s axes to channels-last, so the conv layout tells which checkpoint this is).
+pub fn decoder_norm_style(w: &Weights, cfg: &TextConfig) -> NormStyle {
+    let (Some(l), Some(&layer)) = (&cfg.linear_attn, cfg.linear_layers().first()) else {
+        return NormStyle::OnePlus;
+    };
+    let conv = format!("model.layers.{layer}.linear_attn.conv1d.weight");
+    match w.is_channels_last(&conv, &[l.conv_dim(), 1, l.conv_kernel]) {
+        true => NormStyle::Plain,
+        false => NormStyle::OnePlus,
+    }
+}
+
 impl GatedDeltaNet {
     /// Layer `layer`'s `linear_attn` of a config with `linear_attn` sizes.
     pub fn load(w: &Weights, cfg: &TextConfig, layer: usize) -> std::result::Result<Self, WeightsError> {
@@ -44,7 +58,11 @@ impl GatedDeltaNet {
         let parts = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"].map(|n| format!("{p}.{n}"));
         Ok(GatedDeltaNet {
             in_proj: StackedLinear::load(w, &parts, h, &[c, dims.value_dim(), hv, hv], false)?,
-            conv_weight: vec1("conv1d.weight", &[c, 1, dims.conv_kernel])?,
+            conv_weight: w
+                .conv(&format!("{p}.conv1d.weight"), &[c, 1, dims.conv_kernel])?
+                .to_dtype(candle_core::DType::F32)?
+                .flatten_all()?
+                .to_vec1()?,
             neg_a: vec1("A_log", &[hv])?.into_iter().map(|a| -a.exp()).collect(),
             dt_bias: vec1("dt_bias", &[hv])?,
             norm: RmsNorm::load(

@@ -6,7 +6,7 @@ use candle_core::{Result, Tensor};
 use crate::ops::gemv::Gemv;
 use crate::ops::qmatmul::QMatrix;
 
-use crate::weights::{StoredTensor, Weights, WeightsError};
+use crate::weights::{AffineMatrix, StoredTensor, Weights, WeightsError};
 
 enum Matrix {
     /// `[out, in]` in the model dtype.
@@ -33,6 +33,7 @@ impl Linear {
         let m = match w.stored(&name, &[out_dim, in_dim])? {
             StoredTensor::Dense(t) => Matrix::Dense(t.to_dtype(w.dtype())?),
             StoredTensor::Quantized(q) => Matrix::Quantized(Arc::new(QMatrix::new(q)?)),
+            StoredTensor::Affine(a) => Matrix::Quantized(Arc::new(QMatrix::from_affine(&a)?)),
         };
         let bias = if bias { Some(w.dense(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
         Ok(Linear { w: m, bias })
@@ -110,7 +111,8 @@ impl Linear {
 
 /// Several projections of one input computed as a single matrix product (q/k/v, gate/up):
 /// fewer, larger multiplications, each weight row still read once per step. Parts whose
-/// storage cannot be stacked (GGUF files may quantize q, k and v differently) stay separate.
+/// storage cannot be stacked (GGUF files and mixed MLX recipes may quantize q, k and v
+/// differently) stay separate.
 pub enum StackedLinear {
     Merged { linear: Linear, widths: Vec<usize> },
     Separate(Vec<Linear>),
@@ -139,27 +141,38 @@ impl StackedLinear {
         } else {
             None
         };
-        let merged = if stored.iter().all(|s| matches!(s, StoredTensor::Dense(_))) {
-            let ts = stored
-                .iter()
-                .map(|s| match s {
-                    StoredTensor::Dense(t) => t.to_dtype(w.dtype()),
-                    StoredTensor::Quantized(_) => unreachable!("checked dense above"),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Some(Matrix::Dense(Tensor::cat(&ts, 0)?))
-        } else {
-            let qs: Vec<&Arc<QTensor>> = stored
-                .iter()
-                .filter_map(|s| match s {
-                    StoredTensor::Quantized(q) => Some(q),
-                    StoredTensor::Dense(_) => None,
-                })
-                .collect();
-            match stack_quantized(&qs)? {
-                Some(q) if qs.len() == stored.len() => Some(Matrix::Quantized(Arc::new(QMatrix::new(Arc::new(q))?))),
+        let merged = if let Some(ts) = stored
+            .iter()
+            .map(|s| match s {
+                StoredTensor::Dense(t) => Some(t.to_dtype(w.dtype())),
                 _ => None,
-            }
+            })
+            .collect::<Option<Vec<_>>>()
+        {
+            Some(Matrix::Dense(Tensor::cat(&ts.into_iter().collect::<Result<Vec<_>>>()?, 0)?))
+        } else if let Some(qs) = stored
+            .iter()
+            .map(|s| match s {
+                StoredTensor::Quantized(q) => Some(q),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()
+        {
+            stack_quantized(&qs)?.map(|q| QMatrix::new(Arc::new(q))).transpose()?.map(|q| Matrix::Quantized(Arc::new(q)))
+        } else if let Some(parts) = stored
+            .iter()
+            .map(|s| match s {
+                StoredTensor::Affine(a) => Some(a),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()
+        {
+            AffineMatrix::concat_rows(&parts)
+                .map(|a| QMatrix::from_affine(&a))
+                .transpose()?
+                .map(|q| Matrix::Quantized(Arc::new(q)))
+        } else {
+            None
         };
         Ok(match merged {
             Some(m) => StackedLinear::Merged { linear: Linear { w: m, bias: biases }, widths: out_dims.to_vec() },

@@ -12,11 +12,11 @@ use crate::config::{LayerKind, TextConfig};
 use crate::kv::KvCache;
 use crate::layers::attention::SelfAttention;
 use crate::layers::embedding::Embedding;
-use crate::layers::gated_deltanet::GatedDeltaNet;
+use crate::layers::gated_deltanet::{decoder_norm_style, GatedDeltaNet};
 use crate::layers::linear::Linear;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Moe;
-use crate::layers::norm::{NormStyle, RmsNorm};
+use crate::layers::norm::RmsNorm;
 use crate::layers::rotary::Rotary;
 use crate::models::model::{Taps, TextModel};
 use crate::weights::{Weights, WeightsError};
@@ -52,13 +52,14 @@ pub struct Qwen35 {
 impl Qwen35 {
     pub fn load(w: &Weights, cfg: TextConfig) -> std::result::Result<Self, WeightsError> {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let norm = |name: String| RmsNorm::load(w, &name, h, eps, NormStyle::OnePlus);
+        let style = decoder_norm_style(w, &cfg);
+        let norm = |name: String| RmsNorm::load(w, &name, h, eps, style);
         let layers = (0..cfg.num_layers)
             .map(|i| {
                 let p = format!("model.layers.{i}");
                 let mixer = match cfg.layer_kinds[i] {
                     LayerKind::Linear => Mixer::DeltaNet(GatedDeltaNet::load(w, &cfg, i)?),
-                    _ => Mixer::Attention(SelfAttention::load_gated(w, &cfg, i, Some(NormStyle::OnePlus), true)?),
+                    _ => Mixer::Attention(SelfAttention::load_gated(w, &cfg, i, Some(style), true)?),
                 };
                 let ffn = match &cfg.moe {
                     Some(moe) => Ffn::Experts(Moe::load(w, &format!("{p}.mlp"), h, moe, cfg.activation)?),

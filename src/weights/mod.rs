@@ -1,9 +1,13 @@
-//! A model's tensors, wherever they live: safetensors files of an HF directory (memory-mapped,
-//! single file or shards) or one GGUF file. Models ask for tensors by their HF names; the store
-//! maps names, checks shapes and hands out dense tensors or quantized matrices.
+//! A model's tensors, wherever they live: safetensors files of an HF directory or an MLX
+//! conversion (memory-mapped, single file or shards) or one GGUF file. Models ask for tensors
+//! by their HF names; the store maps names, checks shapes and hands out dense tensors or
+//! quantized matrices (GGUF blocks, MLX affine groups).
 
+mod affine;
 mod error;
+pub mod footprint;
 mod gguf;
+mod mlx;
 mod names;
 mod safetensors;
 mod tensor;
@@ -12,7 +16,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 
+pub use affine::{AffineMatrix, AffineParams};
 pub use error::WeightsError;
+pub use mlx::{MlxQuantization, ModuleQuant};
 pub use gguf::GgufFile;
 pub use names::gguf_name;
 pub use safetensors::SafetensorsDir;
@@ -30,15 +36,23 @@ pub struct Weights {
     source: Source,
     device: Device,
     dtype: DType,
+    /// An MLX conversion's `quantization` block.
+    mlx: Option<MlxQuantization>,
 }
 
 impl Weights {
     pub fn from_safetensors(dir: SafetensorsDir, device: Device, dtype: DType) -> Self {
-        Weights { source: Source::Safetensors(dir), device, dtype }
+        Weights { source: Source::Safetensors(dir), device, dtype, mlx: None }
     }
 
     pub fn from_gguf(file: GgufFile, device: Device, dtype: DType) -> Self {
-        Weights { source: Source::Gguf(file), device, dtype }
+        Weights { source: Source::Gguf(file), device, dtype, mlx: None }
+    }
+
+    /// The parameters an MLX conversion's config gives its quantized modules.
+    pub fn with_mlx_quantization(mut self, q: Option<MlxQuantization>) -> Self {
+        self.mlx = q;
+        self
     }
 
     pub fn device(&self) -> &Device {
@@ -81,7 +95,18 @@ impl Weights {
     /// A tensor as stored (quantized GGUF types stay quantized), shape-checked.
     pub fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, WeightsError> {
         let stored = match &self.source {
-            Source::Safetensors(s) => StoredTensor::Dense(s.load(name, &self.device)?),
+            Source::Safetensors(s) => match name.strip_suffix(".weight") {
+                Some(module) if s.contains(&format!("{module}.scales")) => {
+                    let a = self.affine(s, module, shape)?;
+                    if self.device.is_cpu() {
+                        StoredTensor::Affine(a)
+                    } else {
+                        // As for GGUF: other devices get the matrix dequantized once, at load.
+                        StoredTensor::Dense(a.dequantize(&Device::Cpu)?.to_device(&self.device)?)
+                    }
+                }
+                _ => StoredTensor::Dense(s.load(name, &self.device)?),
+            },
             Source::Gguf(g) => {
                 let arch = self.arch().unwrap_or(Arch::Llama);
                 let gname = gguf_name(name, arch).ok_or_else(|| WeightsError::MissingTensor {
@@ -98,6 +123,7 @@ impl Weights {
                             StoredTensor::Dense(q.dequantize(&Device::Cpu)?.to_device(&self.device)?)
                         }
                         StoredTensor::Dense(t) => StoredTensor::Dense(t.to_device(&self.device)?),
+                        StoredTensor::Affine(_) => unreachable!("GGUF files hold no MLX affine tensors"),
                     }
                 }
             }
@@ -105,6 +131,7 @@ impl Weights {
         let actual = match &stored {
             StoredTensor::Dense(t) => t.dims().to_vec(),
             StoredTensor::Quantized(q) => q.shape().dims().to_vec(),
+            StoredTensor::Affine(a) => vec![a.rows, a.cols],
         };
         if actual != shape {
             return Err(WeightsError::ShapeMismatch {
@@ -119,20 +146,120 @@ impl Weights {
 
     /// A dense tensor in the model's dtype (quantized ones are dequantized).
     pub fn dense(&self, name: &str, shape: &[usize]) -> Result<Tensor, WeightsError> {
-        let t = match self.stored(name, shape)? {
-            StoredTensor::Dense(t) => t,
-            StoredTensor::Quantized(q) => q.dequantize(&self.device)?,
+        Ok(self.dequantized(name, shape)?.to_dtype(self.dtype)?)
+    }
+
+    /// Whether convolution weight `name`, `[out, in, k...]` in PyTorch's layout (`shape`), is
+    /// stored channels-last, `[out, k..., in]`, as MLX conversions store convolutions.
+    pub fn is_channels_last(&self, name: &str, shape: &[usize]) -> bool {
+        let last = channels_last(shape);
+        let stored = match &self.source {
+            Source::Safetensors(s) => s.shape_of(name),
+            Source::Gguf(_) => None,
         };
-        Ok(t.to_dtype(self.dtype)?)
+        last != shape && stored.as_deref() == Some(&last[..])
+    }
+
+    /// A convolution's weight in PyTorch's layout `shape` (`[out, in, k...]`), in the model's
+    /// dtype, whichever of the two layouts it is stored in.
+    pub fn conv(&self, name: &str, shape: &[usize]) -> Result<Tensor, WeightsError> {
+        if !self.is_channels_last(name, shape) {
+            return self.dense(name, shape);
+        }
+        let t = self.dense(name, &channels_last(shape))?;
+        let n = shape.len();
+        let order: Vec<usize> = [0, n - 1].into_iter().chain(1..n - 1).collect();
+        Ok(t.permute(order)?.contiguous()?)
     }
 
     /// A dense tensor kept in f32 whatever the model dtype (norm weights feeding f32 math).
     pub fn dense_f32(&self, name: &str, shape: &[usize]) -> Result<Tensor, WeightsError> {
-        let t = match self.stored(name, shape)? {
+        Ok(self.dequantized(name, shape)?.to_dtype(DType::F32)?)
+    }
+
+    fn dequantized(&self, name: &str, shape: &[usize]) -> Result<Tensor, WeightsError> {
+        Ok(match self.stored(name, shape)? {
             StoredTensor::Dense(t) => t,
             StoredTensor::Quantized(q) => q.dequantize(&self.device)?,
+            StoredTensor::Affine(a) => a.dequantize(&self.device)?.reshape(shape)?,
+        })
+    }
+
+    /// The MLX affine module `module` (`.weight` u32 codes, `.scales`, `.biases`) as the
+    /// `shape` the model expects (its last axis the input), its bits and group size read off
+    /// the stored shapes and checked against the config's.
+    fn affine(&self, s: &SafetensorsDir, module: &str, shape: &[usize]) -> Result<AffineMatrix, WeightsError> {
+        let cpu = Device::Cpu;
+        let key = s.key_of(&format!("{module}.weight")).unwrap_or_else(|| format!("{module}.weight"));
+        let bad = |msg: String| WeightsError::BadTensor {
+            name: key.clone(),
+            origin: s.file_of(&format!("{module}.weight")).to_path_buf(),
+            msg,
         };
-        Ok(t.to_dtype(DType::F32)?)
+        let codes = s.load(&format!("{module}.weight"), &cpu)?;
+        if codes.dtype() != DType::U32 {
+            return Err(bad(format!("has .scales, so it is MLX-quantized, but is {:?}, not uint32", codes.dtype())));
+        }
+        let part = |suffix: &str| -> Result<Tensor, WeightsError> {
+            let name = format!("{module}.{suffix}");
+            if !s.contains(&name) {
+                return Err(bad(format!("is MLX affine-quantized but `{name}` is missing")));
+            }
+            Ok(s.load(&name, &cpu)?.to_dtype(DType::F32)?)
+        };
+        let (scales, biases) = (part("scales")?, part("biases")?);
+        let (cols, lead) = match shape.split_last() {
+            Some((&c, lead)) if !lead.is_empty() => (c, lead),
+            _ => return Err(bad(format!("is quantized, but the model reads it as a {}-D tensor", shape.len()))),
+        };
+        let rows: usize = lead.iter().product();
+        let last = |t: &Tensor| t.dims().last().copied().unwrap_or(0);
+        let leading_ok = |t: &Tensor| t.dims().len() == shape.len() && &t.dims()[..lead.len()] == lead;
+        if !leading_ok(&codes) || !leading_ok(&scales) || scales.dims() != biases.dims() {
+            return Err(WeightsError::ShapeMismatch {
+                name: key.clone(),
+                origin: s.file_of(&format!("{module}.weight")).to_path_buf(),
+                expected: shape.to_vec(),
+                actual: codes.dims().to_vec(),
+            });
+        }
+        let params = AffineParams::from_shapes(cols, last(&codes), last(&scales)).ok_or_else(|| {
+            bad(format!(
+                "{} u32 words and {} scales per row of {cols} weights is no MLX affine format",
+                last(&codes),
+                last(&scales)
+            ))
+        })?;
+        if let Some(q) = &self.mlx {
+            let path = key.strip_suffix(".weight").unwrap_or(&key);
+            match q.module(path) {
+                ModuleQuant::Affine(p) if p == params => {}
+                ModuleQuant::Affine(p) => {
+                    return Err(bad(format!(
+                        "config.json gives it {} bits in groups of {}, its tensors hold {} bits in groups of {}",
+                        p.bits, p.group, params.bits, params.group
+                    )))
+                }
+                ModuleQuant::Float => return Err(bad("config.json lists it as not quantized, yet it has .scales".into())),
+            }
+        }
+        let flat = |t: Tensor| -> Result<Vec<f32>, WeightsError> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+        Ok(AffineMatrix {
+            rows,
+            cols,
+            params,
+            codes: codes.flatten_all()?.to_vec1::<u32>()?,
+            scales: flat(scales)?,
+            biases: flat(biases)?,
+        })
+    }
+}
+
+/// `[out, in, k...]` -> `[out, k..., in]`.
+fn channels_last(shape: &[usize]) -> Vec<usize> {
+    match shape {
+        [out, inp, k @ ..] if !k.is_empty() => [*out].into_iter().chain(k.iter().copied()).chain([*inp]).collect(),
+        _ => shape.to_vec(),
     }
 }
 

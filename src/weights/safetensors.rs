@@ -49,38 +49,84 @@ impl SafetensorsDir {
         &self.files
     }
 
-    /// VLM checkpoints saved by transformers 5 keep the language model under
-    /// `model.language_model.` and the vision tower under `model.visual.`; older ones use
-    /// `model.` and `visual.`. Names resolve to either, so one set of model code reads both.
-    fn resolve(&self, name: &str) -> Option<String> {
+    /// The stored key of tensor `name`. VLM checkpoints saved by transformers 5 keep the
+    /// language model under `model.language_model.` and the vision tower under `model.visual.`;
+    /// older ones use `model.` and `visual.`; mlx-vlm conversions use `language_model.model.`,
+    /// `language_model.lm_head.` and `vision_tower.`. Names resolve to any of them, so one set
+    /// of model code reads all.
+    pub fn key_of(&self, name: &str) -> Option<String> {
         if self.names.contains_key(name) {
             return Some(name.to_string());
         }
-        let alt = match name.strip_prefix("model.") {
-            Some(rest) => format!("model.language_model.{rest}"),
-            None => format!("model.{name}"),
+        let alts: Vec<String> = if let Some(rest) = name.strip_prefix("model.") {
+            vec![format!("model.language_model.{rest}"), format!("language_model.{name}")]
+        } else if let Some(rest) = name.strip_prefix("visual.") {
+            vec![format!("model.{name}"), format!("vision_tower.{rest}")]
+        } else if name.starts_with("lm_head.") {
+            vec![format!("language_model.{name}"), format!("model.{name}")]
+        } else {
+            vec![format!("model.{name}")]
         };
-        self.names.contains_key(&alt).then_some(alt)
+        alts.into_iter().find(|k| self.names.contains_key(k))
+    }
+
+    /// Where tensor `name` lives: its key, or for `{p}.experts.{e}.{rest}` absent as such,
+    /// the MoE experts stacked along a first axis (`{p}.switch_mlp.{rest}`, as MLX stores
+    /// them) and the expert's index.
+    fn locate(&self, name: &str) -> Option<(String, Option<usize>)> {
+        if let Some(k) = self.key_of(name) {
+            return Some((k, None));
+        }
+        let (prefix, rest) = name.split_once(".experts.")?;
+        let (e, rest) = rest.split_once('.')?;
+        let e: usize = e.parse().ok()?;
+        Some((self.key_of(&format!("{prefix}.switch_mlp.{rest}"))?, Some(e)))
     }
 
     /// The file holding tensor `name` (the directory if no file does).
     pub fn file_of(&self, name: &str) -> &Path {
-        self.resolve(name).and_then(|k| self.names.get(&k)).map_or(self.dir.as_path(), PathBuf::as_path)
+        self.locate(name).and_then(|(k, _)| self.names.get(&k)).map_or(self.dir.as_path(), PathBuf::as_path)
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.resolve(name).is_some()
+        self.locate(name).is_some()
+    }
+
+    /// The stored shape of tensor `name` (one expert's, for a slice of stacked experts).
+    pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        let (key, expert) = self.locate(name)?;
+        let shape = self.st.get(&key).ok()?.shape().to_vec();
+        Some(if expert.is_some() { shape[1..].to_vec() } else { shape })
     }
 
     pub fn load(&self, name: &str, device: &Device) -> Result<Tensor, WeightsError> {
-        let key = self
-            .resolve(name)
+        let (key, expert) = self
+            .locate(name)
             .ok_or_else(|| WeightsError::MissingTensor { name: name.to_string(), origin: self.dir.clone() })?;
-        self.st.load(&key, device).map_err(|e| WeightsError::BadTensor {
+        let bad = |msg: String| WeightsError::BadTensor {
             origin: self.names.get(&key).cloned().unwrap_or_else(|| self.dir.clone()),
-            name: key,
-            msg: root_cause(&e),
-        })
+            name: key.clone(),
+            msg,
+        };
+        let view = self.st.get(&key).map_err(|e| bad(root_cause(&e)))?;
+        let dtype = candle_dtype(view.dtype()).ok_or_else(|| bad(format!("dtype {:?} is not supported", view.dtype())))?;
+        let (mut shape, mut data) = (view.shape().to_vec(), view.data());
+        if let Some(e) = expert {
+            // One expert's slice of the stacked tensor: its bytes are contiguous.
+            let n = shape.first().copied().unwrap_or(0);
+            if e >= n || shape.len() < 2 {
+                return Err(bad(format!("has no expert {e} (shape {shape:?})")));
+            }
+            let per = data.len() / n;
+            data = &data[e * per..(e + 1) * per];
+            shape.remove(0);
+        }
+        Tensor::from_raw_buffer(data, dtype, &shape, device).map_err(|e| bad(root_cause(&e)))
+    }
+
+    /// Every tensor with its stored dtype and shape.
+    pub fn views(&self) -> Vec<(String, (safetensors::Dtype, Vec<usize>))> {
+        self.st.tensors().into_iter().map(|(n, v)| (n, (v.dtype(), v.shape().to_vec()))).collect()
     }
 
     /// Every tensor name with its dtype and shape (for `iris inspect`).
@@ -133,6 +179,21 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, WeightsError> {
     }
     files.sort();
     Ok(files)
+}
+
+fn candle_dtype(d: safetensors::Dtype) -> Option<candle_core::DType> {
+    use candle_core::DType;
+    use safetensors::Dtype as S;
+    Some(match d {
+        S::U8 => DType::U8,
+        S::U32 => DType::U32,
+        S::I64 => DType::I64,
+        S::BF16 => DType::BF16,
+        S::F16 => DType::F16,
+        S::F32 => DType::F32,
+        S::F64 => DType::F64,
+        _ => return None,
+    })
 }
 
 /// candle wraps errors in path and backtrace layers; users need the innermost message.

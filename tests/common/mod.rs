@@ -9,7 +9,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use iris::engine::build::{build_engine, EngineOptions};
+use iris::batch::{Batch, SeqSlice};
 use iris::engine::{Engine, Request, SamplingParams};
+use iris::kv::{KvCache, KvCacheSpec, KvDtype};
+use iris::models::Taps;
 
 pub const TINY_MODELS: [&str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"];
 
@@ -122,4 +125,33 @@ pub fn real_reference(name: &str) -> serde_json::Value {
 
 pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("a list of ids").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
+}
+
+/// Runs `tokens` through the model at `path` in chunks of `chunk` tokens (one sequence), returning
+/// the concatenated final hidden states and, for a single chunk, the taps.
+pub fn forward_in_chunks(path: &Path, tokens: &[u32], chunk: usize) -> (Tensor, Tensor, Taps) {
+    let dev = device();
+    let loaded = iris::loader::load(path, &dev, DType::F32).unwrap();
+    let cfg = loaded.config().clone();
+    let bs = 4;
+    let spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs) + 2, dtype: KvDtype::F32 };
+    let kv = KvCache::new(&cfg, spec, &dev).unwrap();
+    // Deliberately non-contiguous, reversed block order: paging must not assume adjacency.
+    let table: Vec<u32> = (0..spec.num_blocks as u32).rev().collect();
+    let mut taps = Taps::default();
+    let mut hidden = Vec::new();
+    let mut start = 0;
+    while start < tokens.len() {
+        let n = chunk.min(tokens.len() - start);
+        let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
+        let mut batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
+        // A hybrid model's recurrent layers keep this sequence's state in slot 0.
+        batch.attn.set_state_slots(vec![0]).unwrap();
+        let t = if chunk >= tokens.len() { Some(&mut taps) } else { None };
+        hidden.push(loaded.model.forward(&batch, &kv, t).unwrap());
+        start += n;
+    }
+    let hidden = Tensor::cat(&hidden, 0).unwrap();
+    let logits = loaded.model.logits(&hidden).unwrap();
+    (hidden, logits, taps)
 }

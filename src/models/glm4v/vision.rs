@@ -55,7 +55,7 @@ impl VisionTower {
     pub fn load(w: &Weights, cfg: VisionConfig) -> std::result::Result<Self, WeightsError> {
         let (h, out, eps) = (cfg.hidden_size, cfg.out_hidden_size, cfg.rms_norm_eps);
         let rms = |name: &str| RmsNorm::load(w, name, h, eps, NormStyle::Plain);
-        let conv = w.dense(
+        let conv = w.conv(
             "visual.patch_embed.proj.weight",
             &[h, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size],
         )?;
@@ -83,7 +83,7 @@ impl VisionTower {
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
         let m = cfg.spatial_merge_size;
         let down =
-            w.dense("visual.downsample.weight", &[out, h, m, m])?.permute((0, 2, 3, 1))?.reshape((out, m * m * h))?;
+            w.conv("visual.downsample.weight", &[out, h, m, m])?.permute((0, 2, 3, 1))?.reshape((out, m * m * h))?;
         Ok(VisionTower {
             patch_embed,
             post_conv_norm: rms("visual.post_conv_layernorm.weight")?,

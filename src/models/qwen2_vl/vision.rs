@@ -83,7 +83,7 @@ pub struct VisionTower {
 impl VisionTower {
     pub fn load(w: &Weights, cfg: VisionConfig) -> std::result::Result<Self, WeightsError> {
         let (h, kind) = (cfg.hidden_size, cfg.kind);
-        let conv = w.dense(
+        let conv = w.conv(
             "visual.patch_embed.proj.weight",
             &[h, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size],
         )?;

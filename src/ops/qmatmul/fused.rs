@@ -180,6 +180,17 @@ impl Decode for Q8_0 {
     }
 }
 
+struct A8;
+impl Decode for A8 {
+    const FORMAT: BlockFormat = BlockFormat::A8;
+    #[inline(always)]
+    unsafe fn decode<S: Simd>(s: S, row: Row, b: usize) -> [S::F; 2] {
+        let (d, m) = (s.splat(row.scale(0, b)), s.splat(row.scale(1, b)));
+        let c = row.codes::<Self>(b);
+        [s.add(s.mul(s.to_f(s.load_u8(c)), d), m), s.add(s.mul(s.to_f(s.load_u8(c.add(16))), d), m)]
+    }
+}
+
 /// `out[i] = dot(dequant(row), x[i * k..(i + 1) * k])` for `i < M`, where `row` holds the
 /// `k / 32` blocks of one weight row. Two accumulators per row halve the FMA dependency chain.
 #[inline(always)]
@@ -309,6 +320,7 @@ impl<const M: usize> WithSimd for DotRows<'_, M> {
                 BlockFormat::Q8_0 => dot_row_range::<S, Q8_0, M>(s, rows, row_bytes, x, k, out),
                 BlockFormat::Q6 => dot_row_range::<S, Q6, M>(s, rows, row_bytes, x, k, out),
                 BlockFormat::Q3 => dot_row_range::<S, Q3, M>(s, rows, row_bytes, x, k, out),
+                BlockFormat::A8 => dot_row_range::<S, A8, M>(s, rows, row_bytes, x, k, out),
             }
         }
     }
@@ -348,6 +360,7 @@ impl WithSimd for DequantRow<'_> {
                 BlockFormat::Q8_0 => dequant_row_of::<S, Q8_0>(s, row, out),
                 BlockFormat::Q6 => dequant_row_of::<S, Q6>(s, row, out),
                 BlockFormat::Q3 => dequant_row_of::<S, Q3>(s, row, out),
+                BlockFormat::A8 => dequant_row_of::<S, A8>(s, row, out),
             }
         }
     }

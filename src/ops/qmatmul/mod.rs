@@ -16,6 +16,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use super::kv_elem::f32_slice;
 use super::team::{team, OutPtr};
 use crate::simd::{dot_f32, Isa};
+use crate::weights::AffineMatrix;
 
 mod fused;
 mod packed;
@@ -81,6 +82,14 @@ impl QMatrix {
             None => Storage::Ggml { row_bytes: cols / dt.block_size() * dt.type_size(), q, dequant_row },
         };
         Ok(QMatrix { storage, rows, cols, isa: Isa::active() })
+    }
+
+    /// An MLX affine matrix, repacked for the fused kernels (see `PackedRows::from_affine`).
+    pub fn from_affine(m: &AffineMatrix) -> Result<Self> {
+        if m.cols % 32 != 0 {
+            candle_core::bail!("affine matrix with {} columns is not a whole number of 32-weight blocks", m.cols);
+        }
+        Ok(QMatrix { storage: Storage::Packed(PackedRows::from_affine(m)), rows: m.rows, cols: m.cols, isa: Isa::active() })
     }
 
     pub fn dims(&self) -> (usize, usize) {
@@ -263,6 +272,7 @@ impl CustomOp1 for QMatrix {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::weights::AffineParams;
     use candle_core::Device;
 
     const FORMATS: [GgmlDType; 10] = [
@@ -336,6 +346,60 @@ mod tests {
                     let mut got = vec![0f32; cols];
                     qm.dequant(&data, r, &mut got);
                     assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dt:?} {isa:?} row {r}");
+                }
+            }
+        }
+    }
+
+    /// A random MLX affine matrix (negative scales included, as mlx makes them).
+    fn random_affine(rows: usize, cols: usize, params: AffineParams, seed: u64) -> AffineMatrix {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let groups = rows * cols / params.group;
+        AffineMatrix {
+            rows,
+            cols,
+            params,
+            codes: (0..rows * params.packed_words(cols)).map(|_| next() as u32).collect(),
+            scales: (0..groups).map(|_| (next() % 2000) as f32 / 1e4 - 0.1).collect(),
+            biases: (0..groups).map(|_| (next() % 2000) as f32 / 1e3 - 1.0).collect(),
+        }
+    }
+
+    /// MLX affine matrices through the fused kernels: each weight decodes to the bits of
+    /// `scale · q + bias`, and products match f64 sums, for every width and group size.
+    #[test]
+    fn affine_matrices_decode_exactly_and_multiply() {
+        let dev = Device::Cpu;
+        for bits in AffineParams::BITS {
+            for group in AffineParams::GROUPS {
+                let (n, k) = (5, 3 * group);
+                let a = random_affine(n, k, AffineParams { bits, group }, u64::from(bits) * 1000 + group as u64);
+                let want: Vec<Vec<f32>> = a.dequantize(&dev).unwrap().to_vec2().unwrap();
+                let mut qm = QMatrix::from_affine(&a).unwrap();
+                let x = Tensor::randn(0f32, 1.0, (3, k), &dev).unwrap();
+                let xv: Vec<Vec<f32>> = x.to_vec2().unwrap();
+                for isa in Isa::available() {
+                    qm.isa = isa;
+                    let data = qm.bytes().unwrap();
+                    for (r, want) in want.iter().enumerate() {
+                        let mut got = vec![0f32; k];
+                        qm.dequant(&data, r, &mut got);
+                        let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{bits}-bit group {group} {isa:?} row {r}");
+                    }
+                    let got: Vec<Vec<f32>> = qm.forward(&x).unwrap().to_vec2().unwrap();
+                    for i in 0..3 {
+                        for r in 0..n {
+                            let exact: f64 = (0..k).map(|j| xv[i][j] as f64 * want[r][j] as f64).sum();
+                            assert!((got[i][r] as f64 - exact).abs() < 1e-4 * (k as f64).sqrt() * 4.0);
+                        }
+                    }
                 }
             }
         }

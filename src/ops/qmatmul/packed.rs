@@ -18,6 +18,8 @@
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
+use crate::weights::AffineMatrix;
+
 /// The packed block formats, each with a fused kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockFormat {
@@ -35,6 +37,8 @@ pub enum BlockFormat {
     /// scales, the low two bits of each code as Q6's high bits, then the third bits, bit i
     /// for weight i.
     Q3,
+    /// `q * d + m`, q in 0..256, a byte per code (MLX affine 6- and 8-bit).
+    A8,
 }
 
 impl BlockFormat {
@@ -56,7 +60,7 @@ impl BlockFormat {
     pub const fn words(self) -> usize {
         match self {
             BlockFormat::Q4_0 | BlockFormat::Q8_0 => 1,
-            BlockFormat::Q4_1 | BlockFormat::Q5_0 => 2,
+            BlockFormat::Q4_1 | BlockFormat::Q5_0 | BlockFormat::A8 => 2,
             BlockFormat::Q5_1 => 3,
             BlockFormat::Q6 => 4,
             BlockFormat::Q3 => 5,
@@ -66,7 +70,7 @@ impl BlockFormat {
     /// Code bytes per block.
     pub const fn code_bytes(self) -> usize {
         match self {
-            BlockFormat::Q8_0 => 32,
+            BlockFormat::Q8_0 | BlockFormat::A8 => 32,
             BlockFormat::Q3 => 0,
             _ => 16,
         }
@@ -235,24 +239,64 @@ impl PackedRows {
     pub fn from_ggml(dt: GgmlDType, format: BlockFormat, ggml: &[u8], rows: usize, cols: usize) -> Self {
         debug_assert_eq!(BlockFormat::for_ggml(dt), Some(format));
         let nb = cols / 32;
-        let (words, code_bytes) = (format.words(), format.code_bytes());
         let row_bytes = nb * format.packed_bytes();
         let src_row = cols / dt.block_size() * dt.type_size();
-        let mut data = vec![0u8; rows * row_bytes];
-        for (src, dst) in ggml.chunks_exact(src_row).zip(data.chunks_exact_mut(row_bytes)) {
-            let (heads, codes) = dst.split_at_mut(4 * words * nb);
+        let mut packed = PackedRows { format, row_bytes, data: vec![0u8; rows * row_bytes] };
+        for (r, src) in ggml.chunks_exact(src_row).enumerate() {
             let mut b = 0;
             for blk in src.chunks_exact(dt.type_size()) {
                 unpack(dt, blk, |block| {
-                    for (w, word) in block.words[..words].iter().enumerate() {
-                        heads[4 * (w * nb + b)..4 * (w * nb + b) + 4].copy_from_slice(&word.to_le_bytes());
-                    }
-                    codes[b * code_bytes..(b + 1) * code_bytes].copy_from_slice(&block.codes[..code_bytes]);
+                    packed.put(r, b, nb, &block);
                     b += 1;
                 });
             }
         }
-        PackedRows { format, row_bytes, data }
+        packed
+    }
+
+    /// Repacks an MLX affine matrix: 2- to 4-bit codes as Q4_1's nibbles, 5-bit as Q5_1's,
+    /// 6- and 8-bit as A8's bytes, each 32-weight block with its group's scale and bias, so
+    /// each weight is `q * scale + bias` as MLX computes it.
+    pub fn from_affine(m: &AffineMatrix) -> Self {
+        let format = match m.params.bits {
+            2..=4 => BlockFormat::Q4_1,
+            5 => BlockFormat::Q5_1,
+            _ => BlockFormat::A8,
+        };
+        let nb = m.cols / 32;
+        let row_bytes = nb * format.packed_bytes();
+        let mut packed = PackedRows { format, row_bytes, data: vec![0u8; m.rows * row_bytes] };
+        for r in 0..m.rows {
+            let codes = m.row_codes(r);
+            for b in 0..nb {
+                let q = |i: usize| codes(32 * b + i);
+                let (scale, bias) = m.group_affine(r, 32 * b / m.params.group);
+                let mut block = Block::default();
+                block.words[0] = scale.to_bits();
+                block.words[1] = bias.to_bits();
+                match format {
+                    BlockFormat::A8 => block.codes = std::array::from_fn(q),
+                    BlockFormat::Q5_1 => {
+                        block.words[2] = Block::bits(4, q);
+                        block.nibbles(q);
+                    }
+                    _ => block.nibbles(q),
+                }
+                packed.put(r, b, nb, &block);
+            }
+        }
+        packed
+    }
+
+    /// Writes `block` as block `b` of row `r` (`nb` blocks per row).
+    fn put(&mut self, r: usize, b: usize, nb: usize, block: &Block) {
+        let (words, code_bytes) = (self.format.words(), self.format.code_bytes());
+        let row = &mut self.data[r * self.row_bytes..(r + 1) * self.row_bytes];
+        let (heads, codes) = row.split_at_mut(4 * words * nb);
+        for (w, word) in block.words[..words].iter().enumerate() {
+            heads[4 * (w * nb + b)..4 * (w * nb + b) + 4].copy_from_slice(&word.to_le_bytes());
+        }
+        codes[b * code_bytes..(b + 1) * code_bytes].copy_from_slice(&block.codes[..code_bytes]);
     }
 
     pub fn data(&self) -> &[u8] {
