@@ -5,7 +5,10 @@
                                        MODEL (qwen2.5-7b | smollm2-135m) + a word-level tokenizer
                                        covering its whole vocabulary; MODEL+bytes: a byte-level
                                        tokenizer instead (its first 256 ids the bytes, the rest
-                                       filler), which can spell any text (structured outputs)
+                                       filler), which can spell any text (structured outputs);
+                                       MODEL+mlx4 / MODEL+mlx8: the same weights quantized as
+                                       an MLX affine checkpoint (group 64, bf16 scales and biases,
+                                       every linear layer, the embedding left bf16)
     gpu_bench.py bandwidth             device-to-device copy bandwidth (bytes read + written / s)
     gpu_bench.py hf DIR                transformers generate on DIR: decode tok/s at --batches,
                                        prefill tok/s and TTFT for a --prefill-len prompt
@@ -48,7 +51,11 @@ def make(out, name):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     base, _, kind = name.partition("+")
-    cfg = CONFIGS[base]
+    cfg = dict(CONFIGS[base])
+    mlx_bits = int(kind[3:]) if kind.startswith("mlx") else None
+    if mlx_bits:
+        cfg["quantization"] = {"group_size": 64, "bits": mlx_bits, "mode": "affine"}
+        cfg["quantization_config"] = cfg["quantization"]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
@@ -88,19 +95,24 @@ def make(out, name):
         if cfg["model_type"] == "qwen2":
             shapes.update({p + "self_attn.q_proj.bias": (nh * d,), p + "self_attn.k_proj.bias": (nkv * d,),
                            p + "self_attn.v_proj.bias": (nkv * d,)})
-    g = torch.Generator(device="cuda").manual_seed(1234)
+    dev = os.environ.get("BENCH_TORCH_DEVICE", "cuda")
+    g = torch.Generator(device=dev).manual_seed(1234)
     tensors = {}
     for n, s in shapes.items():
         if n.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(s, generator=g, device="cuda")
+            t = 1.0 + 0.1 * torch.randn(s, generator=g, device=dev)
         else:
-            t = 0.02 * torch.randn(s, generator=g, device="cuda")
-        tensors[n] = t.to(torch.bfloat16).cpu()
+            t = 0.02 * torch.randn(s, generator=g, device=dev)
+        t = t.to(torch.bfloat16)
+        if mlx_bits and len(s) == 2 and n != "model.embed_tokens.weight":
+            tensors.update(mlx_quantize(n[: -len(".weight")], t.float(), mlx_bits, 64))
+        else:
+            tensors[n] = t.cpu()
     # Shards of about 4 GB, as checkpoints on the Hub come.
     shards, cur, size = [], {}, 0
     for n, t in tensors.items():
         cur[n] = t
-        size += t.numel() * 2
+        size += t.numel() * t.element_size()
         if size > 4e9:
             shards.append(cur)
             cur, size = {}, 0
@@ -113,10 +125,32 @@ def make(out, name):
         weight_map.update({n: fn for n in sh})
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    nbytes = sum(t.numel() * 2 for t in tensors.values())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     emb = cfg["vocab_size"] * h * 2
     print(json.dumps({"model": name, "weight_bytes": nbytes, "embedding_bytes": emb,
-                      "tied": cfg["tie_word_embeddings"]}))
+                      "tied": cfg["tie_word_embeddings"],
+                      "format": f"MLX {mlx_bits}-bit g64" if mlx_bits else "bf16"}))
+
+
+def mlx_quantize(module, w, bits, group):
+    """MLX affine quantization of w [out, in] (bits dividing 32): per group of `group` weights
+    scale = (max - min) / (2^bits - 1), bias = min, q = round((w - bias) / scale); the codes
+    packed little-endian into u32 words, element i of a word at bits i*bits (as mx.quantize
+    packs them); scales and biases in bf16, the codes computed against them."""
+    import torch
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    n = 2 ** bits - 1
+    scale = ((hi - lo) / n).clamp(min=1e-7).to(torch.bfloat16)
+    bias = lo.to(torch.bfloat16)
+    q = torch.round((g - bias.float()) / scale.float()).clamp(0, n).to(torch.int64).reshape(rows, cols)
+    per = 32 // bits
+    shifts = torch.arange(per, device=w.device, dtype=torch.int64) * bits
+    words = (q.reshape(rows, cols // per, per) << shifts).sum(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).view(torch.uint32)
+    return {f"{module}.weight": words.cpu(), f"{module}.scales": scale.squeeze(-1).cpu(),
+            f"{module}.biases": bias.squeeze(-1).cpu()}
 
 
 def bandwidth():
@@ -206,7 +240,8 @@ def table(path):
         # Batch-1 bound: every weight byte read once per token; an untied embedding table is not
         # read (its rows are looked up), a tied one is the output head.
         bound = bw / (wb - (0 if m["weights"].get("tied") else eb))
-        print(f"\n## {m['model']} (bf16, {wb / 1e9:.2f} GB of weights; batch-1 bound {bound:.0f} tok/s)")
+        fmt = m["weights"].get("format", "bf16")
+        print(f"\n## {m['model']} ({fmt}, {wb / 1e9:.2f} GB of weights as stored; batch-1 bound {bound:.0f} tok/s)")
         print(f"| engine | b1 tok/s | % of bound | b8 | b64 | b256 | prefill tok/s ({m['prefill_len']}) | TTFT ms |")
         print("|---|---|---|---|---|---|---|---|")
         for eng in ("iris", "transformers"):
@@ -225,7 +260,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")
     m.add_argument("out")
-    m.add_argument("model", choices=sorted(CONFIGS) + sorted(f"{c}+bytes" for c in CONFIGS))
+    m.add_argument("model", choices=sorted(CONFIGS) + sorted(f"{c}+{k}" for c in CONFIGS for k in ("bytes", "mlx4", "mlx8")))
     sub.add_parser("bandwidth")
     sub.add_parser("gemv")
     h = sub.add_parser("hf")

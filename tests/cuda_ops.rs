@@ -562,3 +562,62 @@ fn gemv_gated_equals_product_then_activation() {
         }
     }
 }
+
+/// Quantized matrices kept quantized on the GPU: every GGUF block format with a packed form
+/// and every MLX affine width, decoded on the device to the CPU's weights bit for bit, and
+/// their products with f32 and bf16 rows (the GEMV kernel up to 8 rows, dequantize + cuBLAS
+/// past that) against the CPU kernels'.
+#[test]
+fn quantized_matrices_match_cpu() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use iris::ops::qmatmul::QMatrix;
+    use iris::weights::{AffineMatrix, AffineParams};
+    use std::sync::Arc;
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(7);
+    let (n, k) = (300, 768);
+    let mut mats: Vec<(String, QMatrix)> = Vec::new();
+    for dt in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ] {
+        let w = random(&mut rng, &[n, k]);
+        mats.push((format!("{dt:?}"), QMatrix::new(Arc::new(QTensor::quantize(&w, dt).unwrap())).unwrap()));
+    }
+    for bits in AffineParams::BITS {
+        let params = AffineParams { bits, group: 64 };
+        let groups = n * k / 64;
+        let a = AffineMatrix {
+            rows: n,
+            cols: k,
+            params,
+            codes: (0..n * params.packed_words(k)).map(|_| rng.random::<u32>()).collect(),
+            scales: (0..groups).map(|_| rng.random_range(-0.05f32..0.05)).collect(),
+            biases: (0..groups).map(|_| rng.random_range(-1f32..1.0)).collect(),
+        };
+        mats.push((format!("mlx {bits}-bit"), QMatrix::from_affine(&a).unwrap()));
+    }
+    for (name, q) in &mats {
+        let g = q.upload(&dev).unwrap().expect("a packed format has CUDA kernels");
+        let want = q.dequantize_all().unwrap();
+        let got = g.dequantize(DType::F32).unwrap().to_device(&Device::Cpu).unwrap();
+        assert_eq!(max_rel_err(&got, &want), 0.0, "{name}: the device decodes other weights");
+        for m in [1, 2, 3, 8, 9, 33] {
+            let x = random(&mut rng, &[m, k]);
+            let cpu = q.forward(&x).unwrap();
+            let e = max_rel_err(&g.forward(&x.to_device(&dev).unwrap()).unwrap(), &cpu);
+            assert!(e <= 1e-5, "{name} m={m} f32: rel err {e}");
+            let xb = x.to_dtype(DType::BF16).unwrap();
+            let cpu = q.forward(&xb.to_dtype(DType::F32).unwrap()).unwrap();
+            let e = max_rel_err(&g.forward(&xb.to_device(&dev).unwrap()).unwrap(), &cpu);
+            assert!(e <= 1e-2, "{name} m={m} bf16: rel err {e}");
+        }
+    }
+}

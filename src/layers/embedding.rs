@@ -15,11 +15,17 @@ pub enum Embedding {
 
 impl Embedding {
     pub fn load(w: &Weights, name: &str, vocab: usize, hidden: usize) -> std::result::Result<Self, WeightsError> {
-        Ok(match w.stored(name, &[vocab, hidden])? {
-            StoredTensor::Dense(t) => Embedding::Dense(t.to_dtype(w.dtype())?),
-            StoredTensor::Quantized(q) => Embedding::Quantized(Arc::new(QMatrix::new(q)?)),
-            StoredTensor::Affine(a) => Embedding::Quantized(Arc::new(QMatrix::from_affine(&a)?)),
-        })
+        let q = match w.stored(name, &[vocab, hidden])? {
+            StoredTensor::Dense(t) => return Ok(Embedding::Dense(t.to_dtype(w.dtype())?)),
+            StoredTensor::Quantized(q) => QMatrix::new(q)?,
+            StoredTensor::Affine(a) => QMatrix::from_affine(&a)?,
+        };
+        // Lookups on a GPU gather rows on the device (a quantized table's lookup runs on the
+        // host, which a captured decode graph cannot do): the table is dequantized there.
+        if w.device().is_cuda() {
+            return Ok(Embedding::Dense(q.dequantize_all()?.to_dtype(w.dtype())?.to_device(w.device())?));
+        }
+        Ok(Embedding::Quantized(Arc::new(q)))
     }
 
     pub fn forward(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {

@@ -4,15 +4,35 @@ use candle_core::quantized::QTensor;
 use candle_core::{Result, Tensor};
 
 use crate::ops::gemv::Gemv;
-use crate::ops::qmatmul::QMatrix;
+use crate::ops::qmatmul::{CudaQMatrix, QMatrix};
 
 use crate::weights::{AffineMatrix, StoredTensor, Weights, WeightsError};
 
 enum Matrix {
     /// `[out, in]` in the model dtype.
     Dense(Tensor),
-    /// GGUF block-quantized `[out, in]`, dequantized on the fly against f32 activations.
+    /// GGUF block-quantized or MLX affine `[out, in]`, dequantized on the fly against f32
+    /// activations.
     Quantized(Arc<QMatrix>),
+    /// The same on a CUDA device (against activations of any float dtype).
+    DeviceQuantized(Arc<CudaQMatrix>),
+}
+
+impl Matrix {
+    /// A quantized matrix where the weights live: on CUDA kept quantized where the format has
+    /// kernels (else dequantized, as with `IRIS_CUDA_QUANT=0`), on the CPU as it is.
+    fn quantized(q: QMatrix, w: &Weights) -> Result<Matrix> {
+        let dev = w.device();
+        if !dev.is_cuda() {
+            return Ok(Matrix::Quantized(Arc::new(q)));
+        }
+        if crate::switches::switched_on!("IRIS_CUDA_QUANT") {
+            if let Some(c) = q.upload(dev)? {
+                return Ok(Matrix::DeviceQuantized(Arc::new(c)));
+            }
+        }
+        Ok(Matrix::Dense(q.dequantize_all()?.to_dtype(w.dtype())?.to_device(dev)?))
+    }
 }
 
 /// `y = x W^T + b` over rows of `x` (`[T, in]`).
@@ -32,8 +52,8 @@ impl Linear {
         let name = format!("{prefix}.weight");
         let m = match w.stored(&name, &[out_dim, in_dim])? {
             StoredTensor::Dense(t) => Matrix::Dense(t.to_dtype(w.dtype())?),
-            StoredTensor::Quantized(q) => Matrix::Quantized(Arc::new(QMatrix::new(q)?)),
-            StoredTensor::Affine(a) => Matrix::Quantized(Arc::new(QMatrix::from_affine(&a)?)),
+            StoredTensor::Quantized(q) => Matrix::quantized(QMatrix::new(q)?, w)?,
+            StoredTensor::Affine(a) => Matrix::quantized(QMatrix::from_affine(&a)?, w)?,
         };
         let bias = if bias { Some(w.dense(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
         Ok(Linear { w: m, bias })
@@ -68,6 +88,7 @@ impl Linear {
             Matrix::Dense(w) if Gemv::applies(x, w) => Gemv::forward(x, w),
             Matrix::Dense(w) => x.matmul(&w.t()?),
             Matrix::Quantized(q) => q.forward(x)?.to_dtype(x.dtype()),
+            Matrix::DeviceQuantized(q) => q.forward(x),
         }
     }
 
@@ -158,7 +179,7 @@ impl StackedLinear {
             })
             .collect::<Option<Vec<_>>>()
         {
-            stack_quantized(&qs)?.map(|q| QMatrix::new(Arc::new(q))).transpose()?.map(|q| Matrix::Quantized(Arc::new(q)))
+            stack_quantized(&qs)?.map(|q| Matrix::quantized(QMatrix::new(Arc::new(q))?, w)).transpose()?
         } else if let Some(parts) = stored
             .iter()
             .map(|s| match s {
@@ -167,10 +188,7 @@ impl StackedLinear {
             })
             .collect::<Option<Vec<_>>>()
         {
-            AffineMatrix::concat_rows(&parts)
-                .map(|a| QMatrix::from_affine(&a))
-                .transpose()?
-                .map(|q| Matrix::Quantized(Arc::new(q)))
+            AffineMatrix::concat_rows(&parts).map(|a| Matrix::quantized(QMatrix::from_affine(&a)?, w)).transpose()?
         } else {
             None
         };

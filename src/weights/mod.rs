@@ -92,19 +92,12 @@ impl Weights {
         }
     }
 
-    /// A tensor as stored (quantized GGUF types stay quantized), shape-checked.
+    /// A tensor as stored, shape-checked: dense ones on the device, quantized matrices (GGUF
+    /// blocks, MLX affine) on the host as they are.
     pub fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, WeightsError> {
         let stored = match &self.source {
             Source::Safetensors(s) => match name.strip_suffix(".weight") {
-                Some(module) if s.contains(&format!("{module}.scales")) => {
-                    let a = self.affine(s, module, shape)?;
-                    if self.device.is_cpu() {
-                        StoredTensor::Affine(a)
-                    } else {
-                        // As for GGUF: other devices get the matrix dequantized once, at load.
-                        StoredTensor::Dense(a.dequantize(&Device::Cpu)?.to_device(&self.device)?)
-                    }
-                }
+                Some(module) if s.contains(&format!("{module}.scales")) => StoredTensor::Affine(self.affine(s, module, shape)?),
                 _ => StoredTensor::Dense(s.load(name, &self.device)?),
             },
             Source::Gguf(g) => {
@@ -113,18 +106,11 @@ impl Weights {
                     name: name.to_string(),
                     origin: g.path().to_path_buf(),
                 })?;
-                if self.device.is_cpu() {
-                    g.load(&gname, &self.device)?
-                } else {
-                    // Quantized matrices stay quantized only where iris has kernels for them
-                    // (the CPU); for other devices they are dequantized once, at load.
-                    match g.load(&gname, &Device::Cpu)? {
-                        StoredTensor::Quantized(q) => {
-                            StoredTensor::Dense(q.dequantize(&Device::Cpu)?.to_device(&self.device)?)
-                        }
-                        StoredTensor::Dense(t) => StoredTensor::Dense(t.to_device(&self.device)?),
-                        StoredTensor::Affine(_) => unreachable!("GGUF files hold no MLX affine tensors"),
-                    }
+                match g.load(&gname, &Device::Cpu)? {
+                    // Quantized matrices stay on the host here; the layers that take them put
+                    // them on their device (`Linear`: kept quantized on CUDA).
+                    StoredTensor::Dense(t) => StoredTensor::Dense(t.to_device(&self.device)?),
+                    other => other,
                 }
             }
         };
@@ -180,7 +166,7 @@ impl Weights {
     fn dequantized(&self, name: &str, shape: &[usize]) -> Result<Tensor, WeightsError> {
         Ok(match self.stored(name, shape)? {
             StoredTensor::Dense(t) => t,
-            StoredTensor::Quantized(q) => q.dequantize(&self.device)?,
+            StoredTensor::Quantized(q) => q.dequantize(&Device::Cpu)?.to_device(&self.device)?,
             StoredTensor::Affine(a) => a.dequantize(&self.device)?.reshape(shape)?,
         })
     }

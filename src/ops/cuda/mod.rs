@@ -67,6 +67,7 @@ pub const MOE_EXPERTS: Module = Module { name: "iris_moe_experts", ptx: ptx::MOE
 pub const MOE_ROUTE: Module = Module { name: "iris_moe_route", ptx: ptx::MOE_ROUTE };
 pub const PAGED_ATTENTION: Module = Module { name: "iris_paged_attention", ptx: ptx::PAGED_ATTENTION };
 pub const PREFILL_ATTENTION: Module = Module { name: "iris_prefill_attention", ptx: ptx::PREFILL_ATTENTION };
+pub const QGEMV: Module = Module { name: "iris_qgemv", ptx: ptx::QGEMV };
 pub const QKV_ROPE: Module = Module { name: "iris_qkv_rope", ptx: ptx::QKV_ROPE };
 pub const SAMPLING: Module = Module { name: "iris_sampling", ptx: ptx::SAMPLING };
 pub const TQ_ATTENTION: Module = Module { name: "iris_tq_attention", ptx: ptx::TQ_ATTENTION };

@@ -18,8 +18,13 @@ use super::team::{team, OutPtr};
 use crate::simd::{dot_f32, Isa};
 use crate::weights::AffineMatrix;
 
+// The kernels' launches exist only in CUDA builds; elsewhere the type is never made.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod cuda;
 mod fused;
 mod packed;
+
+pub use cuda::CudaQMatrix;
 
 use fused::{DequantRow, DotRows};
 use packed::{BlockFormat, PackedRows};
@@ -89,7 +94,21 @@ impl QMatrix {
         if m.cols % 32 != 0 {
             candle_core::bail!("affine matrix with {} columns is not a whole number of 32-weight blocks", m.cols);
         }
-        Ok(QMatrix { storage: Storage::Packed(PackedRows::from_affine(m)), rows: m.rows, cols: m.cols, isa: Isa::active() })
+        let storage = Storage::Packed(PackedRows::from_affine(m));
+        Ok(QMatrix { storage, rows: m.rows, cols: m.cols, isa: Isa::active() })
+    }
+
+    /// The matrix on CUDA device `dev`, kept quantized. Formats without a packed form (Q2_K)
+    /// have no CUDA kernels: None.
+    pub fn upload(&self, dev: &candle_core::Device) -> Result<Option<CudaQMatrix>> {
+        let Storage::Packed(p) = &self.storage else { return Ok(None) };
+        CudaQMatrix::upload(p, self.rows, self.cols, dev).map(Some)
+    }
+
+    /// The whole matrix dequantized, `[rows, cols]` f32 on the host.
+    pub fn dequantize_all(&self) -> Result<Tensor> {
+        let ids: Vec<u32> = (0..self.rows as u32).collect();
+        Tensor::from_vec(self.dequantize_rows(&ids)?, (self.rows, self.cols), &candle_core::Device::Cpu)
     }
 
     pub fn dims(&self) -> (usize, usize) {
