@@ -143,6 +143,8 @@ impl EngineArgs {
                 (_, true) => Some(false),
                 _ => None,
             },
+            // From `ModelArg::resolve`, which may download it.
+            tokenizer: None,
         })
     }
 }
