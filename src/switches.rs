@@ -26,7 +26,9 @@
 //! | `IRIS_TQ_STAGE_MIB=N` | ops/tq_attention/cuda.rs | staging buffer of the TurboQuant prefill (256 MiB; 0: none) |
 //!
 //! Tests and scripts read more (`IRIS_TEST_DEVICE`, `IRIS_TEST_PYTHON`, `IRIS_REQUIRE_GPU`,
-//! `IRIS_REAL_FIXTURES_DIR`, ...): tests/common and scripts/README.md name them.
+//! `IRIS_REAL_FIXTURES_DIR`, ...): tests/common and scripts/README.md name them. The Hugging
+//! Face variables (`HF_HOME`, `HF_HUB_CACHE`, `HF_TOKEN`, `HF_HUB_OFFLINE`, `HF_ENDPOINT`, ...)
+//! are huggingface_hub's, read as it reads them in hub/settings.rs.
 
 /// Whether a path is taken: yes, unless the environment sets `$name=0`.
 macro_rules! switched_on {
