@@ -21,7 +21,8 @@ pub enum HubError {
     )]
     GatedDenied { repo: String, status: u16, page: String, source_name: &'static str },
     #[error(
-        "`{repo}` ({revision}) is not in the Hugging Face cache {}: {missing}; HF_HUB_OFFLINE is set, unset it to download",
+        "`{repo}` is not a local path, and its revision `{revision}` is not in the Hugging Face cache {}: {missing}; \
+         HF_HUB_OFFLINE is set: unset it to download",
         cache.display()
     )]
     NotCached { repo: String, revision: String, cache: PathBuf, missing: String },

@@ -6,8 +6,8 @@
 //!   snapshot, without a request.
 //! - otherwise the listing of the revision (one request) gives the commit and the files; the
 //!   plan's files missing from the snapshot are fetched (a HEAD each, then a GET unless the blob
-//!   is already cached, from another revision or from Python), linked into the snapshot, and the
-//!   revision's ref is updated. When the Hub cannot be reached, a complete cached snapshot of the
+//!   is already cached, from another revision or from Python), linked into the snapshot, and then
+//!   the revision's ref is updated. When the Hub cannot be reached, a complete cached snapshot of the
 //!   revision is used, with a warning.
 
 use std::cell::Cell;
@@ -85,7 +85,6 @@ async fn online(
     let names: Vec<&str> = listing.files.iter().map(|f| f.name.as_str()).collect();
     let commit = listing.commit.clone();
     let plan = files::plan(repo, revision, want, &names)?;
-    cache.write_ref(revision, &commit)?;
     let fetcher = Fetcher { client: &client, cache, repo, revision, listing: &listing, announced: Cell::new(false) };
     for f in &plan.fetch {
         fetcher.ensure(f).await?;
@@ -101,6 +100,9 @@ async fn online(
     for f in &plan.absent {
         cache.mark_absent(&commit, f);
     }
+    // Last: until the snapshot is complete, the ref keeps naming the one before (which the
+    // offline and unreachable paths then still find whole).
+    cache.write_ref(revision, &commit)?;
     Ok(target(cache, &commit, &plan))
 }
 

@@ -187,10 +187,17 @@ fn hub_offline_uses_only_the_cache() {
     let out = ok(hub_iris(&hub, cache.path(), &offline, &generate_args("test/tiny-llama", &[])), "offline");
     assert_eq!(out, local_generation());
     assert!(hub.log().is_empty(), "offline: no request: {:?}", hub.log());
+    // Online with the Hub out of reach: the complete cached snapshot, with a warning.
+    let out = hub_iris(&hub, cache.path(), &[("HF_ENDPOINT", "http://127.0.0.1:9")], &args);
+    assert!(ok(out.clone(), "unreachable").contains("model:"));
+    assert!(
+        text(&out.stderr).contains("cannot reach http://127.0.0.1:9")
+            && text(&out.stderr).contains("using the cached snapshot")
+    );
     // A revision never fetched is a miss.
     let args = ["inspect", "--model", "test/tiny-llama", "--revision", "v2"];
     let out = hub_iris(&hub, cache.path(), &offline, &args);
-    check_error(&out, &args, &["(v2)", "no snapshot", "HF_HUB_OFFLINE"]);
+    check_error(&out, &args, &["revision `v2`", "no snapshot", "HF_HUB_OFFLINE"]);
     // A snapshot without its weights is one too, naming what is missing.
     let commit = commit_of("test/tiny-llama");
     std::fs::remove_file(cache.join(&format!("models--test--tiny-llama/snapshots/{commit}/model.safetensors")))
