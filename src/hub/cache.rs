@@ -43,7 +43,7 @@ impl RepoCache {
 
     /// The commit a revision names: itself if it is one, else the cached ref.
     pub fn commit_of(&self, revision: &str) -> Option<String> {
-        if super::is_commit(revision) {
+        if super::id::is_commit(revision) {
             return Some(revision.to_ascii_lowercase());
         }
         if !safe_relative(revision) {
@@ -51,12 +51,12 @@ impl RepoCache {
         }
         let commit = std::fs::read_to_string(self.dir.join("refs").join(revision)).ok()?;
         let commit = commit.trim();
-        super::is_commit(commit).then(|| commit.to_string())
+        super::id::is_commit(commit).then(|| commit.to_string())
     }
 
     /// Records that `revision` (a branch or tag) points to `commit`.
     pub fn write_ref(&self, revision: &str, commit: &str) -> Result<(), HubError> {
-        if super::is_commit(revision) || !safe_relative(revision) {
+        if super::id::is_commit(revision) || !safe_relative(revision) {
             return Ok(());
         }
         let path = self.dir.join("refs").join(revision);

@@ -157,7 +157,7 @@ impl Client {
         let body = reply.bytes(MAX_LISTING_BYTES).await?;
         let bad = |reason: String| HubError::BadReply { url: url.clone(), reason };
         let info: Info = serde_json::from_slice(&body).map_err(|e| bad(format!("not a model listing: {e}")))?;
-        let commit = info.sha.filter(|c| super::is_commit(c)).ok_or_else(|| bad("no commit id (`sha`)".into()))?;
+        let commit = info.sha.filter(|c| super::id::is_commit(c)).ok_or_else(|| bad("no commit id (`sha`)".into()))?;
         if let Some(f) = info.siblings.iter().find(|f| !safe_relative(&f.name)) {
             return Err(bad(format!("unusable file name `{}`", f.name)));
         }

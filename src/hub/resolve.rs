@@ -18,8 +18,8 @@ use super::client::{Client, Listing};
 use super::download::{self, Source};
 use super::error::HubError;
 use super::files::{self, Plan, Want, INDEX};
+use super::id::{is_commit, HubId};
 use super::settings::HubSettings;
-use super::{is_commit, HubId};
 
 /// The model `id` at `revision` (default `main`): its snapshot directory (config, tokenizer,
 /// safetensors), or the GGUF file in it that the tag or `gguf_file` picks.
