@@ -4,7 +4,7 @@
 //! use each other (DESIGN.md, "Layers of the code"; `tests/layering.rs` checks both):
 //! 0 `config`, `simd`, `switches`, `device` -> 1 `ops`, `batch` -> 2 `weights`, `tokenizer`,
 //! `media` -> 3 `kv` -> 4 `layers` -> 5 `models` -> `loader` -> 6 `engine` -> 7 `server`,
-//! `cli`, `fetch`. See ARCHITECTURE.md.
+//! `cli`, `fetch`, `hub`. See ARCHITECTURE.md.
 
 pub mod batch;
 pub mod cli;
@@ -12,6 +12,7 @@ pub mod config;
 pub mod device;
 pub mod engine;
 pub mod fetch;
+pub mod hub;
 pub mod kv;
 pub mod layers;
 pub mod loader;

@@ -50,12 +50,26 @@ pub fn read_config(path: &Path) -> Result<(ModelLocation, TextConfig), LoadError
 }
 
 pub fn load(path: &Path, device: &Device, dtype: DType) -> Result<LoadedModel, LoadError> {
+    load_with(path, None, device, dtype)
+}
+
+/// As `load`, with the tokenizer (and chat template) read from `tokenizer` instead of the model
+/// when given: a directory with tokenizer.json (`--tokenizer`), or a .gguf file's vocabulary.
+pub fn load_with(
+    path: &Path,
+    tokenizer: Option<&Path>,
+    device: &Device,
+    dtype: DType,
+) -> Result<LoadedModel, LoadError> {
     let loc = ModelLocation::resolve(path)?;
     let (weights, cfg, tokenizer, weight_bytes) = match &loc {
         ModelLocation::HfDir(dir) => {
             let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
             merge_generation_config(dir, &mut cfg);
-            let tok = TextTokenizer::from_dir(dir)?;
+            let tok = match tokenizer {
+                Some(t) => read_tokenizer(t)?,
+                None => TextTokenizer::from_dir(dir)?,
+            };
             let st = SafetensorsDir::open(dir)?;
             let bytes = st.files().iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
             let mlx = mlx_quantization(&dir.join("config.json"))?;
@@ -64,8 +78,11 @@ pub fn load(path: &Path, device: &Device, dtype: DType) -> Result<LoadedModel, L
         ModelLocation::Gguf(file) => {
             let g = GgufFile::open(file)?;
             let cfg = TextConfig::from_gguf(file, g.content())?;
-            let tok = TextTokenizer::from_gguf(g.content())
-                .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?;
+            let tok = match tokenizer {
+                Some(t) => read_tokenizer(t)?,
+                None => TextTokenizer::from_gguf(g.content())
+                    .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?,
+            };
             let bytes = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
             (Weights::from_gguf(g, device.clone(), dtype), cfg, tok, bytes)
         }
@@ -84,6 +101,15 @@ pub fn mlx_quantization(config: &Path) -> Result<Option<MlxQuantization>, Weight
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| WeightsError::Config { path: config.to_path_buf(), msg: format!("not valid JSON: {e}") })?;
     MlxQuantization::from_config(&json, config)
+}
+
+/// A tokenizer on its own: a .gguf file's vocabulary, or a directory's tokenizer.json.
+fn read_tokenizer(path: &Path) -> Result<TextTokenizer, LoadError> {
+    if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
+        return TextTokenizer::from_gguf_file(path)
+            .map_err(|source| LoadError::GgufTokenizer { file: path.to_path_buf(), source });
+    }
+    Ok(TextTokenizer::from_dir(path)?)
 }
 
 /// `generation_config.json` may list more end-of-sequence ids than config.json.

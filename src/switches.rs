@@ -22,12 +22,14 @@
 //! | `IRIS_CUDA_DECODE_CHUNK=N` | ops/paged_attention | positions per decode attention chunk (64) |
 //! | `IRIS_CUDA_GATED_GEMV=0` | layers/linear.rs | the gated MLP's GEMV without the fused activation |
 //! | `IRIS_CUDA_GEMV=N` | ops/gemv.rs | most rows a step takes the GEMV path for |
-//! | `IRIS_CUDA_QUANT=0` | layers/linear.rs | dequantize GGUF / MLX quantized matrices at load on CUDA instead of keeping them quantized |
+//! | `IRIS_CUDA_QUANT=1` | layers/linear.rs | keep GGUF / MLX quantized matrices quantized on CUDA (default: dequantized at load; the kernels are slower past batch 1) |
 //! | `IRIS_TQ_MIN_CHUNK=N` | ops/tq_attention/cuda.rs | smallest prompt chunk the TurboQuant staging kernel takes (32) |
 //! | `IRIS_TQ_STAGE_MIB=N` | ops/tq_attention/cuda.rs | staging buffer of the TurboQuant prefill (256 MiB; 0: none) |
 //!
 //! Tests and scripts read more (`IRIS_TEST_DEVICE`, `IRIS_TEST_PYTHON`, `IRIS_REQUIRE_GPU`,
-//! `IRIS_REAL_FIXTURES_DIR`, ...): tests/common and scripts/README.md name them.
+//! `IRIS_REAL_FIXTURES_DIR`, ...): tests/common and scripts/README.md name them. The Hugging
+//! Face variables (`HF_HOME`, `HF_HUB_CACHE`, `HF_TOKEN`, `HF_HUB_OFFLINE`, `HF_ENDPOINT`, ...)
+//! are huggingface_hub's, read as it reads them in hub/settings.rs.
 
 /// Whether a path is taken: yes, unless the environment sets `$name=0`.
 macro_rules! switched_on {

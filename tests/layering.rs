@@ -38,8 +38,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     // A model location -> model + tokenizer, for the engine and the CLI.
     ("5.5", &["loader"]),
     ("6", &["engine"]),
-    // The entry points, and fetching the default model for the CLI.
-    ("7", &["server", "cli", "fetch"]),
+    // The entry points, and fetching models for the CLI (the default one; Hugging Face ids).
+    ("7", &["server", "cli", "fetch", "hub"]),
 ];
 
 #[test]

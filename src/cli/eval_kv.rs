@@ -174,9 +174,10 @@ pub fn run(a: EvalKvArgs) -> anyhow::Result<()> {
         .map(|s| Variant::parse(s).with_context(|| format!("--variant {s}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("--text {}", a.text.display()))?;
-    let path = a.model.resolve()?;
-    let loaded =
-        crate::loader::load(&path, &Device::Cpu, dtype).with_context(|| format!("cannot load {}", path.display()))?;
+    let model = a.model.resolve()?;
+    let path = model.path;
+    let loaded = crate::loader::load_with(&path, model.tokenizer.as_deref(), &Device::Cpu, dtype)
+        .with_context(|| format!("cannot load {}", path.display()))?;
     let mut tokens = loaded.tokenizer.encode(&text, true)?;
     tokens.truncate(a.max_tokens);
     anyhow::ensure!(tokens.len() > 1, "--text {}: fewer than 2 tokens to score", a.text.display());

@@ -14,7 +14,8 @@ pub struct InspectArgs {
 }
 
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
-    let path = a.model.resolve()?;
+    let model = a.model.resolve()?;
+    let path = model.path;
     let (loc, cfg) = read_config(&path)?;
     // Everything that can fail is read before anything is printed.
     let mut vision_params = 0u64;
@@ -53,6 +54,9 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         }
     };
     println!("model:            {}", path.display());
+    if let Some(t) = &model.tokenizer {
+        println!("tokenizer:        {}", t.display());
+    }
     println!("architecture:     {}", cfg.arch.name());
     let millions = |n: u64| n as f64 / 1e6;
     let text_params = cfg.parameter_count();

@@ -14,7 +14,7 @@ mod session;
 
 use clap::{Parser, Subcommand};
 
-pub use args::{EngineArgs, ModelArg, SamplingArgs};
+pub use args::{EngineArgs, ModelArg, ResolvedModel, SamplingArgs};
 
 #[derive(Parser, Debug)]
 #[command(name = "iris", version, about = "Inference engine and server for LLMs and vision-language models")]

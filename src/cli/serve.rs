@@ -217,21 +217,25 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    // Resolve (and fetch, for the default model) before binding, so a bad path fails fast.
-    let path = tokio::task::spawn_blocking({
+    // Resolve (and fetch: the default model, a Hugging Face id) before binding, so a bad path
+    // fails fast.
+    let model = tokio::task::spawn_blocking({
         let m = a.engine.model.clone();
-        move || -> anyhow::Result<std::path::PathBuf> {
-            let path = m.resolve()?;
+        move || -> anyhow::Result<super::args::ResolvedModel> {
+            let model = m.resolve()?;
             // Read the model's config now: a wrong --model fails before the server binds.
-            crate::loader::read_config(&path).with_context(|| format!("--model {}", path.display()))?;
-            Ok(path)
+            crate::loader::read_config(&model.path).with_context(|| format!("--model {}", model.path.display()))?;
+            Ok(model)
         }
     })
     .await??;
+    let path = model.path;
     let device = a.engine.device()?;
     let fetch_timeout = seconds("--remote-media-timeout", a.remote_media_timeout)?;
-    let opts = a.engine.options()?;
-    let name = a.served_model_name.first().cloned().unwrap_or_else(|| default_name(&path));
+    let mut opts = a.engine.options()?;
+    opts.tokenizer = model.tokenizer;
+    // A hub id is the name clients know the model by (as vLLM serves it).
+    let name = a.served_model_name.first().cloned().or(model.hub_id).unwrap_or_else(|| default_name(&path));
     let parsers = ParserConfig {
         tool_format: a
             .tool_call_parser

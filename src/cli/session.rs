@@ -22,9 +22,11 @@ pub fn spinner(msg: String) -> ProgressBar {
 }
 
 pub fn open_engine(args: &EngineArgs) -> anyhow::Result<(Engine, StartupReport)> {
-    let path = args.model.resolve()?;
+    let model = args.model.resolve()?;
+    let path = model.path;
     let device = args.device()?;
-    let opts = args.options()?;
+    let mut opts = args.options()?;
+    opts.tokenizer = model.tokenizer;
     let pb = spinner(format!("loading {}", path.display()));
     let built = build_engine(&path, &device, &opts).with_context(|| format!("cannot load {}", path.display()));
     pb.finish_and_clear();

@@ -1,6 +1,6 @@
 //! Builds an engine from a model path and the user's memory and batching settings.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 
@@ -38,6 +38,8 @@ pub struct EngineOptions {
     /// (vLLM's default), off with a log line elsewhere; Some(true) where it cannot be exact
     /// is an error.
     pub enable_prefix_caching: Option<bool>,
+    /// Tokenizer files from elsewhere than the model (`--tokenizer`): a directory or a .gguf.
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl Default for EngineOptions {
@@ -56,6 +58,7 @@ impl Default for EngineOptions {
             max_model_len: None,
             speculative: None,
             enable_prefix_caching: None,
+            tokenizer: None,
         }
     }
 }
@@ -196,7 +199,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     if opts.block_size == 0 || opts.max_num_seqs == 0 || opts.max_num_batched_tokens == 0 {
         return Err(BuildError::Setting("block size, max-num-seqs and max-num-batched-tokens must be positive".into()));
     }
-    let loaded = loader::load(path, device, opts.dtype)?;
+    let loaded = loader::load_with(path, opts.tokenizer.as_deref(), device, opts.dtype)?;
     let cfg = loaded.config().clone();
     let kv_dtype = opts.kv_dtype.or_else(|| KvDtype::from_dtype(opts.dtype)).unwrap_or(KvDtype::F32);
     let tq = match opts.kv_quant {

@@ -1,11 +1,14 @@
 //! End-to-end tests of the `iris` binary: broken models and bad flags give one clear error
 //! line (naming the file and tensor at fault) and a non-zero exit, never a panic; the
 //! subcommands work on the tiny fixtures. One test binary: the helpers here, the cases by
-//! what they break or run (broken_models.rs, flags.rs, commands.rs).
+//! what they break or run (broken_models.rs, flags.rs, commands.rs; hub.rs: Hugging Face ids
+//! against fake_hub.rs).
 
 mod broken_models;
 mod commands;
+mod fake_hub;
 mod flags;
+mod hub;
 
 use std::collections::HashMap;
 use std::io::Write;

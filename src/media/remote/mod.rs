@@ -208,7 +208,8 @@ impl RemoteFetcher {
     }
 }
 
-fn tls_connector(roots: RootCertStore) -> tokio_rustls::TlsConnector {
+/// A TLS client over `roots` (rustls, ring), speaking HTTP/1.1; the hub client uses it too.
+pub(crate) fn tls_connector(roots: RootCertStore) -> tokio_rustls::TlsConnector {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -220,7 +221,7 @@ fn tls_connector(roots: RootCertStore) -> tokio_rustls::TlsConnector {
 }
 
 /// Aborts the connection task when the exchange is over (or abandoned).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+pub(crate) struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -228,7 +229,9 @@ impl Drop for AbortOnDrop {
     }
 }
 
-async fn exchange<IO>(
+/// Sends `req` over `io` (HTTP/1.1) and returns the response head; the body streams while the
+/// second value lives.
+pub(crate) async fn exchange<IO>(
     io: IO,
     req: Request<Empty<Bytes>>,
     host: &str,
@@ -245,22 +248,22 @@ where
     Ok((resp, task))
 }
 
-/// One hop's URL, split into what the connection needs.
+/// One hop's URL, split into what the connection needs (the hub client's too).
 #[derive(Debug, Clone, PartialEq)]
-struct Target {
-    url: String,
-    https: bool,
+pub(crate) struct Target {
+    pub(crate) url: String,
+    pub(crate) https: bool,
     /// Name or IP literal (without IPv6 brackets): what is resolved, and the TLS server name.
-    host: String,
-    port: u16,
+    pub(crate) host: String,
+    pub(crate) port: u16,
     /// `host[:port]` as written in the URL: the `Host` header.
-    authority: String,
+    pub(crate) authority: String,
     /// Path and query.
-    path: String,
+    pub(crate) path: String,
 }
 
 impl Target {
-    fn parse(url: &str) -> Result<Target, FetchError> {
+    pub(crate) fn parse(url: &str) -> Result<Target, FetchError> {
         let bad = |reason: &str| FetchError::BadUrl { url: url.to_string(), reason: reason.to_string() };
         // The fragment never goes to the server.
         let without_fragment = url.split('#').next().unwrap_or(url);
@@ -289,7 +292,7 @@ impl Target {
     }
 
     /// A `Location` header's URL, resolved against this one.
-    fn join(&self, location: &str) -> String {
+    pub(crate) fn join(&self, location: &str) -> String {
         let scheme = if self.https { "https" } else { "http" };
         let lower = location.to_ascii_lowercase();
         if lower.starts_with("http://") || lower.starts_with("https://") || lower.contains("://") {
