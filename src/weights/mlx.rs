@@ -10,7 +10,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::affine::AffineParams;
+use crate::ops::qmatmul::AffineParams;
 use super::error::WeightsError;
 
 /// What the config says of one module.

@@ -3,7 +3,6 @@
 //! by their HF names; the store maps names, checks shapes and hands out dense tensors or
 //! quantized matrices (GGUF blocks, MLX affine groups).
 
-mod affine;
 mod error;
 pub mod footprint;
 mod gguf;
@@ -16,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 
-pub use affine::{AffineMatrix, AffineParams};
+pub use crate::ops::qmatmul::{AffineMatrix, AffineParams};
 pub use error::WeightsError;
 pub use mlx::{MlxQuantization, ModuleQuant};
 pub use gguf::GgufFile;

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::Tensor;
 
-use super::affine::AffineMatrix;
+use crate::ops::qmatmul::AffineMatrix;
 
 /// One tensor as stored: dense values, or a quantized matrix kept quantized.
 pub enum StoredTensor {

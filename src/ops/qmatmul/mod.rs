@@ -16,13 +16,15 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use super::kv_elem::f32_slice;
 use super::team::{team, OutPtr};
 use crate::simd::{dot_f32, Isa};
-use crate::weights::AffineMatrix;
 
 // The kernels' launches exist only in CUDA builds; elsewhere the type is never made.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod cuda;
+mod affine;
 mod fused;
 mod packed;
+
+pub use affine::{AffineMatrix, AffineParams};
 
 pub use cuda::CudaQMatrix;
 
@@ -291,7 +293,6 @@ impl CustomOp1 for QMatrix {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::weights::AffineParams;
     use candle_core::Device;
 
     const FORMATS: [GgmlDType; 10] = [

@@ -18,7 +18,7 @@
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
-use crate::weights::AffineMatrix;
+use super::affine::AffineMatrix;
 
 /// The packed block formats, each with a fused kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
