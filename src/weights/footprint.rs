@@ -54,8 +54,10 @@ pub fn of_safetensors(st: &SafetensorsDir, mlx: Option<&MlxQuantization>) -> Vec
         let elems: u64 = shape.iter().product::<usize>() as u64;
         let bytes = elems * (dtype.bitsize() / 8) as u64;
         let module = name.strip_suffix(".scales").or_else(|| name.strip_suffix(".biases"));
-        if module.is_some_and(|m| tensors.contains_key(&format!("{m}.weight"))) {
-            continue; // counted with its codes
+        // Counted with its codes, when the config says the module's bits (else all three
+        // tensors are counted as what they are stored as).
+        if mlx.is_some() && module.is_some_and(|m| tensors.contains_key(&format!("{m}.weight"))) {
+            continue;
         }
         let quantized = name.strip_suffix(".weight").and_then(|m| {
             let (sdt, sshape) = tensors.get(&format!("{m}.scales"))?;
