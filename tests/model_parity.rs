@@ -183,8 +183,8 @@ fn qwen35_refuses_speculative_decoding() {
 /// `iris inspect`'s counts equal transformers' (text model; the MoE's active count leaves out
 /// the routed experts a token is not sent to).
 #[test]
-fn qwen35_parameter_counts_match_transformers() {
-    for name in ["tiny-qwen3.5", "tiny-qwen3.5-moe"] {
+fn qwen35_and_gemma4_parameter_counts_match_transformers() {
+    for name in ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma4", "tiny-gemma4-moe"] {
         let cfg = iris::loader::read_config(&fixture(name)).unwrap().1;
         let j = reference_json(name);
         assert_eq!(cfg.parameter_count(), j["n_text_params"].as_u64().unwrap(), "{name} total");
@@ -221,5 +221,7 @@ parity_tests!(
     qwen3 => "tiny-qwen3",
     gemma3 => "tiny-gemma3",
     qwen35 => "tiny-qwen3.5",
-    qwen35_moe => "tiny-qwen3.5-moe"
+    qwen35_moe => "tiny-qwen3.5-moe",
+    gemma4 => "tiny-gemma4",
+    gemma4_moe => "tiny-gemma4-moe"
 );

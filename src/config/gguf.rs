@@ -146,6 +146,9 @@ impl Metadata<'_> {
             eos_token_ids,
             moe: None,
             linear_attn: None,
+            layer_kv: vec![],
+            kv_source: vec![],
+            gemma4: None,
         };
         cfg.validate()?;
         Ok(cfg)

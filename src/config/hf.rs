@@ -49,9 +49,10 @@ impl TextConfig {
         let arch = Arch::from_model_type(model_type).ok_or_else(|| ConfigError::Unsupported {
             what: "architecture",
             value: model_type.into(),
-            supported: "llama, qwen2, qwen3, gemma3_text, qwen2_vl, qwen2_5_vl, glm4v, glm4v_moe, qwen3_5, qwen3_5_moe",
+            supported: "llama, qwen2, qwen3, gemma3_text, gemma4, gemma4_text, qwen2_vl, qwen2_5_vl, glm4v, glm4v_moe, qwen3_5, qwen3_5_moe",
         })?;
         let qwen35 = matches!(arch, Arch::Qwen35 | Arch::Qwen35Moe);
+        let gemma = matches!(arch, Arch::Gemma3 | Arch::Gemma4);
 
         let hidden_size = usize_of("hidden_size")?;
         let num_heads = usize_of("num_attention_heads")?;
@@ -75,6 +76,9 @@ impl TextConfig {
                 Arch::Qwen35 | Arch::Qwen35Moe => 0.25,
                 _ => 1.0,
             });
+        // Gemma 4's sliding layers turn whole heads; its full layers' fraction is a property of
+        // their proportional RoPE, not of the head.
+        let partial = if arch == Arch::Gemma4 { 1.0 } else { partial };
         if !(partial > 0.0 && partial <= 1.0) {
             return Err(Invalid(format!("`partial_rotary_factor` must be in (0, 1], got {partial}")));
         }
@@ -117,7 +121,7 @@ impl TextConfig {
                     })
                     .collect::<Result<Vec<_>, _>>()?
             }
-            None if arch == Arch::Gemma3 => {
+            None if gemma => {
                 let pattern = get("sliding_window_pattern").and_then(Value::as_u64).unwrap_or(6) as usize;
                 gemma_layer_pattern(num_layers, pattern)
             }
@@ -170,7 +174,7 @@ impl TextConfig {
             rotary_dim,
             rms_norm_eps: get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
             max_position_embeddings: get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(4096) as usize,
-            tie_word_embeddings: get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(arch == Arch::Gemma3),
+            tie_word_embeddings: get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(gemma),
             // GLM-4.1V's q/k/v always have biases (its config has no switch).
             attention_bias: arch == Arch::Glm4v
                 || get("attention_bias")
@@ -194,7 +198,14 @@ impl TextConfig {
             eos_token_ids,
             moe,
             linear_attn,
+            layer_kv: vec![],
+            kv_source: vec![],
+            gemma4: None,
         };
+        let mut cfg = cfg;
+        if arch == Arch::Gemma4 {
+            super::gemma4::complete(&mut cfg, &get)?;
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -300,7 +311,7 @@ fn parse_rope<'a>(
         Some(_) => return Err(ConfigError::Field { field: "mrope_interleaved".into(), expected: "a boolean" }),
     }
     rope.mrope_interleaved = interleaves && rope.mrope_section.is_some();
-    let rope_local = if arch == Arch::Gemma3 {
+    let rope_local = if matches!(arch, Arch::Gemma3 | Arch::Gemma4) {
         let local_src = if per_type { params.and_then(|p| p.get("sliding_attention")) } else { None };
         let local_theta = get("rope_local_base_freq").and_then(Value::as_f64).unwrap_or(10_000.0);
         Some(match local_src {
@@ -342,6 +353,14 @@ fn parse_one_rope(src: Option<&Value>, default_theta: f64) -> Result<RopeConfig,
         // Qwen2-VL's hub configs name M-RoPE as a rope type; the frequencies are the default ones.
         "default" | "mrope" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: f("factor", 1.0) },
+        // Gemma 4's full layers: the leading fraction of the angles turn, the rest stay still.
+        "proportional" => {
+            let fraction = f("partial_rotary_factor", 1.0);
+            if !(fraction > 0.0 && fraction <= 1.0) {
+                return Err(Invalid(format!("`partial_rotary_factor` must be in (0, 1], got {fraction}")));
+            }
+            RopeScaling::Proportional { fraction, factor: f("factor", 1.0) }
+        }
         "llama3" => RopeScaling::Llama3 {
             factor: f("factor", 8.0),
             low_freq_factor: f("low_freq_factor", 1.0),
@@ -352,7 +371,7 @@ fn parse_one_rope(src: Option<&Value>, default_theta: f64) -> Result<RopeConfig,
             return Err(ConfigError::Unsupported {
                 what: "rope type",
                 value: other.into(),
-                supported: "default, mrope, linear, llama3",
+                supported: "default, mrope, linear, llama3, proportional",
             })
         }
     };

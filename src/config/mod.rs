@@ -4,6 +4,7 @@
 //! uses no other module of iris, and its errors are its own (`ConfigError`).
 
 mod error;
+mod gemma4;
 mod gguf;
 mod hf;
 mod text;
@@ -12,6 +13,6 @@ mod validate;
 pub use error::ConfigError;
 pub use gguf::gguf_arch;
 pub use text::{
-    Activation, Arch, LayerKind, LinearAttnConfig, MoeConfig, MoeScoring, RopeConfig, RopeLayout, RopeScaling,
-    TextConfig,
+    Activation, Arch, Gemma4Layers, KvShape, LayerKind, LinearAttnConfig, MoeConfig, MoeScoring, PerLayerInput,
+    RopeConfig, RopeLayout, RopeScaling, TextConfig,
 };

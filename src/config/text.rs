@@ -22,6 +22,10 @@ pub enum Arch {
     /// Qwen3.5-MoE: the same layers with a mixture of experts (softmax router, shared expert) in
     /// every layer.
     Qwen35Moe,
+    /// Gemma 4 (text, or the language model of the VLM): plain-w norms, q/k/v norms with
+    /// attention scale 1, wider heads on the full layers, per-layer embeddings, KV sharing,
+    /// an optional mixture of experts beside the dense MLP.
+    Gemma4,
 }
 
 impl Arch {
@@ -37,6 +41,7 @@ impl Arch {
             "glm4v_moe" | "glm4v_moe_text" => Some(Arch::Glm4vMoe),
             "qwen3_5" | "qwen3_5_text" => Some(Arch::Qwen35),
             "qwen3_5_moe" | "qwen3_5_moe_text" => Some(Arch::Qwen35Moe),
+            "gemma4" | "gemma4_text" => Some(Arch::Gemma4),
             _ => None,
         }
     }
@@ -53,6 +58,7 @@ impl Arch {
             Arch::Glm4vMoe => "glm4v_moe",
             Arch::Qwen35 => "qwen3_5",
             Arch::Qwen35Moe => "qwen3_5_moe",
+            Arch::Gemma4 => "gemma4",
         }
     }
 
@@ -108,6 +114,9 @@ pub enum RopeScaling {
     None,
     Linear { factor: f64 },
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: f64 },
+    /// Gemma 4's full layers: frequencies over the whole head, `theta^(-2i / head_dim)`, for the
+    /// first `fraction * head_dim / 2` pairs and 0 (no turn) for the rest, all divided by `factor`.
+    Proportional { fraction: f64, factor: f64 },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -132,6 +141,10 @@ pub enum MoeScoring {
     SigmoidGrouped,
     /// Qwen: softmax over all experts, the top k renormalised to sum to 1.
     Softmax,
+    /// Gemma 4: the router reads `rms(x) * scale / sqrt(hidden)`, then as `Softmax`, each
+    /// chosen weight times its expert's `per_expert_scale`; no shared expert (the layer's dense
+    /// MLP runs beside the experts instead).
+    GemmaScaled,
 }
 
 /// A mixture-of-experts MLP: routed experts chosen per token as `scoring` says, plus shared
@@ -207,6 +220,33 @@ impl LinearAttnConfig {
     }
 }
 
+/// One attention layer's keys and values: heads and their width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Gemma 4's per-layer embeddings (PLE): a second token table `[vocab, layers * dim]` whose
+/// slice for layer l, mixed with a projection of the input embedding, feeds a residual gate
+/// at the end of layer l.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerLayerInput {
+    pub dim: usize,
+    pub vocab: usize,
+}
+
+/// What Gemma 4 adds to a decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Gemma4Layers {
+    pub per_layer_input: Option<PerLayerInput>,
+    /// KV-sharing layers' MLPs are twice `intermediate_size` wide.
+    pub double_wide_mlp: bool,
+    /// Full-attention layers have no `v_proj`: the values are the key projection (before
+    /// `k_norm`).
+    pub k_eq_v: bool,
+}
+
 #[derive(Debug, Clone)]
 pub struct TextConfig {
     pub arch: Arch,
@@ -241,12 +281,38 @@ pub struct TextConfig {
     pub moe: Option<MoeConfig>,
     /// The linear-attention layers' sizes, for a hybrid model (`LayerKind::Linear` layers).
     pub linear_attn: Option<LinearAttnConfig>,
+    /// Each layer's key/value geometry where the layers differ (Gemma 4's full layers have
+    /// wider heads and may have fewer of them); empty when every layer has `num_kv_heads` x
+    /// `head_dim`.
+    pub layer_kv: Vec<KvShape>,
+    /// KV sharing (Gemma 4): `kv_source[l] = Some(s)` when layer l stores no keys or values and
+    /// attends over layer s's; empty when no layer shares.
+    pub kv_source: Vec<Option<usize>>,
+    pub gemma4: Option<Gemma4Layers>,
 }
 
 impl TextConfig {
     /// Layers with a KV cache (every one but the linear-attention layers).
     pub fn attention_layers(&self) -> Vec<usize> {
         (0..self.num_layers).filter(|&l| self.layer_kinds[l] != LayerKind::Linear).collect()
+    }
+
+    /// Attention layers that keep keys and values of their own (all but the KV-sharing ones).
+    pub fn cache_layers(&self) -> Vec<usize> {
+        self.attention_layers().into_iter().filter(|&l| self.kv_source(l).is_none()).collect()
+    }
+
+    /// The layer whose keys and values layer `layer` attends over, when it keeps none itself.
+    pub fn kv_source(&self, layer: usize) -> Option<usize> {
+        self.kv_source.get(layer).copied().flatten()
+    }
+
+    /// Layer `layer`'s key/value heads and head width.
+    pub fn kv_shape(&self, layer: usize) -> KvShape {
+        self.layer_kv
+            .get(layer)
+            .copied()
+            .unwrap_or(KvShape { num_kv_heads: self.num_kv_heads, head_dim: self.head_dim })
     }
 
     /// Layers with a recurrent state per sequence instead of a KV cache.
@@ -289,6 +355,9 @@ impl TextConfig {
 
     /// (total, active per token).
     fn parameter_counts(&self) -> (u64, u64) {
+        if let Some(g) = &self.gemma4 {
+            return self.gemma4_parameter_counts(g);
+        }
         let (h, i, v) = (self.hidden_size as u64, self.intermediate_size as u64, self.vocab_size as u64);
         let (q, kv) = ((self.num_heads * self.head_dim) as u64, (self.num_kv_heads * self.head_dim) as u64);
         // Qwen3.5's q_proj also gives each head's output gate.
@@ -334,6 +403,47 @@ impl TextConfig {
         }
         let embed = v * h * if self.tie_word_embeddings { 1 } else { 2 };
         (total + embed + h, active + embed + h)
+    }
+}
+
+impl TextConfig {
+    /// Gemma 4's layers differ one from the next (head widths, shared K/V, double-wide MLPs),
+    /// so they are counted one by one.
+    fn gemma4_parameter_counts(&self, g: &Gemma4Layers) -> (u64, u64) {
+        let (h, i, v, nh) = (self.hidden_size as u64, self.intermediate_size as u64, self.vocab_size as u64, self.num_heads as u64);
+        let (mut total, mut active) = (0, 0);
+        for layer in 0..self.num_layers {
+            let KvShape { num_kv_heads, head_dim } = self.kv_shape(layer);
+            let (kvh, d) = (num_kv_heads as u64, head_dim as u64);
+            let shared = self.kv_source(layer).is_some();
+            // q_proj, o_proj, q_norm; k_proj, v_proj and k_norm where the layer keeps K/V.
+            let mut attn = 2 * h * nh * d + d;
+            if !shared {
+                let values = !(g.k_eq_v && self.layer_kinds[layer] == LayerKind::Full);
+                attn += h * kvh * d * if values { 2 } else { 1 } + d;
+            }
+            let width = if g.double_wide_mlp && shared { 2 * i } else { i };
+            let mut common = attn + 4 * h + 3 * h * width;
+            if let Some(p) = g.per_layer_input {
+                common += 2 * h * p.dim as u64 + h;
+            }
+            let (mut t, mut a) = (common, common);
+            if let Some(m) = &self.moe {
+                let (e, k, mi) = (m.num_experts as u64, m.top_k as u64, m.intermediate_size as u64);
+                // The router's projection, scale and per-expert scale; three more norms.
+                let always = e * h + h + e + 3 * h;
+                t += always + e * 3 * h * mi;
+                a += always + k * 3 * h * mi;
+            }
+            total += t;
+            active += a;
+        }
+        let mut embed = v * h * if self.tie_word_embeddings { 1 } else { 2 } + h;
+        if let Some(p) = g.per_layer_input {
+            let lp = (self.num_layers * p.dim) as u64;
+            embed += p.vocab as u64 * lp + h * lp + p.dim as u64;
+        }
+        (total + embed, active + embed)
     }
 }
 

@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use super::calibration::CalibrationCache;
 use super::format::{KvDtype, TqSpec};
 use super::recurrent::RecurrentState;
-use crate::config::{LayerKind, TextConfig};
+use crate::config::{KvShape, LayerKind, TextConfig};
 use crate::ops::turboquant::{Codebook, FloatWindow, LayerCodecs, TqLayerCache};
 
 /// Shape of the pool: how many blocks of how many tokens, in which float type (that of every
@@ -51,6 +51,9 @@ pub enum LayerCache {
     Calibration(Box<CalibrationCache>),
     /// A linear-attention layer's state per state slot; no blocks.
     Recurrent(Box<RecurrentState>),
+    /// A KV-sharing layer (Gemma 4) stores nothing: it reads layer `source`'s keys and values,
+    /// which `KvCache::layer` hands out in its place.
+    Shared { source: usize },
 }
 
 /// The whole pool: every layer's storage for the same set of blocks.
@@ -77,26 +80,43 @@ impl KvCache {
         device: &Device,
     ) -> candle_core::Result<Self> {
         let slots = spec.num_blocks * spec.block_size;
-        let (h, d) = (cfg.num_kv_heads, cfg.head_dim);
         let float = spec.dtype.dtype();
-        let codebooks =
-            tq.map(|t| (Arc::new(Codebook::lloyd_max(d, t.bits.key)), Arc::new(Codebook::lloyd_max(d, t.bits.value))));
-        let floats = |rows: usize| -> candle_core::Result<(Tensor, Tensor)> {
-            Ok((Tensor::zeros((rows, h, d), float, device)?, Tensor::zeros((rows, h, d), float, device)?))
-        };
+        // One pair of codebooks per head width (Gemma 4's full layers have wider heads).
+        let mut codebooks: Vec<(usize, (Arc<Codebook>, Arc<Codebook>))> = Vec::new();
         let layers = (0..cfg.num_layers)
             .map(|layer| {
                 if let Some(state) = recurrent_state(cfg, layer, state_slots) {
                     return Ok(LayerCache::Recurrent(Box::new(state)));
                 }
-                let (tq, (kb, vb)) = match (tq, &codebooks) {
-                    (Some(tq), Some(cb)) if tq.quantizes(layer) => (tq, cb),
+                if let Some(source) = cfg.kv_source(layer) {
+                    return Ok(LayerCache::Shared { source });
+                }
+                let KvShape { num_kv_heads: h, head_dim: d } = cfg.kv_shape(layer);
+                let floats = |rows: usize| -> candle_core::Result<(Tensor, Tensor)> {
+                    Ok((Tensor::zeros((rows, h, d), float, device)?, Tensor::zeros((rows, h, d), float, device)?))
+                };
+                let tq = tq.filter(|t| t.quantizes(layer));
+                let (tq, (kb, vb)) = match tq {
+                    Some(tq) => {
+                        let cb = match codebooks.iter().find(|(width, _)| *width == d) {
+                            Some((_, cb)) => cb.clone(),
+                            None => {
+                                let cb = (
+                                    Arc::new(Codebook::lloyd_max(d, tq.bits.key)),
+                                    Arc::new(Codebook::lloyd_max(d, tq.bits.value)),
+                                );
+                                codebooks.push((d, cb.clone()));
+                                cb
+                            }
+                        };
+                        (tq, cb)
+                    }
                     _ => {
                         let (k, v) = floats(slots)?;
                         return Ok(LayerCache::Dense { k, v });
                     }
                 };
-                let mut codecs = LayerCodecs::for_layer(layer, d, kb, vb);
+                let mut codecs = LayerCodecs::for_layer(layer, d, &kb, &vb);
                 if let Some(scale) = tq.key_scales.get(layer).filter(|s| !s.is_empty()) {
                     if scale.len() != h * d {
                         candle_core::bail!("key scales of layer {layer}: {} values for {h} x {d}", scale.len());
@@ -131,12 +151,16 @@ impl KvCache {
         device: &Device,
     ) -> candle_core::Result<Self> {
         let spec = KvCacheSpec { block_size, num_blocks: tokens.div_ceil(block_size), dtype: KvDtype::F32 };
-        let shape = (spec.num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim);
         let layers = (0..cfg.num_layers)
             .map(|layer| {
                 if let Some(state) = recurrent_state(cfg, layer, 1) {
                     return Ok(LayerCache::Recurrent(Box::new(state)));
                 }
+                if let Some(source) = cfg.kv_source(layer) {
+                    return Ok(LayerCache::Shared { source });
+                }
+                let KvShape { num_kv_heads, head_dim } = cfg.kv_shape(layer);
+                let shape = (spec.num_blocks * block_size, num_kv_heads, head_dim);
                 let k = Tensor::zeros(shape, DType::F32, device)?;
                 let v = Tensor::zeros(shape, DType::F32, device)?;
                 Ok(LayerCache::Calibration(Box::new(CalibrationCache::new(k, v))))
@@ -151,8 +175,9 @@ impl KvCache {
     pub fn key_scales(&self, cfg: &TextConfig) -> Vec<Vec<f32>> {
         self.layers
             .iter()
-            .map(|l| match l {
-                LayerCache::Calibration(c) => c.key_scales(cfg.head_dim, cfg.rope_layout),
+            .enumerate()
+            .map(|(i, l)| match l {
+                LayerCache::Calibration(c) => c.key_scales(cfg.kv_shape(i).head_dim, cfg.rope_layout),
                 _ => Vec::new(),
             })
             .collect()
@@ -172,8 +197,12 @@ impl KvCache {
         self.turboquant.as_ref()
     }
 
+    /// Layer `i`'s storage: for a KV-sharing layer, that of the layer it reads.
     pub fn layer(&self, i: usize) -> &LayerCache {
-        &self.layers[i]
+        match &self.layers[i] {
+            LayerCache::Shared { source } => &self.layers[*source],
+            own => own,
+        }
     }
 
     /// Bytes actually allocated for the pool.
@@ -251,6 +280,7 @@ impl LayerCache {
     fn bytes(&self) -> usize {
         match self {
             LayerCache::Recurrent(r) => r.bytes(),
+            LayerCache::Shared { .. } => 0,
             other => other.tensors().iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum(),
         }
     }
@@ -258,7 +288,7 @@ impl LayerCache {
     /// Every tensor the layer allocated.
     fn tensors(&self) -> Vec<&Tensor> {
         match self {
-            LayerCache::Recurrent(_) => vec![],
+            LayerCache::Recurrent(_) | LayerCache::Shared { .. } => vec![],
             LayerCache::Dense { k, v } => vec![k, v],
             LayerCache::Calibration(c) => vec![&c.k, &c.v],
             LayerCache::TurboQuant(t) => {

@@ -6,7 +6,7 @@
 //! blocks, bytes per state slot (one slot per sequence that may run) for the rest.
 
 use super::format::{KvDtype, TqBits, TqSpec};
-use crate::config::TextConfig;
+use crate::config::{KvShape, TextConfig};
 
 /// How one group of layers keeps its memory.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,8 +31,8 @@ pub struct CacheGroup {
 #[derive(Debug, Clone, PartialEq)]
 pub struct CacheSpec {
     pub groups: Vec<CacheGroup>,
-    num_kv_heads: usize,
-    head_dim: usize,
+    /// Each layer's key/value geometry, by layer index.
+    shapes: Vec<KvShape>,
     /// Copies of a recurrent state each slot holds: 1, or 1 + the most draft tokens, so that
     /// a verify step can keep the state after each of its rows and roll back to any of them.
     pub state_checkpoints: usize,
@@ -49,8 +49,10 @@ pub struct PoolSize {
 impl CacheSpec {
     /// Every layer of `cfg`: attention layers dense in `float`, or TurboQuant codes as `tq`
     /// says (its skipped layers dense); a hybrid model's linear-attention layers recurrent.
+    /// KV-sharing layers are in no group: they keep nothing.
     pub fn for_model(cfg: &TextConfig, float: KvDtype, tq: Option<&TqSpec>) -> Self {
-        let spec = Self::for_attention_layers(cfg.attention_layers(), cfg.num_kv_heads, cfg.head_dim, float, tq);
+        let shapes = (0..cfg.num_layers).map(|l| cfg.kv_shape(l)).collect();
+        let spec = Self::for_attention_layers(cfg.cache_layers(), shapes, float, tq);
         match &cfg.linear_attn {
             Some(l) if !cfg.linear_layers().is_empty() => spec.with_group(CacheGroup {
                 kind: CacheKind::Recurrent { state_bytes: l.state_bytes() },
@@ -68,13 +70,13 @@ impl CacheSpec {
         float: KvDtype,
         tq: Option<&TqSpec>,
     ) -> Self {
-        Self::for_attention_layers((0..num_layers).collect(), num_kv_heads, head_dim, float, tq)
+        let shapes = vec![KvShape { num_kv_heads, head_dim }; num_layers];
+        Self::for_attention_layers((0..num_layers).collect(), shapes, float, tq)
     }
 
     fn for_attention_layers(
         all: Vec<usize>,
-        num_kv_heads: usize,
-        head_dim: usize,
+        shapes: Vec<KvShape>,
         float: KvDtype,
         tq: Option<&TqSpec>,
     ) -> Self {
@@ -91,7 +93,7 @@ impl CacheSpec {
                     .collect()
             }
         };
-        CacheSpec { groups, num_kv_heads, head_dim, state_checkpoints: 1 }
+        CacheSpec { groups, shapes, state_checkpoints: 1 }
     }
 
     /// Adds a group (a hybrid model's recurrent layers, say).
@@ -112,40 +114,30 @@ impl CacheSpec {
 
     /// Bytes one token occupies in the paged blocks, over every group.
     pub fn bytes_per_token(&self) -> usize {
-        let (h, d) = (self.num_kv_heads, self.head_dim);
-        self.groups
-            .iter()
-            .map(|g| {
-                g.layers.len()
-                    * match &g.kind {
-                        CacheKind::PagedDense { dtype } => 2 * h * d * dtype.bytes(),
-                        CacheKind::PagedTurboQuant { bits, .. } => {
-                            let (rk, rv) = TqSpec::new(*bits).row_bytes(d);
-                            h * (rk + rv)
-                        }
-                        CacheKind::Recurrent { .. } => 0,
-                    }
-            })
-            .sum()
+        self.per_layer(|kind, KvShape { num_kv_heads: h, head_dim: d }| match kind {
+            CacheKind::PagedDense { dtype } => 2 * h * d * dtype.bytes(),
+            CacheKind::PagedTurboQuant { bits, .. } => {
+                let (rk, rv) = TqSpec::new(*bits).row_bytes(d);
+                h * (rk + rv)
+            }
+            CacheKind::Recurrent { .. } => 0,
+        })
+    }
+
+    /// The sum over every grouped layer of `bytes(its kind, its shape)`.
+    fn per_layer(&self, bytes: impl Fn(&CacheKind, KvShape) -> usize) -> usize {
+        let shape = |l: usize| self.shapes.get(l).copied().unwrap_or(KvShape { num_kv_heads: 0, head_dim: 0 });
+        self.groups.iter().flat_map(|g| g.layers.iter().map(|&l| bytes(&g.kind, shape(l)))).sum()
     }
 
     /// Bytes one state slot holds, over every group: float-window rings, recurrent states
     /// (times their checkpoints).
     pub fn bytes_per_slot(&self) -> usize {
-        let (h, d) = (self.num_kv_heads, self.head_dim);
-        self.groups
-            .iter()
-            .map(|g| {
-                g.layers.len()
-                    * match &g.kind {
-                        CacheKind::PagedDense { .. } => 0,
-                        CacheKind::PagedTurboQuant { float_dtype, float_window, .. } => {
-                            2 * float_window * h * d * float_dtype.bytes()
-                        }
-                        CacheKind::Recurrent { state_bytes } => state_bytes * self.state_checkpoints,
-                    }
-            })
-            .sum()
+        self.per_layer(|kind, KvShape { num_kv_heads: h, head_dim: d }| match kind {
+            CacheKind::PagedDense { .. } => 0,
+            CacheKind::PagedTurboQuant { float_dtype, float_window, .. } => 2 * float_window * h * d * float_dtype.bytes(),
+            CacheKind::Recurrent { state_bytes } => state_bytes * self.state_checkpoints,
+        })
     }
 
     /// Of `bytes_per_slot`, the recurrent states' share.

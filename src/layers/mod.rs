@@ -8,5 +8,6 @@ pub mod linear;
 pub mod mlp;
 pub mod moe;
 pub mod norm;
+pub mod per_layer_embedding;
 pub mod rotary;
 pub mod vision;

@@ -18,6 +18,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::mlp::{gated, GatedMlp};
+use super::norm::RmsNorm;
 use crate::config::{Activation, MoeConfig, MoeScoring};
 use crate::ops::gated_act::GatedAct;
 use crate::ops::moe_route::RouteConfig;
@@ -51,6 +52,16 @@ pub struct Moe {
     /// One routed expert's intermediate width.
     inter: usize,
     act: Activation,
+    /// Gemma 4: the router reads `rms(x) * scale / sqrt(hidden)` (`[hidden]`, the model's
+    /// dtype), and each chosen weight is multiplied by its expert's scale (`[num_experts]`, f32).
+    gemma: Option<GemmaRouter>,
+}
+
+struct GemmaRouter {
+    norm: RmsNorm,
+    scale: Tensor,
+    root: f64,
+    per_expert_scale: Tensor,
 }
 
 impl Moe {
@@ -64,8 +75,40 @@ impl Moe {
         cfg: &MoeConfig,
         act: Activation,
     ) -> std::result::Result<Self, WeightsError> {
+        Self::load_parts(w, &format!("{prefix}.gate.weight"), prefix, hidden, cfg, act)
+    }
+
+    /// Gemma 4's block beside the dense MLP: `{layer}.router.{proj.weight, scale,
+    /// per_expert_scale}` and `{layer}.experts.*` (`layer` is the decoder layer's prefix).
+    pub fn load_gemma(
+        w: &Weights,
+        layer: &str,
+        hidden: usize,
+        eps: f64,
+        cfg: &MoeConfig,
+        act: Activation,
+    ) -> std::result::Result<Self, WeightsError> {
+        let mut moe = Self::load_parts(w, &format!("{layer}.router.proj.weight"), layer, hidden, cfg, act)?;
+        moe.gemma = Some(GemmaRouter {
+            norm: RmsNorm::unit(hidden, eps, w.dtype(), w.device())?,
+            scale: w.dense(&format!("{layer}.router.scale"), &[hidden])?,
+            root: (hidden as f64).powf(-0.5),
+            per_expert_scale: w.dense_f32(&format!("{layer}.router.per_expert_scale"), &[cfg.num_experts])?,
+        });
+        Ok(moe)
+    }
+
+    /// The router `router` (`[experts, hidden]`) and `{prefix}.experts.*`, `{prefix}.shared_*`.
+    fn load_parts(
+        w: &Weights,
+        router: &str,
+        prefix: &str,
+        hidden: usize,
+        cfg: &MoeConfig,
+        act: Activation,
+    ) -> std::result::Result<Self, WeightsError> {
         let (e, inter) = (cfg.num_experts, cfg.intermediate_size);
-        let router = w.dense_f32(&format!("{prefix}.gate.weight"), &[e, hidden])?;
+        let router = w.dense_f32(router, &[e, hidden])?;
         let bias_name = format!("{prefix}.gate.e_score_correction_bias");
         let correction_bias = if w.contains(&bias_name) {
             w.dense_f32(&bias_name, &[e])?
@@ -106,6 +149,7 @@ impl Moe {
             shared_gate,
             inter,
             act,
+            gemma: None,
         })
     }
 
@@ -138,10 +182,20 @@ impl Moe {
 
     /// Chooses each row's experts (`x`: `[T, hidden]`), on the rows' device.
     pub fn route(&self, x: &Tensor) -> Result<Routing> {
+        let x = match &self.gemma {
+            Some(g) => (g.norm.forward(x)?.broadcast_mul(&g.scale)? * g.root)?,
+            None => x.clone(),
+        };
         let logits = x.to_dtype(DType::F32)?.matmul(&self.router.t()?)?;
         match self.scoring {
             MoeScoring::SigmoidGrouped => self.route.route(&logits, &self.correction_bias),
             MoeScoring::Softmax => crate::ops::moe_route::route_softmax(&logits, self.route.top_k),
+            MoeScoring::GemmaScaled => {
+                let r = crate::ops::moe_route::route_softmax(&logits, self.route.top_k)?;
+                let Some(g) = &self.gemma else { candle_core::bail!("moe: Gemma routing without its router scales") };
+                let scale = g.per_expert_scale.index_select(&r.experts.flatten_all()?, 0)?.reshape(r.weights.shape())?;
+                Ok(Routing { weights: (r.weights * scale)?, experts: r.experts })
+            }
         }
     }
 

@@ -32,6 +32,11 @@ impl RmsNorm {
         Ok(RmsNorm { scale: scale.to_dtype(w.dtype())?, eps: eps as f32 })
     }
 
+    /// A norm without a learned scale (`x / rms(x)`).
+    pub fn unit(dim: usize, eps: f64, dtype: candle_core::DType, device: &candle_core::Device) -> Result<Self> {
+        Ok(RmsNorm { scale: Tensor::ones(dim, dtype, device)?, eps: eps as f32 })
+    }
+
     pub fn weight(&self) -> &Tensor {
         &self.scale
     }

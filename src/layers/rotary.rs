@@ -32,6 +32,13 @@ impl Rotary {
         match cfg.scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor as f32),
+            RopeScaling::Proportional { fraction, factor } => {
+                // transformers: `int(fraction * head_dim // 2)` turning pairs, then zeros.
+                let turning = (fraction * rotary_dim as f64 / 2.0) as usize;
+                for (i, f) in inv_freq.iter_mut().enumerate() {
+                    *f = if i < turning { *f / factor as f32 } else { 0.0 };
+                }
+            }
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
                 let (factor, lo, hi, old) =
                     (factor as f32, low_freq_factor as f32, high_freq_factor as f32, original_max_position as f32);

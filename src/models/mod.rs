@@ -3,6 +3,7 @@
 //! file picks the family that loads one.
 
 pub mod gemma3;
+pub mod gemma4;
 pub mod glm4v;
 pub mod llama;
 mod model;
@@ -26,6 +27,7 @@ pub fn load_text_model(w: &Weights, cfg: &TextConfig) -> std::result::Result<Box
             Box::new(llama::Llama::load(w, cfg.clone())?)
         }
         Arch::Gemma3 => Box::new(gemma3::Gemma3::load(w, cfg.clone())?),
+        Arch::Gemma4 => Box::new(gemma4::Gemma4::load(w, cfg.clone())?),
         Arch::Glm4v | Arch::Glm4vMoe => Box::new(glm4v::text::GlmText::load(w, cfg.clone())?),
         Arch::Qwen35 | Arch::Qwen35Moe => Box::new(qwen35::Qwen35::load(w, cfg.clone())?),
     })

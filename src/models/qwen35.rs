@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use crate::batch::Batch;
 use crate::config::{LayerKind, TextConfig};
 use crate::kv::KvCache;
-use crate::layers::attention::SelfAttention;
+use crate::layers::attention::{AttentionOptions, SelfAttention};
 use crate::layers::embedding::Embedding;
 use crate::layers::gated_deltanet::{decoder_norm_style, GatedDeltaNet};
 use crate::layers::linear::Linear;
@@ -59,7 +59,7 @@ impl Qwen35 {
                 let p = format!("model.layers.{i}");
                 let mixer = match cfg.layer_kinds[i] {
                     LayerKind::Linear => Mixer::DeltaNet(GatedDeltaNet::load(w, &cfg, i)?),
-                    _ => Mixer::Attention(SelfAttention::load_gated(w, &cfg, i, Some(style), true)?),
+                    _ => Mixer::Attention(SelfAttention::load_with(w, &cfg, i, AttentionOptions { qk_norm: Some(style), gated: true, v_norm: false })?),
                 };
                 let ffn = match &cfg.moe {
                     Some(moe) => Ffn::Experts(Moe::load(w, &format!("{p}.mlp"), h, moe, cfg.activation)?),

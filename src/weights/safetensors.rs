@@ -71,8 +71,9 @@ impl SafetensorsDir {
     }
 
     /// Where tensor `name` lives: its key, or for `{p}.experts.{e}.{rest}` absent as such,
-    /// the MoE experts stacked along a first axis (`{p}.switch_mlp.{rest}`, as MLX stores
-    /// them) and the expert's index.
+    /// the MoE experts stacked along a first axis, and the expert's index. Stacks are stored
+    /// as `{p}.switch_mlp.{rest}` (MLX), `{p}.experts.switch_glu.{rest}` (MLX's Gemma 4) or
+    /// `{p}.experts.gate_up_proj` / `.down_proj` without `.weight` (transformers 5's Gemma 4).
     fn locate(&self, name: &str) -> Option<(String, Option<usize>)> {
         if let Some(k) = self.key_of(name) {
             return Some((k, None));
@@ -80,7 +81,12 @@ impl SafetensorsDir {
         let (prefix, rest) = name.split_once(".experts.")?;
         let (e, rest) = rest.split_once('.')?;
         let e: usize = e.parse().ok()?;
-        Some((self.key_of(&format!("{prefix}.switch_mlp.{rest}"))?, Some(e)))
+        let fused = rest.strip_suffix(".weight").map(|r| format!("{prefix}.experts.{r}"));
+        [Some(format!("{prefix}.switch_mlp.{rest}")), Some(format!("{prefix}.experts.switch_glu.{rest}")), fused]
+            .into_iter()
+            .flatten()
+            .find_map(|k| self.key_of(&k))
+            .map(|k| (k, Some(e)))
     }
 
     /// The file holding tensor `name` (the directory if no file does).

@@ -1,0 +1,55 @@
+//! Gemma 4's per-layer embeddings (PLE): each token gets a small input of its own for every
+//! decoder layer, a mix of a second embedding table and a projection of its input embedding:
+//!   ple = (RMSNorm(W_p e / sqrt(H)) + E_ple[id] * sqrt(P)) / sqrt(2),   reshaped [T, L, P]
+//! where e is the (scaled) input embedding; layer l reads `ple[:, l, :]`. The table holds one
+//! P-wide slice per layer side by side (`[vocab, L * P]`).
+
+use candle_core::{Result, Tensor};
+
+use super::embedding::Embedding;
+use super::linear::Linear;
+use super::norm::{NormStyle, RmsNorm};
+use crate::config::PerLayerInput;
+use crate::weights::{Weights, WeightsError};
+
+pub struct PerLayerEmbedding {
+    table: Embedding,
+    projection: Linear,
+    norm: RmsNorm,
+    layers: usize,
+    dim: usize,
+    hidden: usize,
+}
+
+impl PerLayerEmbedding {
+    pub fn load(
+        w: &Weights,
+        p: PerLayerInput,
+        layers: usize,
+        hidden: usize,
+        eps: f64,
+    ) -> std::result::Result<Self, WeightsError> {
+        let width = layers * p.dim;
+        Ok(PerLayerEmbedding {
+            table: Embedding::load(w, "model.embed_tokens_per_layer.weight", p.vocab, width)?,
+            projection: Linear::load(w, "model.per_layer_model_projection", hidden, width, false)?,
+            norm: RmsNorm::load(w, "model.per_layer_projection_norm.weight", p.dim, eps, NormStyle::Plain)?,
+            layers,
+            dim: p.dim,
+            hidden,
+        })
+    }
+
+    /// `[T, layers, dim]` for tokens `ids` (`[T]`) whose input embeddings are `embeds`
+    /// (`[T, hidden]`, images merged in; `ids` with image tokens replaced by the pad token).
+    pub fn forward(&self, ids: &Tensor, embeds: &Tensor) -> Result<Tensor> {
+        let (t, dtype) = (embeds.dim(0)?, embeds.dtype());
+        let shape = (t, self.layers, self.dim);
+        let projected = (self.projection.forward(embeds)? * (self.hidden as f64).powf(-0.5))?;
+        let projected = self.norm.forward(&projected.reshape(shape)?)?;
+        // transformers rounds the table's scale to the weights' dtype before multiplying.
+        let scale = Tensor::new((self.dim as f32).sqrt(), embeds.device())?.to_dtype(dtype)?;
+        let token = self.table.forward(ids, dtype)?.broadcast_mul(&scale)?.reshape(shape)?;
+        (projected + token)? * std::f64::consts::FRAC_1_SQRT_2
+    }
+}

@@ -1,0 +1,174 @@
+//! Gemma 4 (text): plain-w RMSNorms around both sub-blocks; q/k/v norms and attention scale 1;
+//! sliding layers with their own rotary, full layers with wider heads and proportional RoPE;
+//! the last layers may attend over an earlier layer's keys and values (KV sharing).
+//!   h = x + Norm(Attn(Norm(x)))
+//!   m = MLP(Norm(h)),  or with experts  m = Norm(MLP(Norm(h))) + Norm(MoE(Norm(h), route(h)))
+//!   x' = (h + Norm(m) [+ Norm(W_o (gelu(W_g (h + Norm(m))) * ple_l))]) * layer_scalar
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::model::{Taps, TextModel};
+use crate::batch::Batch;
+use crate::config::{LayerKind, TextConfig};
+use crate::kv::KvCache;
+use crate::layers::attention::{AttentionOptions, SelfAttention};
+use crate::layers::embedding::Embedding;
+use crate::layers::linear::Linear;
+use crate::layers::mlp::GatedMlp;
+use crate::layers::moe::Moe;
+use crate::layers::norm::{NormStyle, RmsNorm};
+use crate::layers::per_layer_embedding::PerLayerEmbedding;
+use crate::layers::rotary::Rotary;
+use crate::ops::activation;
+use crate::weights::{Weights, WeightsError};
+
+/// The experts beside the dense MLP, with the three norms around them.
+struct Experts {
+    moe: Moe,
+    pre_norm: RmsNorm,
+    post_dense_norm: RmsNorm,
+    post_norm: RmsNorm,
+}
+
+/// The end of a layer with per-layer embeddings: a gate from the residual stream times the
+/// layer's slice of them, projected back.
+struct PleGate {
+    gate: Linear,
+    projection: Linear,
+    norm: RmsNorm,
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    attn: SelfAttention,
+    post_attn_norm: RmsNorm,
+    pre_mlp_norm: RmsNorm,
+    mlp: GatedMlp,
+    post_mlp_norm: RmsNorm,
+    experts: Option<Experts>,
+    ple: Option<PleGate>,
+    scalar: Tensor,
+    sliding: bool,
+}
+
+pub struct Gemma4 {
+    cfg: TextConfig,
+    embed: Embedding,
+    ple: Option<PerLayerEmbedding>,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary_full: Rotary,
+    rotary_sliding: Rotary,
+    dtype: DType,
+    device: Device,
+}
+
+impl Gemma4 {
+    pub fn load(w: &Weights, cfg: TextConfig) -> std::result::Result<Self, WeightsError> {
+        let (h, eps, g) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma4.unwrap_or_default());
+        let norm = |name: String| RmsNorm::load(w, &name, h, eps, NormStyle::Plain);
+        let opts = AttentionOptions { qk_norm: Some(NormStyle::Plain), gated: false, v_norm: true };
+        let layers = (0..cfg.num_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                let shared = cfg.kv_source(i).is_some();
+                let width = if g.double_wide_mlp && shared { 2 } else { 1 } * cfg.intermediate_size;
+                let experts = cfg.moe.as_ref().map(|m| -> std::result::Result<_, WeightsError> {
+                    Ok(Experts {
+                        moe: Moe::load_gemma(w, &p, h, eps, m, cfg.activation)?,
+                        pre_norm: norm(format!("{p}.pre_feedforward_layernorm_2.weight"))?,
+                        post_dense_norm: norm(format!("{p}.post_feedforward_layernorm_1.weight"))?,
+                        post_norm: norm(format!("{p}.post_feedforward_layernorm_2.weight"))?,
+                    })
+                });
+                let ple = g.per_layer_input.map(|pl| -> std::result::Result<_, WeightsError> {
+                    Ok(PleGate {
+                        gate: Linear::load(w, &format!("{p}.per_layer_input_gate"), h, pl.dim, false)?,
+                        projection: Linear::load(w, &format!("{p}.per_layer_projection"), pl.dim, h, false)?,
+                        norm: norm(format!("{p}.post_per_layer_input_norm.weight"))?,
+                    })
+                });
+                Ok(Layer {
+                    input_norm: norm(format!("{p}.input_layernorm.weight"))?,
+                    attn: SelfAttention::load_with(w, &cfg, i, opts)?,
+                    post_attn_norm: norm(format!("{p}.post_attention_layernorm.weight"))?,
+                    pre_mlp_norm: norm(format!("{p}.pre_feedforward_layernorm.weight"))?,
+                    mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, width, cfg.activation)?,
+                    post_mlp_norm: norm(format!("{p}.post_feedforward_layernorm.weight"))?,
+                    experts: experts.transpose()?,
+                    ple: ple.transpose()?,
+                    scalar: w.dense(&format!("{p}.layer_scalar"), &[1])?,
+                    sliding: cfg.layer_kinds[i] == LayerKind::Sliding,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
+        let embed = Embedding::load(w, "model.embed_tokens.weight", cfg.vocab_size, h)?;
+        let lm_head = embed.output_head(w, cfg.tie_word_embeddings, cfg.vocab_size, h)?;
+        let ple = g.per_layer_input.map(|p| PerLayerEmbedding::load(w, p, cfg.num_layers, h, eps)).transpose()?;
+        let local = cfg.rope_local.clone().unwrap_or_else(|| cfg.rope.clone());
+        let rotary = |rope, kind| {
+            let width = (0..cfg.num_layers).find(|&l| cfg.layer_kinds[l] == kind).map_or(cfg.head_dim, |l| cfg.kv_shape(l).head_dim);
+            Rotary::new(rope, width, cfg.rope_layout).on_device(w.device(), w.dtype(), cfg.max_position_embeddings)
+        };
+        Ok(Gemma4 {
+            embed,
+            ple,
+            layers,
+            norm: norm("model.norm.weight".into())?,
+            lm_head,
+            rotary_full: rotary(&cfg.rope, LayerKind::Full)?,
+            rotary_sliding: rotary(&local, LayerKind::Sliding)?,
+            dtype: w.dtype(),
+            device: w.device().clone(),
+            cfg,
+        })
+    }
+}
+
+impl TextModel for Gemma4 {
+    fn config(&self) -> &TextConfig {
+        &self.cfg
+    }
+
+    fn forward(&self, batch: &Batch, kv: &KvCache, mut taps: Option<&mut Taps>) -> Result<Tensor> {
+        let rot_full = self.rotary_full.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
+        let rot_sliding = self.rotary_sliding.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
+        // transformers rounds the scale to the embedding dtype before multiplying.
+        let scale = Tensor::new((self.cfg.hidden_size as f32).sqrt(), &self.device)?.to_dtype(self.dtype)?;
+        let mut x = batch.input_embeds(self.embed.forward(&batch.token_ids, self.dtype)?.broadcast_mul(&scale)?)?;
+        let ple = self.ple.as_ref().map(|p| p.forward(&batch.token_ids, &x)).transpose()?;
+        if let Some(t) = taps.as_deref_mut() {
+            t.embed = Some(x.clone());
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let rot = if l.sliding { &rot_sliding } else { &rot_full };
+            let a = l.attn.forward(&l.input_norm.forward(&x)?, rot, kv.layer(i), &batch.attn)?;
+            let h = (&x + l.post_attn_norm.forward(&a)?)?;
+            let mut m = l.mlp.forward(&l.pre_mlp_norm.forward(&h)?)?;
+            if let Some(e) = &l.experts {
+                let routed = e.moe.forward(&e.pre_norm.forward(&h)?, &e.moe.route(&h)?)?;
+                m = (e.post_dense_norm.forward(&m)? + e.post_norm.forward(&routed)?)?;
+            }
+            x = (&h + l.post_mlp_norm.forward(&m)?)?;
+            if let (Some(g), Some(ple)) = (&l.ple, &ple) {
+                let gate = activation::apply(self.cfg.activation, &g.gate.forward(&x)?)?;
+                let gated = (gate * ple.narrow(1, i, 1)?.squeeze(1)?)?;
+                x = (&x + g.norm.forward(&g.projection.forward(&gated)?)?)?;
+            }
+            x = x.broadcast_mul(&l.scalar)?;
+            if let Some(t) = taps.as_deref_mut() {
+                t.layers.push(x.clone());
+            }
+        }
+        self.norm.forward(&x)
+    }
+
+    fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let logits = self.lm_head.forward(hidden)?.to_dtype(DType::F32)?;
+        match self.cfg.final_logit_softcapping {
+            Some(cap) => (logits / cap)?.tanh()? * cap,
+            None => Ok(logits),
+        }
+    }
+}
