@@ -22,6 +22,16 @@ reference.safetensors has the keys of scripts/make_fixtures.py (text.* with per-
 states, chat.*), computed from the checkpoint as reloaded from disk. The tokenizer and chat
 template are make_fixtures.py's Gemma ones.
 
+tiny-gemma4 is also a vision-language fixture: its tokenizer gets Gemma 4's multimodal tokens at
+the config's ids, processor_config.json a tower of patch 4 and pooling 2 (max_soft_tokens 70),
+the chat template writes `<|image|>` for image parts, and three image cases (reference.json
+"cases": single, nonsquare, multi) hold the chat prompt as transformers' processor expands it
+(`<|image>` + `<|image|>` x n + `<image|>`), with the PIL backend's pixel values (unpadded rows)
+and patch positions, the projected image embeddings, every layer's hidden states, the logits and
+greedy tokens (keys `{case}.*` in reference.safetensors); and the same with
+use_bidirectional_attention = "vision" (the 26B/31B mask: image tokens see their whole image on
+sliding layers; keys `{case}.bidir.*`), from the same weights.
+
     /work/venv-mlx/bin/python scripts/make_gemma4_fixtures.py   # ~20 s, offline
 """
 from __future__ import annotations
@@ -155,8 +165,6 @@ def make(kind, seed):
         "in_memory_vs_reloaded_logits_max_abs_diff": float((mem - tensors["text.logits"]).abs().max()),
         "decode_step_vs_prefill_last_logits_max_abs_diff": float((step - tensors["text.logits"][-1]).abs().max()),
     }
-    save_file(tensors, os.path.join(out_dir, "reference.safetensors"),
-              metadata={"generator": f"scripts/make_gemma4_fixtures.py transformers={transformers.__version__}"})
     added = tok.get_added_vocab()
     info = {
         "text_prompt": mf.TEXT_PROMPT,
@@ -182,12 +190,164 @@ def make(kind, seed):
         "keys": {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in sorted(tensors.items())},
         "checks": checks,
     }
+    if kind == "e2b":
+        add_vision(out_dir, tensors, info)
+        info["keys"] = {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in sorted(tensors.items())}
+    save_file(tensors, os.path.join(out_dir, "reference.safetensors"),
+              metadata={"generator": f"scripts/make_gemma4_fixtures.py transformers={transformers.__version__}"})
     with open(os.path.join(out_dir, "reference.json"), "w") as fh:
         json.dump(info, fh, indent=1, ensure_ascii=False)
         fh.write("\n")
-    os.chmod(os.path.join(out_dir, "reference.safetensors"), 0o644)
+    for f in os.listdir(out_dir):
+        os.chmod(os.path.join(out_dir, f), 0o644)
     print(f"{name}: T={text_ids.shape[0]} T2={chat_ids.shape[0]} params={info['n_params']} checks={checks}",
           flush=True)
+
+
+MM_TOKENS = {1017: "<|image>", 1018: "<image|>", 1019: "<|image|>", 1020: "<|video|>",
+             1021: "<|audio>", 1022: "<audio|>", 1023: "<|audio|>"}
+# make_fixtures.py's Gemma template, with a message's content parts: `<|image|>` for an image.
+VISION_TEMPLATE = """{{ bos_token }}
+{%- macro render(content) -%}
+    {%- if content is string -%}{{ content | trim }}{%- else -%}
+        {%- for item in content -%}
+            {%- if item['type'] == 'image' -%}{{ '<|image|>' }}
+            {%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = render(messages[0]['content']) + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {{- render(message['content']) -}}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+VISION_CASES = {
+    "single": ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}],
+               ["image_square.png"]),
+    "nonsquare": ([{"role": "system", "content": "You are a helpful assistant."},
+                   {"role": "user", "content": [{"type": "text", "text": "What is in"},
+                                                {"type": "image"}, {"type": "text", "text": "this picture?"}]}],
+                  ["image_wide.png"]),
+    "multi": ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+               {"role": "assistant", "content": "A cat on a mat."},
+               {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}],
+              ["image_square.png", "image_tall.png"]),
+}
+VISION_NEW_TOKENS = 10
+
+
+def test_image(width, height, seed):
+    """A smooth pattern plus noise, so that resizing and pooling matter."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    img = np.stack([xx * 5 + seed * 40, yy * 6, (xx + yy) * 3], -1).astype(np.int64)
+    img = np.clip(img + rng.integers(-20, 21, img.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(img, "RGB")
+
+
+def add_vision(out_dir, tensors, info):
+    """Makes tiny-gemma4 a processor-complete VLM fixture and adds the image cases."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoProcessor, Gemma4ForConditionalGeneration
+
+    tj = json.load(open(os.path.join(out_dir, "tokenizer.json")))
+    for i, s in MM_TOKENS.items():
+        assert i not in tj["model"]["vocab"].values(), f"id {i} is taken"
+        tj["model"]["vocab"][s] = i
+        tj["added_tokens"].append({"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                                   "normalized": False, "special": True})
+    json.dump(tj, open(os.path.join(out_dir, "tokenizer.json"), "w"), ensure_ascii=False)
+    tc = json.load(open(os.path.join(out_dir, "tokenizer_config.json")))
+    tc.update({"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+               "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
+               "extra_special_tokens": ["<|video|>"], "processor_class": "Gemma4Processor"})
+    json.dump(tc, open(os.path.join(out_dir, "tokenizer_config.json"), "w"), indent=2)
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w") as fh:
+        fh.write(VISION_TEMPLATE)
+    p, k = VISION["patch_size"], VISION["pooling_kernel_size"]
+    json.dump({
+        "processor_class": "Gemma4Processor", "image_seq_length": 70,
+        "image_processor": {"image_processor_type": "Gemma4ImageProcessor", "patch_size": p,
+                            "pooling_kernel_size": k, "max_soft_tokens": 70, "do_convert_rgb": True,
+                            "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+                            "do_normalize": False, "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0]},
+        "video_processor": {"video_processor_type": "Gemma4VideoProcessor", "patch_size": p,
+                            "pooling_kernel_size": k, "max_soft_tokens": 70},
+        "feature_extractor": {"feature_extractor_type": "Gemma4AudioFeatureExtractor"},
+    }, open(os.path.join(out_dir, "processor_config.json"), "w"), indent=2)
+    for name, (w, h, seed) in {"image_square.png": (32, 32, 1), "image_wide.png": (50, 37, 2),
+                               "image_tall.png": (18, 70, 3)}.items():
+        test_image(w, h, seed).save(os.path.join(out_dir, name))
+
+    proc = AutoProcessor.from_pretrained(out_dir)
+    # The PIL backend: iris's resize is Pillow's bicubic, bit for bit (torchvision's differs by
+    # 1/255 in about 1% of the values).
+    proc.image_processor = AutoImageProcessor.from_pretrained(out_dir, backend="pil")
+    model = Gemma4ForConditionalGeneration.from_pretrained(out_dir, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    lm = model.model.language_model
+    text_cfgs = [model.config.text_config, lm.config]
+    info["cases"] = {}
+    for case, (messages, files) in VISION_CASES.items():
+        images = [Image.open(os.path.join(out_dir, f)).convert("RGB") for f in files]
+        prompt = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template writes <bos> itself (as apply_chat_template(tokenize=True) does, no second one).
+        inputs = proc(text=[prompt], images=[images], return_tensors="pt", add_special_tokens=False)
+        ids = inputs["input_ids"][0]
+        valid = (inputs["image_position_ids"] != -1).all(-1)
+        for mode in ["causal", "bidir"]:
+            for c in text_cfgs:
+                c.use_bidirectional_attention = "vision" if mode == "bidir" else None
+            key = case if mode == "causal" else f"{case}.bidir"
+            captured = {}
+            hooks = [layer.register_forward_hook(
+                lambda mod, a, out, i=i: captured.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].clone()))
+                for i, layer in enumerate(lm.layers)]
+            with torch.no_grad():
+                out = model(**inputs)
+            for h in hooks:
+                h.remove()
+            tensors[f"{key}.logits"] = out.logits[0].float().contiguous()
+            if mode == "causal":
+                for i in range(len(lm.layers)):
+                    tensors[f"{key}.layer.{i}"] = captured[i].float().contiguous()
+                with torch.no_grad():
+                    feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_position_ids"])
+                tensors[f"{key}.image_embeds"] = torch.cat(feats.pooler_output).float().contiguous()
+                tensors[f"{key}.pixel_values"] = inputs["pixel_values"][valid].float().contiguous()
+                tensors[f"{key}.image_position_ids"] = inputs["image_position_ids"][valid].to(torch.int64).contiguous()
+            model.generation_config.eos_token_id = None
+            with torch.no_grad():
+                gen = model.generate(**inputs, do_sample=False, max_new_tokens=VISION_NEW_TOKENS,
+                                     min_new_tokens=VISION_NEW_TOKENS)[0, ids.shape[0]:]
+            tensors[f"{key}.generated_ids"] = gen.to(torch.int64).contiguous()
+            if mode == "causal":
+                info["cases"][case] = {"messages": messages, "prompt": prompt, "images": files,
+                                       "input_ids": ids.tolist(), "generated_ids": gen.tolist(),
+                                       "num_soft_tokens": [int(n) for n in (valid.sum(-1) // (k * k)).tolist()]}
+            else:
+                info["cases"][case]["generated_ids_bidir"] = gen.tolist()
+                info["cases"][case]["bidir_vs_causal_logits_max_abs_diff"] = float(
+                    (out.logits[0] - tensors[f"{case}.logits"]).abs().max())
+        for c in text_cfgs:
+            c.use_bidirectional_attention = None
 
 
 if __name__ == "__main__":

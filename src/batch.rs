@@ -40,6 +40,11 @@ pub struct AttentionMeta {
     /// Per sequence, its state slot in a hybrid model's recurrent layers (None: no such layers,
     /// or not given; a recurrent layer then refuses the step).
     pub state_slots: Option<Vec<u32>>,
+    /// Per sequence, position ranges `[start, end)` within its context whose rows also see the
+    /// later rows of their range, on the layers that ask for it (Gemma 4's sliding layers see
+    /// a whole image at once when the config says `use_bidirectional_attention: "vision"`).
+    /// None: every layer is causal. Each range ends inside the step's context.
+    pub bidirectional: Option<Vec<Vec<(usize, usize)>>>,
     /// The same metadata in device memory, for kernels that run there (`upload`); None on CPU.
     pub device: Option<DeviceAttentionMeta>,
 }
@@ -145,7 +150,16 @@ impl AttentionMeta {
                 row_seq.push(i as u32);
             }
         }
-        AttentionMeta { block_size, seqs, slot_mapping, row_seq, window: None, state_slots: None, device: None }
+        AttentionMeta {
+            block_size,
+            seqs,
+            slot_mapping,
+            row_seq,
+            window: None,
+            state_slots: None,
+            bidirectional: None,
+            device: None,
+        }
     }
 
     /// Gives each sequence its float-window ring (`rings[i]` for `seqs[i]`) in a TurboQuant
@@ -182,6 +196,21 @@ impl AttentionMeta {
             candle_core::bail!("{} state slots for {} sequences", slots.len(), self.seqs.len());
         }
         self.state_slots = Some(slots);
+        Ok(())
+    }
+
+    /// Gives sequence i the ranges `spans[i]` whose rows see each other both ways (see
+    /// `bidirectional`); each must lie within its context.
+    pub fn set_bidirectional(&mut self, spans: Vec<Vec<(usize, usize)>>) -> candle_core::Result<()> {
+        if spans.len() != self.seqs.len() {
+            candle_core::bail!("bidirectional ranges for {} sequences of {}", spans.len(), self.seqs.len());
+        }
+        for (s, ranges) in self.seqs.iter().zip(&spans) {
+            if let Some(&(a, b)) = ranges.iter().find(|&&(a, b)| a >= b || b > s.context_len) {
+                candle_core::bail!("bidirectional range {a}..{b} outside a context of {}", s.context_len);
+            }
+        }
+        self.bidirectional = spans.iter().any(|r| !r.is_empty()).then_some(spans);
         Ok(())
     }
 
@@ -271,7 +300,18 @@ impl AttentionMeta {
         let window =
             self.window.as_ref().map(|w| WindowMeta { len: w.len, rings: w.rings.clone(), slots: window_slots });
         // Padding rows would run a recurrence; a recurrent model never pads (it does not speculate).
-        (AttentionMeta { block_size: bs, seqs, slot_mapping, row_seq, window, state_slots: None, device: None }, real)
+        // Padded steps are decodes and verifies: no image rows, nothing bidirectional.
+        let meta = AttentionMeta {
+            block_size: bs,
+            seqs,
+            slot_mapping,
+            row_seq,
+            window,
+            state_slots: None,
+            bidirectional: None,
+            device: None,
+        };
+        (meta, real)
     }
 
     pub fn num_rows(&self) -> usize {
@@ -338,6 +378,13 @@ impl ImageRows {
         self.source = self.source.to_device(device)?;
         self.embeds = self.embeds.to_device(device)?;
         Ok(())
+    }
+
+    /// `ids` (`[T]` u32) with the image rows' ids replaced by `with`.
+    pub fn replace_ids(&self, ids: &Tensor, with: u32) -> candle_core::Result<Tensor> {
+        let num_rows = ids.dim(0)?;
+        let is_image = self.source.ge(num_rows as u32)?;
+        is_image.where_cond(&Tensor::full(with, num_rows, ids.device())?, ids)
     }
 
     /// Token embeddings `[T, hidden]` with the image rows replaced.

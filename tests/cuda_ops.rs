@@ -72,6 +72,7 @@ fn check_attention_on(dev: &Device, seqs: &[(usize, usize)], c: &Case, q_dt: DTy
         window: c.window,
         softcap: c.softcap,
         isa: iris::simd::Isa::active(),
+        bidirectional: false,
     }
     .forward(&q.to_dtype(DType::F32).unwrap(), &k, &v)
     .unwrap();
@@ -85,6 +86,7 @@ fn check_attention_on(dev: &Device, seqs: &[(usize, usize)], c: &Case, q_dt: DTy
         window: c.window,
         softcap: c.softcap,
         isa: iris::simd::Isa::active(),
+        bidirectional: false,
     };
     let gpu = op.forward(&q.to_device(dev).unwrap(), &k.to_device(dev).unwrap(), &v.to_device(dev).unwrap()).unwrap();
     assert_eq!(gpu.dtype(), q_dt);
@@ -162,6 +164,7 @@ fn decode_attention_is_batch_invariant() {
             window: None,
             softcap: None,
             isa: iris::simd::Isa::active(),
+            bidirectional: false,
         };
         op.forward(q, &k, &v).unwrap()
     };
@@ -187,6 +190,7 @@ fn paged_attention_rejects_short_block_tables() {
         window: None,
         softcap: None,
         isa: iris::simd::Isa::active(),
+        bidirectional: false,
     };
     let err = op.forward(&q, &kv, &kv).unwrap_err().to_string();
     assert!(err.contains("block table does not cover 9 tokens"), "{err}");

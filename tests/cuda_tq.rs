@@ -256,6 +256,7 @@ fn check_tq_attention(dev: &Device, c: &TqCase, q_dt: DType, ring_dt: DType, tol
         window: c.window,
         softcap: c.softcap,
         isa: iris::simd::Isa::active(),
+        bidirectional: false,
     };
     // The op over a step's metadata, float window inputs and device codecs.
     let op = |m, float, device| TqAttention {
@@ -423,6 +424,7 @@ fn tq_decode_attention_is_batch_invariant() {
             window: None,
             softcap: None,
             isa: iris::simd::Isa::active(),
+            bidirectional: false,
         };
         let op = TqAttention {
             attn,

@@ -158,38 +158,11 @@ fn qwen25_vl_image() {
 }
 
 /// A copy of an MLX fixture with its config.json's `quantization` block replaced.
-fn with_quantization(name: &str, block: serde_json::Value) -> tempdir::Dir {
-    let dir = tempdir::Dir::new(name);
-    for e in std::fs::read_dir(mlx(name)).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
-    }
-    let cfg_path = dir.path().join("config.json");
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
-    cfg["quantization"] = block.clone();
-    cfg["quantization_config"] = block;
-    std::fs::write(&cfg_path, serde_json::to_string(&cfg).unwrap()).unwrap();
-    dir
-}
-
-mod tempdir {
-    pub struct Dir(std::path::PathBuf);
-    impl Dir {
-        pub fn new(tag: &str) -> Self {
-            let p = std::env::temp_dir().join(format!("iris-mlx-{tag}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&p);
-            std::fs::create_dir_all(&p).unwrap();
-            Dir(p)
-        }
-        pub fn path(&self) -> &std::path::Path {
-            &self.0
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+fn with_quantization(name: &str, block: serde_json::Value) -> ScratchDir {
+    copy_with_config(&mlx(name), &format!("mlx-{name}"), |cfg| {
+        cfg["quantization"] = block.clone();
+        cfg["quantization_config"] = block;
+    })
 }
 
 fn load_error(dir: &std::path::Path) -> String {

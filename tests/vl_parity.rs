@@ -11,10 +11,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use iris::batch::{Batch, ImageRows, Positions, SeqSlice};
 use iris::engine::build::EngineOptions;
 use iris::engine::{expand_image_tokens, ImageInput, Request};
-use iris::kv::{KvCache, KvCacheSpec, KvDtype};
 use iris::loader::LoadedModel;
 use iris::media::{decode_image, DecodeLimits, PixelValues};
 use iris::models::{PromptPositions, Taps, VisionModel};
@@ -105,47 +103,13 @@ fn check_image_embeds(name: &str) {
     }
 }
 
-/// One sequence through the text model in chunks of `chunk` tokens; returns the final
-/// hidden states and, for a single chunk, the taps.
 fn forward_chunked(
     m: &LoadedModel,
     tokens: &[u32],
     mm: Option<(&PromptPositions, &Tensor)>,
     chunk: usize,
 ) -> (Tensor, Taps) {
-    let cfg = m.config().clone();
-    let bs = 4;
-    let spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs) + 2, dtype: KvDtype::F32 };
-    let kv = KvCache::new(&cfg, spec, &Device::Cpu).unwrap();
-    let table: Vec<u32> = (0..spec.num_blocks as u32).rev().collect();
-    let image_token = m.vision.as_ref().map(|v| v.image_token_id());
-    let image_rows: Vec<usize> =
-        tokens.iter().enumerate().filter(|(_, &t)| Some(t) == image_token).map(|(i, _)| i).collect();
-    let mut taps = Taps::default();
-    let mut hidden = Vec::new();
-    let mut start = 0;
-    while start < tokens.len() {
-        let n = chunk.min(tokens.len() - start);
-        let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
-        let (positions, images) = match mm {
-            Some((pos, embeds)) => {
-                let p = (start..start + n).map(|i| pos.positions[i]).collect();
-                let ks: Vec<usize> =
-                    (0..image_rows.len()).filter(|&k| (start..start + n).contains(&image_rows[k])).collect();
-                let images = (!ks.is_empty()).then(|| {
-                    let rows: Vec<u32> = ks.iter().map(|&k| (image_rows[k] - start) as u32).collect();
-                    ImageRows::new(&rows, embeds.narrow(0, ks[0], ks.len()).unwrap(), n).unwrap()
-                });
-                (Positions::MRope(p), images)
-            }
-            None => (Positions::Flat((start..start + n).map(|i| i as u32).collect()), None),
-        };
-        let batch = Batch::new(&Device::Cpu, bs, vec![seq], &tokens[start..start + n], positions, images).unwrap();
-        let t = if chunk >= tokens.len() { Some(&mut taps) } else { None };
-        hidden.push(m.model.forward(&batch, &kv, t).unwrap());
-        start += n;
-    }
-    (Tensor::cat(&hidden, 0).unwrap(), taps)
+    forward_with_images(m, &Device::Cpu, tokens, mm, chunk)
 }
 
 fn check_layers(name: &str) {
@@ -273,7 +237,7 @@ fn check_chat_template(name: &str) {
             serde_json::from_value(j["cases"][case]["messages"].clone()).unwrap();
         let rendered = m.tokenizer.encode_chat(&msgs, true).unwrap();
         let counts: Vec<usize> = pixels(name, &m, case).iter().map(|p| vision(&m).num_image_tokens(p)).collect();
-        let got = expand_image_tokens(&rendered, vision(&m).image_token_id(), &counts).unwrap();
+        let got = expand_image_tokens(&rendered, vision(&m), &counts).unwrap();
         assert_eq!(got, ids(&r[&format!("{case}.input_ids")]), "{name} {case}: chat template ids");
     }
 }

@@ -89,7 +89,7 @@ pub fn run(engine: &mut Engine, source: &ImageSource, repeats: usize) -> anyhow:
     let msg = ChatMessage::parts("user", vec![ContentPart::image(), ContentPart::text("Describe this image.")]);
     let tok = engine.tokenizer().clone();
     let text = tok.apply_chat_template(&[msg], true).context("cannot render the chat template")?;
-    let prompt = expand_image_tokens(&tok.encode(&text, false)?, vision.image_token_id(), &[image_tokens])
+    let prompt = expand_image_tokens(&tok.encode(&text, false)?, vision.as_ref(), &[image_tokens])
         .map_err(|e| anyhow::anyhow!("the chat template did not place the image: {e}"))?;
 
     // Warm-up, then the tower alone.

@@ -109,7 +109,10 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     println!("rope theta:       {}", cfg.rope.theta);
     println!("format:           {format}");
     let (bytes, weights) = shares.iter().fold((0, 0), |(b, w), s| (b + s.bytes, w + s.weights));
-    println!("weight bytes:     {bytes} ({:.2} bits per weight over {weights} weights)", 8.0 * bytes as f64 / weights.max(1) as f64);
+    println!(
+        "weight bytes:     {bytes} ({:.2} bits per weight over {weights} weights)",
+        8.0 * bytes as f64 / weights.max(1) as f64
+    );
     for s in &shares {
         println!(
             "  {:<22} {:>6.2} bits/weight, {} tensors, {} weights, {} bytes",

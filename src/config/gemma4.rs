@@ -32,8 +32,9 @@ fn flag(get: Get, key: &str) -> Result<bool, ConfigError> {
 
 /// Completes `cfg` (parsed with the common fields) with Gemma 4's.
 pub(super) fn complete(cfg: &mut TextConfig, get: Get) -> Result<(), ConfigError> {
-    match get("use_bidirectional_attention").and_then(Value::as_str) {
-        None | Some("vision") => {}
+    let vision_bidirectional = match get("use_bidirectional_attention").and_then(Value::as_str) {
+        None => false,
+        Some("vision") => true,
         Some(other) => {
             return Err(ConfigError::Unsupported {
                 what: "use_bidirectional_attention",
@@ -41,7 +42,7 @@ pub(super) fn complete(cfg: &mut TextConfig, get: Get) -> Result<(), ConfigError
                 supported: "\"vision\" or none (causal text)",
             })
         }
-    }
+    };
     // transformers forces the last layer to attend to everything.
     if let Some(last) = cfg.layer_kinds.last_mut() {
         *last = LayerKind::Full;
@@ -62,17 +63,24 @@ pub(super) fn complete(cfg: &mut TextConfig, get: Get) -> Result<(), ConfigError
     let ple = int(get, "hidden_size_per_layer_input", 256)?;
     cfg.gemma4 = Some(Gemma4Layers {
         per_layer_input: (ple > 0)
-            .then(|| Ok::<_, ConfigError>(PerLayerInput { dim: ple, vocab: int(get, "vocab_size_per_layer_input", 262_144)? }))
+            .then(|| {
+                Ok::<_, ConfigError>(PerLayerInput {
+                    dim: ple,
+                    vocab: int(get, "vocab_size_per_layer_input", 262_144)?,
+                    pad_token_id: int(get, "pad_token_id", 0)? as u32,
+                })
+            })
             .transpose()?,
         double_wide_mlp: flag(get, "use_double_wide_mlp")?,
         k_eq_v,
+        vision_bidirectional,
     });
     if flag(get, "enable_moe_block")? {
         let need = |key: &str| {
-            get(key)
-                .and_then(Value::as_u64)
-                .map(|v| v as usize)
-                .ok_or_else(|| ConfigError::Field { field: key.into(), expected: "a positive integer (with enable_moe_block)" })
+            get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| ConfigError::Field {
+                field: key.into(),
+                expected: "a positive integer (with enable_moe_block)",
+            })
         };
         cfg.moe = Some(MoeConfig {
             scoring: MoeScoring::GemmaScaled,
@@ -99,18 +107,26 @@ fn layer_shapes(cfg: &TextConfig, get: Get, k_eq_v: bool) -> Result<Vec<KvShape>
     let base = KvShape { num_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
     let mut shapes = vec![base; cfg.num_layers];
     if let Some(per_layer) = get("per_layer_config").filter(|v| !v.is_null()) {
-        let map: BTreeMap<String, Value> = serde_json::from_value(per_layer.clone())
-            .map_err(|_| ConfigError::Field { field: "per_layer_config".into(), expected: "an object keyed by layer" })?;
+        let map: BTreeMap<String, Value> = serde_json::from_value(per_layer.clone()).map_err(|_| {
+            ConfigError::Field { field: "per_layer_config".into(), expected: "an object keyed by layer" }
+        })?;
         for (key, over) in map {
             let layer: usize = key.parse().ok().filter(|&l| l < cfg.num_layers).ok_or_else(|| {
                 Invalid(format!("`per_layer_config` names layer {key} of a model with {} layers", cfg.num_layers))
             })?;
             let field = |k: &str, d: usize| over.get(k).and_then(Value::as_u64).map_or(d, |v| v as usize);
-            shapes[layer] = KvShape { num_kv_heads: field("num_key_value_heads", base.num_kv_heads), head_dim: field("head_dim", base.head_dim) };
+            shapes[layer] = KvShape {
+                num_kv_heads: field("num_key_value_heads", base.num_kv_heads),
+                head_dim: field("head_dim", base.head_dim),
+            };
         }
     } else {
         let global = KvShape {
-            num_kv_heads: if k_eq_v { int(get, "num_global_key_value_heads", base.num_kv_heads)? } else { base.num_kv_heads },
+            num_kv_heads: if k_eq_v {
+                int(get, "num_global_key_value_heads", base.num_kv_heads)?
+            } else {
+                base.num_kv_heads
+            },
             head_dim: int(get, "global_head_dim", 512)?,
         };
         for (l, kind) in cfg.layer_kinds.iter().enumerate() {
@@ -120,7 +136,11 @@ fn layer_shapes(cfg: &TextConfig, get: Get, k_eq_v: bool) -> Result<Vec<KvShape>
         }
     }
     for (l, s) in shapes.iter().enumerate() {
-        if s.num_kv_heads == 0 || s.head_dim == 0 || !cfg.num_heads.is_multiple_of(s.num_kv_heads) || s.head_dim % 2 != 0 {
+        if s.num_kv_heads == 0
+            || s.head_dim == 0
+            || !cfg.num_heads.is_multiple_of(s.num_kv_heads)
+            || s.head_dim % 2 != 0
+        {
             return Err(Invalid(format!(
                 "layer {l}: {} key/value heads of {} do not fit {} attention heads",
                 s.num_kv_heads, s.head_dim, cfg.num_heads

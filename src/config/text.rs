@@ -112,11 +112,21 @@ pub enum RopeLayout {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
-    Linear { factor: f64 },
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: f64 },
+    Linear {
+        factor: f64,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position: f64,
+    },
     /// Gemma 4's full layers: frequencies over the whole head, `theta^(-2i / head_dim)`, for the
     /// first `fraction * head_dim / 2` pairs and 0 (no turn) for the rest, all divided by `factor`.
-    Proportional { fraction: f64, factor: f64 },
+    Proportional {
+        fraction: f64,
+        factor: f64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -234,6 +244,8 @@ pub struct KvShape {
 pub struct PerLayerInput {
     pub dim: usize,
     pub vocab: usize,
+    /// The token whose table row image tokens take.
+    pub pad_token_id: u32,
 }
 
 /// What Gemma 4 adds to a decoder layer.
@@ -245,6 +257,9 @@ pub struct Gemma4Layers {
     /// Full-attention layers have no `v_proj`: the values are the key projection (before
     /// `k_norm`).
     pub k_eq_v: bool,
+    /// `use_bidirectional_attention: "vision"` (26B, 31B): on sliding layers an image's tokens
+    /// see the whole image, later ones included.
+    pub vision_bidirectional: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -313,6 +328,18 @@ impl TextConfig {
             .get(layer)
             .copied()
             .unwrap_or(KvShape { num_kv_heads: self.num_kv_heads, head_dim: self.head_dim })
+    }
+
+    /// Whether an image's tokens attend to the whole image (on the layers `image_sees_whole`
+    /// names), so a prompt chunk must hold an image whole.
+    pub fn images_attend_both_ways(&self) -> bool {
+        self.gemma4.is_some_and(|g| g.vision_bidirectional)
+    }
+
+    /// Whether layer `layer`'s image tokens see their whole image (Gemma 4's sliding layers,
+    /// when `images_attend_both_ways`).
+    pub fn image_sees_whole(&self, layer: usize) -> bool {
+        self.images_attend_both_ways() && self.layer_kinds[layer] == LayerKind::Sliding
     }
 
     /// Layers with a recurrent state per sequence instead of a KV cache.
@@ -410,7 +437,8 @@ impl TextConfig {
     /// Gemma 4's layers differ one from the next (head widths, shared K/V, double-wide MLPs),
     /// so they are counted one by one.
     fn gemma4_parameter_counts(&self, g: &Gemma4Layers) -> (u64, u64) {
-        let (h, i, v, nh) = (self.hidden_size as u64, self.intermediate_size as u64, self.vocab_size as u64, self.num_heads as u64);
+        let (h, i, v, nh) =
+            (self.hidden_size as u64, self.intermediate_size as u64, self.vocab_size as u64, self.num_heads as u64);
         let (mut total, mut active) = (0, 0);
         for layer in 0..self.num_layers {
             let KvShape { num_kv_heads, head_dim } = self.kv_shape(layer);

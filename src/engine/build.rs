@@ -313,6 +313,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
             max_num_batched_tokens: opts.max_num_batched_tokens,
             max_num_seqs: opts.max_num_seqs,
             block_size: opts.block_size,
+            whole_images: cfg.images_attend_both_ways(),
         },
         max_model_len,
         speculative: opts.speculative,

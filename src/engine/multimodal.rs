@@ -9,7 +9,7 @@ use candle_core::Tensor;
 
 use crate::kv::ImageSpan;
 use crate::media::PixelValues;
-use crate::models::PromptPositions;
+use crate::models::{PromptPositions, VisionModel};
 
 /// A preprocessed image handed to the engine with a request.
 #[derive(Debug, Clone)]
@@ -47,6 +47,19 @@ impl MultiModalState {
             Some(p) => *p,
             None => [(index as i64 + self.positions.delta) as u32; 3],
         }
+    }
+
+    /// The runs `[start, end)` of consecutive image tokens in the prompt (an image each, or
+    /// adjacent images together), in order.
+    pub fn image_runs(&self) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &i in &self.image_rows {
+            match runs.last_mut() {
+                Some((_, end)) if *end == i => *end += 1,
+                _ => runs.push((i, i + 1)),
+            }
+        }
+        runs
     }
 
     /// Embedding rows `k0..k1` for the image tokens among prompt indices `range`.
@@ -135,8 +148,10 @@ impl EmbedCache {
 }
 
 /// A rendered chat prompt has one image token per image; the model takes `counts[k]` of
-/// them for image k (transformers' processor expands them the same way).
-pub fn expand_image_tokens(tokens: &[u32], image_token: u32, counts: &[usize]) -> Result<Vec<u32>, String> {
+/// them for image k, as `vision.placeholder` lays them out (transformers' processor expands
+/// them the same way).
+pub fn expand_image_tokens(tokens: &[u32], vision: &dyn VisionModel, counts: &[usize]) -> Result<Vec<u32>, String> {
+    let image_token = vision.image_token_id();
     let found = tokens.iter().filter(|&&t| t == image_token).count();
     if found != counts.len() {
         return Err(format!("the prompt has {found} image placeholder(s) for {} image(s)", counts.len()));
@@ -145,7 +160,7 @@ pub fn expand_image_tokens(tokens: &[u32], image_token: u32, counts: &[usize]) -
     let mut next = counts.iter();
     for &t in tokens {
         match (t == image_token).then(|| next.next()).flatten() {
-            Some(&n) => out.extend(std::iter::repeat_n(image_token, n)),
+            Some(&n) => out.extend(vision.placeholder(n)),
             None => out.push(t),
         }
     }
@@ -158,9 +173,41 @@ mod tests {
 
     #[test]
     fn expands_each_placeholder_by_its_count() {
-        assert_eq!(expand_image_tokens(&[1, 9, 2, 9], 9, &[2, 3]).unwrap(), vec![1, 9, 9, 2, 9, 9, 9]);
-        assert!(expand_image_tokens(&[1, 9], 9, &[2, 3]).is_err());
-        assert!(expand_image_tokens(&[1, 2], 9, &[1]).is_err());
+        /// A model whose image token is 9, with or without markers 7 .. 8 around each image.
+        struct Stub(bool);
+        impl VisionModel for Stub {
+            fn image_token_id(&self) -> u32 {
+                9
+            }
+            fn preprocess(&self, _: &crate::media::RgbImage) -> Result<PixelValues, crate::media::ImageError> {
+                unreachable!()
+            }
+            fn num_image_tokens(&self, _: &PixelValues) -> usize {
+                unreachable!()
+            }
+            fn placeholder(&self, n: usize) -> Vec<u32> {
+                let body = std::iter::repeat_n(9, n);
+                if self.0 {
+                    std::iter::once(7).chain(body).chain([8]).collect()
+                } else {
+                    body.collect()
+                }
+            }
+            fn prompt_positions(
+                &self,
+                _: &[u32],
+                _: &[&PixelValues],
+            ) -> Result<PromptPositions, crate::models::PositionError> {
+                unreachable!()
+            }
+            fn encode(&self, _: &PixelValues) -> candle_core::Result<Tensor> {
+                unreachable!()
+            }
+        }
+        assert_eq!(expand_image_tokens(&[1, 9, 2, 9], &Stub(false), &[2, 3]).unwrap(), vec![1, 9, 9, 2, 9, 9, 9]);
+        assert_eq!(expand_image_tokens(&[1, 9, 2], &Stub(true), &[2]).unwrap(), vec![1, 7, 9, 9, 8, 2]);
+        assert!(expand_image_tokens(&[1, 9], &Stub(false), &[2, 3]).is_err());
+        assert!(expand_image_tokens(&[1, 2], &Stub(false), &[1]).is_err());
     }
 
     #[test]

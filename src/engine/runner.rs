@@ -127,7 +127,8 @@ impl ModelRunner {
         plan: &SchedulerOutput,
     ) -> Result<Vec<Vec<Sampled>>> {
         self.encode_images(seqs, plan)?;
-        let step = build_batch(seqs, plan, kv)?;
+        let cfg = model.config();
+        let step = build_batch(seqs, plan, kv, cfg.rope.mrope_section.is_some(), cfg.images_attend_both_ways())?;
         let rows = step.sample_rows();
         let checkpoint = match &step.batch.attn.window {
             Some(w) => {
@@ -372,16 +373,25 @@ fn needs_plain_forward(seqs: &Sequences, plan: &SchedulerOutput, batch: &Batch) 
 }
 
 /// Flattens the plan into one batch on the host (the runner moves it to the device): each
-/// sequence's scheduled tokens, then its scheduled drafts.
-fn build_batch(seqs: &Sequences, plan: &SchedulerOutput, kv: &KvCache) -> Result<BuiltStep> {
+/// sequence's scheduled tokens, then its scheduled drafts. A model with M-RoPE (`mrope`) gets
+/// three-axis positions in steps with images; any other keeps one axis. A model whose image
+/// tokens see their whole image (`bidirectional`) gets each chunk's image runs.
+fn build_batch(
+    seqs: &Sequences,
+    plan: &SchedulerOutput,
+    kv: &KvCache,
+    mrope: bool,
+    bidirectional: bool,
+) -> Result<BuiltStep> {
     let mut tokens = Vec::with_capacity(plan.num_tokens());
     let mut slices = Vec::with_capacity(plan.items.len());
     let mut sampled = Vec::with_capacity(plan.items.len());
     // Per-sequence positions: three-axis once any sequence in the step has images.
-    let mrope = plan.items.iter().any(|item| seqs.expect(item.id).mm.is_some());
+    let mrope = mrope && plan.items.iter().any(|item| seqs.expect(item.id).mm.is_some());
     let mut flat = Vec::new();
     let mut axes = Vec::new();
     let (mut image_rows, mut image_embeds) = (Vec::new(), Vec::new());
+    let mut ranges = Vec::with_capacity(if bidirectional { plan.items.len() } else { 0 });
     for item in &plan.items {
         let seq = seqs.expect(item.id);
         let q_start = tokens.len();
@@ -391,7 +401,16 @@ fn build_batch(seqs: &Sequences, plan: &SchedulerOutput, kv: &KvCache) -> Result
         tokens.extend_from_slice(&seq.draft[..item.num_draft]);
         match (&seq.mm, mrope) {
             (Some(mm), _) => {
-                axes.extend(range.clone().map(|i| mm.position(i)));
+                if mrope {
+                    axes.extend(range.clone().map(|i| mm.position(i)));
+                } else {
+                    flat.extend(range.clone().map(|i| mm.position(i)[0]));
+                }
+                if bidirectional {
+                    // The scheduler keeps each image whole in one chunk.
+                    let runs = mm.image_runs().into_iter().filter(|&(a, b)| a < range.end && b > range.start);
+                    ranges.push(runs.collect());
+                }
                 let ks = mm.embed_rows_in(range.clone());
                 if !ks.is_empty() {
                     let embeds = mm.embeds.as_ref().expect("images encoded before the batch is built");
@@ -401,6 +420,9 @@ fn build_batch(seqs: &Sequences, plan: &SchedulerOutput, kv: &KvCache) -> Result
             }
             (None, true) => axes.extend(range.clone().map(|i| [i as u32; 3])),
             (None, false) => flat.extend(range.clone().map(|i| i as u32)),
+        }
+        if bidirectional && seq.mm.is_none() {
+            ranges.push(Vec::new());
         }
         slices.push(SeqSlice { q_start, q_len: n, context_len: range.end, block_table: seq.block_table.ids() });
         let samples = seq.num_computed + item.num_new == seq.num_tokens();
@@ -421,6 +443,9 @@ fn build_batch(seqs: &Sequences, plan: &SchedulerOutput, kv: &KvCache) -> Result
             .collect::<Option<Vec<u32>>>()
             .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no state slot".into()))?;
         batch.attn.set_float_window(len, rings)?;
+    }
+    if bidirectional {
+        batch.attn.set_bidirectional(ranges)?;
     }
     if kv.has_recurrent_layers() {
         // The scheduler gives every running sequence its own slot; a recurrent layer carries

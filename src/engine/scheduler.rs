@@ -15,6 +15,10 @@ pub struct SchedulerConfig {
     /// Most sequences running at once.
     pub max_num_seqs: usize,
     pub block_size: usize,
+    /// A prompt chunk never ends inside an image (a model whose image tokens see the whole
+    /// image, `TextConfig::images_attend_both_ways`): it stops before the image, or, starting
+    /// at one, takes it whole even past the budget.
+    pub whole_images: bool,
 }
 
 /// One sequence's share of a step.
@@ -175,8 +179,14 @@ impl Scheduler {
 
     /// A sequence's share under `budget`: the uncomputed tokens that fit, then, when that is
     /// a decode (one token), as many of its drafts as fit too.
-    fn share(seq: &Sequence, budget: usize) -> ScheduledSeq {
-        let num_new = seq.num_uncomputed().min(budget);
+    fn share(seq: &Sequence, budget: usize, whole_images: bool) -> ScheduledSeq {
+        let mut num_new = seq.num_uncomputed().min(budget);
+        if let Some(mm) = seq.mm.as_ref().filter(|_| whole_images) {
+            let (start, end) = (seq.num_computed, seq.num_computed + num_new);
+            if let Some((a, b)) = mm.image_runs().into_iter().find(|&(a, b)| a < end && end < b) {
+                num_new = if a > start { a - start } else { b - start };
+            }
+        }
         // A decode: its last token is all that is uncomputed (budget > 0 here).
         let num_draft = if seq.num_uncomputed() == 1 { seq.draft.len().min(budget - 1) } else { 0 };
         ScheduledSeq { id: seq.id, num_new, num_draft }
@@ -191,7 +201,7 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let item = Self::share(self.seqs.expect(id), budget);
+            let item = Self::share(self.seqs.expect(id), budget, self.cfg.whole_images);
             // Blocks for the draft rows too (lookahead): their keys and values are written.
             let want = self.seqs.expect(id).num_computed + item.num_rows();
             let mut fits = true;
@@ -213,7 +223,7 @@ impl Scheduler {
             let seq = self.seqs.expect_mut(id);
             seq.block_table.grow(want, bs, &mut self.allocator);
             out.items.push(item);
-            budget -= item.num_rows();
+            budget = budget.saturating_sub(item.num_rows());
             i += 1;
         }
 
@@ -226,7 +236,7 @@ impl Scheduler {
                 // A sequence that holds no blocks (new, or preempted) starts after the longest
                 // cached run of its blocks.
                 let cached = self.prefix.map_or(0, |p| p.start_from_cache(seq, &mut self.allocator));
-                let item = Self::share(seq, budget);
+                let item = Self::share(seq, budget, self.cfg.whole_images);
                 if !seq.block_table.grow(seq.num_computed + item.num_rows(), bs, &mut self.allocator) {
                     // Not now: the cached blocks go back (still cached) until it fits.
                     PrefixHasher::give_back(seq, &mut self.allocator);
@@ -245,7 +255,7 @@ impl Scheduler {
                 self.waiting.pop_front();
                 self.running.push(id);
                 out.items.push(item);
-                budget -= item.num_rows();
+                budget = budget.saturating_sub(item.num_rows());
             }
         }
         out

@@ -53,7 +53,9 @@ pub enum LayerCache {
     Recurrent(Box<RecurrentState>),
     /// A KV-sharing layer (Gemma 4) stores nothing: it reads layer `source`'s keys and values,
     /// which `KvCache::layer` hands out in its place.
-    Shared { source: usize },
+    Shared {
+        source: usize,
+    },
 }
 
 /// The whole pool: every layer's storage for the same set of blocks.

@@ -74,12 +74,7 @@ impl CacheSpec {
         Self::for_attention_layers((0..num_layers).collect(), shapes, float, tq)
     }
 
-    fn for_attention_layers(
-        all: Vec<usize>,
-        shapes: Vec<KvShape>,
-        float: KvDtype,
-        tq: Option<&TqSpec>,
-    ) -> Self {
+    fn for_attention_layers(all: Vec<usize>, shapes: Vec<KvShape>, float: KvDtype, tq: Option<&TqSpec>) -> Self {
         let groups = match tq {
             None => vec![CacheGroup { kind: CacheKind::PagedDense { dtype: float }, layers: all }],
             Some(t) => {
@@ -135,7 +130,9 @@ impl CacheSpec {
     pub fn bytes_per_slot(&self) -> usize {
         self.per_layer(|kind, KvShape { num_kv_heads: h, head_dim: d }| match kind {
             CacheKind::PagedDense { .. } => 0,
-            CacheKind::PagedTurboQuant { float_dtype, float_window, .. } => 2 * float_window * h * d * float_dtype.bytes(),
+            CacheKind::PagedTurboQuant { float_dtype, float_window, .. } => {
+                2 * float_window * h * d * float_dtype.bytes()
+            }
             CacheKind::Recurrent { state_bytes } => state_bytes * self.state_checkpoints,
         })
     }

@@ -35,6 +35,8 @@ pub struct SelfAttention {
     softcap: Option<f32>,
     /// q_proj gives each head's query and then its output gate.
     gated: bool,
+    /// Image tokens see their whole image (`TextConfig::image_sees_whole`).
+    bidirectional: bool,
 }
 
 /// Where a layer's keys and values come from.
@@ -117,6 +119,7 @@ impl SelfAttention {
             window: cfg.window_for(layer),
             softcap: cfg.attn_logit_softcapping.map(|c| c as f32),
             gated: opts.gated,
+            bidirectional: cfg.image_sees_whole(layer),
         })
     }
 
@@ -290,6 +293,7 @@ impl SelfAttention {
             window: self.window,
             softcap: self.softcap,
             isa: crate::simd::Isa::active(),
+            bidirectional: self.bidirectional,
         }
     }
 }

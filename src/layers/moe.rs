@@ -193,7 +193,8 @@ impl Moe {
             MoeScoring::GemmaScaled => {
                 let r = crate::ops::moe_route::route_softmax(&logits, self.route.top_k)?;
                 let Some(g) = &self.gemma else { candle_core::bail!("moe: Gemma routing without its router scales") };
-                let scale = g.per_expert_scale.index_select(&r.experts.flatten_all()?, 0)?.reshape(r.weights.shape())?;
+                let scale =
+                    g.per_expert_scale.index_select(&r.experts.flatten_all()?, 0)?.reshape(r.weights.shape())?;
                 Ok(Routing { weights: (r.weights * scale)?, experts: r.experts })
             }
         }

@@ -9,6 +9,7 @@ use candle_core::{Result, Tensor};
 use super::embedding::Embedding;
 use super::linear::Linear;
 use super::norm::{NormStyle, RmsNorm};
+use crate::batch::Batch;
 use crate::config::PerLayerInput;
 use crate::weights::{Weights, WeightsError};
 
@@ -19,6 +20,7 @@ pub struct PerLayerEmbedding {
     layers: usize,
     dim: usize,
     hidden: usize,
+    pad_token_id: u32,
 }
 
 impl PerLayerEmbedding {
@@ -37,19 +39,24 @@ impl PerLayerEmbedding {
             layers,
             dim: p.dim,
             hidden,
+            pad_token_id: p.pad_token_id,
         })
     }
 
-    /// `[T, layers, dim]` for tokens `ids` (`[T]`) whose input embeddings are `embeds`
-    /// (`[T, hidden]`, images merged in; `ids` with image tokens replaced by the pad token).
-    pub fn forward(&self, ids: &Tensor, embeds: &Tensor) -> Result<Tensor> {
+    /// `[T, layers, dim]` for the batch's tokens, whose input embeddings are `embeds`
+    /// (`[T, hidden]`, images merged in). An image row's table part is the pad token's.
+    pub fn forward(&self, batch: &Batch, embeds: &Tensor) -> Result<Tensor> {
+        let ids = match &batch.images {
+            Some(images) => images.replace_ids(&batch.token_ids, self.pad_token_id)?,
+            None => batch.token_ids.clone(),
+        };
         let (t, dtype) = (embeds.dim(0)?, embeds.dtype());
         let shape = (t, self.layers, self.dim);
         let projected = (self.projection.forward(embeds)? * (self.hidden as f64).powf(-0.5))?;
         let projected = self.norm.forward(&projected.reshape(shape)?)?;
         // transformers rounds the table's scale to the weights' dtype before multiplying.
         let scale = Tensor::new((self.dim as f32).sqrt(), embeds.device())?.to_dtype(dtype)?;
-        let token = self.table.forward(ids, dtype)?.broadcast_mul(&scale)?.reshape(shape)?;
+        let token = self.table.forward(&ids, dtype)?.broadcast_mul(&scale)?.reshape(shape)?;
         (projected + token)? * std::f64::consts::FRAC_1_SQRT_2
     }
 }

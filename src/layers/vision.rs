@@ -1,6 +1,6 @@
-//! Pieces shared by the ViT towers of Qwen2-VL and GLM-4.xV: where each patch sits in its
-//! image, the 2-D rotary embedding of that place, and bidirectional attention within groups of
-//! patches (an image, or a window of one).
+//! Pieces shared by the ViT towers of Qwen2-VL, GLM-4.xV and Gemma 4: where each patch sits in
+//! its image, the 2-D rotary embedding of that place, and bidirectional attention within groups
+//! of patches (an image, or a window of one).
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -65,6 +65,34 @@ impl PatchRotary {
         }
         RotaryAngles::from_angles(&angles, positions.len(), RopeLayout::Half, device, dtype)
     }
+
+    /// Gemma 4's axial layout of the same frequencies: the first half of each head turns by
+    /// each place's first coordinate, the second half by its second, each half in
+    /// `rotate_half` pairs of its own.
+    pub fn split_angles(&self, places: &[(usize, usize)], device: &Device, dtype: DType) -> Result<SplitAngles> {
+        let axis = |pick: fn(&(usize, usize)) -> usize| {
+            let angles: Vec<f32> =
+                places.iter().flat_map(|p| self.inv_freq.iter().map(move |&f| pick(p) as f32 * f)).collect();
+            RotaryAngles::from_angles(&angles, places.len(), RopeLayout::Half, device, dtype)
+        };
+        Ok(SplitAngles { first: axis(|p| p.0)?, second: axis(|p| p.1)? })
+    }
+}
+
+/// Rotations of the two halves of each head (`PatchRotary::split_angles`).
+pub struct SplitAngles {
+    first: RotaryAngles,
+    second: RotaryAngles,
+}
+
+impl SplitAngles {
+    /// Rotates `[n, heads, head_dim]`.
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let half = x.dim(2)? / 2;
+        let a = self.first.apply(&x.narrow(2, 0, half)?.contiguous()?)?;
+        let b = self.second.apply(&x.narrow(2, half, half)?.contiguous()?)?;
+        Tensor::cat(&[a, b], 2)
+    }
 }
 
 /// Softmax attention of rows `qkv` (`[n, 3 * heads * head_dim]`, q then k then v) within each
@@ -82,7 +110,14 @@ pub fn segment_attention(
     let q = (rot.apply(&qkv.narrow(1, 0, 1)?.squeeze(1)?)? * (head_dim as f64).powf(-0.5))?;
     let k = rot.apply(&qkv.narrow(1, 1, 1)?.squeeze(1)?)?;
     let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
-    let out = attend(&q, &k, &v, segs, MAX_SCORES)?;
+    attention_within(&q, &k, &v, segs)
+}
+
+/// softmax(q k^T) v within each segment for `[n, heads, head_dim]` inputs (q carries the
+/// scale) -> `[n, heads * head_dim]`.
+pub fn attention_within(q: &Tensor, k: &Tensor, v: &Tensor, segs: &[(usize, usize)]) -> Result<Tensor> {
+    let n = q.dim(0)?;
+    let out = attend(q, k, v, segs, MAX_SCORES)?;
     if out.dim(0)? != n {
         candle_core::bail!("attention segments cover {} of {n} rows", out.dim(0)?);
     }

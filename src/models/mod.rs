@@ -42,6 +42,7 @@ pub fn load_vision_model(
     Ok(match cfg.arch {
         Arch::Qwen2Vl | Arch::Qwen25Vl => Some(Arc::new(qwen2_vl::load(w, dir, cfg)?)),
         Arch::Glm4v | Arch::Glm4vMoe => Some(Arc::new(glm4v::load(w, dir, cfg)?)),
+        Arch::Gemma4 => gemma4::load(w, dir, cfg)?.map(|v| Arc::new(v) as Arc<dyn VisionModel>),
         _ => None,
     })
 }

@@ -43,6 +43,13 @@ pub trait VisionModel: Send + Sync {
     /// Image tokens (and embeddings) this image takes in a prompt.
     fn num_image_tokens(&self, pixels: &PixelValues) -> usize;
 
+    /// What stands for an image of `n` image tokens in the prompt, in place of the chat
+    /// template's one placeholder: the tokens themselves, or wrapped in markers the model adds
+    /// (Gemma 4's `<|image>` .. `<image|>`).
+    fn placeholder(&self, n: usize) -> Vec<u32> {
+        vec![self.image_token_id(); n]
+    }
+
     /// Positions of every prompt token; `images` in prompt order.
     fn prompt_positions(
         &self,

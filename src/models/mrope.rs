@@ -90,6 +90,19 @@ pub fn prompt_positions(
     Ok(PromptPositions { delta: next as i64 - tokens.len() as i64, positions })
 }
 
+/// A model with 1-D positions (Gemma 4): every token counts up, image tokens too; the image
+/// runs are checked as above (`tokens_per_image[k]` tokens of image k, in order).
+pub fn flat_prompt_positions(
+    tokens: &[u32],
+    image_token: u32,
+    tokens_per_image: &[usize],
+) -> Result<PromptPositions, PositionError> {
+    // A 1 x n grid unmerged is a run of n tokens.
+    let grids: Vec<[usize; 3]> = tokens_per_image.iter().map(|&n| [1, 1, n]).collect();
+    prompt_positions(tokens, image_token, &grids, 1)?;
+    Ok(PromptPositions { positions: (0..tokens.len() as u32).map(|i| [i; 3]).collect(), delta: 0 })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,5 +144,14 @@ mod tests {
             Err(PositionError::TooFewImageTokens { found: 0, images: 1 })
         );
         assert_eq!(prompt_positions(&[9], 9, &[], 2), Err(PositionError::TooManyImageTokens(0)));
+    }
+
+    #[test]
+    fn flat_positions_count_up_through_images() {
+        let p = flat_prompt_positions(&[1, 9, 9, 2, 9, 3], 9, &[2, 1]).unwrap();
+        assert_eq!(p.positions, (0..6).map(|i| [i; 3]).collect::<Vec<_>>());
+        assert_eq!(p.delta, 0);
+        assert!(matches!(flat_prompt_positions(&[9, 2], 9, &[2]), Err(PositionError::WrongRun { .. })));
+        assert!(flat_prompt_positions(&[1, 2], 9, &[1]).is_err());
     }
 }

@@ -59,7 +59,12 @@ impl Qwen35 {
                 let p = format!("model.layers.{i}");
                 let mixer = match cfg.layer_kinds[i] {
                     LayerKind::Linear => Mixer::DeltaNet(GatedDeltaNet::load(w, &cfg, i)?),
-                    _ => Mixer::Attention(SelfAttention::load_with(w, &cfg, i, AttentionOptions { qk_norm: Some(style), gated: true, v_norm: false })?),
+                    _ => Mixer::Attention(SelfAttention::load_with(
+                        w,
+                        &cfg,
+                        i,
+                        AttentionOptions { qk_norm: Some(style), gated: true, v_norm: false },
+                    )?),
                 };
                 let ffn = match &cfg.moe {
                     Some(moe) => Ffn::Experts(Moe::load(w, &format!("{p}.mlp"), h, moe, cfg.activation)?),

@@ -309,7 +309,7 @@ pub async fn prepare(
             images.push(crate::engine::ImageInput::new(pixels));
         }
         let counts: Vec<usize> = images.iter().map(|i| vision.num_image_tokens(&i.pixels)).collect();
-        let prompt = crate::engine::expand_image_tokens(&prompt, vision.image_token_id(), &counts).map_err(|e| {
+        let prompt = crate::engine::expand_image_tokens(&prompt, vision.as_ref(), &counts).map_err(|e| {
             ApiError::bad_request(format!("the chat template did not place the images: {e}")).param("messages")
         })?;
         Ok((prompt, images))

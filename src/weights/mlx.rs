@@ -10,8 +10,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::ops::qmatmul::AffineParams;
 use super::error::WeightsError;
+use crate::ops::qmatmul::AffineParams;
 
 /// What the config says of one module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,9 +64,9 @@ impl MlxQuantization {
             let q = match v {
                 Value::Bool(true) => ModuleQuant::Affine(global),
                 Value::Bool(false) => ModuleQuant::Float,
-                Value::Object(o) => ModuleQuant::Affine(
-                    params(o, Some(global)).map_err(|m| bad(format!("`quantization.{key}`: {m}")))?,
-                ),
+                Value::Object(o) => {
+                    ModuleQuant::Affine(params(o, Some(global)).map_err(|m| bad(format!("`quantization.{key}`: {m}")))?)
+                }
                 _ => return Err(bad(format!("`quantization.{key}` must be an object or a boolean"))),
             };
             overrides.insert(key.clone(), q);
@@ -98,11 +98,16 @@ fn params(o: &serde_json::Map<String, Value>, global: Option<AffineParams>) -> R
     let int = |k: &str| o.get(k).and_then(Value::as_u64);
     let p = match (int("bits"), int("group_size"), global) {
         (Some(b), Some(g), _) => AffineParams { bits: b as u32, group: g as usize },
-        (b, g, Some(gl)) => AffineParams { bits: b.map_or(gl.bits, |b| b as u32), group: g.map_or(gl.group, |g| g as usize) },
+        (b, g, Some(gl)) => {
+            AffineParams { bits: b.map_or(gl.bits, |b| b as u32), group: g.map_or(gl.group, |g| g as usize) }
+        }
         _ => return Err("needs `bits` and `group_size`".into()),
     };
     if !p.is_valid() {
-        return Err(format!("bits {} group_size {} is not an MLX affine format (bits 2, 3, 4, 5, 6, 8; groups 32, 64, 128)", p.bits, p.group));
+        return Err(format!(
+            "bits {} group_size {} is not an MLX affine format (bits 2, 3, 4, 5, 6, 8; groups 32, 64, 128)",
+            p.bits, p.group
+        ));
     }
     Ok(p)
 }

@@ -17,8 +17,8 @@ use candle_core::{DType, Device, Tensor};
 
 pub use crate::ops::qmatmul::{AffineMatrix, AffineParams};
 pub use error::WeightsError;
-pub use mlx::{MlxQuantization, ModuleQuant};
 pub use gguf::GgufFile;
+pub use mlx::{MlxQuantization, ModuleQuant};
 pub use names::gguf_name;
 pub use safetensors::SafetensorsDir;
 pub use tensor::StoredTensor;
@@ -96,7 +96,9 @@ impl Weights {
     pub fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, WeightsError> {
         let stored = match &self.source {
             Source::Safetensors(s) => match name.strip_suffix(".weight") {
-                Some(module) if s.contains(&format!("{module}.scales")) => StoredTensor::Affine(self.affine(s, module, shape)?),
+                Some(module) if s.contains(&format!("{module}.scales")) => {
+                    StoredTensor::Affine(self.affine(s, module, shape)?)
+                }
                 _ => StoredTensor::Dense(s.load(name, &self.device)?),
             },
             Source::Gguf(g) => {
@@ -225,7 +227,9 @@ impl Weights {
                         p.bits, p.group, params.bits, params.group
                     )))
                 }
-                ModuleQuant::Float => return Err(bad("config.json lists it as not quantized, yet it has .scales".into())),
+                ModuleQuant::Float => {
+                    return Err(bad("config.json lists it as not quantized, yet it has .scales".into()))
+                }
             }
         }
         let flat = |t: Tensor| -> Result<Vec<f32>, WeightsError> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };

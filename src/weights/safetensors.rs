@@ -115,7 +115,8 @@ impl SafetensorsDir {
             msg,
         };
         let view = self.st.get(&key).map_err(|e| bad(root_cause(&e)))?;
-        let dtype = candle_dtype(view.dtype()).ok_or_else(|| bad(format!("dtype {:?} is not supported", view.dtype())))?;
+        let dtype =
+            candle_dtype(view.dtype()).ok_or_else(|| bad(format!("dtype {:?} is not supported", view.dtype())))?;
         let (mut shape, mut data) = (view.shape().to_vec(), view.data());
         if let Some(e) = expert {
             // One expert's slice of the stacked tensor: its bytes are contiguous.

@@ -8,11 +8,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use iris::batch::{Batch, ImageRows, Positions, SeqSlice};
 use iris::engine::build::{build_engine, EngineOptions};
-use iris::batch::{Batch, SeqSlice};
 use iris::engine::{Engine, Request, SamplingParams};
 use iris::kv::{KvCache, KvCacheSpec, KvDtype};
-use iris::models::Taps;
+use iris::loader::LoadedModel;
+use iris::models::{PromptPositions, Taps};
 
 pub const TINY_MODELS: [&str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"];
 
@@ -132,26 +133,108 @@ pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
 pub fn forward_in_chunks(path: &Path, tokens: &[u32], chunk: usize) -> (Tensor, Tensor, Taps) {
     let dev = device();
     let loaded = iris::loader::load(path, &dev, DType::F32).unwrap();
-    let cfg = loaded.config().clone();
+    let (hidden, taps) = forward_with_images(&loaded, &dev, tokens, None, chunk);
+    let logits = loaded.model.logits(&hidden).unwrap();
+    (hidden, logits, taps)
+}
+
+/// One sequence through the text model in chunks of `chunk` tokens, with its images'
+/// embeddings at its image tokens (`mm`: the prompt's positions and the embeddings in order;
+/// three-axis positions for a model with M-RoPE); returns the final hidden states and, for a
+/// single chunk, the taps. `dev` is the one `m` was loaded on.
+pub fn forward_with_images(
+    m: &LoadedModel,
+    dev: &Device,
+    tokens: &[u32],
+    mm: Option<(&PromptPositions, &Tensor)>,
+    chunk: usize,
+) -> (Tensor, Taps) {
+    let cfg = m.config().clone();
     let bs = 4;
     let spec = KvCacheSpec { block_size: bs, num_blocks: tokens.len().div_ceil(bs) + 2, dtype: KvDtype::F32 };
-    let kv = KvCache::new(&cfg, spec, &dev).unwrap();
+    let kv = KvCache::new(&cfg, spec, dev).unwrap();
     // Deliberately non-contiguous, reversed block order: paging must not assume adjacency.
     let table: Vec<u32> = (0..spec.num_blocks as u32).rev().collect();
+    let image_token = m.vision.as_ref().map(|v| v.image_token_id());
+    let image_rows: Vec<usize> =
+        tokens.iter().enumerate().filter(|(_, &t)| Some(t) == image_token).map(|(i, _)| i).collect();
     let mut taps = Taps::default();
     let mut hidden = Vec::new();
     let mut start = 0;
     while start < tokens.len() {
         let n = chunk.min(tokens.len() - start);
         let seq = SeqSlice { q_start: 0, q_len: n, context_len: start + n, block_table: table.clone() };
-        let mut batch = Batch::from_tokens(&dev, bs, vec![seq], &tokens[start..start + n]).unwrap();
+        let (positions, images) = match mm {
+            Some((pos, embeds)) => {
+                let p: Vec<[u32; 3]> = (start..start + n).map(|i| pos.positions[i]).collect();
+                let ks: Vec<usize> =
+                    (0..image_rows.len()).filter(|&k| (start..start + n).contains(&image_rows[k])).collect();
+                let images = (!ks.is_empty()).then(|| {
+                    let rows: Vec<u32> = ks.iter().map(|&k| (image_rows[k] - start) as u32).collect();
+                    ImageRows::new(&rows, embeds.narrow(0, ks[0], ks.len()).unwrap(), n).unwrap()
+                });
+                let positions = match cfg.rope.mrope_section {
+                    Some(_) => Positions::MRope(p),
+                    None => Positions::Flat(p.iter().map(|a| a[0]).collect()),
+                };
+                (positions, images)
+            }
+            None => (Positions::Flat((start..start + n).map(|i| i as u32).collect()), None),
+        };
+        let mut batch = Batch::new(dev, bs, vec![seq], &tokens[start..start + n], positions, images).unwrap();
+        if mm.is_some() && cfg.images_attend_both_ways() {
+            // Runs of image tokens in this chunk see each other whole (the chunk must hold them).
+            let mut runs: Vec<(usize, usize)> = Vec::new();
+            for &i in &image_rows {
+                match runs.last_mut() {
+                    Some((_, end)) if *end == i => *end += 1,
+                    _ => runs.push((i, i + 1)),
+                }
+            }
+            runs.retain(|&(a, b)| a < start + n && b > start);
+            batch.attn.set_bidirectional(vec![runs]).unwrap();
+        }
         // A hybrid model's recurrent layers keep this sequence's state in slot 0.
         batch.attn.set_state_slots(vec![0]).unwrap();
         let t = if chunk >= tokens.len() { Some(&mut taps) } else { None };
-        hidden.push(loaded.model.forward(&batch, &kv, t).unwrap());
+        hidden.push(m.model.forward(&batch, &kv, t).unwrap());
         start += n;
     }
-    let hidden = Tensor::cat(&hidden, 0).unwrap();
-    let logits = loaded.model.logits(&hidden).unwrap();
-    (hidden, logits, taps)
+    (Tensor::cat(&hidden, 0).unwrap(), taps)
+}
+
+/// A directory under the system's temporary one, removed with its contents on drop.
+pub struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    pub fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("iris-test-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        ScratchDir(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A copy of the model directory `src` whose config.json `edit` changed.
+pub fn copy_with_config(src: &Path, tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> ScratchDir {
+    let dir = ScratchDir::new(tag);
+    for e in std::fs::read_dir(src).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg_path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&cfg_path, serde_json::to_string(&cfg).unwrap()).unwrap();
+    dir
 }

@@ -1,9 +1,11 @@
 //! Attention over a paged KV cache for a flat batch of any mix of prefill chunks and decodes.
 //!
 //! Row t of sequence s sits at absolute position p = context_len - q_len + i and attends to
-//! the cached keys at positions [lo, p], lo = p + 1 - window for sliding layers, else 0. The
-//! chunk's own keys were written to the cache before this op runs, so prefill with a cached
-//! prefix and decode are the same computation.
+//! the cached keys at positions [lo, p], lo = p + 1 - window for sliding layers, else 0 (and,
+//! on a layer marked `bidirectional`, to [lo, end) when p lies in one of the meta's
+//! bidirectional ranges [start, end): an image seen whole). The chunk's own keys were written
+//! to the cache before this op runs, so prefill with a cached prefix and decode are the same
+//! computation.
 
 pub(super) mod softmax;
 
@@ -26,6 +28,8 @@ pub struct PagedAttention<'a> {
     pub softcap: Option<f32>,
     /// The instruction set of the CPU kernels (`Isa::active()`; tests pick each).
     pub isa: Isa,
+    /// Rows in the meta's bidirectional ranges also see the later rows of their range.
+    pub bidirectional: bool,
 }
 
 impl PagedAttention<'_> {
@@ -33,6 +37,14 @@ impl PagedAttention<'_> {
     /// `[slots, kv_heads, head_dim]`. Returns `[T, heads, head_dim]` in q's type.
     pub fn forward(&self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<Tensor> {
         q.apply_op3_no_bwd(k_cache, v_cache, self)
+    }
+
+    /// Sequence `i`'s ranges whose rows see each other both ways on this layer.
+    pub(crate) fn bidirectional_ranges(&self, i: usize) -> &[(usize, usize)] {
+        match (&self.meta.bidirectional, self.bidirectional) {
+            (Some(r), true) => r.get(i).map_or(&[], |r| &r[..]),
+            _ => &[],
+        }
     }
 
     /// Every sequence's block table covers its context with blocks inside the cache.
@@ -69,9 +81,13 @@ impl PagedAttention<'_> {
             .meta
             .seqs
             .iter()
-            .flat_map(|s| {
+            .enumerate()
+            .flat_map(|(i, s)| {
                 let end = s.q_start + s.q_len;
-                (s.q_start..end).step_by(TILE_ROWS).map(move |t0| Tile::new(self, s, t0..(t0 + TILE_ROWS).min(end)))
+                let ranges = self.bidirectional_ranges(i);
+                (s.q_start..end)
+                    .step_by(TILE_ROWS)
+                    .map(move |t0| Tile::new(self, s, t0..(t0 + TILE_ROWS).min(end), ranges))
             })
             .collect();
         let part_len = group * (d + 2);
@@ -263,17 +279,24 @@ struct Tile<'a> {
 }
 
 impl<'a> Tile<'a> {
-    fn new(a: &PagedAttention<'_>, seq: &'a SeqSlice, rows: std::ops::Range<usize>) -> Self {
+    /// `ranges`: the sequence's bidirectional ranges on this layer (none when causal).
+    fn new(a: &PagedAttention<'_>, seq: &'a SeqSlice, rows: std::ops::Range<usize>, ranges: &[(usize, usize)]) -> Self {
         let pos0 = seq.first_position() + (rows.start - seq.q_start);
-        let spans =
-            (pos0..pos0 + rows.len()).map(|p| (a.window.map_or(0, |w| (p + 1).saturating_sub(w)), p + 1)).collect();
+        let spans = (pos0..pos0 + rows.len())
+            .map(|p| {
+                let end = ranges.iter().find(|&&(a, b)| a <= p && p < b).map_or(p + 1, |&(_, b)| b);
+                (a.window.map_or(0, |w| (p + 1).saturating_sub(w)), end)
+            })
+            .collect();
         let (hq, hkv, d, bs) = (a.num_heads, a.num_kv_heads, a.head_dim, a.meta.block_size);
         Tile { seq, rows, spans, hq, hkv, d, bs }
     }
 
     /// The segments of the tile's run of positions, in order.
     fn segments(&self) -> Vec<(usize, usize)> {
-        let (lo, hi) = (self.spans[0].0, self.spans[self.spans.len() - 1].1);
+        // Rows start no earlier than the first; a bidirectional range may end past the last.
+        let lo = self.spans[0].0;
+        let hi = self.spans.iter().map(|s| s.1).max().unwrap_or(lo + 1);
         (lo / SEGMENT..=(hi - 1) / SEGMENT).map(|k| ((k * SEGMENT).max(lo), ((k + 1) * SEGMENT).min(hi))).collect()
     }
 
@@ -391,6 +414,9 @@ impl CustomOp3 for PagedAttention<'_> {
         }
         if !super::cuda::HEAD_DIMS.contains(&d) {
             candle_core::bail!("paged-attention: no CUDA kernel for head_dim {d}");
+        }
+        if (0..self.meta.seqs.len()).any(|i| !self.bidirectional_ranges(i).is_empty()) {
+            candle_core::bail!("paged-attention: bidirectional image ranges have no CUDA kernel yet");
         }
         let dm = self.meta.device.as_ref().ok_or_else(|| {
             candle_core::Error::Msg(

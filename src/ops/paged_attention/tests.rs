@@ -91,6 +91,7 @@ fn matches_direct_attention_for_every_head_dim() {
                     window,
                     softcap: softcap.map(|c| c as f32),
                     isa,
+                    bidirectional: false,
                 };
                 let got: Vec<f32> = op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1().unwrap();
                 let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
@@ -122,6 +123,7 @@ fn caches_of_the_wrong_shape_are_refused() {
         window: None,
         softcap: None,
         isa: Isa::active(),
+        bidirectional: false,
     };
     for dtype in [DType::F32, DType::BF16] {
         let good = Tensor::zeros((4, 2, 16), dtype, &dev).unwrap();
@@ -178,6 +180,7 @@ fn rows_have_the_same_bits_in_any_tile() {
                     window,
                     softcap,
                     isa: Isa::active(),
+                    bidirectional: false,
                 };
                 out.extend(op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
             }

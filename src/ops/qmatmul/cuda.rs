@@ -201,7 +201,11 @@ mod launch {
             let (words, codes) = (cuda_slice::<f32>(&ws, "qdequant words")?, cuda_slice::<u8>(&cs, "qdequant codes")?);
             let (n, nb) = (q.rows, q.cols / 32);
             let blocks = n * nb;
-            let cfg = LaunchConfig { grid_dim: (blocks.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (blocks.div_ceil(256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: the kernel writes all 32 weights of every block.
             let out = unsafe { dev.alloc::<T>(n * q.cols)? };
             let (n, nb) = (n as i32, nb as i32);

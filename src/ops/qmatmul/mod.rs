@@ -18,9 +18,9 @@ use super::team::{team, OutPtr};
 use crate::simd::{dot_f32, Isa};
 
 // The kernels' launches exist only in CUDA builds; elsewhere the type is never made.
+mod affine;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod cuda;
-mod affine;
 mod fused;
 mod packed;
 

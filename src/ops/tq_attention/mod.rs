@@ -435,11 +435,14 @@ impl Tile {
     fn new(a: &PagedAttention<'_>, float_window: usize, si: usize, rows: std::ops::Range<usize>) -> Self {
         let seq = &a.meta.seqs[si];
         let first = seq.first_position();
+        let ranges = a.bidirectional_ranges(si);
         let spans = rows
             .clone()
             .map(|t| {
-                let end = first + (t - seq.q_start) + 1;
-                let lo = a.window.map_or(0, |w| end.saturating_sub(w));
+                let p = first + (t - seq.q_start);
+                let lo = a.window.map_or(0, |w| (p + 1).saturating_sub(w));
+                // A row in a bidirectional range reads to its end (no float window then).
+                let end = ranges.iter().find(|&&(a, b)| a <= p && p < b).map_or(p + 1, |&(_, b)| b);
                 RowSpan { lo, split: end.saturating_sub(float_window).max(lo), end }
             })
             .collect();
@@ -506,6 +509,9 @@ pub fn attend_written(
     fresh: Option<(&Tensor, &Tensor)>,
 ) -> Result<Tensor> {
     let meta = attn.meta;
+    if c.window.is_some() && (0..meta.seqs.len()).any(|i| !attn.bidirectional_ranges(i).is_empty()) {
+        candle_core::bail!("tq-attention: bidirectional image ranges beside a float window are not supported");
+    }
     let float = match (&c.window, fresh) {
         (None, _) => None,
         (Some(w), Some((k, v))) => Some(FloatInputs { len: w.len, ring_k: &w.k, ring_v: &w.v, new_k: k, new_v: v }),
@@ -644,6 +650,9 @@ impl CustomOp3 for TqAttention<'_> {
         v: &candle_core::CudaStorage,
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if (0..self.attn.meta.seqs.len()).any(|i| !self.attn.bidirectional_ranges(i).is_empty()) {
+            candle_core::bail!("tq-attention: bidirectional image ranges have no CUDA kernel yet");
+        }
         cuda::forward(self, q, q_l, k, k_l, v, v_l)
     }
 }

@@ -54,6 +54,7 @@ fn attn(meta: &AttentionMeta, hq: usize, hkv: usize, d: usize, window: Option<us
         window,
         softcap: None,
         isa: crate::simd::Isa::active(),
+        bidirectional: false,
     }
 }
 

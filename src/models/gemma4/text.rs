@@ -7,7 +7,6 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::model::{Taps, TextModel};
 use crate::batch::Batch;
 use crate::config::{LayerKind, TextConfig};
 use crate::kv::KvCache;
@@ -19,6 +18,7 @@ use crate::layers::moe::Moe;
 use crate::layers::norm::{NormStyle, RmsNorm};
 use crate::layers::per_layer_embedding::PerLayerEmbedding;
 use crate::layers::rotary::Rotary;
+use crate::models::model::{Taps, TextModel};
 use crate::ops::activation;
 use crate::weights::{Weights, WeightsError};
 
@@ -108,7 +108,9 @@ impl Gemma4 {
         let ple = g.per_layer_input.map(|p| PerLayerEmbedding::load(w, p, cfg.num_layers, h, eps)).transpose()?;
         let local = cfg.rope_local.clone().unwrap_or_else(|| cfg.rope.clone());
         let rotary = |rope, kind| {
-            let width = (0..cfg.num_layers).find(|&l| cfg.layer_kinds[l] == kind).map_or(cfg.head_dim, |l| cfg.kv_shape(l).head_dim);
+            let width = (0..cfg.num_layers)
+                .find(|&l| cfg.layer_kinds[l] == kind)
+                .map_or(cfg.head_dim, |l| cfg.kv_shape(l).head_dim);
             Rotary::new(rope, width, cfg.rope_layout).on_device(w.device(), w.dtype(), cfg.max_position_embeddings)
         };
         Ok(Gemma4 {
@@ -136,8 +138,9 @@ impl TextModel for Gemma4 {
         let rot_sliding = self.rotary_sliding.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
         // transformers rounds the scale to the embedding dtype before multiplying.
         let scale = Tensor::new((self.cfg.hidden_size as f32).sqrt(), &self.device)?.to_dtype(self.dtype)?;
+        // Image rows take their embeddings from the vision tower, unscaled.
         let mut x = batch.input_embeds(self.embed.forward(&batch.token_ids, self.dtype)?.broadcast_mul(&scale)?)?;
-        let ple = self.ple.as_ref().map(|p| p.forward(&batch.token_ids, &x)).transpose()?;
+        let ple = self.ple.as_ref().map(|p| p.forward(batch, &x)).transpose()?;
         if let Some(t) = taps.as_deref_mut() {
             t.embed = Some(x.clone());
         }
