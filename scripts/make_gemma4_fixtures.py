@@ -331,6 +331,7 @@ def add_vision(out_dir, tensors, info):
                 with torch.no_grad():
                     feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_position_ids"])
                 tensors[f"{key}.image_embeds"] = torch.cat(feats.pooler_output).float().contiguous()
+                tensors[f"{key}.input_ids"] = ids.to(torch.int64).contiguous()
                 tensors[f"{key}.pixel_values"] = inputs["pixel_values"][valid].float().contiguous()
                 tensors[f"{key}.image_position_ids"] = inputs["image_position_ids"][valid].to(torch.int64).contiguous()
             model.generation_config.eos_token_id = None

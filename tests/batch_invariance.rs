@@ -126,6 +126,16 @@ fn qwen3_is_batch_invariant() {
 }
 
 #[test]
+fn gemma4_is_batch_invariant() {
+    check("tiny-gemma4", None);
+}
+
+#[test]
+fn gemma4_moe_is_batch_invariant() {
+    check("tiny-gemma4-moe", None);
+}
+
+#[test]
 fn gemma3_is_batch_invariant() {
     check("tiny-gemma3", None);
 }
@@ -247,7 +257,7 @@ fn check_vl(name: &str, blocks: usize) {
         block_size: 4,
         max_num_batched_tokens: 16,
         max_num_seqs: 6,
-        max_model_len: Some(140),
+        max_model_len: Some(reqs.iter().map(|r| r.0.len()).max().unwrap_or(0) + 20),
         ..Default::default()
     };
     let mut engine = engine_with(&path, opts);
@@ -275,6 +285,11 @@ fn qwen2_5_vl_is_batch_invariant() {
 #[test]
 fn glm4v_moe_is_batch_invariant() {
     check_vl("tiny-glm4v-moe", 40);
+}
+
+#[test]
+fn gemma4_with_images_is_batch_invariant() {
+    check_vl("tiny-gemma4", 56);
 }
 
 #[test]

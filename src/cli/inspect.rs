@@ -33,15 +33,13 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
             let summary = st.summary();
             // The vision tower's size is read off its stored tensors (its shape varies too
             // much between families to count from the config).
-            if cfg.arch.is_vision_language() {
-                vision_params = summary
-                    .iter()
-                    .filter(|(name, _, _)| {
-                        ["visual.", "model.visual.", "vision_tower."].iter().any(|p| name.starts_with(p))
-                    })
-                    .map(|(_, _, shape)| shape.iter().product::<usize>() as u64)
-                    .sum();
-            }
+            const TOWER: [&str; 6] =
+                ["visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "embed_vision.", "model.embed_vision."];
+            vision_params = summary
+                .iter()
+                .filter(|(name, _, _)| TOWER.iter().any(|p| name.starts_with(p)))
+                .map(|(_, _, shape)| shape.iter().product::<usize>() as u64)
+                .sum();
             let mut types: Vec<(String, usize)> = Vec::new();
             for (_, dt, _) in summary {
                 match types.iter_mut().find(|(d, _)| *d == dt) {
@@ -90,6 +88,30 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
             sliding,
             cfg.sliding_window.unwrap_or(0),
             cfg.num_layers - sliding
+        );
+    }
+    // Layers whose keys and values differ from the first line's (Gemma 4's global layers).
+    let mut shapes: Vec<(LayerKind, crate::config::KvShape, usize)> = Vec::new();
+    for l in 0..cfg.num_layers {
+        let (kind, shape) = (cfg.layer_kinds[l], cfg.kv_shape(l));
+        if (shape.num_kv_heads, shape.head_dim) == (cfg.num_kv_heads, cfg.head_dim) {
+            continue;
+        }
+        match shapes.iter_mut().find(|(k, s, _)| (*k, *s) == (kind, shape)) {
+            Some((_, _, n)) => *n += 1,
+            None => shapes.push((kind, shape, 1)),
+        }
+    }
+    for (kind, shape, n) in shapes {
+        let kind = if kind == LayerKind::Full { "global" } else { "other" };
+        println!("                  {n} {kind} layers: {} kv heads, head dim {}", shape.num_kv_heads, shape.head_dim);
+    }
+    let sharing = (0..cfg.num_layers).filter(|&l| cfg.kv_source(l).is_some()).count();
+    if sharing > 0 {
+        println!(
+            "kv sharing:       the last {sharing} layers attend over earlier layers' keys and values; {} of {} layers keep a cache",
+            cfg.cache_layers().len(),
+            cfg.num_layers
         );
     }
     if let Some(l) = &cfg.linear_attn {
