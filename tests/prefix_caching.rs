@@ -101,8 +101,9 @@ enum Exact {
     Close,
 }
 
-/// The runs here differ by at most 6e-6 (logprobs of magnitude 1-6).
-const LOGPROB_TOL: f32 = 2e-5;
+/// The runs here differ by at most 6e-6 (logprobs of magnitude 1-6), 2.0e-5 for Gemma 4's
+/// fixtures; a wrong key moves them by 1e-2 and more.
+const LOGPROB_TOL: f32 = 4e-5;
 
 /// Tokens (always exactly) and their logprobs (as `exact(i)` says) of requests with and
 /// without the cache.
@@ -257,7 +258,11 @@ fn check_text(name: &str, quant: Option<TqBits>, spec: Option<SpeculativeConfig>
     // uncached run ends with a chunk of 4 rows (36 = 16 + 16 + 4), as does request 4's
     // (its cached run computes 16 in one), and the second turn (5) reads keys its first turn
     // computed while decoding, one row at a time.
-    let exact = |i: usize| if [3, 4, 5].contains(&i) { Exact::Close } else { Exact::Bits };
+    // Gemma 4's tiny fixtures round rows of chunks up to 6 rows differently from larger
+    // chunks (measured with `forward_in_chunks`; Gemma 3's up to 4), and its MoE groups tokens
+    // by expert: close, not bit for bit, there.
+    let row_exact = !name.starts_with("tiny-gemma4");
+    let exact = |i: usize| if [3, 4, 5].contains(&i) || !row_exact { Exact::Close } else { Exact::Bits };
     assert_same(&format!("{what} sequential"), &seq, &off, &reqs, exact);
 
     // Mixed: arrivals over time, 16-token steps, 30 blocks for up to 79-token sequences.
@@ -305,6 +310,13 @@ fn qwen3_outputs_are_the_same_with_the_prefix_cache() {
 #[test]
 fn gemma3_outputs_are_the_same_with_the_prefix_cache() {
     check_text("tiny-gemma3", None, None);
+}
+
+/// KV-sharing layers read the storing layers' blocks, cached or not.
+#[test]
+fn gemma4_outputs_are_the_same_with_the_prefix_cache() {
+    check_text("tiny-gemma4-moe", None, None);
+    check_text("tiny-gemma4", None, None);
 }
 
 /// TurboQuant codes of a position depend only on its key: shared code blocks read the same.
@@ -414,7 +426,9 @@ fn check_vl(name: &str) {
     assert_eq!(seq.cached[2], full(2), "{name}: the same image shares every full block");
     assert_eq!(seq.cached[4], full(4), "{name}: two images, the same two");
     assert_eq!(seq.cached[6], full(6));
-    assert_same(&format!("{name} sequential"), &seq, &off, &reqs, |_| Exact::Bits);
+    // Gemma 4: see check_text.
+    let exact = if name.starts_with("tiny-gemma4") { Exact::Close } else { Exact::Bits };
+    assert_same(&format!("{name} sequential"), &seq, &off, &reqs, |_| exact);
 
     let bytes_per_block = {
         let cfg = iris::loader::read_config(&path).unwrap().1;
@@ -445,6 +459,11 @@ fn check_vl(name: &str) {
 #[test]
 fn qwen2_vl_images_share_blocks_by_content() {
     check_vl("tiny-qwen2-vl");
+}
+
+#[test]
+fn gemma4_images_share_blocks_by_content() {
+    check_vl("tiny-gemma4");
 }
 
 #[test]

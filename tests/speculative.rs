@@ -135,7 +135,14 @@ macro_rules! family_tests {
     )*};
 }
 
-family_tests!(llama => "tiny-llama", qwen2 => "tiny-qwen2", qwen3 => "tiny-qwen3", gemma3 => "tiny-gemma3");
+family_tests!(
+    llama => "tiny-llama",
+    qwen2 => "tiny-qwen2",
+    qwen3 => "tiny-qwen3",
+    gemma3 => "tiny-gemma3",
+    gemma4 => "tiny-gemma4",
+    gemma4_moe => "tiny-gemma4-moe"
+);
 
 /// TurboQuant codes, with a float window shorter than the sequences: a rejected draft's ring
 /// rows must be put back, or later rows read the draft's keys in place of older ones.
