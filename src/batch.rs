@@ -318,6 +318,38 @@ impl AttentionMeta {
         self.slot_mapping.len()
     }
 
+    /// The metadata of only the last `counts[i]` rows of each sequence i (sequences with none
+    /// left out), for layers that attend without storing: the same contexts and tables, no
+    /// float window or state slots. And the rows kept, as indices into this step's rows.
+    pub fn tail(&self, counts: &[usize]) -> candle_core::Result<(AttentionMeta, Vec<u32>)> {
+        if counts.len() != self.seqs.len() {
+            candle_core::bail!("output rows for {} sequences of {}", counts.len(), self.seqs.len());
+        }
+        let (mut seqs, mut kept, mut ranges) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, (s, &n)) in self.seqs.iter().zip(counts).enumerate() {
+            if n == 0 {
+                continue;
+            }
+            if n > s.q_len {
+                candle_core::bail!("{n} output rows of a sequence computing {}", s.q_len);
+            }
+            let first = s.q_start + s.q_len - n;
+            seqs.push(SeqSlice { q_start: kept.len(), q_len: n, ..s.clone() });
+            kept.extend((first..first + n).map(|r| r as u32));
+            if let Some(b) = &self.bidirectional {
+                ranges.push(b[i].clone());
+            }
+        }
+        let mut meta = AttentionMeta::new(self.block_size, seqs);
+        if self.bidirectional.is_some() {
+            meta.set_bidirectional(ranges)?;
+        }
+        if let Some(d) = &self.device {
+            meta.upload(d.data.device())?;
+        }
+        Ok((meta, kept))
+    }
+
     /// `(sequence, first row)` of every tile of PREFILL_TILE_ROWS rows of the prompt chunks.
     pub fn prefill_tiles(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         self.seqs
@@ -402,6 +434,10 @@ pub struct Batch {
     pub attn: AttentionMeta,
     /// Image embeddings placed at image-pad rows (vision-language models).
     pub images: Option<ImageRows>,
+    /// Per sequence, how many of its last rows the step reads the output of (sampled and
+    /// verified rows; 0 for a prompt chunk that samples nothing). None: every row (prompt
+    /// logprobs, tests). Layers that store no keys or values may compute only these rows.
+    pub output_rows: Option<Vec<usize>>,
 }
 
 impl Batch {
@@ -418,7 +454,13 @@ impl Batch {
             candle_core::bail!("batch has {} tokens for {} scheduled rows", tokens.len(), attn.num_rows());
         }
         let positions = attn.seqs.iter().flat_map(|s| (s.first_position()..s.context_len).map(|p| p as u32)).collect();
-        Ok(Batch { token_ids: Tensor::new(tokens, device)?, positions: Positions::Flat(positions), attn, images: None })
+        Ok(Batch {
+            token_ids: Tensor::new(tokens, device)?,
+            positions: Positions::Flat(positions),
+            attn,
+            images: None,
+            output_rows: None,
+        })
     }
 
     /// A batch with explicit per-row positions and, optionally, image embeddings.
@@ -440,7 +482,7 @@ impl Batch {
                 attn.num_rows()
             );
         }
-        Ok(Batch { token_ids: Tensor::new(tokens, device)?, positions, attn, images })
+        Ok(Batch { token_ids: Tensor::new(tokens, device)?, positions, attn, images, output_rows: None })
     }
 
     /// The input embeddings: token embeddings with any image rows replaced.

@@ -7,7 +7,7 @@ mod common;
 use candle_core::{DType, Tensor};
 use common::*;
 use iris::engine::build::EngineOptions;
-use iris::kv::{KvCacheSpec, KvDtype};
+use iris::kv::{KvCache, KvCacheSpec, KvDtype};
 use iris::models::Taps;
 
 const TOL: f32 = 1e-4;
@@ -164,6 +164,51 @@ fn qwen35_kv_pool_covers_only_the_attention_layers() {
     let state = 4 * cfg.state_bytes_per_sequence();
     assert_eq!(report.kv_capacity_tokens, ((1 << 20) - state) / (4 * report.kv_bytes_per_token) * 4);
     assert!(report.kv_summary().contains("recurrent state of 4 sequences"), "{}", report.kv_summary());
+}
+
+/// Gemma 4's KV-sharing layers store nothing, so a step computes them only for the rows read
+/// after it: two sequences' prompt chunks, one sampling its last row and one mid-prompt, give
+/// that last row's hidden state as the whole pass does, and zeros elsewhere (never read). Its
+/// pool holds the storing layers only (E2B-like: 2 sliding of 1 x 16, 1 global of 1 x 32).
+#[test]
+fn gemma4_shared_layers_compute_only_the_rows_read() {
+    use iris::batch::{Batch, SeqSlice};
+    let _gpu = gpu_lock();
+    let (dev, name) = (device(), "tiny-gemma4");
+    let m = iris::loader::load(&fixture(name), &dev, DType::F32).unwrap();
+    let cfg = m.config().clone();
+    assert_eq!(cfg.cache_layers(), vec![0, 1, 2]);
+    assert_eq!(KvCacheSpec::bytes_per_token(&cfg, KvDtype::F32), 2 * (16 + 16 + 32) * 4);
+    let tokens = ids(&reference(name)["text.input_ids"]);
+    let (a, b) = (tokens.len(), 9);
+    let spec = KvCacheSpec { block_size: 4, num_blocks: (a + b).div_ceil(4) + 2, dtype: KvDtype::F32 };
+    let blocks = |r: std::ops::Range<u32>| r.collect::<Vec<u32>>();
+    let seqs = vec![
+        SeqSlice { q_start: 0, q_len: a, context_len: a, block_table: blocks(0..a.div_ceil(4) as u32) },
+        SeqSlice {
+            q_start: a,
+            q_len: b,
+            context_len: b,
+            block_table: blocks(a.div_ceil(4) as u32..spec.num_blocks as u32),
+        },
+    ];
+    let input: Vec<u32> = tokens.iter().chain(&tokens[..b]).copied().collect();
+    let run = |output_rows: Option<Vec<usize>>| {
+        let kv = KvCache::new(&cfg, spec, &dev).unwrap();
+        let mut batch = Batch::from_tokens(&dev, 4, seqs.clone(), &input).unwrap();
+        batch.output_rows = output_rows;
+        m.model.forward(&batch, &kv, None).unwrap()
+    };
+    let (all, some) = (run(None), run(Some(vec![1, 0])));
+    let row = |t: &Tensor, r: usize| t.get(r).unwrap();
+    let e = rel_err(&row(&some, a - 1), &row(&all, a - 1));
+    assert!(e <= 1e-5, "the sampled row: rel err {e}");
+    let rest = Tensor::cat(&[some.narrow(0, 0, a - 1).unwrap(), some.narrow(0, a, b).unwrap()], 0).unwrap();
+    assert_eq!(
+        rest.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap(),
+        0.0,
+        "rows nobody reads were computed"
+    );
 }
 
 /// Speculative decoding would advance the recurrent state past drafts that may be rejected:

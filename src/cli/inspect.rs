@@ -33,8 +33,14 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
             let summary = st.summary();
             // The vision tower's size is read off its stored tensors (its shape varies too
             // much between families to count from the config).
-            const TOWER: [&str; 6] =
-                ["visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "embed_vision.", "model.embed_vision."];
+            const TOWER: [&str; 6] = [
+                "visual.",
+                "model.visual.",
+                "vision_tower.",
+                "model.vision_tower.",
+                "embed_vision.",
+                "model.embed_vision.",
+            ];
             vision_params = summary
                 .iter()
                 .filter(|(name, _, _)| TOWER.iter().any(|p| name.starts_with(p)))

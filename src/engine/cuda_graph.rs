@@ -300,6 +300,7 @@ impl DecodeGraphs {
             positions: Positions::Flat(positions),
             attn,
             images: None,
+            output_rows: None,
         };
         let pass = || -> Result<()> {
             let logits = model.logits(&model.forward(&batch, kv, None)?)?;

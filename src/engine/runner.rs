@@ -447,6 +447,11 @@ fn build_batch(
     if bidirectional {
         batch.attn.set_bidirectional(ranges)?;
     }
+    // The rows read after the pass: the sampled ones, unless a sequence wants the logprobs of
+    // its prompt (every row of its chunks).
+    if !plan.items.iter().any(|item| seqs.expect(item.id).params.prompt_logprobs.is_some()) {
+        batch.output_rows = Some(sampled.iter().map(|&(_, n)| n).collect());
+    }
     if kv.has_recurrent_layers() {
         // The scheduler gives every running sequence its own slot; a recurrent layer carries
         // the sequence's state there from one step (or prompt chunk) to the next.

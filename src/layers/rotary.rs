@@ -165,6 +165,15 @@ impl RotaryAngles {
     }
 
     /// cos and sin, `[T, 1, rotary_dim / 2]` each, and the pairing of the rotated elements.
+    /// The angles of rows `rows` (`[n]` u32 indices) only.
+    pub fn rows(&self, rows: &Tensor) -> Result<Self> {
+        Ok(RotaryAngles {
+            cos: self.cos.index_select(rows, 0)?,
+            sin: self.sin.index_select(rows, 0)?,
+            layout: self.layout,
+        })
+    }
+
     pub fn parts(&self) -> (&Tensor, &Tensor, RopeLayout) {
         (&self.cos, &self.sin, self.layout)
     }

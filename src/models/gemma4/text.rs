@@ -5,21 +5,22 @@
 //!   m = MLP(Norm(h)),  or with experts  m = Norm(MLP(Norm(h))) + Norm(MoE(Norm(h), route(h)))
 //!   x' = (h + Norm(m) [+ Norm(W_o (gelu(W_g (h + Norm(m))) * ple_l))]) * layer_scalar
 
+use std::borrow::Cow;
+
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::batch::Batch;
-use crate::config::{LayerKind, TextConfig};
-use crate::kv::KvCache;
+use crate::batch::{AttentionMeta, Batch};
+use crate::config::{Activation, LayerKind, TextConfig};
+use crate::kv::{KvCache, LayerCache};
 use crate::layers::attention::{AttentionOptions, SelfAttention};
 use crate::layers::embedding::Embedding;
 use crate::layers::linear::Linear;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Moe;
 use crate::layers::norm::{NormStyle, RmsNorm};
-use crate::layers::per_layer_embedding::PerLayerEmbedding;
-use crate::layers::rotary::Rotary;
+use crate::layers::per_layer_embedding::{PerLayerEmbedding, PleGate};
+use crate::layers::rotary::{Rotary, RotaryAngles};
 use crate::models::model::{Taps, TextModel};
-use crate::ops::activation;
 use crate::weights::{Weights, WeightsError};
 
 /// The experts beside the dense MLP, with the three norms around them.
@@ -28,14 +29,6 @@ struct Experts {
     pre_norm: RmsNorm,
     post_dense_norm: RmsNorm,
     post_norm: RmsNorm,
-}
-
-/// The end of a layer with per-layer embeddings: a gate from the residual stream times the
-/// layer's slice of them, projected back.
-struct PleGate {
-    gate: Linear,
-    projection: Linear,
-    norm: RmsNorm,
 }
 
 struct Layer {
@@ -82,13 +75,6 @@ impl Gemma4 {
                         post_norm: norm(format!("{p}.post_feedforward_layernorm_2.weight"))?,
                     })
                 });
-                let ple = g.per_layer_input.map(|pl| -> std::result::Result<_, WeightsError> {
-                    Ok(PleGate {
-                        gate: Linear::load(w, &format!("{p}.per_layer_input_gate"), h, pl.dim, false)?,
-                        projection: Linear::load(w, &format!("{p}.per_layer_projection"), pl.dim, h, false)?,
-                        norm: norm(format!("{p}.post_per_layer_input_norm.weight"))?,
-                    })
-                });
                 Ok(Layer {
                     input_norm: norm(format!("{p}.input_layernorm.weight"))?,
                     attn: SelfAttention::load_with(w, &cfg, i, opts)?,
@@ -97,7 +83,7 @@ impl Gemma4 {
                     mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, width, cfg.activation)?,
                     post_mlp_norm: norm(format!("{p}.post_feedforward_layernorm.weight"))?,
                     experts: experts.transpose()?,
-                    ple: ple.transpose()?,
+                    ple: g.per_layer_input.map(|pl| PleGate::load(w, &p, h, pl.dim, eps)).transpose()?,
                     scalar: w.dense(&format!("{p}.layer_scalar"), &[1])?,
                     sliding: cfg.layer_kinds[i] == LayerKind::Sliding,
                 })
@@ -128,43 +114,78 @@ impl Gemma4 {
     }
 }
 
+impl Layer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        rot: &RotaryAngles,
+        cache: &LayerCache,
+        meta: &AttentionMeta,
+        ple: Option<&Tensor>,
+        act: Activation,
+    ) -> Result<Tensor> {
+        let a = self.attn.forward(&self.input_norm.forward(x)?, rot, cache, meta)?;
+        let h = (x + self.post_attn_norm.forward(&a)?)?;
+        let mut m = self.mlp.forward(&self.pre_mlp_norm.forward(&h)?)?;
+        if let Some(e) = &self.experts {
+            let routed = e.moe.forward(&e.pre_norm.forward(&h)?, &e.moe.route(&h)?)?;
+            m = (e.post_dense_norm.forward(&m)? + e.post_norm.forward(&routed)?)?;
+        }
+        let mut x = (&h + self.post_mlp_norm.forward(&m)?)?;
+        if let (Some(g), Some(ple)) = (&self.ple, ple) {
+            x = (&x + g.forward(&x, ple, act)?)?;
+        }
+        x.broadcast_mul(&self.scalar)
+    }
+}
+
 impl TextModel for Gemma4 {
     fn config(&self) -> &TextConfig {
         &self.cfg
     }
 
     fn forward(&self, batch: &Batch, kv: &KvCache, mut taps: Option<&mut Taps>) -> Result<Tensor> {
-        let rot_full = self.rotary_full.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
-        let rot_sliding = self.rotary_sliding.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
+        let mut rot_full = self.rotary_full.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
+        let mut rot_sliding =
+            self.rotary_sliding.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
         // transformers rounds the scale to the embedding dtype before multiplying.
         let scale = Tensor::new((self.cfg.hidden_size as f32).sqrt(), &self.device)?.to_dtype(self.dtype)?;
         // Image rows take their embeddings from the vision tower, unscaled.
         let mut x = batch.input_embeds(self.embed.forward(&batch.token_ids, self.dtype)?.broadcast_mul(&scale)?)?;
-        let ple = self.ple.as_ref().map(|p| p.forward(batch, &x)).transpose()?;
+        let mut ple = self.ple.as_ref().map(|p| p.forward(batch, &x)).transpose()?;
         if let Some(t) = taps.as_deref_mut() {
             t.embed = Some(x.clone());
         }
+        let (rows, first_shared) = (batch.num_rows(), self.cfg.kv_source.iter().position(Option::is_some));
+        let (mut meta, mut kept) = (Cow::Borrowed(&batch.attn), None);
         for (i, l) in self.layers.iter().enumerate() {
+            // The KV-sharing layers store nothing: only the rows read after the pass need
+            // them (transformers slices its prefill alike).
+            if let (Some(counts), true, None) = (&batch.output_rows, Some(i) == first_shared, &taps) {
+                let (tail, keep) = batch.attn.tail(counts)?;
+                if keep.is_empty() {
+                    return Tensor::zeros((rows, self.cfg.hidden_size), self.dtype, &self.device);
+                }
+                if keep.len() < rows {
+                    let idx = Tensor::new(keep, &self.device)?;
+                    (x, rot_full, rot_sliding) =
+                        (x.index_select(&idx, 0)?, rot_full.rows(&idx)?, rot_sliding.rows(&idx)?);
+                    ple = ple.map(|p| p.index_select(&idx, 0)).transpose()?;
+                    (meta, kept) = (Cow::Owned(tail), Some(idx));
+                }
+            }
             let rot = if l.sliding { &rot_sliding } else { &rot_full };
-            let a = l.attn.forward(&l.input_norm.forward(&x)?, rot, kv.layer(i), &batch.attn)?;
-            let h = (&x + l.post_attn_norm.forward(&a)?)?;
-            let mut m = l.mlp.forward(&l.pre_mlp_norm.forward(&h)?)?;
-            if let Some(e) = &l.experts {
-                let routed = e.moe.forward(&e.pre_norm.forward(&h)?, &e.moe.route(&h)?)?;
-                m = (e.post_dense_norm.forward(&m)? + e.post_norm.forward(&routed)?)?;
-            }
-            x = (&h + l.post_mlp_norm.forward(&m)?)?;
-            if let (Some(g), Some(ple)) = (&l.ple, &ple) {
-                let gate = activation::apply(self.cfg.activation, &g.gate.forward(&x)?)?;
-                let gated = (gate * ple.narrow(1, i, 1)?.squeeze(1)?)?;
-                x = (&x + g.norm.forward(&g.projection.forward(&gated)?)?)?;
-            }
-            x = x.broadcast_mul(&l.scalar)?;
+            let ple_i = ple.as_ref().map(|p| p.narrow(1, i, 1)?.squeeze(1)).transpose()?;
+            x = l.forward(&x, rot, kv.layer(i), &meta, ple_i.as_ref(), self.cfg.activation)?;
             if let Some(t) = taps.as_deref_mut() {
                 t.layers.push(x.clone());
             }
         }
-        self.norm.forward(&x)
+        let h = self.norm.forward(&x)?;
+        match kept {
+            Some(idx) => Tensor::zeros((rows, self.cfg.hidden_size), h.dtype(), &self.device)?.index_add(&idx, &h, 0),
+            None => Ok(h),
+        }
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
