@@ -1,6 +1,7 @@
 //! Building blocks shared by the model families.
 
 pub mod attention;
+pub mod centroid_head;
 pub mod embedding;
 pub mod gated_deltanet;
 pub mod grid_sample;

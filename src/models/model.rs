@@ -29,6 +29,12 @@ pub trait TextModel: Send {
 
     /// Next-token logits `[N, vocab]` (f32) for rows of final hidden states.
     fn logits(&self, hidden: &Tensor) -> Result<Tensor>;
+
+    /// The input embeddings `[T, hidden]` of token ids, as the first layer reads them (a
+    /// drafter model reads the target's). Only models with such a drafter have it.
+    fn input_embeddings(&self, _ids: &Tensor) -> Result<Tensor> {
+        candle_core::bail!("{} has no drafter that reads its input embeddings", self.config().arch.name())
+    }
 }
 
 /// The image side of a vision-language model: preprocessing, the prompt's M-RoPE positions,

@@ -3,6 +3,8 @@
 //! `<|image|>` tokens between `<|image>` and `<image|>`; positions stay 1-D. Text-only requests
 //! skip the tower; the same weights serve both.
 
+pub mod assistant;
+pub mod assistant_config;
 pub mod config;
 pub mod text;
 pub mod vision;
@@ -11,6 +13,8 @@ use std::path::Path;
 
 use candle_core::Tensor;
 
+pub use assistant::{DraftStep, Gemma4Assistant};
+pub use assistant_config::{AssistantConfig, AssistantError};
 pub use text::Gemma4;
 
 use super::model::VisionModel;

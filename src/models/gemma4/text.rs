@@ -31,7 +31,7 @@ struct Experts {
     post_norm: RmsNorm,
 }
 
-struct Layer {
+pub(super) struct Layer {
     input_norm: RmsNorm,
     attn: SelfAttention,
     post_attn_norm: RmsNorm,
@@ -41,7 +41,7 @@ struct Layer {
     experts: Option<Experts>,
     ple: Option<PleGate>,
     scalar: Tensor,
-    sliding: bool,
+    pub(super) sliding: bool,
 }
 
 pub struct Gemma4 {
@@ -59,63 +59,80 @@ pub struct Gemma4 {
 
 impl Gemma4 {
     pub fn load(w: &Weights, cfg: TextConfig) -> std::result::Result<Self, WeightsError> {
-        let (h, eps, g) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma4.unwrap_or_default());
-        let norm = |name: String| RmsNorm::load(w, &name, h, eps, NormStyle::Plain);
-        let opts = AttentionOptions { qk_norm: Some(NormStyle::Plain), gated: false, v_norm: true };
-        let layers = (0..cfg.num_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                let shared = cfg.kv_source(i).is_some();
-                let width = if g.double_wide_mlp && shared { 2 } else { 1 } * cfg.intermediate_size;
-                let experts = cfg.moe.as_ref().map(|m| -> std::result::Result<_, WeightsError> {
-                    Ok(Experts {
-                        moe: Moe::load_gemma(w, &p, h, eps, m, cfg.activation)?,
-                        pre_norm: norm(format!("{p}.pre_feedforward_layernorm_2.weight"))?,
-                        post_dense_norm: norm(format!("{p}.post_feedforward_layernorm_1.weight"))?,
-                        post_norm: norm(format!("{p}.post_feedforward_layernorm_2.weight"))?,
-                    })
-                });
-                Ok(Layer {
-                    input_norm: norm(format!("{p}.input_layernorm.weight"))?,
-                    attn: SelfAttention::load_with(w, &cfg, i, opts)?,
-                    post_attn_norm: norm(format!("{p}.post_attention_layernorm.weight"))?,
-                    pre_mlp_norm: norm(format!("{p}.pre_feedforward_layernorm.weight"))?,
-                    mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, width, cfg.activation)?,
-                    post_mlp_norm: norm(format!("{p}.post_feedforward_layernorm.weight"))?,
-                    experts: experts.transpose()?,
-                    ple: g.per_layer_input.map(|pl| PleGate::load(w, &p, h, pl.dim, eps)).transpose()?,
-                    scalar: w.dense(&format!("{p}.layer_scalar"), &[1])?,
-                    sliding: cfg.layer_kinds[i] == LayerKind::Sliding,
-                })
-            })
-            .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let layers =
+            (0..cfg.num_layers).map(|i| Layer::load(w, &cfg, i)).collect::<std::result::Result<Vec<_>, _>>()?;
         let embed = Embedding::load(w, "model.embed_tokens.weight", cfg.vocab_size, h)?;
         let lm_head = embed.output_head(w, cfg.tie_word_embeddings, cfg.vocab_size, h)?;
-        let ple = g.per_layer_input.map(|p| PerLayerEmbedding::load(w, p, cfg.num_layers, h, eps)).transpose()?;
-        let local = cfg.rope_local.clone().unwrap_or_else(|| cfg.rope.clone());
-        let rotary = |rope, kind| {
-            let width = (0..cfg.num_layers)
-                .find(|&l| cfg.layer_kinds[l] == kind)
-                .map_or(cfg.head_dim, |l| cfg.kv_shape(l).head_dim);
-            Rotary::new(rope, width, cfg.rope_layout).on_device(w.device(), w.dtype(), cfg.max_position_embeddings)
-        };
+        let ple = cfg.gemma4.unwrap_or_default().per_layer_input;
+        let ple = ple.map(|p| PerLayerEmbedding::load(w, p, cfg.num_layers, h, eps)).transpose()?;
+        let (rotary_full, rotary_sliding) = rotaries(w, &cfg)?;
         Ok(Gemma4 {
             embed,
             ple,
             layers,
-            norm: norm("model.norm.weight".into())?,
+            norm: RmsNorm::load(w, "model.norm.weight", h, eps, NormStyle::Plain)?,
             lm_head,
-            rotary_full: rotary(&cfg.rope, LayerKind::Full)?,
-            rotary_sliding: rotary(&local, LayerKind::Sliding)?,
+            rotary_full,
+            rotary_sliding,
             dtype: w.dtype(),
             device: w.device().clone(),
             cfg,
         })
     }
+
+    /// The scaled input embeddings `[T, hidden]` of `ids` (what the first layer reads; the
+    /// assistant drafter reads them too).
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        // transformers rounds the scale to the embedding dtype before multiplying.
+        let scale = Tensor::new((self.cfg.hidden_size as f32).sqrt(), &self.device)?.to_dtype(self.dtype)?;
+        self.embed.forward(ids, self.dtype)?.broadcast_mul(&scale)
+    }
+}
+
+/// The full and the sliding layers' rotaries, each as wide as its layers' heads.
+pub(super) fn rotaries(w: &Weights, cfg: &TextConfig) -> std::result::Result<(Rotary, Rotary), WeightsError> {
+    let local = cfg.rope_local.clone().unwrap_or_else(|| cfg.rope.clone());
+    let rotary = |rope, kind| {
+        let width = (0..cfg.num_layers)
+            .find(|&l| cfg.layer_kinds[l] == kind)
+            .map_or(cfg.head_dim, |l| cfg.kv_shape(l).head_dim);
+        Rotary::new(rope, width, cfg.rope_layout).on_device(w.device(), w.dtype(), cfg.max_position_embeddings)
+    };
+    Ok((rotary(&cfg.rope, LayerKind::Full)?, rotary(&local, LayerKind::Sliding)?))
 }
 
 impl Layer {
-    fn forward(
+    pub(super) fn load(w: &Weights, cfg: &TextConfig, i: usize) -> std::result::Result<Self, WeightsError> {
+        let (h, eps, g) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma4.unwrap_or_default());
+        let norm = |name: String| RmsNorm::load(w, &name, h, eps, NormStyle::Plain);
+        let opts = AttentionOptions { qk_norm: Some(NormStyle::Plain), gated: false, v_norm: true };
+        let p = format!("model.layers.{i}");
+        let shared = cfg.kv_source(i).is_some();
+        let width = if g.double_wide_mlp && shared { 2 } else { 1 } * cfg.intermediate_size;
+        let experts = cfg.moe.as_ref().map(|m| -> std::result::Result<_, WeightsError> {
+            Ok(Experts {
+                moe: Moe::load_gemma(w, &p, h, eps, m, cfg.activation)?,
+                pre_norm: norm(format!("{p}.pre_feedforward_layernorm_2.weight"))?,
+                post_dense_norm: norm(format!("{p}.post_feedforward_layernorm_1.weight"))?,
+                post_norm: norm(format!("{p}.post_feedforward_layernorm_2.weight"))?,
+            })
+        });
+        Ok(Layer {
+            input_norm: norm(format!("{p}.input_layernorm.weight"))?,
+            attn: SelfAttention::load_with(w, cfg, i, opts)?,
+            post_attn_norm: norm(format!("{p}.post_attention_layernorm.weight"))?,
+            pre_mlp_norm: norm(format!("{p}.pre_feedforward_layernorm.weight"))?,
+            mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, width, cfg.activation)?,
+            post_mlp_norm: norm(format!("{p}.post_feedforward_layernorm.weight"))?,
+            experts: experts.transpose()?,
+            ple: g.per_layer_input.map(|pl| PleGate::load(w, &p, h, pl.dim, eps)).transpose()?,
+            scalar: w.dense(&format!("{p}.layer_scalar"), &[1])?,
+            sliding: cfg.layer_kinds[i] == LayerKind::Sliding,
+        })
+    }
+
+    pub(super) fn forward(
         &self,
         x: &Tensor,
         rot: &RotaryAngles,
@@ -148,10 +165,8 @@ impl TextModel for Gemma4 {
         let mut rot_full = self.rotary_full.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
         let mut rot_sliding =
             self.rotary_sliding.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
-        // transformers rounds the scale to the embedding dtype before multiplying.
-        let scale = Tensor::new((self.cfg.hidden_size as f32).sqrt(), &self.device)?.to_dtype(self.dtype)?;
         // Image rows take their embeddings from the vision tower, unscaled.
-        let mut x = batch.input_embeds(self.embed.forward(&batch.token_ids, self.dtype)?.broadcast_mul(&scale)?)?;
+        let mut x = batch.input_embeds(self.embed(&batch.token_ids)?)?;
         let mut ple = self.ple.as_ref().map(|p| p.forward(batch, &x)).transpose()?;
         if let Some(t) = taps.as_deref_mut() {
             t.embed = Some(x.clone());
@@ -186,6 +201,10 @@ impl TextModel for Gemma4 {
             Some(idx) => Tensor::zeros((rows, self.cfg.hidden_size), h.dtype(), &self.device)?.index_add(&idx, &h, 0),
             None => Ok(h),
         }
+    }
+
+    fn input_embeddings(&self, ids: &Tensor) -> Result<Tensor> {
+        self.embed(ids)
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
