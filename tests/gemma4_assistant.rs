@@ -136,3 +136,149 @@ fn refuses_mismatched_targets_and_non_assistants() {
     let msg = load_err(std::path::Path::new("/nonexistent/assistant"), "tiny-gemma4");
     assert!(msg.contains("cannot read"), "{msg}");
 }
+
+// ---- The engine drafting with the assistant (`--speculative-config` method gemma4_mtp) ----
+
+use common::{engine_with, greedy, run_requests};
+use iris::engine::build::{build_engine, EngineOptions};
+use iris::engine::{SamplingParams, SpeculativeConfig};
+
+fn spec_opts(k: usize, base: EngineOptions) -> EngineOptions {
+    EngineOptions {
+        speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1 }),
+        draft_model: Some(fixture("tiny-gemma4-assistant")),
+        ..base
+    }
+}
+
+/// Prompts of lengths 3..=38 (some past the sliding window of 8), pseudo-random ids.
+fn requests() -> Vec<(Vec<u32>, SamplingParams)> {
+    let lens = [3, 17, 9, 38, 6, 30, 12, 24];
+    let mut x: u64 = 0x9e3779b97f4a7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % 1000) as u32 + 10
+    };
+    lens.iter().enumerate().map(|(i, &n)| ((0..n).map(|_| next()).collect(), greedy(10 + i % 4 * 3))).collect()
+}
+
+fn solo(reqs: &[(Vec<u32>, SamplingParams)], opts: &EngineOptions) -> (Vec<Vec<u32>>, u64, u64) {
+    let (mut outs, mut drafted, mut accepted) = (Vec::new(), 0, 0);
+    for r in reqs {
+        let mut e = engine_with(&fixture("tiny-gemma4"), opts.clone());
+        outs.push(run_requests(&mut e, std::slice::from_ref(r), &[0]).remove(0));
+        drafted += e.stats.spec.num_draft_tokens;
+        accepted += e.stats.spec.num_accepted_tokens;
+    }
+    (outs, drafted, accepted)
+}
+
+#[test]
+fn greedy_with_the_assistant_equals_plain_decoding_alone() {
+    let reqs = requests();
+    let base = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 4, ..Default::default() };
+    let (want, _, _) = solo(&reqs, &base);
+    for k in [1, 2, 4] {
+        let (got, drafted, accepted) = solo(&reqs, &spec_opts(k, base.clone()));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "K={k}: request {i} differs with the assistant drafting");
+            assert_eq!(g.len(), reqs[i].1.max_tokens);
+        }
+        assert!(drafted > 0, "K={k}: no draft was verified");
+        eprintln!("alone K={k}: {accepted} of {drafted} draft tokens accepted");
+    }
+}
+
+/// Requests arriving over time, prompts prefilled in chunks next to verify steps, in a pool
+/// that forces preemption, with prefix caching on (two prompts share a start).
+#[test]
+fn greedy_with_the_assistant_equals_plain_decoding_in_mixed_batches() {
+    let mut reqs = requests();
+    let shared: Vec<u32> = reqs[3].0[..20].iter().copied().chain([77, 78, 79]).collect();
+    reqs.push((shared, greedy(9)));
+    let base = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 4, ..Default::default() };
+    let (want, _, _) = solo(&reqs, &base);
+    let cfg = iris::loader::read_config(&fixture("tiny-gemma4")).unwrap().1;
+    let per_block = iris::kv::KvCacheSpec::bytes_per_token(&cfg, iris::kv::KvDtype::F32) * 4;
+    for k in [1, 2, 4] {
+        let opts = spec_opts(
+            k,
+            EngineOptions {
+                kv_memory: Some(24 * per_block as u64),
+                block_size: 4,
+                max_num_batched_tokens: 16,
+                max_num_seqs: 8,
+                max_model_len: Some(90),
+                enable_prefix_caching: Some(true),
+                ..Default::default()
+            },
+        );
+        let mut e = engine_with(&fixture("tiny-gemma4"), opts);
+        let got = run_requests(&mut e, &reqs, &[0, 0, 1, 2, 3, 3, 5, 8, 9]);
+        assert!(e.stats.preemptions > 0, "K={k}: the test meant to force preemption but none happened");
+        let s = &e.stats.spec;
+        assert!(s.num_draft_tokens > 0, "K={k}: no draft was verified");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "K={k}: request {i} differs with the assistant drafting in a mixed batch");
+        }
+        eprintln!(
+            "mixed K={k}: acceptance {:.3} ({} of {} draft tokens), prefix hits {:?}",
+            s.acceptance_rate(),
+            s.num_accepted_tokens,
+            s.num_draft_tokens,
+            e.stats.prefix
+        );
+        let sched = e.scheduler();
+        assert_eq!(sched.allocator.num_free(), sched.allocator.num_blocks(), "K={k}: blocks leaked");
+    }
+}
+
+/// The engine's drafts after a prompt (the target's hidden row and paged cache, blocks of 4,
+/// prompts prefilled in chunks) are transformers' (the fixture's draft tokens).
+#[test]
+fn the_engine_drafts_what_transformers_drafts() {
+    let info = reference_json("tiny-gemma4-assistant");
+    let k = info["num_draft_steps"].as_u64().unwrap() as usize;
+    for case in ["short", "long"] {
+        let c = &info["cases"][case];
+        let prompt = common::json_ids(&c["prompt"]);
+        let opts =
+            EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_batched_tokens: 8, ..Default::default() };
+        let mut e = engine_with(&fixture("tiny-gemma4"), spec_opts(k, opts));
+        let id = e.add_request(iris::engine::Request { prompt_tokens: prompt, params: greedy(20) }).unwrap();
+        let mut first = None;
+        while first.is_none() {
+            first = e.step().unwrap().into_iter().find_map(|u| u.token).map(|t| t.token);
+        }
+        assert_eq!(first.map(u64::from), c["first_token"].as_u64(), "{case}: first token");
+        let draft = e.scheduler().get(id).unwrap().draft.clone();
+        assert_eq!(draft, common::json_ids(&c["draft_tokens"]), "{case}: the engine's drafts");
+    }
+}
+
+#[test]
+fn the_engine_refuses_a_bad_assistant_in_one_line() {
+    let build = |target: &str, dir: std::path::PathBuf| {
+        let opts =
+            EngineOptions { kv_memory: Some(1 << 20), draft_model: Some(dir), ..spec_opts(2, Default::default()) };
+        match build_engine(&fixture(target), &device(), &opts) {
+            Ok(_) => panic!("built"),
+            Err(e) => e.to_string(),
+        }
+    };
+    for (target, dir, want) in [
+        ("tiny-gemma4", std::path::PathBuf::from("/nonexistent/assistant"), "cannot read"),
+        ("tiny-gemma3", fixture("tiny-gemma4-assistant"), "Gemma 4 target"),
+        ("tiny-gemma4", fixture("tiny-gemma4"), "not a Gemma 4 assistant"),
+    ] {
+        let msg = build(target, dir);
+        assert!(msg.contains(want) && msg.contains("--speculative-config") && !msg.contains('\n'), "{msg}");
+    }
+    let e = iris::engine::speculative::parse(r#"{"method": "gemma4_mtp", "num_speculative_tokens": 2}"#).unwrap_err();
+    assert!(e.to_string().contains("needs \"model\""), "{e}");
+    let e = iris::engine::speculative::parse(r#"{"method": "mtp", "model": "x", "num_speculative_tokens": 2}"#)
+        .unwrap_err();
+    assert!(e.to_string().contains("method `mtp`"), "{e}");
+}

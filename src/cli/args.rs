@@ -7,7 +7,7 @@ use candle_core::{DType, Device};
 use clap::Args;
 
 use crate::engine::build::EngineOptions;
-use crate::engine::{SamplingParams, SpeculativeConfig};
+use crate::engine::SamplingParams;
 use crate::hub::{self, HubId, HubSettings};
 use crate::kv::format::parse_layer_list;
 use crate::kv::KvCacheDtype;
@@ -209,9 +209,12 @@ impl EngineArgs {
             Some(s) => Some(parse_bytes(s).with_context(|| format!("--kv-cache-memory {s}"))?),
             None => None,
         };
-        let speculative = match &self.speculative_config {
-            Some(s) => Some(s.parse::<SpeculativeConfig>()?),
-            None => None,
+        let (speculative, draft_model) = match &self.speculative_config {
+            Some(s) => {
+                let (c, model) = crate::engine::speculative::parse(s)?;
+                (Some(c), model)
+            }
+            None => (None, None),
         };
         Ok(EngineOptions {
             dtype,
@@ -226,6 +229,7 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
             speculative,
+            draft_model,
             enable_prefix_caching: match (self.enable_prefix_caching, self.no_enable_prefix_caching) {
                 (true, _) => Some(true),
                 (_, true) => Some(false),

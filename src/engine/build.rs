@@ -34,6 +34,8 @@ pub struct EngineOptions {
     pub max_model_len: Option<usize>,
     /// Speculative decoding (`--speculative-config`).
     pub speculative: Option<SpeculativeConfig>,
+    /// With `speculative`: the drafter model's directory (method gemma4_mtp: a Gemma 4 assistant).
+    pub draft_model: Option<PathBuf>,
     /// Automatic prefix caching (`--[no-]enable-prefix-caching`). None: on where it is exact
     /// (vLLM's default), off with a log line elsewhere; Some(true) where it cannot be exact
     /// is an error.
@@ -57,6 +59,7 @@ impl Default for EngineOptions {
             max_num_seqs: 256,
             max_model_len: None,
             speculative: None,
+            draft_model: None,
             enable_prefix_caching: None,
             tokenizer: None,
         }
@@ -319,6 +322,30 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         speculative: opts.speculative,
         prefix_caching,
     };
-    let engine = Engine::new(loaded.model, kv, loaded.tokenizer, engine_cfg, device.clone()).with_vision(loaded.vision);
+    let mut engine =
+        Engine::new(loaded.model, kv, loaded.tokenizer, engine_cfg, device.clone()).with_vision(loaded.vision);
+    if let Some(dir) = &opts.draft_model {
+        engine
+            .set_model_drafter(load_draft_model(dir, &cfg, device, opts.dtype)?)
+            .map_err(|e| BuildError::Setting(e.to_string()))?;
+    }
     Ok((engine, report))
+}
+
+/// The drafter model in `dir` for a target of config `cfg` (the Gemma 4 assistant is the one
+/// kind so far), refused in one line where it cannot serve.
+fn load_draft_model(
+    dir: &Path,
+    cfg: &crate::config::TextConfig,
+    device: &Device,
+    dtype: DType,
+) -> Result<super::model_drafter::ModelDrafter, BuildError> {
+    if !device.is_cpu() {
+        return Err(BuildError::Setting(
+            "--speculative-config method gemma4_mtp runs on the CPU only so far; run without it on CUDA".into(),
+        ));
+    }
+    let a = crate::models::gemma4::Gemma4Assistant::load(dir, cfg, device, dtype)
+        .map_err(|e| BuildError::Setting(format!("--speculative-config model: {e}")))?;
+    Ok(super::model_drafter::ModelDrafter::new(Box::new(a)))
 }

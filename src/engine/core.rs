@@ -5,11 +5,13 @@ use std::sync::Arc;
 use candle_core::Device;
 
 use super::detokenizer::IncrementalDetokenizer;
+use super::model_drafter::{DraftInput, ModelDrafter};
 use super::multimodal::{EmbedCache, ImageInput, MultiModalState};
 use super::output::{EngineStats, OutputProcessor};
 use super::prefix::PrefixHasher;
 use super::request::{Request, RequestError, SeqUpdate};
 use super::runner::ModelRunner;
+use super::scheduler::SchedulerOutput;
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence, TextState};
 use super::speculative::{Drafter, NgramDrafter, SpeculativeConfig};
@@ -44,6 +46,8 @@ pub struct Engine {
     tokenizer: Arc<TextTokenizer>,
     cfg: EngineConfig,
     next_id: u64,
+    /// Drafts from a model reading the target's state (else the output processor's drafter).
+    model_drafter: Option<ModelDrafter>,
     pub stats: EngineStats,
 }
 
@@ -69,7 +73,18 @@ impl Engine {
         let runner = ModelRunner::new(device, cfg.scheduler.max_num_seqs, max_blocks, max_positions, 1 + max_drafts);
         let drafter = cfg.speculative.map(|s| Drafter::Ngram(NgramDrafter::new(s)));
         let output = OutputProcessor::new(eos, cfg.max_model_len, drafter, max_drafts);
-        Engine { model, kv, scheduler, runner, output, tokenizer, cfg, next_id: 0, stats: EngineStats::default() }
+        Engine {
+            model,
+            kv,
+            scheduler,
+            runner,
+            output,
+            tokenizer,
+            cfg,
+            next_id: 0,
+            model_drafter: None,
+            stats: EngineStats::default(),
+        }
     }
 
     /// Replaces the drafter of an engine built with speculative decoding (benchmarks use a
@@ -82,6 +97,21 @@ impl Engine {
             }
             None => Err(super::speculative::SpeculativeConfigError::NotEnabled),
         }
+    }
+
+    /// Drafts with a model that reads the target's hidden rows and caches (in place of the
+    /// n-gram drafter); needs speculative decoding on (its `num_speculative_tokens` bounds it).
+    pub fn set_model_drafter(
+        &mut self,
+        drafter: ModelDrafter,
+    ) -> Result<(), super::speculative::SpeculativeConfigError> {
+        if self.cfg.speculative.is_none() {
+            return Err(super::speculative::SpeculativeConfigError::NotEnabled);
+        }
+        self.output.clear_drafter();
+        self.runner.keep_hidden = true;
+        self.model_drafter = Some(drafter);
+        Ok(())
     }
 
     /// Benchmarks only: every draft counts as accepted (the token after them is the target's
@@ -229,7 +259,54 @@ impl Engine {
         }
         self.stats.steps += 1;
         let tokens = self.runner.execute(self.model.as_ref(), &self.kv, self.scheduler.seqs_mut(), &plan)?;
-        Ok(self.output.apply(&mut self.scheduler, &plan, tokens, &mut self.stats))
+        // Per scheduled sequence, the sampled row that produced its last token.
+        let last_rows: Vec<Option<usize>> = match &self.runner.sampled_hidden {
+            Some((_, counts)) => {
+                let starts = counts.iter().scan(0, |acc, &n| {
+                    *acc += n;
+                    Some(*acc - n)
+                });
+                starts.zip(&tokens).map(|(s, t)| t.len().checked_sub(1).map(|a| s + a)).collect()
+            }
+            None => Vec::new(),
+        };
+        let updates = self.output.apply(&mut self.scheduler, &plan, tokens, &mut self.stats);
+        if self.model_drafter.is_some() {
+            self.draft_with_model(&plan, &last_rows)?;
+        }
+        Ok(updates)
+    }
+
+    /// The next step's drafts of the sequences that decode, from the drafter model.
+    fn draft_with_model(&mut self, plan: &SchedulerOutput, last_rows: &[Option<usize>]) -> candle_core::Result<()> {
+        let (Some(drafter), Some((hidden, _))) = (&self.model_drafter, &self.runner.sampled_hidden) else {
+            return Ok(());
+        };
+        let mut ids = Vec::new();
+        let mut inputs = Vec::new();
+        for (item, row) in plan.items.iter().zip(last_rows) {
+            let (Some(row), Some(seq)) = (row, self.scheduler.get_mut(item.id)) else { continue };
+            let Some(max) = self.output.draft_limit(seq).filter(|&m| m > 0) else { continue };
+            let Some(&last_token) = seq.tokens().last() else { continue };
+            ids.push(item.id);
+            inputs.push(DraftInput {
+                last_token,
+                cached: seq.num_computed,
+                block_table: seq.block_table.ids(),
+                hidden_row: *row,
+                max,
+            });
+        }
+        if inputs.is_empty() {
+            return Ok(());
+        }
+        let drafts = drafter.propose(self.model.as_ref(), &self.kv, self.cfg.scheduler.block_size, hidden, &inputs)?;
+        for (id, d) in ids.into_iter().zip(drafts) {
+            if let Some(seq) = self.scheduler.get_mut(id) {
+                seq.draft = d;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -11,6 +11,7 @@ pub mod detokenizer;
 pub mod finish;
 pub mod grammar;
 mod mask_job;
+pub mod model_drafter;
 pub mod multimodal;
 pub mod output;
 pub mod prefix;

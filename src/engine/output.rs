@@ -93,6 +93,22 @@ impl OutputProcessor {
         self.drafter = Some(drafter);
     }
 
+    /// Drafts come from elsewhere (a drafter model, run by the engine).
+    pub fn clear_drafter(&mut self) {
+        self.drafter = None;
+    }
+
+    /// How many tokens a sequence may draft for the next step: None unless it decodes; no
+    /// more than can still be output, nor than fit in the model's context.
+    pub fn draft_limit(&self, seq: &super::sequence::Sequence) -> Option<usize> {
+        if seq.num_uncomputed() != 1 {
+            return None;
+        }
+        let left = seq.params.max_tokens.saturating_sub(seq.output().len() + 1);
+        let room = self.max_model_len.saturating_sub(seq.num_tokens());
+        Some(left.min(room).min(self.max_drafts))
+    }
+
     pub fn eos(&self) -> &[u32] {
         &self.eos
     }
@@ -140,13 +156,9 @@ impl OutputProcessor {
     /// nor than fit in the model's context.
     fn propose(&self, sched: &mut Scheduler, id: SeqId) {
         let Some(drafter) = &self.drafter else { return };
+        let Some(limit) = sched.get_mut(id).and_then(|s| self.draft_limit(s)) else { return };
         let Some(seq) = sched.get_mut(id) else { return };
-        if seq.num_uncomputed() != 1 {
-            return;
-        }
-        let left = seq.params.max_tokens.saturating_sub(seq.output().len() + 1);
-        let room = self.max_model_len.saturating_sub(seq.num_tokens());
-        seq.draft = drafter.propose(seq.tokens(), left.min(room).min(self.max_drafts));
+        seq.draft = drafter.propose(seq.tokens(), limit);
     }
 
     fn append_token(&self, sched: &mut Scheduler, id: SeqId, tok: Sampled, stats: &mut EngineStats) -> SeqUpdate {

@@ -33,6 +33,11 @@ pub struct ModelRunner {
     /// Benchmarks only (`iris bench --all-accepted`): count every draft accepted, so that each
     /// step verifies all its drafts whatever the target says.
     pub accept_all_drafts: bool,
+    /// Keep the last step's sampled hidden rows (`sampled_hidden`) for a drafter model.
+    pub keep_hidden: bool,
+    /// With `keep_hidden`: the last step's final hidden rows of its sampled rows, and how many
+    /// each scheduled sequence had (in plan order). CPU only.
+    pub sampled_hidden: Option<(Tensor, Vec<usize>)>,
     vision: Option<Arc<dyn VisionModel>>,
     embed_cache: EmbedCache,
     #[cfg(feature = "cuda")]
@@ -77,6 +82,8 @@ impl ModelRunner {
         ModelRunner {
             device,
             accept_all_drafts: false,
+            keep_hidden: false,
+            sampled_hidden: None,
             vision: None,
             embed_cache: EmbedCache::new(EMBED_CACHE_BYTES),
             #[cfg(feature = "cuda")]
@@ -143,14 +150,23 @@ impl ModelRunner {
             None => None,
         };
         let counts: Vec<usize> = step.sampled.iter().map(|&(_, n)| n).collect();
+        self.sampled_hidden = None;
+        let keep = self.keep_hidden.then(|| counts.clone());
         let beside = !self.device.is_cpu();
         let (out, masks) = masks_beside(seqs, plan, &counts, beside, |seqs| -> Result<StepOutput> {
             if needs_plain_forward(seqs, plan, &step.batch) {
                 let hidden = self.forward(model, kv, step.batch)?;
                 record_prompt_logprobs(model, seqs, plan, &hidden)?;
+                self.keep_rows(&hidden, &rows, keep)?;
                 self.logits(model, &hidden, &rows)
             } else {
                 let draws = self.device_draws(seqs, plan, &step.sampled);
+                if let Some(counts) = keep {
+                    // The drafter model runs on the CPU only: the plain pass there.
+                    let hidden = model.forward(&step.batch, kv, None)?;
+                    self.keep_rows(&hidden, &rows, Some(counts))?;
+                    return self.logits(model, &hidden, &rows);
+                }
                 self.run(model, kv, step.batch, &rows, draws.as_deref())
             }
         });
@@ -287,6 +303,14 @@ impl ModelRunner {
     pub fn forward(&self, model: &dyn TextModel, kv: &KvCache, mut batch: Batch) -> Result<Tensor> {
         batch.to_device(&self.device)?;
         model.forward(&batch, kv, None)
+    }
+
+    fn keep_rows(&mut self, hidden: &Tensor, rows: &[u32], counts: Option<Vec<usize>>) -> Result<()> {
+        if let Some(counts) = counts.filter(|_| !rows.is_empty()) {
+            let kept = hidden.index_select(&Tensor::new(rows, hidden.device())?, 0)?;
+            self.sampled_hidden = Some((kept, counts));
+        }
+        Ok(())
     }
 
     /// The logits of `sample_rows` of `hidden`, copied to the host.

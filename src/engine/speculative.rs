@@ -13,8 +13,12 @@ use serde::Deserialize;
 pub enum SpeculativeConfigError {
     #[error("--speculative-config is not valid JSON for it: {0} (e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}')")]
     Json(String),
-    #[error("--speculative-config: method `{0}` is not supported; use \"ngram\"")]
+    #[error("--speculative-config: method `{0}` is not supported; use \"ngram\", or \"gemma4_mtp\" with \"model\"")]
     Method(String),
+    #[error("--speculative-config: method gemma4_mtp needs \"model\": the directory of the target's gemma4_assistant checkpoint")]
+    NeedsModel,
+    #[error("--speculative-config: method `{0}` takes no \"model\" (it drafts from the tokens); leave it out")]
+    NoModel(String),
     #[error("--speculative-config: num_speculative_tokens must be 1..={MAX_SPECULATIVE_TOKENS}, got {0}")]
     NumTokens(usize),
     #[error("speculative decoding is off: start with --speculative-config")]
@@ -33,6 +37,7 @@ struct RawConfig {
     num_speculative_tokens: usize,
     prompt_lookup_max: Option<usize>,
     prompt_lookup_min: Option<usize>,
+    model: Option<std::path::PathBuf>,
 }
 
 /// How to speculate: today n-gram drafts of up to `num_tokens` tokens.
@@ -49,10 +54,23 @@ impl std::str::FromStr for SpeculativeConfig {
     /// vLLM's form: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
     /// "prompt_lookup_min": 2}`. Without either lookup bound, n runs from 4 down to 1; with one,
     /// the other equals it.
+    /// A drafter model's directory, if the method names one, is dropped: see `parse`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse(s).map(|(c, _)| c)
+    }
+}
+
+/// `--speculative-config` with the drafter model's directory where the method has one: vLLM's
+/// `{"method": "gemma4_mtp", "model": DIR, "num_speculative_tokens": K}` (Gemma 4's assistant),
+/// or an n-gram config (see `SpeculativeConfig::from_str`).
+pub fn parse(s: &str) -> Result<(SpeculativeConfig, Option<std::path::PathBuf>), SpeculativeConfigError> {
+    {
         let raw: RawConfig = serde_json::from_str(s).map_err(|e| SpeculativeConfigError::Json(e.to_string()))?;
-        if raw.method != "ngram" {
-            return Err(SpeculativeConfigError::Method(raw.method));
+        match (raw.method.as_str(), &raw.model) {
+            ("ngram", None) | ("gemma4_mtp", Some(_)) => {}
+            ("ngram", Some(_)) => return Err(SpeculativeConfigError::NoModel(raw.method)),
+            ("gemma4_mtp", None) => return Err(SpeculativeConfigError::NeedsModel),
+            _ => return Err(SpeculativeConfigError::Method(raw.method)),
         }
         if !(1..=MAX_SPECULATIVE_TOKENS).contains(&raw.num_speculative_tokens) {
             return Err(SpeculativeConfigError::NumTokens(raw.num_speculative_tokens));
@@ -65,7 +83,7 @@ impl std::str::FromStr for SpeculativeConfig {
         if min == 0 || min > max {
             return Err(SpeculativeConfigError::Lookup { min, max });
         }
-        Ok(SpeculativeConfig { num_tokens: raw.num_speculative_tokens, lookup_min: min, lookup_max: max })
+        Ok((SpeculativeConfig { num_tokens: raw.num_speculative_tokens, lookup_min: min, lookup_max: max }, raw.model))
     }
 }
 
@@ -174,11 +192,15 @@ mod tests {
                 "prompt_lookup_min",
             ),
             (r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}"#, "prompt_lookup_min"),
-            (r#"{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}"#, "unknown field"),
+            (r#"{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}"#, "takes no \"model\""),
+            (r#"{"method": "ngram", "num_speculative_tokens": 2, "draft": "x"}"#, "unknown field"),
+            (r#"{"method": "gemma4_mtp", "num_speculative_tokens": 2}"#, "needs \"model\""),
         ] {
             let e = bad.parse::<SpeculativeConfig>().unwrap_err().to_string();
             assert!(e.contains(want), "{bad}: {e}");
         }
+        let (c, model) = parse(r#"{"method": "gemma4_mtp", "model": "/m/a", "num_speculative_tokens": 4}"#).unwrap();
+        assert_eq!((c.num_tokens, model), (4, Some("/m/a".into())));
     }
 
     #[test]
