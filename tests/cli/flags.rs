@@ -57,6 +57,18 @@ fn bad_flags() {
         ),
         &["--kv-float-window 2", "num_speculative_tokens 2"],
     );
+    // The Gemma 4 assistant: a model directory is needed, must exist, and must fit the target.
+    let assistant = fixture("tiny-gemma4-assistant");
+    let mtp = |dir: &str| format!(r#"{{"method": "gemma4_mtp", "model": "{dir}", "num_speculative_tokens": 2}}"#);
+    expect_error(
+        &generate_args(m, &["--speculative-config", r#"{"method": "gemma4_mtp", "num_speculative_tokens": 2}"#]),
+        &["--speculative-config", "gemma4_mtp", "model"],
+    );
+    expect_error(
+        &generate_args(m, &["--speculative-config", &mtp("/nonexistent/dir")]),
+        &["cannot read", "gemma4_assistant"],
+    );
+    expect_error(&generate_args(m, &["--speculative-config", &mtp(assistant.to_str().unwrap())]), &["Gemma 4 target"]);
     expect_error(&["bench", "--model", m, "--all-accepted"], &["--speculative-config"]);
     expect_error(&["bench", "--model", m, "--repeats", "0"], &["--repeats"]);
     expect_error(&["bench", "--model", m, "--batch-sizes", "0"], &["--batch-sizes"]);
