@@ -38,14 +38,23 @@ fn argmax(t: &Tensor) -> Vec<u32> {
     t.argmax(1).unwrap().to_vec1::<u32>().unwrap()
 }
 
-/// Drafts `k` tokens for every prompt in one batch per step; returns each step's logits `[S, V]`.
+/// Drafts `k` tokens for every prompt in one batch per step, after the target's own next
+/// tokens; returns those and each step's logits `[S, V]`.
 fn draft(prompts: &[Vec<u32>], k: usize) -> (Vec<u32>, Vec<Tensor>) {
+    draft_after(prompts, None, k)
+}
+
+/// As `draft`, after the tokens `lasts` if given.
+fn draft_after(prompts: &[Vec<u32>], lasts: Option<&[u32]>, k: usize) -> (Vec<u32>, Vec<Tensor>) {
     let dev = device();
     let m = iris::loader::load(&fixture("tiny-gemma4"), &dev, DType::F32).unwrap();
     let a = Gemma4Assistant::load(&fixture("tiny-gemma4-assistant"), m.config(), &dev, DType::F32).unwrap();
     let (kv, tables, rows) = prefill(&m, &dev, prompts);
     let mut hidden = Tensor::cat(&rows, 0).unwrap();
-    let first = argmax(&m.model.logits(&hidden).unwrap());
+    let first = match lasts {
+        Some(l) => l.to_vec(),
+        None => argmax(&m.model.logits(&hidden).unwrap()),
+    };
     let seqs = prompts
         .iter()
         .zip(tables)
@@ -256,6 +265,49 @@ fn the_engine_drafts_what_transformers_drafts() {
         let draft = e.scheduler().get(id).unwrap().draft.clone();
         assert_eq!(draft, common::json_ids(&c["draft_tokens"]), "{case}: the engine's drafts");
     }
+}
+
+/// Every step's drafts in a batch of decoding sequences, each draft accepted (the benchmark
+/// switch, so the hidden row taken is the last of K + 1 verify rows, not always the first; the
+/// token after the drafts is then the rejecting row's, not that row's argmax), are those of
+/// the assistant run on its own over the sequence's cached tokens prefilled afresh, after its
+/// last token.
+#[test]
+fn the_engine_drafts_each_step_as_the_assistant_alone_does() {
+    let k = 3;
+    let opts =
+        EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_batched_tokens: 16, ..Default::default() };
+    let mut e = engine_with(&fixture("tiny-gemma4"), spec_opts(k, opts));
+    e.accept_all_drafts(true);
+    let ids: Vec<_> = requests()[..3]
+        .iter()
+        .map(|(p, _)| e.add_request(iris::engine::Request { prompt_tokens: p.clone(), params: greedy(16) }).unwrap())
+        .collect();
+    let mut checked = 0;
+    while e.has_work() {
+        e.step().unwrap();
+        let live: Vec<(Vec<u32>, u32, Vec<u32>)> = ids
+            .iter()
+            .filter_map(|&id| e.scheduler().get(id))
+            .filter(|s| s.draft.len() == k)
+            .map(|s| {
+                let (last, cached) = s.tokens().split_last().unwrap();
+                (cached.to_vec(), *last, s.draft.clone())
+            })
+            .collect();
+        if live.is_empty() {
+            continue;
+        }
+        let cached: Vec<Vec<u32>> = live.iter().map(|(c, _, _)| c.clone()).collect();
+        let lasts: Vec<u32> = live.iter().map(|&(_, l, _)| l).collect();
+        let (_, steps) = draft_after(&cached, Some(&lasts), k);
+        for (i, (c, _, d)) in live.iter().enumerate() {
+            let alone: Vec<u32> = steps.iter().map(|l| argmax(&l.narrow(0, i, 1).unwrap())[0]).collect();
+            assert_eq!(d, &alone, "after {} cached tokens", c.len());
+            checked += 1;
+        }
+    }
+    assert!(checked > 6, "only {checked} drafts checked");
 }
 
 #[test]
