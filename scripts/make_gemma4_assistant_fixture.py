@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""A tiny random Gemma 4 assistant drafter paired with tests/fixtures/tiny-gemma4 (transformers 5.24).
+"""Tiny random Gemma 4 assistant drafters paired with the Gemma 4 fixtures (transformers 5.24).
 
-    tests/fixtures/tiny-gemma4-assistant/   Gemma4AssistantForCausalLM (`gemma4_assistant`): hidden 32,
-                                            a sliding and a full layer, both KV-shared (they read the
-                                            target's layer 1 and layer 2 K/V), the target's head
-                                            widths and rotary; ordered embeddings (16 centroids of 64
-                                            tokens, top 4) so the centroid-masked head is exercised.
+    tests/fixtures/tiny-gemma4-assistant/       Gemma4AssistantForCausalLM (`gemma4_assistant`) for
+                                                tiny-gemma4: hidden 32, a sliding and a full layer,
+                                                both KV-shared (they read the target's layer 1 and
+                                                layer 2 K/V), the target's head widths and rotary;
+                                                ordered embeddings (16 centroids of 64 tokens, top 4)
+                                                so the centroid-masked head is exercised.
+    tests/fixtures/tiny-gemma4-moe-assistant/   the same for tiny-gemma4-moe (2 sliding KV heads;
+                                                K-eq-V full layers of 1 KV head: it reads the
+                                                target's layers 4 and 5), a plain tied head.
 
 reference.safetensors, per case (prompts shorter and longer than the sliding window of 8):
     {case}.prompt          the prompt ids (the target processed them; its cache holds their K/V)
@@ -35,8 +39,6 @@ from safetensors.torch import save_file  # noqa: E402
 from make_gemma4_fixtures import FULL, SLIDING, TEXT, perturb_  # noqa: E402
 
 OUT = os.path.join(mf.REPO, "tests", "fixtures")
-TARGET = os.path.join(OUT, "tiny-gemma4")
-NAME = "tiny-gemma4-assistant"
 K = 4
 SEED = 4242
 ASSISTANT_TEXT = dict(
@@ -47,6 +49,13 @@ ASSISTANT_TEXT = dict(
     num_kv_shared_layers=2, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
     tie_word_embeddings=True, rope_parameters=TEXT["rope_parameters"],
 )
+# (target, its class, assistant, seed, text_config overrides, assistant config overrides)
+PAIRS = [
+    ("tiny-gemma4", "Gemma4ForConditionalGeneration", "tiny-gemma4-assistant", SEED, {},
+     dict(use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4)),
+    ("tiny-gemma4-moe", "Gemma4ForCausalLM", "tiny-gemma4-moe-assistant", SEED + 10,
+     dict(num_key_value_heads=2, attention_k_eq_v=True, num_global_key_value_heads=1), {}),
+]
 PROMPTS = {
     "short": [2, 17, 305, 41, 88],
     "long": [2, 9, 400, 33, 12, 700, 5, 61, 230, 18, 99, 512, 7, 300, 44, 21, 800, 3, 150, 66],
@@ -76,25 +85,26 @@ def draft(target, assistant, ids, k):
     return int(first), torch.tensor(tokens), torch.stack(logits)
 
 
-def main():
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForConditionalGeneration
+def make(target_name, target_cls, name, seed, text_over, cfg_over):
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
-    target = Gemma4ForConditionalGeneration.from_pretrained(TARGET, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
+    cls = getattr(transformers, target_cls)
+    target = cls.from_pretrained(os.path.join(OUT, target_name), dtype=torch.float32,
+                                 attn_implementation="eager").eval()
     tcfg = target.config.get_text_config()
     special = dict(bos_token_id=tcfg.bos_token_id, eos_token_id=tcfg.eos_token_id, pad_token_id=tcfg.pad_token_id)
-    torch.manual_seed(SEED)
-    cfg = Gemma4AssistantConfig(text_config=ASSISTANT_TEXT | special, backbone_hidden_size=tcfg.hidden_size,
-                                use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4,
-                                **special)
+    torch.manual_seed(seed)
+    cfg = Gemma4AssistantConfig(text_config=ASSISTANT_TEXT | text_over | special,
+                                backbone_hidden_size=tcfg.hidden_size, **cfg_over, **special)
     model = Gemma4AssistantForCausalLM._from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    perturb_(model, torch.Generator().manual_seed(SEED + 1))
-    with torch.no_grad():
-        order = torch.randperm(cfg.text_config.vocab_size, generator=torch.Generator().manual_seed(SEED + 2))
-        model.masked_embedding.token_ordering.copy_(order)
+    perturb_(model, torch.Generator().manual_seed(seed + 1))
+    if cfg.use_ordered_embeddings:
+        with torch.no_grad():
+            order = torch.randperm(cfg.text_config.vocab_size, generator=torch.Generator().manual_seed(seed + 2))
+            model.masked_embedding.token_ordering.copy_(order)
     model.eval()
     model.generation_config.num_assistant_tokens = K  # the candidate generator reads it from here
-    out_dir = os.path.join(OUT, NAME)
+    out_dir = os.path.join(OUT, name)
     os.makedirs(out_dir, exist_ok=True)
     for f in os.listdir(out_dir):
         os.remove(os.path.join(out_dir, f))
@@ -119,11 +129,16 @@ def main():
                        "greedy": plain.tolist(), "assisted_greedy": assisted.tolist()}
     save_file(tensors, os.path.join(out_dir, "reference.safetensors"),
               metadata={"generator": f"scripts/make_gemma4_assistant_fixture.py transformers={transformers.__version__}"})
-    info = {"target": "tiny-gemma4", "num_draft_steps": K, "cases": cases,
-            "transformers_version": transformers.__version__, "torch_version": torch.__version__, "seed": SEED}
+    info = {"target": target_name, "num_draft_steps": K, "cases": cases,
+            "transformers_version": transformers.__version__, "torch_version": torch.__version__, "seed": seed}
     with open(os.path.join(out_dir, "reference.json"), "w") as fh:
         json.dump(info, fh, indent=1)
         fh.write("\n")
+
+
+def main():
+    for pair in PAIRS:
+        make(*pair)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 //! The Gemma 4 assistant drafter (`gemma4_assistant`) against transformers 5.24
-//! (tests/fixtures/tiny-gemma4-assistant, scripts/make_gemma4_assistant_fixture.py): its draft
-//! logits over the target's cache, alone and batched; config refusals.
+//! (tests/fixtures/tiny-gemma4{,-moe}-assistant, scripts/make_gemma4_assistant_fixture.py): its
+//! draft logits over the target's cache, alone and batched; the engine drafting with it
+//! (`--speculative-config` method gemma4_mtp): its drafts, greedy output unchanged; refusals.
 
 mod common;
 
@@ -40,15 +41,20 @@ fn argmax(t: &Tensor) -> Vec<u32> {
 
 /// Drafts `k` tokens for every prompt in one batch per step, after the target's own next
 /// tokens; returns those and each step's logits `[S, V]`.
-fn draft(prompts: &[Vec<u32>], k: usize) -> (Vec<u32>, Vec<Tensor>) {
-    draft_after(prompts, None, k)
+fn draft(pair: Pair, prompts: &[Vec<u32>], k: usize) -> (Vec<u32>, Vec<Tensor>) {
+    draft_after(pair, prompts, None, k)
 }
 
+/// (target fixture, its assistant fixture).
+type Pair = (&'static str, &'static str);
+const E2B: Pair = ("tiny-gemma4", "tiny-gemma4-assistant");
+const MOE: Pair = ("tiny-gemma4-moe", "tiny-gemma4-moe-assistant");
+
 /// As `draft`, after the tokens `lasts` if given.
-fn draft_after(prompts: &[Vec<u32>], lasts: Option<&[u32]>, k: usize) -> (Vec<u32>, Vec<Tensor>) {
+fn draft_after(pair: Pair, prompts: &[Vec<u32>], lasts: Option<&[u32]>, k: usize) -> (Vec<u32>, Vec<Tensor>) {
     let dev = device();
-    let m = iris::loader::load(&fixture("tiny-gemma4"), &dev, DType::F32).unwrap();
-    let a = Gemma4Assistant::load(&fixture("tiny-gemma4-assistant"), m.config(), &dev, DType::F32).unwrap();
+    let m = iris::loader::load(&fixture(pair.0), &dev, DType::F32).unwrap();
+    let a = Gemma4Assistant::load(&fixture(pair.1), m.config(), &dev, DType::F32).unwrap();
     let (kv, tables, rows) = prefill(&m, &dev, prompts);
     let mut hidden = Tensor::cat(&rows, 0).unwrap();
     let first = match lasts {
@@ -74,12 +80,12 @@ fn draft_after(prompts: &[Vec<u32>], lasts: Option<&[u32]>, k: usize) -> (Vec<u3
     (first, out)
 }
 
-fn check(cases: &[&str]) {
-    let r = reference("tiny-gemma4-assistant");
-    let info = reference_json("tiny-gemma4-assistant");
+fn check(pair: Pair, cases: &[&str]) {
+    let r = reference(pair.1);
+    let info = reference_json(pair.1);
     let prompts: Vec<Vec<u32>> = cases.iter().map(|c| common::json_ids(&info["cases"][c]["prompt"])).collect();
     let k = info["num_draft_steps"].as_u64().unwrap() as usize;
-    let (first, steps) = draft(&prompts, k);
+    let (first, steps) = draft(pair, &prompts, k);
     for (i, c) in cases.iter().enumerate() {
         assert_eq!(first[i] as u64, info["cases"][c]["first_token"].as_u64().unwrap(), "{c}: target's first token");
         let want = &r[&format!("{c}.draft_logits")];
@@ -95,17 +101,25 @@ fn check(cases: &[&str]) {
 
 #[test]
 fn draft_logits_match_transformers_short_prompt() {
-    check(&["short"]);
+    check(E2B, &["short"]);
 }
 
 #[test]
 fn draft_logits_match_transformers_past_the_sliding_window() {
-    check(&["long"]);
+    check(E2B, &["long"]);
 }
 
 #[test]
 fn draft_logits_match_transformers_batched_mixed_lengths() {
-    check(&["long", "short"]);
+    check(E2B, &["long", "short"]);
+}
+
+/// The 26B-A4B-like target: no KV sharing of its own, K-eq-V full layers of one KV head.
+#[test]
+fn draft_logits_match_transformers_for_the_moe_target() {
+    check(MOE, &["short"]);
+    check(MOE, &["long"]);
+    check(MOE, &["long", "short"]);
 }
 
 fn load_err(dir: &std::path::Path, target: &str) -> String {
@@ -138,6 +152,9 @@ fn refuses_mismatched_targets_and_non_assistants() {
     });
     let msg = load_err(vocab.path(), "tiny-gemma4");
     assert!(msg.contains("vocab_size"), "{msg}");
+    // Another Gemma 4 target whose cached heads differ (2 sliding KV heads, not 1).
+    let msg = load_err(&fixture("tiny-gemma4-assistant"), "tiny-gemma4-moe");
+    assert!(msg.contains("key/value heads is 1") && msg.contains("target's 2"), "{msg}");
     // The target itself is no assistant.
     let msg = load_err(&fixture("tiny-gemma4"), "tiny-gemma4");
     assert!(msg.contains("not a Gemma 4 assistant"), "{msg}");
@@ -153,9 +170,13 @@ use iris::engine::build::{build_engine, EngineOptions};
 use iris::engine::{SamplingParams, SpeculativeConfig};
 
 fn spec_opts(k: usize, base: EngineOptions) -> EngineOptions {
+    spec_opts_for(E2B, k, base)
+}
+
+fn spec_opts_for(pair: Pair, k: usize, base: EngineOptions) -> EngineOptions {
     EngineOptions {
         speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1 }),
-        draft_model: Some(fixture("tiny-gemma4-assistant")),
+        draft_model: Some(fixture(pair.1)),
         ..base
     }
 }
@@ -173,10 +194,10 @@ fn requests() -> Vec<(Vec<u32>, SamplingParams)> {
     lens.iter().enumerate().map(|(i, &n)| ((0..n).map(|_| next()).collect(), greedy(10 + i % 4 * 3))).collect()
 }
 
-fn solo(reqs: &[(Vec<u32>, SamplingParams)], opts: &EngineOptions) -> (Vec<Vec<u32>>, u64, u64) {
+fn solo(target: &str, reqs: &[(Vec<u32>, SamplingParams)], opts: &EngineOptions) -> (Vec<Vec<u32>>, u64, u64) {
     let (mut outs, mut drafted, mut accepted) = (Vec::new(), 0, 0);
     for r in reqs {
-        let mut e = engine_with(&fixture("tiny-gemma4"), opts.clone());
+        let mut e = engine_with(&fixture(target), opts.clone());
         outs.push(run_requests(&mut e, std::slice::from_ref(r), &[0]).remove(0));
         drafted += e.stats.spec.num_draft_tokens;
         accepted += e.stats.spec.num_accepted_tokens;
@@ -186,17 +207,26 @@ fn solo(reqs: &[(Vec<u32>, SamplingParams)], opts: &EngineOptions) -> (Vec<Vec<u
 
 #[test]
 fn greedy_with_the_assistant_equals_plain_decoding_alone() {
+    greedy_alone(E2B);
+}
+
+#[test]
+fn greedy_with_the_assistant_equals_plain_decoding_alone_moe() {
+    greedy_alone(MOE);
+}
+
+fn greedy_alone(pair: Pair) {
     let reqs = requests();
     let base = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 4, ..Default::default() };
-    let (want, _, _) = solo(&reqs, &base);
+    let (want, _, _) = solo(pair.0, &reqs, &base);
     for k in [1, 2, 4] {
-        let (got, drafted, accepted) = solo(&reqs, &spec_opts(k, base.clone()));
+        let (got, drafted, accepted) = solo(pair.0, &reqs, &spec_opts_for(pair, k, base.clone()));
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g, w, "K={k}: request {i} differs with the assistant drafting");
             assert_eq!(g.len(), reqs[i].1.max_tokens);
         }
         assert!(drafted > 0, "K={k}: no draft was verified");
-        eprintln!("alone K={k}: {accepted} of {drafted} draft tokens accepted");
+        eprintln!("{} alone K={k}: {accepted} of {drafted} draft tokens accepted", pair.0);
     }
 }
 
@@ -208,7 +238,7 @@ fn greedy_with_the_assistant_equals_plain_decoding_in_mixed_batches() {
     let shared: Vec<u32> = reqs[3].0[..20].iter().copied().chain([77, 78, 79]).collect();
     reqs.push((shared, greedy(9)));
     let base = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 4, ..Default::default() };
-    let (want, _, _) = solo(&reqs, &base);
+    let (want, _, _) = solo("tiny-gemma4", &reqs, &base);
     let cfg = iris::loader::read_config(&fixture("tiny-gemma4")).unwrap().1;
     let per_block = iris::kv::KvCacheSpec::bytes_per_token(&cfg, iris::kv::KvDtype::F32) * 4;
     for k in [1, 2, 4] {
@@ -300,7 +330,7 @@ fn the_engine_drafts_each_step_as_the_assistant_alone_does() {
         }
         let cached: Vec<Vec<u32>> = live.iter().map(|(c, _, _)| c.clone()).collect();
         let lasts: Vec<u32> = live.iter().map(|&(_, l, _)| l).collect();
-        let (_, steps) = draft_after(&cached, Some(&lasts), k);
+        let (_, steps) = draft_after(E2B, &cached, Some(&lasts), k);
         for (i, (c, _, d)) in live.iter().enumerate() {
             let alone: Vec<u32> = steps.iter().map(|l| argmax(&l.narrow(0, i, 1).unwrap())[0]).collect();
             assert_eq!(d, &alone, "after {} cached tokens", c.len());
