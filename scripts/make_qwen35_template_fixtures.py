@@ -11,7 +11,7 @@ the text around them is split the same way.
 Writes tests/fixtures/qwen35_template/: tokenizer.json, tokenizer_config.json and cases.json,
 each case an OpenAI-shaped request (messages, tools, kwargs), what transformers'
 `apply_chat_template(..., add_generation_prompt=True)` renders, and its ids.
-tests/qwen35_template.rs sends each request through iris's message conversion, template and
+tests/template_ids.rs sends each request through iris's message conversion, template and
 tokenizer and compares both.
 
 The messages handed to transformers are the request's with each call's JSON-text `arguments`

@@ -11,6 +11,7 @@ use super::errors::ApiError;
 use super::reasoning::{prompt_opens_thinking, ReasoningFormat};
 use super::reply::ReplySetup;
 use super::structured::Asked;
+use super::tool_grammar::Markup;
 use super::tools::{ToolFormat, ToolSpec, Tools};
 use crate::engine::GrammarSpec;
 use crate::tokenizer::TextTokenizer;
@@ -237,7 +238,8 @@ pub fn reply_setup(
     };
     // A forced call is the answer, so a thinking the prompt opened is closed first.
     let close = if starts_in_thinking { "\n</think>\n\n" } else { "" };
-    let grammar = super::tool_grammar::forced_call(format, &tools.specs.0, name, tools.parallel);
+    let markup = Markup::new(|s| tok.token_to_id(s));
+    let grammar = super::tool_grammar::forced_call(format, &tools.specs.0, name, tools.parallel, &markup);
     Ok((setup, Forced { text: format!("{close}{}", forced_opening(format, name)), grammar: Some(grammar) }))
 }
 
@@ -252,6 +254,8 @@ pub fn forced_opening(format: ToolFormat, name: Option<&str>) -> String {
         (ToolFormat::Glm45, Some(n)) => format!("<tool_call>{n}\n"),
         (ToolFormat::Llama3Json, None) => "{\"name\": \"".into(),
         (ToolFormat::Llama3Json, Some(n)) => format!("{{\"name\": {}, \"parameters\": ", json!(n)),
+        (ToolFormat::Gemma4, None) => "<|tool_call>call:".into(),
+        (ToolFormat::Gemma4, Some(n)) => format!("<|tool_call>call:{n}{{"),
     }
 }
 
@@ -333,5 +337,6 @@ mod tests {
         assert_eq!(forced_opening(ToolFormat::Qwen3Xml, Some("f")), "<tool_call>\n<function=f>\n");
         assert_eq!(forced_opening(ToolFormat::Glm45, Some("f")), "<tool_call>f\n");
         assert_eq!(forced_opening(ToolFormat::Llama3Json, Some("f")), "{\"name\": \"f\", \"parameters\": ");
+        assert_eq!(forced_opening(ToolFormat::Gemma4, Some("f")), "<|tool_call>call:f{");
     }
 }

@@ -13,13 +13,27 @@ use crate::engine::{Grammar, GrammarCompiler};
 use crate::server::tool_request::forced_opening;
 use crate::server::tools::{ToolEvent, Tools};
 
-const VOCAB: usize = 1024; // tiny-llama's config (its tokenizer has fewer tokens)
+const VOCAB: usize = 1024; // tiny-llama's and tiny-gemma4's configs (their tokenizers have fewer tokens)
 const EOS: u32 = 2;
-const FORMATS: [ToolFormat; 4] = [ToolFormat::Hermes, ToolFormat::Qwen3Xml, ToolFormat::Glm45, ToolFormat::Llama3Json];
+const FORMATS: [ToolFormat; 5] =
+    [ToolFormat::Hermes, ToolFormat::Qwen3Xml, ToolFormat::Glm45, ToolFormat::Llama3Json, ToolFormat::Gemma4];
 
 fn tokenizer() -> Tokenizer {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-llama/tokenizer.json");
     Tokenizer::from_file(path).expect("fixture tokenizer")
+}
+
+/// The tokenizer a format's model has (Gemma 4's markup is special tokens), its EOS and the
+/// markup tokens.
+fn vocabulary(format: ToolFormat) -> (Tokenizer, u32, Markup) {
+    if format != ToolFormat::Gemma4 {
+        return (tokenizer(), EOS, Markup::default());
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gemma4_template/tokenizer.json");
+    let tok = Tokenizer::from_file(path).expect("gemma4 fixture tokenizer");
+    let markup = Markup::new(|s| tok.token_to_id(s));
+    let eos = tok.token_to_id("<eos>").expect("<eos>");
+    (tok, eos, markup)
 }
 
 fn tools() -> Vec<ToolSpec> {
@@ -38,6 +52,10 @@ fn tools() -> Vec<ToolSpec> {
             parameters: json!({"type": "object", "properties": {
                 "text": {"type": "string", "pattern": "^[a-z]{1,6}$"},
                 "level": {"enum": [1, 2, 3]},
+                "meta": {"type": "object", "properties": {
+                    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b c"]}, "minItems": 1, "maxItems": 2},
+                    "any": {"anyOf": [{"type": "string", "pattern": "^[xy]$"}, {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}]},
+                }, "required": ["tags"], "additionalProperties": false},
             }, "required": ["text"]}),
         },
     ]
@@ -91,14 +109,14 @@ fn validate(schema: &Value, v: &Value) -> Result<(), String> {
 
 /// A random walk through `grammar`: random allowed tokens until only EOS is allowed, or,
 /// where EOS is one of the choices, until a coin says to end.
-fn walk(grammar: &Grammar, tok: &Tokenizer, seed: u64) -> String {
+fn walk(grammar: &Grammar, tok: &Tokenizer, eos: u32, seed: u64) -> String {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut c = grammar.constraint();
     let mut out = Vec::new();
     for _ in 0..3000 {
         let mask = c.mask();
-        let allowed: Vec<u32> = (0..VOCAB as u32).filter(|&t| t != EOS && mask.is_allowed(t)).collect();
-        if allowed.is_empty() || c.is_finished() || (mask.is_allowed(EOS) && rng.random_bool(0.5)) {
+        let allowed: Vec<u32> = (0..VOCAB as u32).filter(|&t| t != eos && mask.is_allowed(t)).collect();
+        if allowed.is_empty() || c.is_finished() || (mask.is_allowed(eos) && rng.random_bool(0.5)) {
             return tok.decode(&out, false).expect("decode");
         }
         let t = allowed[rng.random_range(0..allowed.len())];
@@ -129,20 +147,20 @@ fn parse(format: ToolFormat, text: &str) -> (String, Vec<(String, Value)>) {
 
 #[test]
 fn forced_calls_parse_and_validate_in_every_format() {
-    let tok = tokenizer();
-    let compiler = GrammarCompiler::new(&tok, VOCAB, &[EOS]).expect("compiler");
     let specs = tools();
     let cases: [(Option<&str>, bool); 4] =
         [(Some("note"), true), (Some("get_weather"), false), (None, false), (None, true)];
     for format in FORMATS {
+        let (tok, eos, markup) = vocabulary(format);
+        let compiler = GrammarCompiler::new(&tok, VOCAB, &[eos]).expect("compiler");
         for (name, parallel) in cases {
             let grammar = compiler
-                .compile(&forced_call(format, &specs, name, parallel))
+                .compile(&forced_call(format, &specs, name, parallel, &markup))
                 .unwrap_or_else(|e| panic!("{}: {e}", format.name()));
             let mut names = std::collections::HashSet::new();
             let mut most = 0;
             for seed in 0..25 {
-                let text = format!("{}{}", forced_opening(format, name), walk(&grammar, &tok, seed));
+                let text = format!("{}{}", forced_opening(format, name), walk(&grammar, &tok, eos, seed));
                 let (content, calls) = parse(format, &text);
                 let at = format!("{} {name:?} parallel {parallel} seed {seed}: {text:?}", format.name());
                 assert_eq!(content.trim(), "", "{at}: text outside the calls");
@@ -165,11 +183,10 @@ fn forced_calls_parse_and_validate_in_every_format() {
     }
 }
 
-/// A string parameter without enum or pattern is any text up to its closing tag.
+/// A string parameter without enum or pattern is any text up to its closing tag (Gemma 4:
+/// its closing quote token), and its parameter can not be left out.
 #[test]
 fn free_text_values_end_at_their_closing_tag() {
-    let tok = tokenizer();
-    let compiler = GrammarCompiler::new(&tok, VOCAB, &[EOS]).expect("compiler");
     let specs = vec![ToolSpec {
         name: "write".into(),
         parameters: json!({"type": "object", "properties": {"body": {"type": "string"}}, "required": ["body"]}),
@@ -181,13 +198,16 @@ fn free_text_values_end_at_their_closing_tag() {
             "</function>\n</tool_call>",
         ),
         (ToolFormat::Glm45, "<arg_key>body</arg_key>\n<arg_value>x\ny < z</arg_value>\n</tool_call>", "</tool_call>"),
+        (ToolFormat::Gemma4, "body:<|\"|>fn f() {\n  a < b, c: d\n}<|\"|>}<tool_call|>", "}<tool_call|>"),
     ] {
-        let g = compiler.compile(&forced_call(format, &specs, Some("write"), false)).expect("compiles");
+        let (tok, eos, markup) = vocabulary(format);
+        let compiler = GrammarCompiler::new(&tok, VOCAB, &[eos]).expect("compiler");
+        let g = compiler.compile(&forced_call(format, &specs, Some("write"), false, &markup)).expect("compiles");
         let accepts = |text: &str| {
             let mut c = g.constraint();
             let ids = tok.encode(text, false).expect("encode").get_ids().to_vec();
             ids.iter().all(|&t| c.mask().is_allowed(t) && c.accept(t).is_ok())
-                && (c.is_finished() || c.mask().is_allowed(EOS))
+                && (c.is_finished() || c.mask().is_allowed(eos))
         };
         assert!(accepts(good), "{}: {good:?}", format.name());
         assert!(!accepts(bad), "{}: a required parameter left out: {bad:?}", format.name());

@@ -3,8 +3,9 @@
 //!
 //! * `parser.rs`: the [`ToolParser`] trait and its events, the request's tools;
 //! * `tagged.rs`: the scanner of the formats that wrap calls in tags;
-//! * `hermes.rs`, `qwen3_xml.rs`, `glm45.rs`, `llama3_json.rs`: the formats.
+//! * `hermes.rs`, `qwen3_xml.rs`, `glm45.rs`, `llama3_json.rs`, `gemma4.rs`: the formats.
 
+pub mod gemma4;
 pub mod glm45;
 pub mod hermes;
 pub mod llama3_json;
@@ -21,11 +22,13 @@ pub enum ToolFormat {
     Qwen3Xml,
     Glm45,
     Llama3Json,
+    Gemma4,
 }
 
 impl ToolFormat {
     /// Every accepted name (`qwen3_coder` is vLLM's other name of `qwen3_xml`).
-    pub const NAMES: &'static [&'static str] = &["hermes", "qwen3_xml", "qwen3_coder", "glm45", "llama3_json"];
+    pub const NAMES: &'static [&'static str] =
+        &["hermes", "qwen3_xml", "qwen3_coder", "glm45", "llama3_json", "gemma4"];
 
     pub fn from_name(name: &str) -> Option<Self> {
         Some(match name {
@@ -33,6 +36,7 @@ impl ToolFormat {
             "qwen3_xml" | "qwen3_coder" => ToolFormat::Qwen3Xml,
             "glm45" | "glm4_moe" => ToolFormat::Glm45,
             "llama3_json" => ToolFormat::Llama3Json,
+            "gemma4" => ToolFormat::Gemma4,
             _ => return None,
         })
     }
@@ -43,13 +47,16 @@ impl ToolFormat {
             ToolFormat::Qwen3Xml => "qwen3_xml",
             ToolFormat::Glm45 => "glm45",
             ToolFormat::Llama3Json => "llama3_json",
+            ToolFormat::Gemma4 => "gemma4",
         }
     }
 
     /// The format a chat template teaches its model, read from the instructions and the way
     /// it writes earlier calls; `None` when it shows none iris knows.
     pub fn detect(template: &str) -> Option<Self> {
-        if template.contains("<arg_key>") && template.contains("<tool_call>") {
+        if template.contains("<|tool_call>call:") {
+            Some(ToolFormat::Gemma4)
+        } else if template.contains("<arg_key>") && template.contains("<tool_call>") {
             Some(ToolFormat::Glm45)
         } else if template.contains("<function=") && template.contains("<parameter=") {
             Some(ToolFormat::Qwen3Xml)
@@ -69,6 +76,7 @@ impl ToolFormat {
             ToolFormat::Qwen3Xml => Box::new(tagged::Tagged::<qwen3_xml::Qwen3Xml>::new(tools)),
             ToolFormat::Glm45 => Box::new(tagged::Tagged::<glm45::Glm45>::new(tools)),
             ToolFormat::Llama3Json => Box::new(llama3_json::Llama3Json::new()),
+            ToolFormat::Gemma4 => Box::new(tagged::Tagged::<gemma4::Gemma4>::new(tools)),
         }
     }
 }

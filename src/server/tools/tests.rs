@@ -228,6 +228,8 @@ fn formats_are_detected_from_the_real_templates() {
         ("Qwen3.5-4B.jinja", Some(ToolFormat::Qwen3Xml)),
         ("GLM-4.6.jinja", Some(ToolFormat::Glm45)),
         ("meta-llama-Llama-3.1-8B-Instruct.jinja", Some(ToolFormat::Llama3Json)),
+        ("google-gemma-4-31B-it.jinja", Some(ToolFormat::Gemma4)),
+        ("google-gemma-4-31B-it-interleaved.jinja", Some(ToolFormat::Gemma4)),
     ] {
         let src = std::fs::read_to_string(dir.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
         assert_eq!(ToolFormat::detect(&src), want, "{file}");
@@ -298,4 +300,77 @@ fn xml_calls_drop_what_is_no_parameter() {
         "",
         &[("note", json!({})), ("get_weather", json!({"city": "X"}))],
     );
+}
+
+/// Gemma 4's syntax, `q` standing for its string quote `<|"|>`.
+fn gemma(text: &str) -> String {
+    text.replace('q', "<|\"|>")
+}
+
+#[test]
+fn gemma4_calls() {
+    let t = weather_tools();
+    let g = ToolFormat::Gemma4;
+    // As the template writes a call: sorted bare keys, every kind of value.
+    every_split(
+        g,
+        &t,
+        &gemma("<|tool_call>call:get_weather{city:qParis, Franceq,days:2,hours:[9,12],metric:true}<tool_call|>"),
+        "",
+        &[("get_weather", json!({"city": "Paris, France", "days": 2, "hours": [9, 12], "metric": true}))],
+    );
+    // Text before, two calls back to back; nested values, multi-line strings holding the
+    // format's own punctuation, floats and nulls, a bare value for a string parameter.
+    every_split(
+        g,
+        &t,
+        &gemma("Let me check.\n<|tool_call>call:note{meta:{k:[1.5,null,qa}bq],w:{}},text:qline one\n{x:1}, ]q}<tool_call|><|tool_call>call:get_weather{city:75001,days:-3}<tool_call|>"),
+        "Let me check.",
+        &[
+            ("note", json!({"meta": {"k": [1.5, null, "a}b"], "w": {}}, "text": "line one\n{x:1}, ]"})),
+            ("get_weather", json!({"city": "75001", "days": -3})),
+        ],
+    );
+    // Thinking-free answers with braces stay text; a call without arguments; text after.
+    every_split(g, &t, "f(x) = {x: 1}", "f(x) = {x: 1}", &[]);
+    every_split(g, &t, "<|tool_call>call:note{}<tool_call|>Done.", "Done.", &[("note", json!({}))]);
+    // The reply ended inside a call (a stop token, max_tokens): what parses is the call.
+    every_split(
+        g,
+        &t,
+        &gemma("<|tool_call>call:get_weather{city:qOsloq"),
+        "",
+        &[("get_weather", json!({"city": "Oslo"}))],
+    );
+}
+
+#[test]
+fn gemma4_malformed_calls_are_text() {
+    let t = weather_tools();
+    let g = ToolFormat::Gemma4;
+    let bad = gemma("<|tool_call>get_weather{city:qParisq}<tool_call|>");
+    every_split(g, &t, &bad, &bad, &[]);
+    every_split(g, &t, "<|tool_call>call: two words{}<tool_call|>", "<|tool_call>call: two words{}<tool_call|>", &[]);
+    // What follows the last good argument and is none is dropped; the call stands.
+    every_split(
+        g,
+        &t,
+        &gemma("<|tool_call>call:get_weather{city:qRomeq,days 2}<tool_call|>"),
+        "",
+        &[("get_weather", json!({"city": "Rome"}))],
+    );
+}
+
+#[test]
+fn gemma4_calls_stream_argument_by_argument() {
+    let mut p = ToolFormat::Gemma4.parser(weather_tools());
+    let mut events = Vec::new();
+    p.feed(&gemma("<|tool_call>call:get_weather{city:qParisq,days:2"), &mut events);
+    // The call has begun and its first argument is out; `days` waits for what ends it.
+    assert_eq!(
+        events,
+        vec![ToolEvent::Start { name: "get_weather".into() }, ToolEvent::Args("{\"city\":\"Paris\"".into())]
+    );
+    p.feed("}<tool_call|>", &mut events);
+    assert_eq!(events[2..], [ToolEvent::Args(",\"days\":2".into()), ToolEvent::Args("}".into()), ToolEvent::End]);
 }
