@@ -393,6 +393,11 @@ fn gemma4_thinking_is_split_and_replies_stop_at_tool_response() {
         "{v}"
     );
     assert_eq!(v["choices"][0]["message"]["content"], "", "{v}");
+    // It ends a turn as EOS does: `ignore_eos` goes past it.
+    let mut past = biased("954");
+    past["ignore_eos"] = json!(true);
+    let v = s.post("/v1/chat/completions", &past).json();
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
     let v = s.post("/v1/chat/completions", &biased("950")).json();
     assert_eq!(
         (v["choices"][0]["finish_reason"].clone(), v["usage"]["completion_tokens"].clone()),

@@ -49,10 +49,14 @@ impl ReplySetup {
 
     /// What the parsers need of the sampling: the tags (which may be special tokens: GLM's
     /// and Gemma's are) unless the request said otherwise (`explicit`), and the end of the
-    /// turn at the format's stop tokens.
+    /// turn at the format's stop tokens, which end a turn as EOS does (so `ignore_eos`, set
+    /// before, ignores them too).
     pub fn fit(&self, params: &mut crate::engine::SamplingParams, explicit: Option<bool>) {
         if !self.is_plain() && explicit.is_none() {
             params.skip_special_tokens = false;
+        }
+        if params.ignore_eos {
+            return;
         }
         for &id in &self.stop_token_ids {
             if !params.stop_token_ids.contains(&id) {
