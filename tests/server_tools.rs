@@ -408,6 +408,45 @@ fn gemma4_thinking_is_split_and_replies_stop_at_tool_response() {
 }
 
 #[test]
+fn gemma4_thinking_the_prompt_opened_is_a_thinking_block() {
+    // Gemma 4's template with the thought channel opened in the prompt when thinking is on
+    // (the real one leaves that to the model; with thinking off the prompt is the same): a
+    // random model's reply is then thought, which both APIs return as such.
+    let model = gemma4_chat_model();
+    let file = model.join("chat_template.jinja");
+    let real = std::fs::read_to_string(&file).expect("template");
+    let off = "{%- if not enable_thinking | default(false) -%}\n            {{- '<|channel>thought\\n<channel|>' -}}";
+    assert!(real.contains(off), "the real template's empty thought channel");
+    let opened = "{{- '<|channel>thought\\n' -}}{%- if not enable_thinking | default(false) -%}{{- '<channel|>' -}}";
+    std::fs::write(&file, real.replace(off, opened)).expect("write");
+    let s = Server::start_path(&model, &[]);
+    let body = |stream: bool| {
+        json!({ "messages": [{ "role": "user", "content": "Hi" }], "max_tokens": 6, "temperature": 0,
+                "ignore_eos": true, "stream": stream, "chat_template_kwargs": { "enable_thinking": true } })
+    };
+    let v = s.post("/v1/chat/completions", &body(false)).json();
+    let reasoning = v["choices"][0]["message"]["reasoning_content"].as_str().expect("reasoning").to_string();
+    assert!(!reasoning.is_empty() && !reasoning.contains("<|channel>"), "{v}");
+    let (content, streamed, _, _) = assemble(&s.post("/v1/chat/completions", &body(true)).sse_data());
+    assert_eq!(streamed, reasoning);
+    assert_eq!(content, v["choices"][0]["message"]["content"].as_str().unwrap_or_default());
+    let m = json!({ "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+                    "thinking": { "type": "enabled", "budget_tokens": 1024 },
+                    "messages": [{ "role": "user", "content": "Hi" }] });
+    let a = s.post("/v1/messages", &m).json();
+    assert_eq!(
+        (a["content"][0]["type"].clone(), a["content"][0]["thinking"].clone()),
+        (json!("thinking"), json!(reasoning)),
+        "{a}"
+    );
+    let mut off = m.clone();
+    off["thinking"] = json!({ "type": "disabled" });
+    let a = s.post("/v1/messages", &off).json();
+    assert!(a["content"].as_array().expect("blocks").iter().all(|b| b["type"] != "thinking"), "{a}");
+    let _ = std::fs::remove_dir_all(&model);
+}
+
+#[test]
 fn gemma4_history_renders_as_transformers_and_bad_input_is_a_400() {
     let model = gemma4_chat_model();
     let s = Server::start_path(&model, &[]);
