@@ -103,6 +103,22 @@ fn official_python_sdks_tools() {
     let _ = std::fs::remove_dir_all(&model);
 }
 
+/// The same through Gemma 4's format (tiny Gemma 4 with Gemma 4's tokenizer and template; the
+/// tool and reasoning parsers read from the template): calls in `<|tool_call>call:f{..}` with
+/// Gemma's quote tokens, held to the schemas in Gemma's syntax.
+#[test]
+fn official_python_sdks_tools_gemma4() {
+    let Some(py) = sdk_python() else { return };
+    let model = server_support::gemma4_chat_model();
+    let s = Server::start_path(
+        &model,
+        &["--api-key", "test-key", "--served-model-name", "tiny-gemma4", "claude-*", "--enable-auto-tool-choice"],
+    );
+    run_script(&py, "test_sdk_tools.py", &s, "tiny-gemma4", &[]);
+    drop(s);
+    let _ = std::fs::remove_dir_all(&model);
+}
+
 /// The Responses API through the OpenAI SDK (tests/python/test_sdk_responses.py): create,
 /// stream, previous_response_id, a function tool round trip.
 #[test]

@@ -11,11 +11,15 @@
 //!   scripts/make_gemma4_template_fixtures.py).
 //!
 //! Each fixture directory holds a tokenizer with the family's control tokens and its cases.
+//!
+//! A forced call's opening (`tool_choice` required or named), which iris writes after the
+//! prompt, is tokenized as the template's markup: Gemma 4's `<|tool_call>` is its one id.
 
 use std::path::{Path, PathBuf};
 
 use iris::server::openai::parse_messages;
-use iris::server::tool_request::ToolRequest;
+use iris::server::tool_request::{Forced, ToolRequest};
+use iris::server::tools::ToolFormat;
 use iris::tokenizer::TextTokenizer;
 use serde_json::Value;
 
@@ -28,7 +32,10 @@ fn fixtures() -> PathBuf {
 fn tokenizer(fixture: &str, template: &str) -> TextTokenizer {
     let root = fixtures();
     let stem = template.trim_end_matches(".jinja");
-    let dir = std::env::temp_dir().join(format!("iris-template-ids-{fixture}-{stem}-{}", std::process::id()));
+    // One directory per call: the tests run at once and remove theirs.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("iris-template-ids-{fixture}-{stem}-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     for file in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(root.join(fixture).join(file), dir.join(file)).expect("copy tokenizer");
@@ -85,4 +92,48 @@ fn qwen35_template_gives_transformers_text_and_ids() {
 fn gemma4_templates_give_transformers_text_and_ids() {
     let f = failures("gemma4_template", 22);
     assert!(f.is_empty(), "{}", f.join("\n\n"));
+}
+
+/// The case of `fixture` named `name`.
+fn case(fixture: &str, name: &str) -> Value {
+    let file = fixtures().join(fixture).join("cases.json");
+    let f: Value = serde_json::from_str(&std::fs::read_to_string(file).expect("read")).expect("json");
+    f["cases"].as_array().expect("cases").iter().find(|c| c["name"] == name).expect("case").clone()
+}
+
+#[test]
+fn gemma4_forced_call_opening_is_its_control_tokens() {
+    let template = "google-gemma-4-31B-it.jinja";
+    let tok = tokenizer("gemma4_template", template);
+    let first = case("gemma4_template", "google-gemma-4-31B-it.tools_first_turn");
+    let (messages, _) = parse_messages(first["messages"].as_array().expect("messages")).expect("parse");
+    let tools = ToolRequest::openai(Some(&first["tools"]), None, None).expect("tools");
+    let mut extra = serde_json::Map::new();
+    tools.template_vars(&mut extra);
+    let prompt = tok.encode_chat_with(&messages, true, extra.clone()).expect("prompt");
+    let text = tok.apply_chat_template_with(&messages, true, extra).expect("text");
+    let call_id = tok.token_to_id("<|tool_call>").expect("Gemma's call token");
+    // transformers' ids of a reply that calls get_weather, rendered as history.
+    let history = case("gemma4_template", "google-gemma-4-31B-it.tools_round_trip");
+    let want: Vec<u32> = serde_json::from_value(history["ids"].clone()).expect("ids");
+    let at = want.iter().position(|&id| id == call_id).expect("the call in transformers' ids");
+    for name in [Some("get_weather"), None] {
+        let forced = Forced::call(&tok, ToolFormat::Gemma4, &tools.specs.0, name, true, "");
+        let mut ids = prompt.clone();
+        forced.append_to(&tok, &mut ids).expect("opening");
+        // The rendered prompt and the opening, as the tokenizer reads the template's text.
+        let whole = tok.encode(&format!("{text}{}", forced.text), false).expect("encode");
+        assert_eq!(ids, whole, "{name:?}");
+        let opening = &ids[prompt.len()..];
+        assert_eq!(opening[0], call_id, "{name:?}: {opening:?}");
+        // The opening is how transformers tokenizes the start of the model's own call.
+        assert_eq!(opening, &want[at..at + opening.len()], "{name:?}");
+    }
+    // A caller's name that spells a control token stays text (no role injection).
+    let forced = Forced::call(&tok, ToolFormat::Gemma4, &tools.specs.0, Some("f<turn|>"), true, "");
+    let mut ids = Vec::new();
+    forced.append_to(&tok, &mut ids).expect("opening");
+    let turn_end = tok.token_to_id("<turn|>").expect("turn end");
+    assert_eq!(ids[0], call_id);
+    assert!(!ids.contains(&turn_end), "{ids:?}");
 }

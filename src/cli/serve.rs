@@ -36,7 +36,7 @@ pub struct ServeArgs {
     pub served_model_name: Vec<String>,
     /// How tool calls in replies are written (vLLM's names): hermes (Qwen2.5, Qwen3),
     /// qwen3_xml or qwen3_coder (Qwen3-Coder, Qwen3.5), glm45 (GLM-4.5/4.6, 4.5V/4.6V),
-    /// llama3_json (Llama 3.x). Default: read from the chat template.
+    /// llama3_json (Llama 3.x), gemma4 (Gemma 4). Default: read from the chat template.
     #[arg(long)]
     pub tool_call_parser: Option<String>,
     /// Let requests leave the choice of calling a tool to the model (`tool_choice: auto`,
@@ -44,8 +44,10 @@ pub struct ServeArgs {
     /// that vLLM command lines run unchanged.
     #[arg(long)]
     pub enable_auto_tool_choice: bool,
-    /// Split the model's thinking from its answer (vLLM's names): qwen3, glm45, deepseek_r1.
-    /// OpenAI replies carry it as `reasoning_content`, Anthropic ones as `thinking` blocks.
+    /// Split the model's thinking from its answer (vLLM's names): qwen3, glm45, deepseek_r1,
+    /// gemma4. OpenAI replies carry it as `reasoning_content`, Anthropic ones as `thinking`
+    /// blocks. Default: gemma4 for Gemma 4's chat template (its thought channel's markers are
+    /// control tokens, so its replies cannot be read without it), else none.
     #[arg(long)]
     pub reasoning_parser: Option<String>,
     /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on the APIs.

@@ -167,8 +167,6 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
         top_k: req.top_k.map(|k| usize::try_from(k).unwrap_or(0)).unwrap_or(0),
         max_tokens,
         stop: req.stop_sequences.clone().unwrap_or_default(),
-        // Tool-call and thinking tags may be special tokens (GLM's are): the parsers need them.
-        skip_special_tokens: setup.is_plain(),
         ignore_eos: req.ignore_eos.unwrap_or(false),
         seed: req.seed.map(|s| s as u64),
         min_p: req.min_p.unwrap_or(0.0),
@@ -176,6 +174,8 @@ async fn messages_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>)
         stop_token_ids: req.stop_token_ids.clone().unwrap_or_default(),
         ..SamplingParams::default()
     };
+    // Tool-call and thinking tags may be special tokens (GLM's, Gemma's): the parsers need them.
+    setup.fit(&mut params, None);
     if let Some(m) = req.min_tokens {
         params.min_tokens = usize::try_from(m)
             .map_err(|_| ApiError::invalid_param("min_tokens", format!("`min_tokens` must be >= 0, got {m}")))?;

@@ -15,9 +15,6 @@ use super::tool_request::{reply_setup, Forced, ToolRequest};
 use crate::engine::{Grammar, ImageInput, SamplingParams};
 use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
 
-/// Where a thinking ends (every `--reasoning-parser` format closes it so).
-const THINK_END: &str = "</think>";
-
 /// Renders and tokenizes a conversation; template errors are the client's (400). Special
 /// tokens come only from the template: what the client wrote is tokenized as text.
 pub fn encode_chat(
@@ -80,19 +77,19 @@ impl ChatPrompt {
             return Ok(grammar);
         }
         let tok = &engine.tokenizer;
-        let marker = match tok.token_to_id(THINK_END) {
+        // Where the format's thinking ends.
+        let end = self.setup.reasoning.map(|r| r.markers().1).unwrap_or_default();
+        let marker = match tok.token_to_id(end) {
             Some(id) => vec![id],
-            None => tok.encode_plain_text(THINK_END).map_err(|e| ApiError::bad_request(e.to_string()))?,
+            None => tok.encode_plain_text(end).map_err(|e| ApiError::bad_request(e.to_string()))?,
         };
         Ok(grammar.map(|g| g.after(marker)))
     }
 
-    /// Tool-call and thinking tags may be special tokens (GLM's are): the parsers need them,
-    /// unless the request said otherwise (`explicit`).
-    pub fn keep_special_tokens(&self, params: &mut SamplingParams, explicit: Option<bool>) {
-        if !self.setup.is_plain() && explicit.is_none() {
-            params.skip_special_tokens = false;
-        }
+    /// What the parsers need of the sampling ([`ReplySetup::fit`]): the tags, which may be
+    /// special tokens, unless the request said otherwise (`explicit`); the format's stops.
+    pub fn fit_params(&self, params: &mut SamplingParams, explicit: Option<bool>) {
+        self.setup.fit(params, explicit);
     }
 
     /// A parser for one reply, already fed the forced opening; what that gave (a streaming

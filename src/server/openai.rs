@@ -223,7 +223,7 @@ async fn chat_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
         ChatPrompt::build(&app, &engine, &messages, images, &tools, extra, add_generation_prompt, "call_").await?;
     let n = fields.n()?;
     let mut params = fields.params()?;
-    chat.keep_special_tokens(&mut params, fields.skip_special_tokens);
+    chat.fit_params(&mut params, fields.skip_special_tokens);
     params.logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
     params.grammar = chat.grammar(&engine, structured.as_ref()).await?;
     // Without max_tokens a chat reply may use the rest of the context (vLLM's default).

@@ -37,12 +37,32 @@ pub struct ReplySetup {
     pub single_call: bool,
     /// Tool-call ids: `call_` (OpenAI) or `toolu_` (Anthropic).
     pub id_prefix: &'static str,
+    /// Tokens that end the model's turn after its calls (`ToolFormat::stop_markers`).
+    pub stop_token_ids: Vec<u32>,
 }
 
 impl ReplySetup {
     /// Text passes through untouched.
     pub fn is_plain(&self) -> bool {
         self.reasoning.is_none() && self.tools.is_none()
+    }
+
+    /// What the parsers need of the sampling: the tags (which may be special tokens: GLM's
+    /// and Gemma's are) unless the request said otherwise (`explicit`), and the end of the
+    /// turn at the format's stop tokens, which end a turn as EOS does (so `ignore_eos`, set
+    /// before, ignores them too).
+    pub fn fit(&self, params: &mut crate::engine::SamplingParams, explicit: Option<bool>) {
+        if !self.is_plain() && explicit.is_none() {
+            params.skip_special_tokens = false;
+        }
+        if params.ignore_eos {
+            return;
+        }
+        for &id in &self.stop_token_ids {
+            if !params.stop_token_ids.contains(&id) {
+                params.stop_token_ids.push(id);
+            }
+        }
     }
 
     /// The reply begins inside a thinking: the prompt opened it, or the format always does
@@ -213,6 +233,7 @@ mod tests {
             tools: tools.map(|f| (f, specs)),
             single_call: single,
             id_prefix: "call_",
+            stop_token_ids: Vec::new(),
         }
     }
 
@@ -272,6 +293,25 @@ mod tests {
     }
 
     #[test]
+    fn gemma4_thought_then_calls() {
+        // As Gemma 4 writes it with thinking on: the thought channel, then back-to-back calls
+        // (the reply stops at `<|tool_response>`, which the engine does not return).
+        let s = setup(Some(ReasoningFormat::Gemma4), false, Some(ToolFormat::Gemma4), false);
+        let r = every_split(
+            &s,
+            "<|channel>thought\nTwo cities: two calls.\n<channel|><|tool_call>call:get_weather{city:<|\"|>Rome<|\"|>}<tool_call|><|tool_call>call:get_weather{city:<|\"|>Oslo<|\"|>}<tool_call|>",
+        );
+        assert_eq!(
+            r,
+            Reply {
+                content: String::new(),
+                reasoning: "Two cities: two calls.".into(),
+                calls: vec![call("get_weather", "{\"city\":\"Rome\"}"), call("get_weather", "{\"city\":\"Oslo\"}")],
+            }
+        );
+    }
+
+    #[test]
     fn a_call_inside_the_thinking_is_thinking() {
         // Qwen3.5: the prompt opened the thinking; the XML call follows it.
         let s = setup(Some(ReasoningFormat::Qwen3), true, Some(ToolFormat::Qwen3Xml), false);
@@ -326,6 +366,7 @@ mod speed {
             )),
             single_call: false,
             id_prefix: "call_",
+            stop_token_ids: Vec::new(),
         };
         // Pieces of 4 bytes (about a token), cut at char boundaries.
         let mut pieces = Vec::new();

@@ -117,7 +117,7 @@ async fn create_inner(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     images.extend(turn_images.iter().cloned());
     let mut chat = ChatPrompt::build(&app, &engine, &messages, images, &tool_req, extra, true, "call_").await?;
     let mut params = sampling.params()?;
-    chat.keep_special_tokens(&mut params, sampling.skip_special_tokens);
+    chat.fit_params(&mut params, sampling.skip_special_tokens);
     params.grammar = chat.grammar(&engine, structured.as_ref()).await?;
     check_request(&engine, &chat.tokens, &mut params, MaxTokens { requested: max_output, default: None }, "input")?;
     let meta = ResponseMeta {

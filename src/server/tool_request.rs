@@ -177,20 +177,43 @@ pub fn spec(f: &Value, at: &str) -> Result<ToolSpec, ApiError> {
 #[derive(Debug, Clone, Default)]
 pub struct Forced {
     pub text: String,
+    /// `text` as markup to tokenize: the format's tags are its control tokens, the function
+    /// name (the caller's) is protected as text.
+    markup: String,
     pub grammar: Option<GrammarSpec>,
 }
 
 impl Forced {
+    /// The forced call to `name` (or, `None`, to any of `tools`) in `format`, after `close`
+    /// (the end of a thinking the prompt opened, or nothing).
+    pub fn call(
+        tok: &TextTokenizer,
+        format: ToolFormat,
+        tools: &[ToolSpec],
+        name: Option<&str>,
+        parallel: bool,
+        close: &str,
+    ) -> Forced {
+        let markup = Markup::new(|s| tok.token_to_id(s));
+        let grammar = super::tool_grammar::forced_call(format, tools, name, parallel, &markup);
+        let protected = name.map(|n| tok.protect(n));
+        Forced {
+            text: format!("{close}{}", forced_opening(format, name)),
+            markup: format!("{close}{}", forced_opening(format, protected.as_deref())),
+            grammar: Some(grammar),
+        }
+    }
+
     /// The grammar as a request's structured output, on the field it comes from.
     pub fn asked(&self) -> Option<Asked> {
         self.grammar.clone().map(|spec| Asked { spec, field: "tools".into() })
     }
 
-    /// Appends the opening to `prompt`, tokenized as text.
+    /// Appends the opening to `prompt`, tokenized as the template's markup is: the call's
+    /// tags as the control tokens they are (Gemma 4's `<|tool_call>`, GLM's `<tool_call>`),
+    /// so the model reads the opening it was trained on.
     pub fn append_to(&self, tok: &TextTokenizer, prompt: &mut Vec<u32>) -> Result<(), ApiError> {
-        if !self.text.is_empty() {
-            prompt.extend(tok.encode_plain_text(&self.text).map_err(|e| ApiError::bad_request(e.to_string()))?);
-        }
+        prompt.extend(tok.encode_markup(&self.markup).map_err(|e| ApiError::bad_request(e.to_string()))?);
         Ok(())
     }
 }
@@ -205,21 +228,26 @@ pub fn reply_setup(
     id_prefix: &'static str,
 ) -> Result<(ReplySetup, Forced), ApiError> {
     let tok = &engine.tokenizer;
-    let starts_in_thinking = cfg.reasoning.is_some() && {
+    let template = tok.chat_template().map(|t| t.source());
+    let reasoning = cfg.reasoning.or_else(|| template.and_then(ReasoningFormat::detect));
+    let starts_in_thinking = reasoning.is_some_and(|r| {
         let tail = &prompt[prompt.len().saturating_sub(16)..];
-        prompt_opens_thinking(&tok.decode(tail, false).unwrap_or_default())
-    };
+        prompt_opens_thinking(r, &tok.decode(tail, false).unwrap_or_default())
+    });
+    let format = cfg.tool_format.or_else(|| template.and_then(ToolFormat::detect));
+    let stop_token_ids =
+        format.map(|f| f.stop_markers().iter().filter_map(|m| tok.token_to_id(m)).collect()).unwrap_or_default();
     let mut setup = ReplySetup {
-        reasoning: cfg.reasoning,
+        reasoning,
         starts_in_thinking,
         tools: None,
         single_call: !tools.parallel,
         id_prefix,
+        stop_token_ids,
     };
     if tools.specs.0.is_empty() || tools.choice == ToolChoice::None {
         return Ok((setup, Forced::default()));
     }
-    let format = cfg.tool_format.or_else(|| tok.chat_template().and_then(|t| ToolFormat::detect(t.source())));
     let Some(format) = format else {
         return Err(ApiError::invalid_param(
             "tools",
@@ -237,10 +265,11 @@ pub fn reply_setup(
         _ => return Ok((setup, Forced::default())),
     };
     // A forced call is the answer, so a thinking the prompt opened is closed first.
-    let close = if starts_in_thinking { "\n</think>\n\n" } else { "" };
-    let markup = Markup::new(|s| tok.token_to_id(s));
-    let grammar = super::tool_grammar::forced_call(format, &tools.specs.0, name, tools.parallel, &markup);
-    Ok((setup, Forced { text: format!("{close}{}", forced_opening(format, name)), grammar: Some(grammar) }))
+    let close = match reasoning {
+        Some(r) if starts_in_thinking => r.close_text(),
+        _ => "",
+    };
+    Ok((setup, Forced::call(tok, format, &tools.specs.0, name, tools.parallel, close)))
 }
 
 /// The start of a call in `format`: of any call, or of one to `name`.

@@ -256,6 +256,23 @@ impl TextTokenizer {
     pub fn encode_plain_text(&self, text: &str) -> Result<Vec<u32>> {
         self.guard.encode_text(text).map_err(TokenizerError::Encode)
     }
+
+    /// `s` (a caller's string inside markup iris writes) with its special-token strings
+    /// broken, so that [`Self::encode_markup`] tokenizes them as text.
+    pub fn protect(&self, s: &str) -> String {
+        self.guard.protect(s)
+    }
+
+    /// Encodes markup iris writes itself (a forced tool call's opening, which continues the
+    /// template's prompt): its special-token strings are the control tokens, as in a rendered
+    /// template (Gemma 4's `<|tool_call>`, GLM's `<tool_call>`), and what a caller supplied
+    /// in it, [`Self::protect`]ed, is text. No BOS/EOS added.
+    pub fn encode_markup(&self, markup: &str) -> Result<Vec<u32>> {
+        if markup.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.guard.encode_rendered(markup).map_err(TokenizerError::Encode)
+    }
 }
 
 /// Calls `f` on every string a caller supplied for the template: message contents, text

@@ -2,7 +2,8 @@
 streamed and not, against a running `iris serve`, and forced calls whose arguments validate.
 
 Run by tests/server_sdk.rs on the tiny Qwen3 fixture with Qwen3.5's real chat template
-(`--tool-call-parser qwen3_xml --reasoning-parser qwen3`). A random tiny model writes no calls
+(`--tool-call-parser qwen3_xml --reasoning-parser qwen3`), and on tiny Gemma 4 with Gemma 4's
+template and tokenizer (`gemma4`, read from the template). A random tiny model writes no calls
 of its own, so the call turn forces one (tool_choice a named function, or `required`): iris
 then writes the call's opening (`<tool_call>\\n<function=get_weather>\\n`) after the prompt,
 and a grammar holds the rest of the call to the tool's schema, so even a random model's reply

@@ -31,6 +31,22 @@ pub fn model_with_template(base: &str, template: &str) -> PathBuf {
     dir
 }
 
+/// tiny-gemma4 as a Gemma 4 checkpoint ships for chat: the tokenizer with Gemma 4's control
+/// tokens in its free ids (tests/fixtures/gemma4_template), the real chat template, and the
+/// turn's end `<turn|>` among its EOS ids (not `<|tool_response>`: the server stops there on
+/// its own). In a directory of its own under the system's temp.
+pub fn gemma4_chat_model() -> PathBuf {
+    let dir = model_with_template("tiny-gemma4", "google-gemma-4-31B-it.jinja");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture("gemma4_template").join(file), dir.join(file)).expect("tokenizer");
+    }
+    let gen = dir.join("generation_config.json");
+    let mut g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&gen).expect("read")).expect("json");
+    g["eos_token_id"] = serde_json::json!([1, 946]);
+    std::fs::write(&gen, g.to_string()).expect("write");
+    dir
+}
+
 pub struct Server {
     child: Option<Child>,
     pub addr: String,

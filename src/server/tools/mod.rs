@@ -69,6 +69,17 @@ impl ToolFormat {
         }
     }
 
+    /// Where the model's turn ends after its calls, when that is a token of its own the
+    /// model's EOS ids may not list: Gemma 4's template writes `<|tool_response>` right after
+    /// the calls (the results follow in the same turn), so a reply stops there, as
+    /// transformers' response template for `gemma4` closes the content there.
+    pub fn stop_markers(self) -> &'static [&'static str] {
+        match self {
+            ToolFormat::Gemma4 => &["<|tool_response>"],
+            _ => &[],
+        }
+    }
+
     /// A parser for one reply.
     pub fn parser(self, tools: Tools) -> Box<dyn ToolParser> {
         match self {
