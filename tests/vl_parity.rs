@@ -1,5 +1,6 @@
-//! Qwen2-VL, Qwen2.5-VL, GLM-4.5V/4.6V (`glm4v_moe`) and GLM-4.1V (`glm4v`) against
-//! transformers, on tiny random checkpoints: the image processor (PIL backend: the resize is
+//! Qwen2-VL, Qwen2.5-VL, GLM-4.5V/4.6V (`glm4v_moe`), GLM-4.1V (`glm4v`) and Qwen3.5 /
+//! Qwen3.5-MoE with images (`qwen3_5`, `qwen3_5_moe`) against transformers, on tiny random
+//! checkpoints: the image processor (PIL backend: the resize is
 //! Pillow's bicubic, bit for bit, so pixel values agree to f32 rounding, <= 1e-6),
 //! image_grid_thw, M-RoPE positions and delta (exact), image embeddings, every layer's hidden
 //! states and logits (f32, relative error <= 1e-4 of the reference's largest magnitude), the
@@ -163,7 +164,9 @@ fn check_layers(name: &str) {
 }
 
 fn check_greedy(name: &str) {
-    let got = greedy_outputs(name, EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
+    // Few sequences: a hybrid model's per-sequence state comes out of the same budget.
+    let opts = EngineOptions { kv_memory: Some(1 << 20), max_num_seqs: 4, ..Default::default() };
+    let got = greedy_outputs(name, opts);
     for (case, got, want) in got {
         assert_eq!(got, want, "{name} {case}: greedy tokens differ from transformers");
     }
@@ -195,6 +198,18 @@ fn check_greedy_speculative(name: &str) {
     for (case, got, want) in got {
         assert_eq!(got, want, "{name} {case}: speculation changed the greedy tokens");
     }
+}
+
+/// A hybrid model's recurrent state cannot roll back a rejected draft yet: speculation is
+/// refused at start, saying why and what to do.
+fn check_speculation_refused(name: &str) {
+    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 });
+    let opts = EngineOptions { kv_memory: Some(1 << 20), speculative: spec, ..Default::default() };
+    let err = match iris::engine::build::build_engine(&fixture(name), &device(), &opts) {
+        Ok(_) => panic!("{name}: speculation was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("--speculative-config is not supported") && err.contains("run without it"), "{err}");
 }
 
 /// (case, generated tokens, transformers' tokens) for every image case and text.
@@ -286,4 +301,49 @@ parity_tests!(
     qwen2_5_vl => "tiny-qwen2.5-vl",
     glm4v_moe => "tiny-glm4v-moe",
     glm4v => "tiny-glm4v"
+);
+
+/// The hybrid Qwen3.5 family: every check above but speculation, which is refused.
+macro_rules! hybrid_parity_tests {
+    ($($m:ident => $name:literal),*) => {$(
+        mod $m {
+            #[test]
+            fn processor_matches_transformers() {
+                super::check_processor($name);
+            }
+            #[test]
+            fn mrope_positions_match_transformers() {
+                super::check_positions($name);
+            }
+            #[test]
+            fn image_embeddings_match_transformers() {
+                super::check_image_embeds($name);
+            }
+            #[test]
+            fn hidden_states_and_logits_match_transformers() {
+                super::check_layers($name);
+            }
+            #[test]
+            fn greedy_tokens_match_transformers() {
+                super::check_greedy($name);
+            }
+            #[test]
+            fn greedy_tokens_with_a_turboquant_cache() {
+                super::check_greedy_turboquant($name);
+            }
+            #[test]
+            fn speculation_is_refused() {
+                super::check_speculation_refused($name);
+            }
+            #[test]
+            fn chat_template_ids_match_transformers() {
+                super::check_chat_template($name);
+            }
+        }
+    )*};
+}
+
+hybrid_parity_tests!(
+    qwen35_vl => "tiny-qwen3.5-vl",
+    qwen35_moe_vl => "tiny-qwen3.5-moe-vl"
 );
