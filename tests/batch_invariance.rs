@@ -243,17 +243,16 @@ fn check_vl(name: &str, blocks: usize) {
     };
     let solo: Vec<Vec<u32>> = (0..reqs.len())
         .map(|i| {
-            let mut e =
-                engine_with(&path, EngineOptions { kv_memory: Some(1 << 20), block_size: 4, ..Default::default() });
-            run(&mut e, &[i], &[0]).remove(0)
+            let opts = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 4, ..Default::default() };
+            run(&mut engine_with(&path, opts), &[i], &[0]).remove(0)
         })
         .collect();
-    let bytes_per_block = {
-        let cfg = iris::loader::read_config(&path).unwrap().1;
-        iris::kv::KvCacheSpec::bytes_per_token(&cfg, iris::kv::KvDtype::F32) * 4
-    };
+    let cfg = iris::loader::read_config(&path).unwrap().1;
+    let bytes_per_block = iris::kv::KvCacheSpec::bytes_per_token(&cfg, iris::kv::KvDtype::F32) * 4;
+    // A hybrid model's recurrent state for each of the 6 sequences comes out of the same budget.
+    let state_bytes = cfg.state_bytes_per_sequence() * 6;
     let opts = EngineOptions {
-        kv_memory: Some((blocks * bytes_per_block) as u64),
+        kv_memory: Some((blocks * bytes_per_block + state_bytes) as u64),
         block_size: 4,
         max_num_batched_tokens: 16,
         max_num_seqs: 6,
@@ -295,6 +294,18 @@ fn gemma4_with_images_is_batch_invariant() {
 #[test]
 fn glm4v_is_batch_invariant() {
     check_vl("tiny-glm4v", 40);
+}
+
+/// The hybrid family with images: each sequence's recurrent state and its M-RoPE positions are
+/// its own through chunked image prompts, preemption and recompute.
+#[test]
+fn qwen35_with_images_is_batch_invariant() {
+    check_vl("tiny-qwen3.5-vl", 40);
+}
+
+#[test]
+fn qwen35_moe_with_images_is_batch_invariant() {
+    check_vl("tiny-qwen3.5-moe-vl", 40);
 }
 
 /// The bug vllm-mlx patched in GLM-4.6V at run time: every layer's rotary positions came from
