@@ -311,6 +311,11 @@ def convert(spec, staged: Path, dst: Path):
                     cls.Model.cast_predicate = saved
     # the model card the converters write is not needed
     (dst / "README.md").unlink(missing_ok=True)
+    # mlx-vlm writes processor_config.json from its own processor defaults when the source has no
+    # image processor config (tiny-qwen3.5-moe: patch 16 against the tower's 14, which iris
+    # rejects as a checkpoint whose parts disagree); without it the source's defaults hold
+    if not (staged / "preprocessor_config.json").exists() and not (staged / "processor_config.json").exists():
+        (dst / "processor_config.json").unlink(missing_ok=True)
     # tokenizer files the converter did not write: copy from the source
     for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "generation_config.json"):
@@ -636,7 +641,8 @@ f32, exact) and `.dequant` is mlx's bf16 dequant widened to f32.
 Each directory is a converter's output (config.json, model.safetensors,
 model.safetensors.index.json, which both converters write even for one shard, tokenizer.json,
 tokenizer_config.json, chat_template.jinja, generation_config.json; mlx-vlm also writes
-processor_config.json and copies preprocessor_config.json) plus `reference.safetensors` and
+processor_config.json, kept only where the source has a processor config, and copies
+preprocessor_config.json) plus `reference.safetensors` and
 `reference.json`. The model card README.md the converters write is deleted.
 
 `reference.safetensors`, from mlx's own forward on the converted directory (`mlx_lm.load` /

@@ -243,17 +243,16 @@ fn check_vl(name: &str, blocks: usize) {
     };
     let solo: Vec<Vec<u32>> = (0..reqs.len())
         .map(|i| {
-            let mut e =
-                engine_with(&path, EngineOptions { kv_memory: Some(1 << 20), block_size: 4, ..Default::default() });
-            run(&mut e, &[i], &[0]).remove(0)
+            let opts = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 4, ..Default::default() };
+            run(&mut engine_with(&path, opts), &[i], &[0]).remove(0)
         })
         .collect();
-    let bytes_per_block = {
-        let cfg = iris::loader::read_config(&path).unwrap().1;
-        iris::kv::KvCacheSpec::bytes_per_token(&cfg, iris::kv::KvDtype::F32) * 4
-    };
+    let cfg = iris::loader::read_config(&path).unwrap().1;
+    let bytes_per_block = iris::kv::KvCacheSpec::bytes_per_token(&cfg, iris::kv::KvDtype::F32) * 4;
+    // A hybrid model's recurrent state for each of the 6 sequences comes out of the same budget.
+    let state_bytes = cfg.state_bytes_per_sequence() * 6;
     let opts = EngineOptions {
-        kv_memory: Some((blocks * bytes_per_block) as u64),
+        kv_memory: Some((blocks * bytes_per_block + state_bytes) as u64),
         block_size: 4,
         max_num_batched_tokens: 16,
         max_num_seqs: 6,
@@ -297,15 +296,38 @@ fn glm4v_is_batch_invariant() {
     check_vl("tiny-glm4v", 40);
 }
 
+/// The hybrid family with images: each sequence's recurrent state and its M-RoPE positions are
+/// its own through chunked image prompts, preemption and recompute.
+#[test]
+fn qwen35_with_images_is_batch_invariant() {
+    check_vl("tiny-qwen3.5-vl", 40);
+}
+
+#[test]
+fn qwen35_moe_with_images_is_batch_invariant() {
+    check_vl("tiny-qwen3.5-moe-vl", 40);
+}
+
 /// The bug vllm-mlx patched in GLM-4.6V at run time: every layer's rotary positions came from
 /// one cache offset shared by the whole batch. Here an image prompt and two text prompts of
 /// other lengths join at different steps and run straight through the model, each step one
 /// batch holding the joining prompts' prefill rows next to the running sequences' decode rows.
 /// With each sequence's own positions they give exactly the tokens the engine gives each alone;
 /// with decode positions from a batch-wide offset (the helper below) they do not, so this test
-/// would catch that bug.
+/// would catch that bug. A hybrid model's sequences each have their own state slot too.
 #[test]
 fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
+    check_positions_per_sequence("tiny-glm4v-moe");
+}
+
+/// Qwen3.5 is the family vllm-mlx's text-from-VLM path was written for: the same bug there.
+#[test]
+fn qwen35_positions_are_per_sequence_not_batch_wide() {
+    check_positions_per_sequence("tiny-qwen3.5-vl");
+    check_positions_per_sequence("tiny-qwen3.5-moe-vl");
+}
+
+fn check_positions_per_sequence(name: &str) {
     use candle_core::{DType, Device, Tensor};
     use iris::batch::{Batch, ImageRows, Positions, SeqSlice};
     use iris::engine::{ImageInput, Request};
@@ -313,14 +335,13 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
     use iris::media::{decode_image, DecodeLimits};
     use iris::models::PromptPositions;
 
-    const NAME: &str = "tiny-glm4v-moe";
     const STEPS: usize = 8;
     let _gpu = gpu_lock();
-    let path = fixture(NAME);
+    let path = fixture(name);
     let m = iris::loader::load(&path, &Device::Cpu, DType::F32).unwrap();
     let vision = m.vision.clone().unwrap();
-    let r = reference(NAME);
-    let j = reference_json(NAME);
+    let r = reference(name);
+    let j = reference_json(name);
     let image_prompt = ids(&r["single.input_ids"]);
     let file = j["cases"]["single"]["images"][0].as_str().unwrap();
     let bytes = std::fs::read(path.join(file)).unwrap();
@@ -342,7 +363,7 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
         Seq { prompt: text[1].clone(), mm: None, joins: 2 },
         Seq { prompt: text[3].clone(), mm: None, joins: 3 },
     ];
-    assert!(seqs[0].mm.as_ref().unwrap().0.delta < 0, "the image prompt's positions run behind its length");
+    assert!(seqs[0].mm.as_ref().unwrap().0.delta < 0, "{name}: the image prompt's positions run behind its length");
     // The correct rule: a sequence's own positions, later tokens at index + its own delta.
     let own = |s: &Seq, index: usize, _batch_offset: usize| -> [u32; 3] {
         match &s.mm {
@@ -362,7 +383,8 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
         let bs = 4;
         let per_seq = (seqs.iter().map(|s| s.prompt.len()).max().unwrap() + STEPS).div_ceil(bs);
         let spec = KvCacheSpec { block_size: bs, num_blocks: per_seq * seqs.len(), dtype: KvDtype::F32 };
-        let kv = KvCache::new(m.config(), spec, &Device::Cpu).unwrap();
+        // One recurrent state slot per sequence (hybrid models; others have no such layers).
+        let kv = KvCache::build(m.config(), spec, None, seqs.len(), &Device::Cpu).unwrap();
         let tables: Vec<Vec<u32>> =
             (0..seqs.len()).map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).rev().collect()).collect();
         let mut tokens: Vec<Vec<u32>> = seqs.iter().map(|s| s.prompt.clone()).collect();
@@ -407,7 +429,8 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
             }
             let images = (!image_rows.is_empty())
                 .then(|| ImageRows::new(&image_rows, Tensor::cat(&embeds, 0).unwrap(), rows.len()).unwrap());
-            let batch = Batch::new(&Device::Cpu, bs, slices, &rows, Positions::MRope(positions), images).unwrap();
+            let mut batch = Batch::new(&Device::Cpu, bs, slices, &rows, Positions::MRope(positions), images).unwrap();
+            batch.attn.set_state_slots(sample.iter().map(|&(i, _)| i as u32).collect()).unwrap();
             let hidden = m.model.forward(&batch, &kv, None).unwrap();
             for (i, row) in sample {
                 let logits: Vec<f32> =
@@ -422,8 +445,8 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
     let solo: Vec<Vec<u32>> = seqs
         .iter()
         .map(|s| {
-            let mut e =
-                engine_with(&path, EngineOptions { kv_memory: Some(1 << 20), block_size: 4, ..Default::default() });
+            let opts = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 4, ..Default::default() };
+            let mut e = engine_with(&path, opts);
             let images = if s.mm.is_some() { vec![ImageInput::new(pixels.clone())] } else { vec![] };
             let id = e
                 .add_request_with_images(Request { prompt_tokens: s.prompt.clone(), params: greedy(STEPS) }, images)
@@ -437,10 +460,14 @@ fn glm4v_moe_positions_are_per_sequence_not_batch_wide() {
             out
         })
         .collect();
-    assert_eq!(solo[0], ids(&r["single.generated_ids"])[..STEPS], "the engine alone gives transformers' tokens");
-    assert_eq!(run_together(&own), solo, "per-sequence positions: each sequence gives its solo tokens");
+    assert_eq!(
+        solo[0],
+        ids(&r["single.generated_ids"])[..STEPS],
+        "{name}: the engine alone gives transformers' tokens"
+    );
+    assert_eq!(run_together(&own), solo, "{name}: per-sequence positions: each sequence gives its solo tokens");
     let wrong = run_together(&batch_wide);
-    assert_ne!(wrong, solo, "positions from a batch-wide offset must change some sequence's tokens");
+    assert_ne!(wrong, solo, "{name}: positions from a batch-wide offset must change some sequence's tokens");
 }
 
 /// A cancelled hybrid sequence gives its state slot back, and the next sequence in that slot

@@ -1,4 +1,5 @@
-//! Images through `iris serve` on the tiny Qwen2-VL and GLM-4.6V-style (glm4v_moe) fixtures:
+//! Images through `iris serve` on the tiny Qwen2-VL, GLM-4.6V-style (glm4v_moe), Gemma 4 and
+//! Qwen3.5 / Qwen3.5-MoE fixtures:
 //! OpenAI `image_url` data URLs and Anthropic base64 blocks give transformers' greedy
 //! continuation; `/tokenize` and `count_tokens` count image tokens as the engine runs them;
 //! `file://` URLs only under --allowed-local-media-path; http(s) URLs only with
@@ -126,6 +127,16 @@ fn glm4v_moe_images_give_the_reference_continuation() {
 #[test]
 fn gemma4_images_give_the_reference_continuation() {
     check_reference_continuations("tiny-gemma4");
+}
+
+#[test]
+fn qwen35_images_give_the_reference_continuation() {
+    check_reference_continuations("tiny-qwen3.5-vl");
+}
+
+#[test]
+fn qwen35_moe_images_give_the_reference_continuation() {
+    check_reference_continuations("tiny-qwen3.5-moe-vl");
 }
 
 #[test]

@@ -174,7 +174,13 @@ impl TextConfig {
             rotary_dim,
             rms_norm_eps: get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
             max_position_embeddings: get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(4096) as usize,
-            tie_word_embeddings: get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(gemma),
+            // A vision-language model ties (or not) as its top-level config says: transformers
+            // builds the whole model from it, whatever text_config repeats.
+            tie_word_embeddings: text
+                .and(root.get("tie_word_embeddings"))
+                .or_else(|| get("tie_word_embeddings"))
+                .and_then(Value::as_bool)
+                .unwrap_or(gemma),
             // GLM-4.1V's q/k/v always have biases (its config has no switch).
             attention_bias: arch == Arch::Glm4v
                 || get("attention_bias")

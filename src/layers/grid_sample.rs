@@ -1,7 +1,12 @@
-//! Bicubic resampling of a 2-D table at arbitrary points, as PyTorch's CPU
-//! `grid_sample(mode="bicubic", padding_mode="border", align_corners=False)` computes it (GLM's
-//! vision tower resamples its learned position table to each image's patch grid this way).
-//! The float steps follow torch's vectorized kernel in order, so results agree to f32 rounding.
+//! Resampling of a learned 2-D table to an image's patch grid, as the vision towers' position
+//! embeddings do it:
+//! - bicubic at arbitrary points, as PyTorch's CPU `grid_sample(mode="bicubic",
+//!   padding_mode="border", align_corners=False)` computes it (GLM-4.xV);
+//! - bilinear onto a whole grid with corners aligned, as `interpolate(mode="bilinear",
+//!   align_corners=True)` does and transformers' gather-and-weight form of it computes it
+//!   (Qwen3.5: `get_vision_interpolation_indices_and_weights`).
+//!
+//! The float steps follow torch's in order, so results agree to f32 rounding.
 
 /// The cubic convolution kernel's parameter (torch's and Keys').
 const A: f32 = -0.75;
@@ -52,6 +57,51 @@ fn cubic_coefficients(t: f32) -> [f32; 4] {
     [outer(t + 1.0), inner(t), inner(1.0 - t), outer(2.0 - t)]
 }
 
+/// Samples `table` (`[side_h, side_w, channels]`, row-major) bilinearly at the cells `places`
+/// (row, column) of a `grid` (rows, columns) stretched over it corner to corner: cell (0, 0)
+/// reads the table's first entry and the last cell its last. Returns `[places, channels]`.
+pub fn bilinear_corners(
+    table: &[f32],
+    (side_h, side_w): (usize, usize),
+    channels: usize,
+    grid: (usize, usize),
+    places: &[(usize, usize)],
+) -> Vec<f32> {
+    assert_eq!(table.len(), side_h * side_w * channels, "table size");
+    let mut out = vec![0f32; places.len() * channels];
+    if side_h == 0 || side_w == 0 {
+        return out;
+    }
+    for (p, &(row, col)) in places.iter().enumerate() {
+        let (rows, row_w) = corner_taps(row, grid.0, side_h);
+        let (cols, col_w) = corner_taps(col, grid.1, side_w);
+        let dst = &mut out[p * channels..(p + 1) * channels];
+        // The four taps in transformers' order (row tap major), each weight a product in f32,
+        // summed one after another.
+        for (i, &r) in rows.iter().enumerate() {
+            for (j, &c) in cols.iter().enumerate() {
+                let weight = row_w[i] * col_w[j];
+                let src = &table[(r * side_w + c) * channels..][..channels];
+                for (o, &v) in dst.iter_mut().zip(src) {
+                    *o += v * weight;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The two taps along one axis of a `side`-long table for cell `index` of `size`, and their
+/// weights: `src = index * (side - 1) / (size - 1)`, taps floor(src) and floor(src) + 1 (kept
+/// inside the table), weights the linear hat `max(0, 1 - |src - tap|)`.
+fn corner_taps(index: usize, size: usize, side: usize) -> ([usize; 2], [f32; 2]) {
+    let src = index as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
+    let floor = src.floor();
+    let taps = [0.0f32, 1.0].map(|o| ((floor + o) as usize).min(side - 1));
+    let weights = [0.0f32, 1.0].map(|o| (1.0 - (src - floor - o).abs()).max(0.0));
+    (taps, weights)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,5 +134,21 @@ mod tests {
         let table: Vec<f32> = (0..16).map(|v| v as f32).collect();
         let got = bicubic_border(&table, 4, 4, 1, &[(0.3, -0.6)])[0];
         assert!((got - 3.069_749_4).abs() < 1e-6, "{got}");
+    }
+
+    #[test]
+    fn bilinear_corners_matches_torch() {
+        // torch.nn.functional.interpolate(torch.arange(25.).view(1, 1, 5, 5) ** 1.5, size=(3, 7),
+        //     mode="bilinear", align_corners=True)[0, 0]: rows 1 and 2 at columns 3 and 5.
+        let table: Vec<f32> = (0..25).map(|v| (v as f32).powf(1.5)).collect();
+        let got = bilinear_corners(&table, (5, 5), 1, (3, 7), &[(1, 3), (2, 5), (0, 0), (2, 6)]);
+        let want = [41.569_218, 112.727_92, 0.0, 117.575_51];
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+        }
+        // A grid the table's size reads it back; a one-cell axis reads the first entry.
+        let places: Vec<(usize, usize)> = (0..5).flat_map(|r| (0..5).map(move |c| (r, c))).collect();
+        assert_eq!(bilinear_corners(&table, (5, 5), 1, (5, 5), &places), table);
+        assert_eq!(bilinear_corners(&table, (5, 5), 1, (1, 1), &[(0, 0)]), vec![0.0]);
     }
 }

@@ -73,17 +73,31 @@ impl ImageProcessor {
         }
     }
 
-    /// Reads `preprocessor_config.json` (the model's defaults when the file is absent).
+    /// Reads `preprocessor_config.json`, else the `image_processor` section of
+    /// `processor_config.json` (where transformers 5 saves a whole processor), else the
+    /// model's defaults when neither file is there.
     pub fn from_dir(dir: &Path, rule: ResizeRule) -> Result<Self, WeightsError> {
-        let path = dir.join("preprocessor_config.json");
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::defaults(rule)),
-            Err(e) => return Err(WeightsError::io(&path, e)),
-        };
-        let json: Value = serde_json::from_str(&text)
-            .map_err(|e| WeightsError::Config { path: path.clone(), msg: format!("not valid JSON: {e}") })?;
-        Self::from_json(&json, rule).map_err(|msg| WeightsError::Config { path, msg })
+        for (file, section) in [("preprocessor_config.json", None), ("processor_config.json", Some("image_processor"))]
+        {
+            let path = dir.join(file);
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(WeightsError::io(&path, e)),
+            };
+            let json: Value = serde_json::from_str(&text)
+                .map_err(|e| WeightsError::Config { path: path.clone(), msg: format!("not valid JSON: {e}") })?;
+            let json = match section {
+                None => &json,
+                Some(key) => match json.get(key).filter(|v| v.is_object()) {
+                    Some(v) => v,
+                    // A processor without an image processor says nothing about images.
+                    None => continue,
+                },
+            };
+            return Self::from_json(json, rule).map_err(|msg| WeightsError::Config { path, msg });
+        }
+        Ok(Self::defaults(rule))
     }
 
     pub fn from_json(j: &Value, rule: ResizeRule) -> Result<Self, String> {

@@ -43,6 +43,9 @@ pub fn load_vision_model(
         Arch::Qwen2Vl | Arch::Qwen25Vl => Some(Arc::new(qwen2_vl::load(w, dir, cfg)?)),
         Arch::Glm4v | Arch::Glm4vMoe => Some(Arc::new(glm4v::load(w, dir, cfg)?)),
         Arch::Gemma4 => gemma4::load(w, dir, cfg)?.map(|v| Arc::new(v) as Arc<dyn VisionModel>),
+        Arch::Qwen35 | Arch::Qwen35Moe => {
+            qwen2_vl::load_qwen35(w, dir, cfg)?.map(|v| Arc::new(v) as Arc<dyn VisionModel>)
+        }
         _ => None,
     })
 }

@@ -39,8 +39,9 @@ pub struct PatchVlm<T> {
 }
 
 impl<T: PatchTower> PatchVlm<T> {
-    /// Reads `preprocessor_config.json` in `dir`, checks it and the language model against the
-    /// tower's `geometry` (from `config.json`), then loads the tower.
+    /// Reads the image processor's config in `dir` (`ImageProcessor::from_dir`), checks it and
+    /// the language model against the tower's `geometry` (from `config.json`), then loads the
+    /// tower.
     pub fn load(
         dir: &Path,
         rule: ResizeRule,
@@ -53,8 +54,12 @@ impl<T: PatchTower> PatchVlm<T> {
         if (processor.patch_size, processor.merge_size, processor.temporal_patch_size)
             != (g.patch_size, g.spatial_merge_size, g.temporal_patch_size)
         {
+            let file = ["preprocessor_config.json", "processor_config.json"]
+                .into_iter()
+                .find(|f| dir.join(f).is_file())
+                .unwrap_or("preprocessor_config.json");
             return Err(WeightsError::Config {
-                path: dir.join("preprocessor_config.json"),
+                path: dir.join(file),
                 msg: format!(
                     "patch {} / merge {} / temporal patch {} differ from config.json's vision_config ({} / {} / {})",
                     processor.patch_size,

@@ -15,10 +15,15 @@ fn model_path_does_not_exist() {
 
 #[test]
 fn inspect_reports_total_and_active_parameters_of_a_moe_vlm() {
-    // reference.json counts transformers' parameters (plus the router's correction bias) and
-    // the language model's active ones: all but the 6 of 8 routed experts a token skips in each
-    // MoE layer.
-    let dir = fixture("tiny-glm4v-moe");
+    // reference.json counts transformers' parameters (GLM: plus the router's correction bias)
+    // and the language model's active ones: all but the 6 of 8 routed experts a token skips in
+    // each MoE layer.
+    check_inspect_moe_vlm("tiny-glm4v-moe", "glm4v_moe");
+    check_inspect_moe_vlm("tiny-qwen3.5-moe-vl", "qwen3_5_moe");
+}
+
+fn check_inspect_moe_vlm(name: &str, arch: &str) {
+    let dir = fixture(name);
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let (total, vision, active) = (
@@ -39,7 +44,7 @@ fn inspect_reports_total_and_active_parameters_of_a_moe_vlm() {
         act.contains(&format!(" {active} (")) && act.contains("2 of 8 routed experts, 1 shared"),
         "{act} vs {active}"
     );
-    assert!(line("architecture:").contains("glm4v_moe"));
+    assert!(line("architecture:").contains(arch), "{name}");
 }
 
 #[test]

@@ -1,5 +1,5 @@
-//! The vision half of a Qwen2-VL / Qwen2.5-VL `config.json` (`vision_config` and the
-//! top-level image token ids).
+//! The vision half of a Qwen2-VL / Qwen2.5-VL / Qwen3.5 `config.json` (`vision_config` and
+//! the top-level image token ids).
 
 use std::path::Path;
 
@@ -14,6 +14,9 @@ pub enum VisionKind {
     Qwen2Vl,
     /// RMSNorm, gated MLP, windowed attention except in `fullatt_block_indexes`.
     Qwen25Vl,
+    /// Qwen3.5 (both `qwen3_5` and `qwen3_5_moe`): LayerNorm, plain MLP, full attention, and a
+    /// learned position table resampled to each image's grid (`qwen35_vision`).
+    Qwen35,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -34,6 +37,8 @@ pub struct VisionConfig {
     /// Side of an attention window in pixels (Qwen2.5-VL).
     pub window_size: usize,
     pub fullatt_block_indexes: Vec<usize>,
+    /// Entries of the learned position table, a square grid (Qwen3.5; 0 for the others).
+    pub num_position_embeddings: usize,
     pub rope_theta: f64,
     pub image_token_id: u32,
     pub video_token_id: Option<u32>,
@@ -43,6 +48,11 @@ pub struct VisionConfig {
 impl VisionConfig {
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_heads
+    }
+
+    /// Side of the learned position table's square grid.
+    pub fn position_side(&self) -> usize {
+        (self.num_position_embeddings as f64).sqrt().round() as usize
     }
 
     /// Values per patch: channels x temporal patch x patch x patch.
@@ -61,6 +71,7 @@ impl VisionConfig {
         let kind = match arch {
             Arch::Qwen2Vl => VisionKind::Qwen2Vl,
             Arch::Qwen25Vl => VisionKind::Qwen25Vl,
+            Arch::Qwen35 | Arch::Qwen35Moe => VisionKind::Qwen35,
             other => return Err(format!("`{}` has no vision tower", other.name())),
         };
         let v = root.get("vision_config").filter(|v| v.is_object()).ok_or("missing object `vision_config`")?;
@@ -81,11 +92,11 @@ impl VisionConfig {
                 let ratio = v.get("mlp_ratio").and_then(Value::as_f64).unwrap_or(4.0);
                 (embed, need("hidden_size")?, (embed as f64 * ratio) as usize, "quick_gelu")
             }
-            VisionKind::Qwen25Vl => (
+            VisionKind::Qwen25Vl | VisionKind::Qwen35 => (
                 need("hidden_size")?,
                 int("out_hidden_size").or(text_hidden).ok_or("missing `vision_config.out_hidden_size`")?,
                 need("intermediate_size")?,
-                "silu",
+                if kind == VisionKind::Qwen35 { "gelu_pytorch_tanh" } else { "silu" },
             ),
         };
         let act_name = v.get("hidden_act").and_then(Value::as_str).unwrap_or(default_act);
@@ -112,11 +123,17 @@ impl VisionConfig {
             activation,
             out_hidden_size,
             in_channels: int("in_channels").or_else(|| int("in_chans")).unwrap_or(3),
-            patch_size: int("patch_size").or_else(|| int("spatial_patch_size")).unwrap_or(14),
+            patch_size: int("patch_size")
+                .or_else(|| int("spatial_patch_size"))
+                .unwrap_or(if kind == VisionKind::Qwen35 { 16 } else { 14 }),
             temporal_patch_size: int("temporal_patch_size").unwrap_or(2),
             spatial_merge_size: int("spatial_merge_size").unwrap_or(2),
             window_size: int("window_size").unwrap_or(112),
             fullatt_block_indexes,
+            num_position_embeddings: match kind {
+                VisionKind::Qwen35 => int("num_position_embeddings").unwrap_or(2304),
+                _ => 0,
+            },
             rope_theta: v
                 .get("rope_parameters")
                 .and_then(|r| r.get("rope_theta"))
@@ -131,6 +148,15 @@ impl VisionConfig {
         }
         if kind == VisionKind::Qwen25Vl && cfg.window_size < cfg.patch_size * cfg.spatial_merge_size {
             return Err(format!("`window_size` {} is smaller than one merged patch", cfg.window_size));
+        }
+        if kind == VisionKind::Qwen35 {
+            let side = cfg.position_side();
+            if side == 0 || side * side != cfg.num_position_embeddings {
+                return Err(format!(
+                    "`vision_config.num_position_embeddings` {} is not the square of a positive integer",
+                    cfg.num_position_embeddings
+                ));
+            }
         }
         Ok(cfg)
     }

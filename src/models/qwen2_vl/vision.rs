@@ -29,10 +29,10 @@ enum Norm {
 impl Norm {
     fn load(w: &Weights, kind: VisionKind, prefix: &str, dim: usize) -> std::result::Result<Self, WeightsError> {
         Ok(match kind {
-            VisionKind::Qwen2Vl => Norm::Layer(LayerNorm::load(w, prefix, dim, NORM_EPS)?),
             VisionKind::Qwen25Vl => {
                 Norm::Rms(RmsNorm::load(w, &format!("{prefix}.weight"), dim, NORM_EPS, NormStyle::Plain)?)
             }
+            _ => Norm::Layer(LayerNorm::load(w, prefix, dim, NORM_EPS)?),
         })
     }
 
@@ -92,11 +92,6 @@ impl VisionTower {
             .map(|i| {
                 let p = format!("visual.blocks.{i}");
                 let mlp = match kind {
-                    VisionKind::Qwen2Vl => Mlp::Plain {
-                        fc1: Linear::load(w, &format!("{p}.mlp.fc1"), h, cfg.intermediate_size, true)?,
-                        fc2: Linear::load(w, &format!("{p}.mlp.fc2"), cfg.intermediate_size, h, true)?,
-                        act: cfg.activation,
-                    },
                     VisionKind::Qwen25Vl => Mlp::Gated(GatedMlp::load_with_bias(
                         w,
                         &format!("{p}.mlp"),
@@ -105,6 +100,11 @@ impl VisionTower {
                         cfg.activation,
                         true,
                     )?),
+                    _ => Mlp::Plain {
+                        fc1: Linear::load(w, &format!("{p}.mlp.fc1"), h, cfg.intermediate_size, true)?,
+                        fc2: Linear::load(w, &format!("{p}.mlp.fc2"), cfg.intermediate_size, h, true)?,
+                        act: cfg.activation,
+                    },
                 };
                 Ok(Block {
                     norm1: Norm::load(w, kind, &format!("{p}.norm1"), h)?,
@@ -112,7 +112,7 @@ impl VisionTower {
                     proj: Linear::load(w, &format!("{p}.attn.proj"), h, h, true)?,
                     norm2: Norm::load(w, kind, &format!("{p}.norm2"), h)?,
                     mlp,
-                    full: kind == VisionKind::Qwen2Vl || cfg.fullatt_block_indexes.contains(&i),
+                    full: kind != VisionKind::Qwen25Vl || cfg.fullatt_block_indexes.contains(&i),
                 })
             })
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
@@ -143,8 +143,8 @@ impl VisionTower {
         let unit = m * m;
         // Qwen2.5-VL regroups merge units window by window so each window is contiguous.
         let (order, windows) = match self.cfg.kind {
-            VisionKind::Qwen2Vl => ((0..px.rows / unit).collect::<Vec<_>>(), vec![]),
             VisionKind::Qwen25Vl => self.windows(px.grid_thw),
+            _ => ((0..px.rows / unit).collect::<Vec<_>>(), vec![]),
         };
         let rows: Vec<u32> = order.iter().flat_map(|&u| (u * unit..(u + 1) * unit).map(|r| r as u32)).collect();
         let frames: Segments = (0..t).map(|f| (f * gh * gw, gh * gw)).collect();
