@@ -46,6 +46,7 @@ fn fill(kv: &KvCache, layers: usize, context: usize, kv_heads: usize, dim: usize
                 }
                 LayerCache::Calibration(_) => unreachable!("the bench builds no calibration cache"),
                 LayerCache::Recurrent(_) => unreachable!("the bench's models have no recurrent layers"),
+                LayerCache::Shared { .. } => unreachable!("the bench's models share no KV"),
             }
             start += n;
         }
