@@ -6,7 +6,8 @@
 #   .gpu/tests.tar.xz     every test binary (scripts/gpu-check.sh)
 #   .gpu/paths            the build's repo and binary paths, which the tests have compiled in
 #   .gpu/kv_decode.xz     the KV-cache decode bench (scripts/gpu-kv-bench.sh)
-# Uses $CARGO_TARGET_DIR (default target/).
+# Uses $CARGO_TARGET_DIR (default target/). TESTS="cuda_ops model_parity": only those test
+# binaries (and no bench), for a quick check of a change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TGT=${CARGO_TARGET_DIR:-$PWD/target}
@@ -14,7 +15,9 @@ cargo build --release --features cuda
 stage=$(mktemp -d)
 # At once: another build in the same target dir (a CPU one) would overwrite release/iris.
 strip -o "$stage/iris" "$TGT/release/iris"
-cargo test --release --features cuda --no-run --message-format=json 2>/dev/null \
+only=()
+for t in ${TESTS:-}; do only+=(--test "$t"); done
+cargo test --release --features cuda --no-run "${only[@]}" --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
 for line in sys.stdin:

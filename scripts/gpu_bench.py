@@ -2,7 +2,9 @@
 """GPU benchmark helper for scripts/gpu-bench.sh (runs on the GPU machine, no network needed).
 
     gpu_bench.py make DIR MODEL        random-weight checkpoint (seeded normal * 0.02, bf16) of
-                                       MODEL (qwen2.5-7b | smollm2-135m) + a word-level tokenizer
+                                       MODEL (qwen2.5-7b | smollm2-135m | gemma4-e4b, the last
+                                       built by transformers from its config: it needs
+                                       transformers >= 5.24 there) + a word-level tokenizer
                                        covering its whole vocabulary; MODEL+bytes: a byte-level
                                        tokenizer instead (its first 256 ids the bytes, the rest
                                        filler), which can spell any text (structured outputs);
@@ -37,6 +39,20 @@ CONFIGS = {
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         hidden_act="silu", bos_token_id=1, eos_token_id=2, head_dim=64, torch_dtype="bfloat16",
+    ),
+    # google/gemma-4-E4B-it's text_config (architecture numbers as transcribed by several public
+    # ports; the checkpoint itself is out of reach here): PLE, KV sharing, 512-wide global heads.
+    "gemma4-e4b": dict(
+        architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", hidden_size=2560, intermediate_size=10240,
+        num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
+        vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256,
+        num_kv_shared_layers=18, use_double_wide_mlp=False, attention_k_eq_v=False, enable_moe_block=False,
+        sliding_window=512, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                            "partial_rotary_factor": 0.25}},
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072, bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16",
     ),
 }
 
@@ -77,6 +93,8 @@ def make(out, name):
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(os.path.join(out, "tokenizer.json"))
 
+    if cfg["model_type"] == "gemma4_text":
+        return make_with_transformers(out, name, cfg)
     h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim", h // nh)
@@ -130,6 +148,34 @@ def make(out, name):
     print(json.dumps({"model": name, "weight_bytes": nbytes, "embedding_bytes": emb,
                       "tied": cfg["tie_word_embeddings"],
                       "format": f"MLX {mlx_bits}-bit g64" if mlx_bits else "bf16"}))
+
+
+def make_with_transformers(out, name, cfg):
+    """The model transformers builds from `cfg`, its weights redrawn (seeded normal * 0.02, norms
+    1 + 0.1 * normal), saved in bf16 shards."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")})
+    torch.manual_seed(1234)
+    with torch.device(os.environ.get("BENCH_TORCH_DEVICE", "cuda")):
+        model = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16)
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(1234)
+    read, nbytes, ple = 0, 0, 0
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 0:
+                continue
+            base = 1.0 if "norm" in n and p.dim() == 1 else 0.0
+            p.copy_((base + (0.1 if base else 0.02) * torch.randn(p.shape, generator=g, device=p.device)).to(p.dtype))
+            nbytes += p.numel() * p.element_size()
+            # Per-layer-embedding rows are looked up, not read whole, each step.
+            if "embed_tokens_per_layer" in n:
+                ple += p.numel() * p.element_size()
+    model.save_pretrained(out, max_shard_size="4GB")
+    emb = cfg["vocab_size"] * cfg["hidden_size"] * 2
+    print(json.dumps({"model": name, "weight_bytes": nbytes, "embedding_bytes": emb, "tied": cfg["tie_word_embeddings"],
+                      "lookup_bytes": ple, "format": "bf16"}))
 
 
 def mlx_quantize(module, w, bits, group):
@@ -239,7 +285,7 @@ def table(path):
         wb, eb = m["weights"]["weight_bytes"], m["weights"]["embedding_bytes"]
         # Batch-1 bound: every weight byte read once per token; an untied embedding table is not
         # read (its rows are looked up), a tied one is the output head.
-        bound = bw / (wb - (0 if m["weights"].get("tied") else eb))
+        bound = bw / (wb - (0 if m["weights"].get("tied") else eb) - m["weights"].get("lookup_bytes", 0))
         fmt = m["weights"].get("format", "bf16")
         print(f"\n## {m['model']} ({fmt}, {wb / 1e9:.2f} GB of weights as stored; batch-1 bound {bound:.0f} tok/s)")
         print(f"| engine | b1 tok/s | % of bound | b8 | b64 | b256 | prefill tok/s ({m['prefill_len']}) | TTFT ms |")

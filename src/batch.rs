@@ -75,8 +75,9 @@ pub const PREFILL_TILE_ROWS: usize = 64;
 /// Where each part of a step's metadata sits in its device copy (u32 offsets): `slot_mapping
 /// [rows]` at 0, `row_seq [rows]`, `positions [rows]`, the float window's `ring_slots [rows]`
 /// (`NO_SLOT` without one), per sequence `(q_start, q_len, context_len, offset of its block
-/// table)` `[4 seqs]`, the float window's `rings [seqs]` (0 without one), the prompt-chunk
-/// tiles `(sequence, first row)` `[2 num_tiles]`, then the block tables end to end. Everything
+/// table)` `[4 seqs]`, the float window's `rings [seqs]` (0 without one), `row_end [rows]` (the
+/// end of the bidirectional range a row lies in, else 0), the prompt-chunk tiles `(sequence,
+/// first row)` `[2 num_tiles]`, then the block tables end to end. Everything
 /// a step's kernels read is in it, so a CUDA graph replays a step by rewriting this buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetaLayout {
@@ -86,6 +87,7 @@ pub struct MetaLayout {
     pub ring_slots: usize,
     pub seq_info: usize,
     pub rings: usize,
+    pub row_end: usize,
     pub tiles: usize,
     pub num_tiles: usize,
     pub block_tables: usize,
@@ -94,7 +96,8 @@ pub struct MetaLayout {
 impl MetaLayout {
     pub fn new(rows: usize, seqs: usize, num_tiles: usize) -> Self {
         let rings = 4 * rows + 4 * seqs;
-        let tiles = rings + seqs;
+        let row_end = rings + seqs;
+        let tiles = row_end + rows;
         MetaLayout {
             rows,
             row_seq: rows,
@@ -102,6 +105,7 @@ impl MetaLayout {
             ring_slots: 3 * rows,
             seq_info: 4 * rows,
             rings,
+            row_end,
             tiles,
             num_tiles,
             block_tables: tiles + 2 * num_tiles,
@@ -110,7 +114,7 @@ impl MetaLayout {
 
     /// Sequences the layout has room for (the step's and any padding).
     pub fn seqs(&self) -> usize {
-        self.tiles - self.rings
+        self.row_end - self.rings
     }
 }
 
@@ -259,6 +263,15 @@ impl AttentionMeta {
         }
         if let Some(w) = &self.window {
             data.extend_from_slice(&w.rings);
+        }
+        data.resize(layout.row_end, 0);
+        if let Some(spans) = &self.bidirectional {
+            for (s, ranges) in self.seqs.iter().zip(spans) {
+                data.extend(
+                    (s.first_position()..s.context_len)
+                        .map(|p| ranges.iter().find(|&&(a, b)| (a..b).contains(&p)).map_or(0, |&(_, b)| b as u32)),
+                );
+            }
         }
         data.resize(layout.tiles, 0);
         data.extend(self.prefill_tiles().take(layout.num_tiles).flat_map(|(s, r)| [s as u32, r as u32]));

@@ -41,6 +41,8 @@ struct Case {
     head_dim: usize,
     window: Option<usize>,
     softcap: Option<f32>,
+    /// Each prompt chunk's middle half is an image whose rows see each other both ways.
+    bidi: bool,
 }
 
 /// Decodes (one of them a first token, some past one chunk of 256 keys), a whole prompt, and
@@ -58,6 +60,21 @@ fn check_attention_on(dev: &Device, seqs: &[(usize, usize)], c: &Case, q_dt: DTy
     let mut rng = StdRng::seed_from_u64((c.heads * 1000 + c.head_dim) as u64);
     let bs = 16;
     let (mut m, slots) = meta(&mut rng, seqs, bs);
+    if c.bidi {
+        let spans = m
+            .seqs
+            .iter()
+            .map(|s| {
+                let (a, b) = (s.first_position() + s.q_len / 4, s.context_len - s.q_len / 4);
+                if s.q_len > 1 && b > a + 1 {
+                    vec![(a, b)]
+                } else {
+                    vec![]
+                }
+            })
+            .collect();
+        m.set_bidirectional(spans).unwrap();
+    }
     let d = c.head_dim;
     let q = random(&mut rng, &[m.num_rows(), c.heads, d]).to_dtype(q_dt).unwrap();
     let k = random(&mut rng, &[slots, c.kv_heads, d]).to_dtype(cache_dt).unwrap();
@@ -72,7 +89,7 @@ fn check_attention_on(dev: &Device, seqs: &[(usize, usize)], c: &Case, q_dt: DTy
         window: c.window,
         softcap: c.softcap,
         isa: iris::simd::Isa::active(),
-        bidirectional: false,
+        bidirectional: c.bidi,
     }
     .forward(&q.to_dtype(DType::F32).unwrap(), &k, &v)
     .unwrap();
@@ -86,7 +103,7 @@ fn check_attention_on(dev: &Device, seqs: &[(usize, usize)], c: &Case, q_dt: DTy
         window: c.window,
         softcap: c.softcap,
         isa: iris::simd::Isa::active(),
-        bidirectional: false,
+        bidirectional: c.bidi,
     };
     let gpu = op.forward(&q.to_device(dev).unwrap(), &k.to_device(dev).unwrap(), &v.to_device(dev).unwrap()).unwrap();
     assert_eq!(gpu.dtype(), q_dt);
@@ -94,17 +111,18 @@ fn check_attention_on(dev: &Device, seqs: &[(usize, usize)], c: &Case, q_dt: DTy
     let e = max_rel_err(&gpu, &cpu);
     assert!(
         e <= tol,
-        "paged attention {}x{}x{d} window {:?} softcap {:?}, q {q_dt:?} cache {cache_dt:?}, {} rows: rel err {e}",
+        "paged attention {}x{}x{d} window {:?} softcap {:?} bidirectional {}, q {q_dt:?} cache {cache_dt:?}, {} rows: rel err {e}",
         c.heads,
         c.kv_heads,
         c.window,
         c.softcap,
+        c.bidi,
         m.num_rows()
     );
 }
 
 fn cases() -> Vec<Case> {
-    let c = |heads, kv_heads, head_dim| Case { heads, kv_heads, head_dim, window: None, softcap: None };
+    let c = |heads, kv_heads, head_dim| Case { heads, kv_heads, head_dim, window: None, softcap: None, bidi: false };
     vec![
         c(4, 4, 64),
         c(8, 2, 80),
@@ -115,6 +133,10 @@ fn cases() -> Vec<Case> {
         c(4, 2, 16),
         Case { window: Some(7), softcap: Some(30.0), ..c(4, 1, 32) },
         Case { window: Some(300), ..c(14, 2, 64) },
+        // Gemma 4's global layers, and its sliding layers over images seen whole.
+        c(8, 2, 512),
+        Case { bidi: true, ..c(8, 4, 256) },
+        Case { window: Some(20), bidi: true, ..c(4, 2, 64) },
     ]
 }
 

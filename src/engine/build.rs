@@ -242,6 +242,12 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
             )));
         }
     }
+    let mut vision = loaded.vision;
+    if tq.is_some() && device.is_cuda() && cfg.images_attend_both_ways() && vision.is_some() {
+        // The CUDA kernels over codes know no bidirectional ranges yet; text still runs.
+        tracing::warn!("images are refused: this checkpoint's image tokens see the whole image (use_bidirectional_attention = \"vision\"), which a TurboQuant cache on CUDA does not do yet; use a float --kv-cache-dtype for images");
+        vision = None;
+    }
     let prefix_caching = prefix_caching_setting(&cfg, tq.as_ref(), opts.enable_prefix_caching)?;
     // Every group of layers' memory: paged per token (attention layers only), and per state slot
     // (one per sequence that may run: float-window rings, recurrent states), fixed at start
@@ -322,8 +328,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         speculative: opts.speculative,
         prefix_caching,
     };
-    let mut engine =
-        Engine::new(loaded.model, kv, loaded.tokenizer, engine_cfg, device.clone()).with_vision(loaded.vision);
+    let mut engine = Engine::new(loaded.model, kv, loaded.tokenizer, engine_cfg, device.clone()).with_vision(vision);
     if let Some(dir) = &opts.draft_model {
         engine
             .set_model_drafter(load_draft_model(dir, &cfg, device, opts.dtype)?)

@@ -35,11 +35,6 @@ pub struct Gemma4Vision {
 /// The vision half of the checkpoint in `dir`, None when it has none.
 pub fn load(w: &Weights, dir: &Path, text: &TextConfig) -> Result<Option<Gemma4Vision>, WeightsError> {
     let Some(cfg) = VisionConfig::from_hf_file(&dir.join("config.json"))? else { return Ok(None) };
-    if text.images_attend_both_ways() && w.device().is_cuda() {
-        // The CUDA attention kernels know no bidirectional ranges yet; text still runs.
-        tracing::warn!("images are refused on CUDA for this checkpoint: its image tokens see the whole image (use_bidirectional_attention = \"vision\"), which runs on the CPU only so far");
-        return Ok(None);
-    }
     let processor = Gemma4ImageProcessor::from_dir(dir)?;
     if (processor.patch_size, processor.pooling_kernel_size) != (cfg.patch_size, cfg.pooling_kernel_size) {
         return Err(WeightsError::Config {

@@ -176,7 +176,10 @@ impl TextModel for Gemma4 {
         for (i, l) in self.layers.iter().enumerate() {
             // The KV-sharing layers store nothing: only the rows read after the pass need
             // them (transformers slices its prefill alike).
-            if let (Some(counts), true, None) = (&batch.output_rows, Some(i) == first_shared, &taps) {
+            let drops = |c: &Vec<usize>| c.iter().zip(&batch.attn.seqs).any(|(&n, s)| n < s.q_len);
+            if let (Some(counts), true, None) =
+                (batch.output_rows.as_ref().filter(|c| drops(c)), Some(i) == first_shared, &taps)
+            {
                 let (tail, keep) = batch.attn.tail(counts)?;
                 if keep.is_empty() {
                     return Tensor::zeros((rows, self.cfg.hidden_size), self.dtype, &self.device);

@@ -16,6 +16,10 @@ mod ptx {
 /// The head dims the attention, projection and TurboQuant kernels are compiled for.
 pub const HEAD_DIMS: [usize; 7] = [16, 32, 64, 80, 96, 128, 256];
 
+/// The head dims of the paged-attention kernels: those and Gemma 4's 512-wide global layers
+/// (which take the op-by-op projections: their value norm keeps them off the fused kernel).
+pub const PAGED_HEAD_DIMS: [usize; 8] = [16, 32, 64, 80, 96, 128, 256, 512];
+
 /// That the TurboQuant kernels take `codec` (a compiled head dim, 2-4 bits, a Hadamard rotation
 /// for powers of two) and that its device table holds `table_len` values as it should; else an
 /// error naming `what`.

@@ -1,6 +1,8 @@
 // Attention over a paged KV cache for a flat batch of any mix of prefill chunks and decodes
 // (see ops/paged_attention/mod.rs, the reference). Row t of sequence s sits at position
-// p = context_len - q_len + (t - q_start) and attends to cached positions [lo, p].
+// p = context_len - q_len + (t - q_start) and attends to cached positions [lo, p], or [lo, end)
+// on a layer marked bidirectional (`bidi`) when row_end[t] = end > p + 1 (a row inside an image
+// that the config lets see the whole image; 0 for the other rows).
 //
 // One block per (row, group of query heads sharing one KV head): every key and value loaded is
 // used by all heads of the group (GQA); with few rows, one block per (row, query head) instead,
@@ -19,8 +21,8 @@ template <typename TQ, typename TC, int D>
 __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, const TC* __restrict__ kc,
                                 const TC* __restrict__ vc, const uint32_t* __restrict__ row_seq,
                                 const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
-                                int num_heads, int num_kv_heads, int hb, int block_size, float scale, int window,
-                                float softcap, int skip_q_len) {
+                                const uint32_t* __restrict__ row_end, int bidi, int num_heads, int num_kv_heads,
+                                int hb, int block_size, float scale, int window, float softcap, int skip_q_len) {
     pdl_launch_dependents();  // the output projection may start streaming its weights
     pdl_wait();               // launched as a dependent (ops/paged_attention/mod.rs): q, the cache after this
     constexpr int V = Vec16<TC>::N;
@@ -41,6 +43,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
     const uint32_t* bt = block_tables + seq_info[4 * s + 3];
     const int pos = ctx - q_len + (t - q_start);
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int hi = bidi ? max(pos, (int)row_end[t] - 1) : pos;  // the last key the row sees
 
     __shared__ __align__(16) float q_s[PA_MAXH][D];
     __shared__ float p_s[PA_MAXH][PA_CHUNK];
@@ -64,9 +67,9 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
 #pragma unroll
         for (int e = 0; e < V; ++e) acc[h][e] = 0.f;
 
-    for (int c0 = lo; c0 <= pos; c0 += PA_CHUNK) {
+    for (int c0 = lo; c0 <= hi; c0 += PA_CHUNK) {
         const int j = c0 + tid;
-        if (j <= pos) {
+        if (j <= hi) {
             const int slot = (int)bt[j / block_size] * block_size + j % block_size;
             slot_s[tid] = slot;
             const TC* kp = kc + ((size_t)slot * num_kv_heads + kvh) * D;
@@ -108,7 +111,7 @@ __device__ void paged_attention(TQ* __restrict__ out, const TQ* __restrict__ q, 
                     for (int e = 0; e < V; ++e) acc[h][e] *= c;
                 }
             }
-            const int n = min(PA_CHUNK, pos + 1 - c0);
+            const int n = min(PA_CHUNK, hi + 1 - c0);
 #pragma unroll 4
             for (int jj = kg; jj < n; jj += KG) {
                 float vf[V];
@@ -184,8 +187,8 @@ __device__ void paged_decode(TQ* __restrict__ out, uint32_t* __restrict__ counte
                              const TQ* __restrict__ q, const TC* __restrict__ kc,
                              const TC* __restrict__ vc, const uint32_t* __restrict__ row_seq,
                              const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
-                             int num_heads, int num_kv_heads, int block_size, float scale, int window, float softcap,
-                             int skip_q_len, int chunk) {
+                             const uint32_t* __restrict__ row_end, int bidi, int num_heads, int num_kv_heads,
+                             int block_size, float scale, int window, float softcap, int skip_q_len, int chunk) {
     pdl_launch_dependents();  // the output projection may start streaming its weights
     constexpr int V = Vec16<TC>::N;
     constexpr int NV = D / V;  // 16-byte vectors per head row
@@ -209,6 +212,7 @@ __device__ void paged_decode(TQ* __restrict__ out, uint32_t* __restrict__ counte
     const uint32_t* bt = block_tables + seq_info[4 * s + 3];
     const int pos = ctx - q_len + (t - q_start);
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int hi = bidi ? max(pos, (int)row_end[t] - 1) : pos;  // the last key the row sees
 
     float qf[RPL][V], acc[RPL][V];
     const TQ* qh = q + ((size_t)t * num_heads + h) * D;
@@ -227,8 +231,8 @@ __device__ void paged_decode(TQ* __restrict__ out, uint32_t* __restrict__ counte
     // pass. The loop bounds do not depend on the lane, so every lane takes part in every shuffle.
     const int z = blockIdx.z;
     const int c_lo = lo / chunk;
-    for (int c = c_lo + (z - c_lo % PD_SPLITS + PD_SPLITS) % PD_SPLITS; c <= pos / chunk; c += PD_SPLITS) {
-    const int a = max(lo, c * chunk), b = min(pos, c * chunk + chunk - 1);
+    for (int c = c_lo + (z - c_lo % PD_SPLITS + PD_SPLITS) % PD_SPLITS; c <= hi / chunk; c += PD_SPLITS) {
+    const int a = max(lo, c * chunk), b = min(hi, c * chunk + chunk - 1);
     for (int base = a + warp * KPW; base <= b; base += G * PD_UNROLL) {
         float kf[PD_UNROLL][RPL][V], vf[PD_UNROLL][RPL][V];
         bool ok[PD_UNROLL];
@@ -342,11 +346,11 @@ __device__ void paged_decode_merge(TQ* __restrict__ out, const float* __restrict
 #define PD(NAME, TQ, TC, D)                                                                                    \
     extern "C" __global__ void __launch_bounds__(PD_THREADS)                                                   \
         NAME(TQ* out, uint32_t* counters, float* part, const TQ* q, const TC* kc, const TC* vc,                \
-             const uint32_t* row_seq, const uint32_t* seq_info, const uint32_t* block_tables, int num_heads,   \
-             int num_kv_heads, int hb, int block_size, float scale, int window, float softcap, int skip_q_len,  \
-             int chunk) {                                                                                       \
-        paged_decode<TQ, TC, D>(out, counters, part, q, kc, vc, row_seq, seq_info, block_tables, num_heads,    \
-                                num_kv_heads, block_size, scale, window, softcap, skip_q_len, chunk);          \
+             const uint32_t* row_seq, const uint32_t* seq_info, const uint32_t* block_tables,                  \
+             const uint32_t* row_end, int bidi, int num_heads, int num_kv_heads, int hb, int block_size,        \
+             float scale, int window, float softcap, int skip_q_len, int chunk) {                               \
+        paged_decode<TQ, TC, D>(out, counters, part, q, kc, vc, row_seq, seq_info, block_tables, row_end, bidi, \
+                                num_heads, num_kv_heads, block_size, scale, window, softcap, skip_q_len, chunk); \
     }
 #define PDM(NAME, TQ, D)                                                                                       \
     extern "C" __global__ void NAME(TQ* out, const float* part, const uint32_t* row_seq,                       \
@@ -357,10 +361,11 @@ __device__ void paged_decode_merge(TQ* __restrict__ out, const float* __restrict
 #define PA(NAME, TQ, TC, D)                                                                                    \
     extern "C" __global__ void __launch_bounds__(PA_THREADS)                                                   \
         NAME(TQ* out, const TQ* q, const TC* kc, const TC* vc, const uint32_t* row_seq,                        \
-             const uint32_t* seq_info, const uint32_t* block_tables, int num_heads, int num_kv_heads, int hb,  \
-             int block_size, float scale, int window, float softcap, int skip_q_len) {                         \
-        paged_attention<TQ, TC, D>(out, q, kc, vc, row_seq, seq_info, block_tables, num_heads, num_kv_heads,   \
-                                   hb, block_size, scale, window, softcap, skip_q_len);                        \
+             const uint32_t* seq_info, const uint32_t* block_tables, const uint32_t* row_end, int bidi,        \
+             int num_heads, int num_kv_heads, int hb, int block_size, float scale, int window, float softcap,   \
+             int skip_q_len) {                                                                                  \
+        paged_attention<TQ, TC, D>(out, q, kc, vc, row_seq, seq_info, block_tables, row_end, bidi, num_heads,  \
+                                   num_kv_heads, hb, block_size, scale, window, softcap, skip_q_len);          \
     }
 
 #define PA_BOTH(TN, CN, TQ, TC, D)                                                                             \
@@ -373,7 +378,8 @@ __device__ void paged_decode_merge(TQ* __restrict__ out, const float* __restrict
     PA_BOTH(TN, CN, TQ, TC, 80)                                                                                \
     PA_BOTH(TN, CN, TQ, TC, 96)                                                                                \
     PA_BOTH(TN, CN, TQ, TC, 128)                                                                               \
-    PA_BOTH(TN, CN, TQ, TC, 256)
+    PA_BOTH(TN, CN, TQ, TC, 256)                                                                               \
+    PA_BOTH(TN, CN, TQ, TC, 512)
 
 PA_DIMS(f32, f32, float, float)
 PA_DIMS(f32, bf16, float, __nv_bfloat16)
@@ -384,7 +390,7 @@ PA_DIMS(f16, f16, __half, __half)
     PDM(paged_decode_merge_##TN##_16, TQ, 16) PDM(paged_decode_merge_##TN##_32, TQ, 32)                        \
     PDM(paged_decode_merge_##TN##_64, TQ, 64) PDM(paged_decode_merge_##TN##_80, TQ, 80)                        \
     PDM(paged_decode_merge_##TN##_96, TQ, 96) PDM(paged_decode_merge_##TN##_128, TQ, 128)                      \
-    PDM(paged_decode_merge_##TN##_256, TQ, 256)
+    PDM(paged_decode_merge_##TN##_256, TQ, 256) PDM(paged_decode_merge_##TN##_512, TQ, 512)
 PDM_DIMS(f32, float)
 PDM_DIMS(bf16, __nv_bfloat16)
 PDM_DIMS(f16, __half)

@@ -412,12 +412,12 @@ impl CustomOp3 for PagedAttention<'_> {
             let empty = unsafe { dev.alloc::<f32>(0)? };
             return Ok((CudaStorage::wrap_cuda_slice(empty, dev), shape));
         }
-        if !super::cuda::HEAD_DIMS.contains(&d) {
+        if !super::cuda::PAGED_HEAD_DIMS.contains(&d) {
             candle_core::bail!("paged-attention: no CUDA kernel for head_dim {d}");
         }
-        if (0..self.meta.seqs.len()).any(|i| !self.bidirectional_ranges(i).is_empty()) {
-            candle_core::bail!("paged-attention: bidirectional image ranges have no CUDA kernel yet");
-        }
+        // Rows inside an image read to its end (the meta's row_end); the tensor-core prompt
+        // kernel knows only causal tiles, so such a layer's chunks go to the kernel below.
+        let bidi = (0..self.meta.seqs.len()).any(|i| !self.bidirectional_ranges(i).is_empty());
         let dm = self.meta.device.as_ref().ok_or_else(|| {
             candle_core::Error::Msg(
                 "paged-attention: the step's metadata is not on the device (AttentionMeta::upload)".into(),
@@ -458,11 +458,12 @@ impl CustomOp3 for PagedAttention<'_> {
             candle_core::bail!("paged-attention: device metadata has {} rows, the step {rows}", l.rows);
         }
         // Prompt chunks of 16-bit models go to the tensor-core kernel, the other rows here.
-        let prefill = if l.num_tiles > 0 && qt == ct && qt != "f32" && super::cuda::PREFILL_HEAD_DIMS.contains(&d) {
-            Some(super::cuda::prefill_launch(&dev, "prefill_attention", qt, d, l.num_tiles, hq)?)
-        } else {
-            None
-        };
+        let prefill =
+            if l.num_tiles > 0 && !bidi && qt == ct && qt != "f32" && super::cuda::PREFILL_HEAD_DIMS.contains(&d) {
+                Some(super::cuda::prefill_launch(&dev, "prefill_attention", qt, d, l.num_tiles, hq)?)
+            } else {
+                None
+            };
         let p = Params {
             merge,
             decode: LaunchConfig {
@@ -471,6 +472,7 @@ impl CustomOp3 for PagedAttention<'_> {
                 shared_mem_bytes: 0,
             },
             ints: [hq as i32, hkv as i32, hb as i32, self.meta.block_size as i32],
+            bidi: bidi as i32,
             scale: self.scale,
             softcap: self.softcap.unwrap_or(0.0),
             window: self.window.map_or(0, |w| w as i32),
@@ -491,6 +493,8 @@ impl CustomOp3 for PagedAttention<'_> {
             merge: Option<SplitMerge>,
             decode: LaunchConfig,
             ints: [i32; 4],
+            /// 1: rows read to their meta's row_end.
+            bidi: i32,
             scale: f32,
             softcap: f32,
             window: i32,
@@ -503,6 +507,7 @@ impl CustomOp3 for PagedAttention<'_> {
             seq_info: CudaView<'m, u32>,
             tiles: CudaView<'m, u32>,
             block_tables: CudaView<'m, u32>,
+            row_end: CudaView<'m, u32>,
         }
         #[allow(clippy::too_many_arguments)]
         fn launch<Q: CudaDType + DeviceRepr, C: DeviceRepr>(
@@ -530,7 +535,7 @@ impl CustomOp3 for PagedAttention<'_> {
                     SplitMerge::Kernel(_) => b.null(),
                 };
                 b.mem(&part).mem(&q).mem(&k).mem(&v).mem(&m.row_seq).mem(&m.seq_info).mem(&m.block_tables);
-                b.scalar(&hq).scalar(&hkv).scalar(&hb).scalar(&bs);
+                b.mem(&m.row_end).scalar(&p.bidi).scalar(&hq).scalar(&hkv).scalar(&hb).scalar(&bs);
                 b.scalar(&p.scale).scalar(&p.window).scalar(&p.softcap).scalar(&p.skip).scalar(&p.chunk);
                 // SAFETY: argument types and counts match the kernel's signature; block tables were
                 // checked; the counters hold rows x heads entries (arrival_counters); the kernel
@@ -550,7 +555,16 @@ impl CustomOp3 for PagedAttention<'_> {
             } else {
                 let mut b = decode.builder();
                 b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.row_seq).arg(&m.seq_info).arg(&m.block_tables);
-                b.arg(&hq).arg(&hkv).arg(&hb).arg(&bs).arg(&p.scale).arg(&p.window).arg(&p.softcap).arg(&p.skip);
+                b.arg(&m.row_end)
+                    .arg(&p.bidi)
+                    .arg(&hq)
+                    .arg(&hkv)
+                    .arg(&hb)
+                    .arg(&bs)
+                    .arg(&p.scale)
+                    .arg(&p.window)
+                    .arg(&p.softcap)
+                    .arg(&p.skip);
                 // SAFETY: argument types and counts match the kernel's signature; block tables were checked.
                 unsafe { b.launch(p.decode) }.w()?;
             }
@@ -569,6 +583,7 @@ impl CustomOp3 for PagedAttention<'_> {
                 seq_info: data.slice(l.seq_info..l.rings),
                 tiles: data.slice(l.tiles..l.block_tables),
                 block_tables: data.slice(l.block_tables..),
+                row_end: data.slice(l.row_end..l.tiles),
             };
             let n = rows * hq * d;
             match (&q.slice, &k.slice, &v.slice) {
