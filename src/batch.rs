@@ -547,13 +547,32 @@ mod tests {
         let data = meta.packed(&layout);
         assert_eq!(&data[layout.ring_slots..layout.ring_slots + 7], &w.slots[..]);
         assert_eq!(&data[layout.ring_slots + 7..layout.seq_info], &[NO_SLOT, NO_SLOT]);
-        assert_eq!(&data[layout.rings..layout.tiles], &[3, 1, 0]);
+        assert_eq!(&data[layout.rings..layout.row_end], &[3, 1, 0]);
+        assert!(data[layout.row_end..layout.tiles].iter().all(|&e| e == 0), "no image ranges");
         assert_eq!(&data[layout.seq_info..layout.seq_info + 4], &[0, 6, 8, 0]);
         assert_eq!(&data[layout.block_tables..], &[0, 1, 2, 3, 4, 0]);
         // Without a window: no ring rows, ring 0.
         let plain = AttentionMeta::new(4, meta.seqs.clone()).packed(&layout);
         assert!(plain[layout.ring_slots..layout.seq_info].iter().all(|&s| s == NO_SLOT));
-        assert!(plain[layout.rings..layout.tiles].iter().all(|&r| r == 0));
+        assert!(plain[layout.rings..layout.row_end].iter().all(|&r| r == 0));
+    }
+
+    /// A row inside an image's bidirectional range carries the range's end, every other row 0,
+    /// where the layout says (the CUDA kernels read a row up to that end).
+    #[test]
+    fn bidirectional_range_ends_are_packed_per_row() {
+        let seqs = vec![
+            SeqSlice { q_start: 0, q_len: 6, context_len: 8, block_table: vec![0, 1] },
+            SeqSlice { q_start: 6, q_len: 1, context_len: 11, block_table: vec![2, 3, 4] },
+        ];
+        let mut meta = AttentionMeta::new(4, seqs);
+        assert!(meta.set_bidirectional(vec![vec![(3, 9)], vec![]]).is_err(), "past the context");
+        meta.set_bidirectional(vec![vec![(3, 6)], vec![(9, 11)]]).unwrap();
+        let layout = MetaLayout::new(8, 3, 0);
+        let data = meta.packed(&layout);
+        // Rows are positions 2..8 of the first sequence, then position 10 of the second.
+        assert_eq!(&data[layout.row_end..layout.row_end + 7], &[0, 6, 6, 6, 0, 0, 11]);
+        assert!(data[layout.row_end + 7..layout.tiles].iter().all(|&e| e == 0), "padding rows");
     }
 
     /// A step mixing a decode and a verify of two drafts, padded to 3 rows per sequence: the
