@@ -203,11 +203,102 @@ def adapt_glm4v_moe(d: Path):
             "the hub GLM-4.5V config has it)"]
 
 
+def adapt_gemma4(d: Path):
+    # transformers 5.24 saves the full layers' geometry as `per_layer_config`; the hub configs,
+    # mlx-lm and mlx-vlm read `global_head_dim` / `num_global_key_value_heads` (mlx's default
+    # global_head_dim is 512), from which transformers rebuilds the same per_layer_config.
+    def f(c):
+        tc = c.get("text_config", c)
+        plc = tc.pop("per_layer_config")
+        full = [i for i, t in enumerate(tc["layer_types"]) if t == "full_attention"]
+        assert sorted(int(k) for k in plc) == full and len({json.dumps(v) for v in plc.values()}) == 1, plc
+        o = plc[str(full[0])]
+        tc["global_head_dim"] = o["head_dim"]
+        if "num_key_value_heads" in o:
+            tc["num_global_key_value_heads"] = o["num_key_value_heads"]
+    _rw_config(d, f)
+    return ["`per_layer_config` replaced by the hub form `global_head_dim` (+ "
+            "`num_global_key_value_heads` with K-eq-V), which mlx-lm / mlx-vlm read (mlx's default "
+            "global_head_dim is 512) and from which transformers rebuilds the same per_layer_config"]
+
+
+def adapt_gemma4_vlm(d: Path):
+    """The hub config form, then two changes so that the conversion holds what real E2B/E4B
+    conversions hold: a quantized per-layer-embedding table (its width L*P = 6*8 = 48 is no
+    multiple of any MLX group, so P is doubled to 16: 96 = 3 groups of 32; the original columns
+    are kept, the new ones are seeded normal noise of the same spread) and a vision tower with
+    clippable linears (use_clipped_linears, 0-d clip bounds beside every projection, seeded,
+    tight enough to bind). So this staged model is not the source's: its float check runs on a
+    staging with only the config change."""
+    notes = adapt_gemma4(d)
+    rng = np.random.default_rng(4242)
+    c = json.loads((d / "config.json").read_text())
+    tc = c["text_config"]
+    L, P = tc["num_hidden_layers"], tc["hidden_size_per_layer_input"]
+
+    def noise(shape, like):
+        return rng.normal(float(like.mean()), float(like.std()), size=shape).astype(np.float32)
+
+    def g(w):
+        w = {k: np.array(v) for k, v in w.items()}
+        pre = "model.language_model."
+        e = w[pre + "embed_tokens_per_layer.weight"]  # [V, L*P], layer-major
+        v = e.shape[0]
+        e3 = e.reshape(v, L, P)
+        w[pre + "embed_tokens_per_layer.weight"] = np.concatenate(
+            [e3, noise(e3.shape, e3)], axis=2).reshape(v, L * 2 * P)
+        m = w[pre + "per_layer_model_projection.weight"]  # [L*P, H]
+        m3 = m.reshape(L, P, -1)
+        w[pre + "per_layer_model_projection.weight"] = np.concatenate(
+            [m3, noise(m3.shape, m3)], axis=1).reshape(L * 2 * P, -1)
+        n = w[pre + "per_layer_projection_norm.weight"]
+        w[pre + "per_layer_projection_norm.weight"] = np.concatenate([n, noise(n.shape, n)])
+        for i in range(L):
+            gate = w[f"{pre}layers.{i}.per_layer_input_gate.weight"]  # [P, H]
+            w[f"{pre}layers.{i}.per_layer_input_gate.weight"] = np.concatenate(
+                [gate, noise(gate.shape, gate)], axis=0)
+            proj = w[f"{pre}layers.{i}.per_layer_projection.weight"]  # [H, P]
+            w[f"{pre}layers.{i}.per_layer_projection.weight"] = np.concatenate(
+                [proj, noise(proj.shape, proj)], axis=1)
+        for k in sorted(w):
+            if k.startswith("model.vision_tower.encoder.") and k.endswith(".linear.weight"):
+                p = k[: -len(".linear.weight")]
+                for side in ("input", "output"):
+                    lo, hi = rng.uniform(0.6, 1.6, size=2)
+                    w[f"{p}.{side}_min"] = np.array(-lo, dtype=np.float32)
+                    w[f"{p}.{side}_max"] = np.array(hi, dtype=np.float32)
+        return {k: mx.array(v) for k, v in w.items()}
+    _rw_weights(d, g)
+
+    def f(c):
+        c["text_config"]["hidden_size_per_layer_input"] = 2 * P
+        c["vision_config"]["use_clipped_linears"] = True
+    _rw_config(d, f)
+    return notes + [f"per-layer-embedding width doubled ({P} -> {2 * P}: the table's {L}x{P} = {L * P} "
+                    f"columns fit no MLX group, {L * 2 * P} fit groups of 32) with seeded columns "
+                    "beside the original ones", "vision_config.use_clipped_linears -> true with "
+                    "seeded 0-d clip bounds (input/output min in [-1.6, -0.6], max in [0.6, 1.6]) "
+                    "beside every vision projection", "float check on a staging with the config "
+                    "change only (this staged model is not the source's)"]
+
+
+def adapt_gemma4_lm(d: Path):
+    notes = adapt_gemma4(d)
+
+    def f(c):
+        c["vocab_size"] = c["text_config"]["vocab_size"]
+    _rw_config(d, f)
+    return notes + ["top-level `vocab_size` added (mlx-lm's gemma4 ModelArgs reads it there, "
+                    "default 262144, and passes it to the text model)"]
+
+
 ADAPT = {
     "tiny-qwen2-vl": adapt_qwen2_vl,
     "tiny-qwen2.5-vl": adapt_qwen25_vl,
     "tiny-glm4v": adapt_glm4v,
     "tiny-glm4v-moe": adapt_glm4v_moe,
+    "tiny-gemma4": adapt_gemma4,
+    "tiny-gemma4-moe": adapt_gemma4,
 }
 
 
@@ -243,6 +334,19 @@ def qwen35_moe_predicate(path, module):
     return True
 
 
+def gemma4_moe_predicate(path, module):
+    """mlx-lm's gemma4_text predicate (the router's `proj` at 8 bits, group 64) plus per-layer
+    overrides on stacked experts, as mixed recipes write them (keys
+    `model.layers.N.experts.switch_glu.{gate,up}_proj`)."""
+    if path.endswith("router.proj"):
+        return {"group_size": 64, "bits": 8}
+    if path in ("model.layers.0.experts.switch_glu.up_proj", "model.layers.3.experts.switch_glu.up_proj"):
+        return {"group_size": 32, "bits": 8}
+    if path == "model.layers.1.experts.switch_glu.gate_proj":
+        return {"group_size": 64, "bits": 6}
+    return True
+
+
 SPECS = [
     # name, source, converter, bits, group, dtype, extra
     dict(name="llama-4bit-g32", src="tiny-llama", conv="lm", bits=4, group=32),
@@ -272,12 +376,38 @@ SPECS = [
     dict(name="qwen3.5-moe-4bit", src="tiny-qwen3.5-moe", conv="vlm", bits=4, group=32,
          predicate=qwen35_moe_predicate,
          recipe="mlx-vlm qwen3_5 MoE predicate with group 32 (gate/shared_expert_gate 8-bit)"),
+    # Gemma 4 (see adapt_gemma4*): `stepped` adds mlx's token-by-token logits (its KV cache,
+    # rotating for the sliding layers, shared for the KV-sharing ones); the VLM's image case
+    # goes through mlx-vlm's own processor.
+    dict(name="gemma4-4bit", src="tiny-gemma4", conv="vlm", bits=4, group=32,
+         adapt=adapt_gemma4_vlm, float_adapt=adapt_gemma4, stepped=True, image_case="gemma4"),
+    dict(name="gemma4-text-4bit", src="tiny-gemma4", conv="lm", bits=4, group=64,
+         adapt=adapt_gemma4_lm, stepped=True),
+    dict(name="gemma4-moe-4bit", src="tiny-gemma4-moe", conv="lm", bits=4, group=32,
+         predicate=gemma4_moe_predicate, stepped=True,
+         recipe="mlx-lm gemma4_text predicate (router.proj 8/64) + expert overrides "
+                "(gemma4_moe_predicate)"),
 ]
 
 
 # --------------------------------------------------------------------------------------------
 # 4. conversion + reference
 # --------------------------------------------------------------------------------------------
+
+class naive_detokenizer:
+    """mlx-lm builds an SPM streaming detokenizer from every id below len(tokenizer), which fails
+    on tiny-gemma4's tokenizer (952 tokens with ids up to 1023, the multimodal ones at the top);
+    the plain one (only used for streaming text, never for the weights) takes any ids."""
+
+    def __enter__(self):
+        import mlx_lm.tokenizer_utils as tu
+        self.saved = tu.SPMStreamingDetokenizer
+        tu.SPMStreamingDetokenizer = lambda tok, trim_space=True: tu.NaiveStreamingDetokenizer(tok)
+
+    def __exit__(self, *exc):
+        import mlx_lm.tokenizer_utils as tu
+        tu.SPMStreamingDetokenizer = self.saved
+
 
 def convert(spec, staged: Path, dst: Path):
     kw = dict(quantize=True, q_group_size=spec["group"], q_bits=spec["bits"],
@@ -286,7 +416,8 @@ def convert(spec, staged: Path, dst: Path):
         kw["quant_predicate"] = spec["predicate"]
     if spec["conv"] == "lm":
         from mlx_lm import convert as lm_convert
-        lm_convert(str(staged), str(dst), **kw)
+        with naive_detokenizer():
+            lm_convert(str(staged), str(dst), **kw)
     else:
         from mlx_vlm.convert import convert as vlm_convert
         from mlx_vlm.utils import get_model_and_args, load_config
@@ -326,13 +457,16 @@ def convert(spec, staged: Path, dst: Path):
 def load_mlx(spec, path: Path):
     if spec["conv"] == "lm":
         from mlx_lm import load
-        model, _ = load(str(path))
+        with naive_detokenizer():
+            model, _ = load(str(path))
 
         def fwd(ids, **kw):
             return model(mx.array(ids)[None])[0]
         return model, fwd
-    from mlx_vlm import load
-    model, _ = load(str(path))
+    # load_model, not load: load also builds the streaming detokenizer, which needs a
+    # tokenizer without holes in its ids (tiny-gemma4's has 952 tokens up to id 1023)
+    from mlx_vlm.utils import load_model
+    model = load_model(Path(path))
     lm = model.language_model
 
     def reset():
@@ -361,6 +495,24 @@ def greedy(fwd, ids, **kw):
         gen.append(t1)
         ids.append(t1)
     return np.array(gen, dtype=np.int64), margins
+
+
+def stepped_logits(spec, model, ids):
+    """mlx's logits of `ids` fed one token at a time through its own KV cache."""
+    if spec["conv"] == "lm":
+        from mlx_lm.models.cache import make_prompt_cache
+        cache = make_prompt_cache(model)
+
+        def step(x):
+            return model(x, cache=cache)
+    else:
+        lm = model.language_model
+        cache = lm.make_cache()
+
+        def step(x):
+            return lm(x, cache=cache).logits
+    rows = [np.array(step(mx.array([[int(t)]]))[0, -1].astype(mx.float32)) for t in ids]
+    return np.stack(rows).astype(np.float32)
 
 
 def mx_dtype_name(a):
@@ -401,7 +553,7 @@ def describe_weights(path: Path, src_w: dict, spec):
     for k, v in w.items():
         if v.ndim == 1 and "norm" in k and k.endswith(".weight") and "vision" not in k:
             sk = k.replace("language_model.model.", "").replace("model.", "", 1)
-            if sk in src_by_suffix:
+            if sk in src_by_suffix and src_by_suffix[sk].shape == tuple(v.shape):
                 a = np.array(v.astype(mx.float32))
                 b = src_by_suffix[sk].astype(np.float32)
                 if np.allclose(a, b, atol=1e-2):
@@ -412,7 +564,7 @@ def describe_weights(path: Path, src_w: dict, spec):
                     shift[k] = "other"
     convs = {}
     for k, v in w.items():
-        if v.ndim >= 3 and ("conv" in k or "patch_embed" in k or "downsample" in k):
+        if v.ndim >= 3 and k.endswith(".weight") and ("conv" in k or "patch_embed" in k or "downsample" in k):
             sk = None
             for cand in src_w:
                 if cand.split(".")[-2:] == k.split(".")[-2:] and src_w[cand].ndim == v.ndim \
@@ -435,12 +587,17 @@ def collapse_shift(shift):
 
 def float_check(spec, staged: Path, tmp: Path, src_ref: dict):
     """mlx float (unquantized, f32) forward vs the HF reference: is mlx's model the same?"""
+    if spec.get("float_adapt"):
+        # the quantized fixture's staging changed the model: check on the source's own
+        staged = stage(FIX / spec["src"], tmp / ("stage-float-" + spec["name"]))
+        spec["float_adapt"](staged)
     dst = tmp / (spec["name"] + "-float")
     if dst.exists():
         shutil.rmtree(dst)
     if spec["conv"] == "lm":
         from mlx_lm import convert as lm_convert
-        lm_convert(str(staged), str(dst), dtype="float32")
+        with naive_detokenizer():
+            lm_convert(str(staged), str(dst), dtype="float32")
     else:
         from mlx_vlm.convert import convert as vlm_convert
         vlm_convert(str(staged), str(dst), dtype="float32")
@@ -465,7 +622,35 @@ def float_check(spec, staged: Path, tmp: Path, src_ref: dict):
         out["image_compared"] = "single.logits_tail"
         out["image_max_abs_diff_vs_hf"] = float(np.abs(lg[-ref.shape[0]:] - ref).max())
         out["image_greedy_equals_hf"] = bool(np.array_equal(gen, src_ref["single.generated_ids"]))
+    if spec.get("image_case") == "gemma4":
+        case = GEMMA4_IMAGE_CASE
+        ids, kw = gemma4_image_inputs(dst, spec)
+        assert np.array_equal(ids, src_ref[f"{case}.input_ids"]), "mlx-vlm's ids differ from transformers'"
+        lg = np.array(fwd(ids, **kw).astype(mx.float32))
+        gen, _ = greedy(fwd, ids, **kw)
+        out["image_compared"] = f"{case}.logits (ids from mlx-vlm's processor equal transformers')"
+        out["image_max_abs_diff_vs_hf"] = float(np.abs(lg - src_ref[f"{case}.logits"]).max())
+        out["image_greedy_equals_hf"] = bool(np.array_equal(gen, src_ref[f"{case}.generated_ids"]))
     return out
+
+
+# The Gemma 4 image case: the source fixture's `nonsquare` prompt and image (50x37, resized by
+# the processor keeping its aspect), through mlx-vlm's own processor.
+GEMMA4_IMAGE_CASE = "nonsquare"
+
+
+def gemma4_image_inputs(path: Path, spec):
+    """input_ids and the model's keyword inputs from mlx-vlm's Gemma 4 processor (loaded from
+    the converted directory) for the source's image case."""
+    from PIL import Image
+    from mlx_vlm.utils import load_processor
+    info = json.loads((FIX / spec["src"] / "reference.json").read_text())["cases"][GEMMA4_IMAGE_CASE]
+    proc = load_processor(path, add_detokenizer=False)
+    images = [Image.open(FIX / spec["src"] / f).convert("RGB") for f in info["images"]]
+    inputs = proc(text=[info["prompt"]], images=images, add_special_tokens=False)
+    ids = np.array(inputs["input_ids"])[0].astype(np.int64)
+    pv = np.array(inputs["pixel_values"]).astype(np.float32)
+    return ids, dict(pixel_values=mx.array(pv))
 
 
 def image_kwargs(src_ref):
@@ -475,7 +660,13 @@ def image_kwargs(src_ref):
     return dict(pixel_values=mx.array(pv), image_grid_thw=mx.array(src_ref["single.image_grid_thw"]))
 
 
-def image_case(spec, src_ref, model_fwd):
+def image_case(spec, src_ref, model_fwd, path: Path):
+    if spec.get("image_case") == "gemma4":
+        ids, kw = gemma4_image_inputs(path, spec)
+        lg = np.array(model_fwd(ids, **kw).astype(mx.float32))
+        gen, margins = greedy(model_fwd, ids, **kw)
+        return {"image.input_ids": ids, "image.pixel_values": np.array(kw["pixel_values"]),
+                "image.logits": lg, "image.generated_ids": gen}, margins
     if "single.pixel_values_t0" not in src_ref:
         return None
     ids = src_ref["single.input_ids"]
@@ -512,7 +703,8 @@ def make_fixture(spec, tmp: Path):
     name = spec["name"]
     src = FIX / spec["src"]
     staged = stage(src, tmp / ("stage-" + name))
-    adaptations = ADAPT[spec["src"]](staged) if spec["src"] in ADAPT else []
+    adapt = spec.get("adapt", ADAPT.get(spec["src"]))
+    adaptations = adapt(staged) if adapt else []
     dst = OUT / name
     if dst.exists():
         shutil.rmtree(dst)
@@ -532,9 +724,11 @@ def make_fixture(spec, tmp: Path):
     # the greedy path's first token is the argmax of the full-sequence logits
     assert gen[0] == int(np.argmax(logits[-1]))
     ref = {"input_ids": ids, "logits": logits.astype(np.float32), "generated_ids": gen}
+    if spec.get("stepped"):
+        ref["logits_stepped"] = stepped_logits(spec, model, ids)
     img_margins = None
     if spec["conv"] == "vlm" and spec.get("image_case", True):
-        r = image_case(spec, src_ref, fwd)
+        r = image_case(spec, src_ref, fwd, dst)
         if r is not None:
             img, img_margins = r
             ref.update(img)
@@ -588,9 +782,15 @@ def make_fixture(spec, tmp: Path):
                 "generated_ids": ref["generated_ids_f32"].tolist(),
                 "min_top1_top2_margin": min(f32_margins),
                 "max_abs_diff_logits_vs_bf16": float(np.abs(ref["logits_f32"] - logits).max())},
+            "stepped": None if "logits_stepped" not in ref else {
+                "keys": "logits_stepped: mlx's logits fed one token at a time through its own "
+                        "cache (make_prompt_cache / make_cache)",
+                "max_abs_diff_vs_logits": float(np.abs(ref["logits_stepped"] - logits).max())},
             "image_case": None if img_margins is None else {
-                "from": f"{spec['src']}/reference.safetensors single.* (pixel_values_t0 "
-                        "repeated over the temporal axis)",
+                "from": (f"{spec['src']}/reference.json cases.{GEMMA4_IMAGE_CASE} prompt and image "
+                         "through mlx-vlm's processor" if spec.get("image_case") == "gemma4" else
+                         f"{spec['src']}/reference.safetensors single.* (pixel_values_t0 "
+                         "repeated over the temporal axis)"),
                 "generated_ids": ref["image.generated_ids"].tolist(),
                 "min_top1_top2_margin": min(img_margins)},
         },

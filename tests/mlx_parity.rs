@@ -91,13 +91,13 @@ fn check_text(name: &str, logits_key: &str, ids_key: &str) {
     assert_eq!(got[0], want, "{name}: greedy tokens differ from mlx's");
 }
 
-/// The image case of a Qwen2-VL-family conversion: the source fixture's image through iris's
+/// The image case of a VLM conversion: the source fixture's image of `case` through iris's
 /// processor and the MLX checkpoint's vision tower, greedy tokens as mlx-vlm's.
-fn check_image(name: &str, source: &str) {
+fn check_image(name: &str, source: &str, case: &str) {
     let _gpu = gpu_lock();
     let r = mlx_reference(name);
     let m = iris::loader::load(&mlx(name), &Device::Cpu, DType::F32).unwrap();
-    let file = reference_json(source)["cases"]["single"]["images"][0].as_str().unwrap().to_string();
+    let file = reference_json(source)["cases"][case]["images"][0].as_str().unwrap().to_string();
     let img = decode_image(&std::fs::read(fixture(source).join(file)).unwrap(), &DecodeLimits::default()).unwrap();
     let px = m.vision.as_deref().expect("a vision tower").preprocess(&img).unwrap();
     let mut engine = engine_with(&mlx(name), EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
@@ -137,7 +137,10 @@ text_tests!(
     glm4v_text => "glm4v-4bit",
     glm4v_moe_text => "glm4v-moe-4bit",
     qwen35_4bit => "qwen3.5-4bit",
-    qwen35_moe_4bit => "qwen3.5-moe-4bit"
+    qwen35_moe_4bit => "qwen3.5-moe-4bit",
+    gemma4_text_4bit => "gemma4-text-4bit",
+    gemma4_moe_4bit => "gemma4-moe-4bit",
+    gemma4_vlm_text => "gemma4-4bit"
 );
 
 /// bf16 scales and biases (the real-world case), computed in f32: against mlx's f32 forward
@@ -149,12 +152,18 @@ fn llama_4bit_g64_bf16_scales() {
 
 #[test]
 fn qwen2_vl_image() {
-    check_image("qwen2-vl-4bit", "tiny-qwen2-vl");
+    check_image("qwen2-vl-4bit", "tiny-qwen2-vl", "single");
 }
 
 #[test]
 fn qwen25_vl_image() {
-    check_image("qwen2.5-vl-4bit", "tiny-qwen2.5-vl");
+    check_image("qwen2.5-vl-4bit", "tiny-qwen2.5-vl", "single");
+}
+
+/// Gemma 4's tower with clippable linears (bounds bound) and images seen whole.
+#[test]
+fn gemma4_image() {
+    check_image("gemma4-4bit", "tiny-gemma4", "nonsquare");
 }
 
 /// A copy of an MLX fixture with its config.json's `quantization` block replaced.

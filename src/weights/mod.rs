@@ -177,7 +177,9 @@ impl Weights {
     /// the stored shapes and checked against the config's.
     fn affine(&self, s: &SafetensorsDir, module: &str, shape: &[usize]) -> Result<AffineMatrix, WeightsError> {
         let cpu = Device::Cpu;
-        let key = s.key_of(&format!("{module}.weight")).unwrap_or_else(|| format!("{module}.weight"));
+        // The stored key: one expert of a stack is checked against the stack's override
+        // (`experts.switch_glu.up_proj`), which is how MLX names it in the config.
+        let key = s.locate(&format!("{module}.weight")).map_or_else(|| format!("{module}.weight"), |(k, _)| k);
         let bad = |msg: String| WeightsError::BadTensor {
             name: key.clone(),
             origin: s.file_of(&format!("{module}.weight")).to_path_buf(),

@@ -74,7 +74,7 @@ impl SafetensorsDir {
     /// the MoE experts stacked along a first axis, and the expert's index. Stacks are stored
     /// as `{p}.switch_mlp.{rest}` (MLX), `{p}.experts.switch_glu.{rest}` (MLX's Gemma 4) or
     /// `{p}.experts.gate_up_proj` / `.down_proj` without `.weight` (transformers 5's Gemma 4).
-    fn locate(&self, name: &str) -> Option<(String, Option<usize>)> {
+    pub(crate) fn locate(&self, name: &str) -> Option<(String, Option<usize>)> {
         if let Some(k) = self.key_of(name) {
             return Some((k, None));
         }
