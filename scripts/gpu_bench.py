@@ -184,6 +184,9 @@ def make_with_transformers(out, name, cfg):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if os.environ.get("BENCH_LAYERS"):
+        # Fewer layers of the same shapes (a quick profile); a hybrid keeps its 3:1 pattern.
+        cfg["num_hidden_layers"] = int(os.environ["BENCH_LAYERS"])
     conf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")})
     torch.manual_seed(1234)
     with torch.device(os.environ.get("BENCH_TORCH_DEVICE", "cuda")):

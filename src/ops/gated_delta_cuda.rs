@@ -25,8 +25,8 @@ pub struct DeviceDeltaParams {
     pub dt_bias: Tensor,
 }
 
-/// Key head dims the recurrence kernel is compiled for: up to 32 x its `M`.
-const KEY_ROWS_PER_LANE: [usize; 4] = [1, 2, 4, 8];
+/// The largest key head dim the recurrence kernel takes (a warp per 32 key rows, 8 warps).
+const MAX_KEY_DIM: usize = 256;
 
 /// Runs a step's rows through the conv and the delta rule: `qkv` `[T, conv_dim]`, `a`, `b`
 /// `[T, Hv]` (any float type); `conv_state` `[slots, K - 1, conv_dim]` and `ssm_state`
@@ -121,9 +121,9 @@ impl CustomOp3 for DeltaStep<'_> {
         let rows = self.check(qkv_l, a_l, b_l)?;
         let d = &self.dims;
         let (c, hv, hk, dk, dv) = (d.conv_dim(), d.num_value_heads, d.num_key_heads, d.key_head_dim, d.value_head_dim);
-        let Some(&m) = KEY_ROWS_PER_LANE.iter().find(|&&m| 32 * m >= dk) else {
-            candle_core::bail!("gated-delta: no kernel for key head dim {dk} (at most 256)")
-        };
+        if dk > MAX_KEY_DIM {
+            candle_core::bail!("gated-delta: no kernel for key head dim {dk} (at most {MAX_KEY_DIM})")
+        }
         let dev = qkv.device().clone();
         let l = self.meta.layout;
         let seqs = l.seqs();
@@ -179,10 +179,10 @@ impl CustomOp3 for DeltaStep<'_> {
                 bld.arg(cs).arg(&x).arg(&seq_info).arg(&slots).arg(&ci).arg(&ki);
                 // SAFETY: as above; it runs after gdn_conv, which read the old state.
                 unsafe { bld.launch(cfg) }.w()?;
-                let f = GATED_DELTA.func(&dev, &format!("gdn_recurrence_{m}"))?;
+                let f = GATED_DELTA.func(&dev, "gdn_recurrence")?;
                 let cfg = LaunchConfig {
                     grid_dim: (hv as u32, seqs as u32, dv.div_ceil(32) as u32),
-                    block_dim: (128, 1, 1),
+                    block_dim: (32 * dk.div_ceil(32) as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 let mut bld = f.builder();

@@ -67,110 +67,96 @@ extern "C" __global__ void gdn_conv_state(float* __restrict__ conv_state, const 
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
 // The gated delta rule over a sequence's rows, for value head h and 32 of its value columns:
-// a block of 4 warps, each with 8 columns of the state S [Dk, Dv] in registers (lane l holds
-// rows l, l + 32, ...: M = ceil(Dk / 32) of them). Per row, in order:
+// lane j of every warp owns column j, warp w the key rows 32w .. 32w + 31 of the state S
+// [Dk, Dv] (in registers: loads and stores of a row are 128 coalesced bytes), so a block has
+// ceil(Dk / 32) warps and the sums over key rows meet in shared memory. Per row, in order:
 //   q^, k^ = l2-normalised q (times Dk^-1/2) and k of the key head h / (Hv / Hk);
 //   S = exp(g) S;  S += k^ (beta (v - S^T k^))^T;  o = S^T q^.
 // y: the conv's output [rows, C] (q, k, v side by side); a, b: [rows, Hv]; o: [rows, Hv * Dv].
-// grid: (Hv, seqs, ceil(Dv / 32)), block 128.
-template <int M>
-__device__ void gdn_recurrence(float* __restrict__ o, const float* __restrict__ y, const float* __restrict__ a,
-                               const float* __restrict__ b, const float* __restrict__ neg_a,
-                               const float* __restrict__ dt_bias, float* __restrict__ ssm,
-                               const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ slots, int Hk,
-                               int Hv, int Dk, int Dv) {
-    constexpr int COLS = 8;
+// grid: (Hv, seqs, ceil(Dv / 32)), block 32 * ceil(Dk / 32) (at most 8 warps: Dk <= 256).
+extern "C" __global__ void gdn_recurrence(float* __restrict__ o, const float* __restrict__ y,
+                                          const float* __restrict__ a, const float* __restrict__ b,
+                                          const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+                                          float* __restrict__ ssm, const uint32_t* __restrict__ seq_info,
+                                          const uint32_t* __restrict__ slots, int Hk, int Hv, int Dk, int Dv) {
+    __shared__ float sq[256], sk[256];          // this row's q and k (raw)
+    __shared__ float red[8][2];                 // per warp: sum q^2, sum k^2
+    __shared__ float part[8][32];               // per warp and column: a partial sum over key rows
     const int h = blockIdx.x, s = blockIdx.y;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int col0 = blockIdx.z * 32 + warp * COLS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+    const int j = blockIdx.z * 32 + lane;       // this lane's value column
     const uint32_t slot = slots[s];
-    if (slot == NO_SLOT || col0 >= Dv) return;
+    if (slot == NO_SLOT) return;
     const int q_start = seq_info[4 * s], q_len = seq_info[4 * s + 1], ctx = seq_info[4 * s + 2];
     if (q_len == 0) return;
     const bool fresh = ctx == q_len;
-    const int ncols = min(COLS, Dv - col0);
+    const bool col = j < Dv;
     const int C = 2 * Hk * Dk + Hv * Dv;
     const int kh = h / (Hv / Hk);
+    const int i0 = warp * 32;                   // this warp's first key row
+    const int rows = max(0, min(32, Dk - i0));
     float* st = ssm + ((size_t)slot * Hv + h) * Dk * Dv;
-    float S[M][COLS];
+    float S[32];
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        const int i = lane + 32 * m;
-#pragma unroll
-        for (int j = 0; j < COLS; ++j)
-            S[m][j] = (!fresh && i < Dk && j < ncols) ? st[(size_t)i * Dv + col0 + j] : 0.f;
-    }
+    for (int r = 0; r < 32; ++r) S[r] = (!fresh && col && r < rows) ? st[(size_t)(i0 + r) * Dv + j] : 0.f;
     const float q_scale = rsqrtf((float)Dk);
     const float na = neg_a[h], dtb = dt_bias[h];
-    for (int r = 0; r < q_len; ++r) {
-        const size_t row = q_start + r;
+    for (int t = 0; t < q_len; ++t) {
+        const size_t row = q_start + t;
         const float* yr = y + row * C;
-        float q[M], k[M];
-        float qq = 0.f, kk = 0.f;
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const int i = lane + 32 * m;
-            q[m] = i < Dk ? yr[kh * Dk + i] : 0.f;
-            k[m] = i < Dk ? yr[Hk * Dk + kh * Dk + i] : 0.f;
-            qq += q[m] * q[m];
-            kk += k[m] * k[m];
+        const int i = i0 + lane;
+        const float qi = i < Dk ? yr[kh * Dk + i] : 0.f;
+        const float ki = i < Dk ? yr[Hk * Dk + kh * Dk + i] : 0.f;
+        if (i < Dk) {
+            sq[i] = qi;
+            sk[i] = ki;
         }
-        const float qinv = q_scale / sqrtf(warp_sum(qq) + 1e-6f);
-        const float kinv = 1.f / sqrtf(warp_sum(kk) + 1e-6f);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            q[m] *= qinv;
-            k[m] *= kinv;
+        const float qq = warp_sum(qi * qi), kk = warp_sum(ki * ki);
+        if (lane == 0) {
+            red[warp][0] = qq;
+            red[warp][1] = kk;
         }
         const float decay = expf(na * softplus(a[row * Hv + h] + dtb));
         const float beta = 1.f / (1.f + expf(-b[row * Hv + h]));
-        const float* v = yr + 2 * Hk * Dk + h * Dv + col0;
-        float out[COLS];
-#pragma unroll
-        for (int j = 0; j < COLS; ++j) {
-            float kv = 0.f;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                S[m][j] *= decay;
-                kv += S[m][j] * k[m];
-            }
-            kv = warp_sum(kv);
-            const float delta = beta * ((j < ncols ? v[j] : 0.f) - kv);
-            float acc = 0.f;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                S[m][j] += k[m] * delta;
-                acc += S[m][j] * q[m];
-            }
-            out[j] = warp_sum(acc);
+        const float v = col ? yr[2 * Hk * Dk + h * Dv + j] : 0.f;
+        __syncthreads();
+        float qs = 0.f, ks = 0.f;
+        for (int w = 0; w < nw; ++w) {
+            qs += red[w][0];
+            ks += red[w][1];
         }
-        if (lane < ncols) {
-            float val = out[0];
+        const float qinv = q_scale / sqrtf(qs + 1e-6f), kinv = 1.f / sqrtf(ks + 1e-6f);
+        float kv = 0.f;
 #pragma unroll
-            for (int j = 1; j < COLS; ++j)
-                if (lane == j) val = out[j];
-            o[row * Hv * Dv + h * Dv + col0 + lane] = val;
+        for (int r = 0; r < 32; ++r) {
+            S[r] *= decay;
+            kv += S[r] * (r < rows ? sk[i0 + r] : 0.f);
         }
+        part[warp][lane] = kv * kinv;
+        __syncthreads();
+        kv = 0.f;
+        for (int w = 0; w < nw; ++w) kv += part[w][lane];
+        const float delta = beta * (v - kv);
+        float acc = 0.f;
+#pragma unroll
+        for (int r = 0; r < 32; ++r) {
+            const float kr = r < rows ? sk[i0 + r] * kinv : 0.f;
+            S[r] += kr * delta;
+            acc += S[r] * (r < rows ? sq[i0 + r] : 0.f);
+        }
+        __syncthreads();  // every warp has read part[] for kv
+        part[warp][lane] = acc * qinv;
+        __syncthreads();
+        if (warp == 0 && col) {
+            float out = 0.f;
+            for (int w = 0; w < nw; ++w) out += part[w][lane];
+            o[row * Hv * Dv + h * Dv + j] = out;
+        }
+        __syncthreads();  // part[], sq, sk and red are rewritten by the next row
     }
+    if (col) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        const int i = lane + 32 * m;
-        if (i < Dk) {
-#pragma unroll
-            for (int j = 0; j < COLS; ++j)
-                if (j < ncols) st[(size_t)i * Dv + col0 + j] = S[m][j];
-        }
+        for (int r = 0; r < 32; ++r)
+            if (r < rows) st[(size_t)(i0 + r) * Dv + j] = S[r];
     }
 }
-
-#define GDN(M)                                                                                                 \
-    extern "C" __global__ void gdn_recurrence_##M(float* o, const float* y, const float* a, const float* b,     \
-                                                  const float* neg_a, const float* dt_bias, float* ssm,         \
-                                                  const uint32_t* seq_info, const uint32_t* slots, int Hk,      \
-                                                  int Hv, int Dk, int Dv) {                                     \
-        gdn_recurrence<M>(o, y, a, b, neg_a, dt_bias, ssm, seq_info, slots, Hk, Hv, Dk, Dv);                    \
-    }
-GDN(1)
-GDN(2)
-GDN(4)
-GDN(8)
