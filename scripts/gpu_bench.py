@@ -2,8 +2,9 @@
 """GPU benchmark helper for scripts/gpu-bench.sh (runs on the GPU machine, no network needed).
 
     gpu_bench.py make DIR MODEL        random-weight checkpoint (seeded normal * 0.02, bf16) of
-                                       MODEL (qwen2.5-7b | smollm2-135m | gemma4-e4b, the last
-                                       built by transformers from its config: it needs
+                                       MODEL (qwen2.5-7b | smollm2-135m | gemma4-e4b |
+                                       qwen3.5-27b | qwen3.5-35b-a3b, the last three built by
+                                       transformers from their configs: they need
                                        transformers >= 5.24 there) + a word-level tokenizer
                                        covering its whole vocabulary; MODEL+bytes: a byte-level
                                        tokenizer instead (its first 256 ids the bytes, the rest
@@ -54,6 +55,33 @@ CONFIGS = {
         final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
         max_position_embeddings=131072, bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16",
     ),
+    # Qwen3.5-27B-class text model (hidden 5120, 64 layers, 24 heads / 4 KV of dim 256,
+    # intermediate 17408: a third-party transcription, see ../shared/notes/qwen35-mtp-gemma4-mlx.md;
+    # GDN 16 key / 48 value heads of 128): 3 Gated DeltaNet layers to 1 gated attention layer.
+    "qwen3.5-27b": dict(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408,
+        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, full_attention_interval=4, vocab_size=248320, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", bos_token_id=248044, eos_token_id=248044,
+        torch_dtype="bfloat16",
+    ),
+    # Qwen3.5-35B-A3B's text model (the same transcription): 40 layers, 256 experts of 512, top 8,
+    # a shared expert of 512.
+    "qwen3.5-35b-a3b": dict(
+        architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", hidden_size=2048,
+        num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, full_attention_interval=4, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", bos_token_id=248044, eos_token_id=248044,
+        torch_dtype="bfloat16",
+    ),
 }
 
 # The text `iris bench` tokenizes (src/cli/bench.rs); its words get the first ids.
@@ -93,7 +121,7 @@ def make(out, name):
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(os.path.join(out, "tokenizer.json"))
 
-    if cfg["model_type"] == "gemma4_text":
+    if cfg["model_type"] in ("gemma4_text", "qwen3_5_text", "qwen3_5_moe_text"):
         return make_with_transformers(out, name, cfg)
     h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -156,6 +184,9 @@ def make_with_transformers(out, name, cfg):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if os.environ.get("BENCH_LAYERS"):
+        # Fewer layers of the same shapes (a quick profile); a hybrid keeps its 3:1 pattern.
+        cfg["num_hidden_layers"] = int(os.environ["BENCH_LAYERS"])
     conf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")})
     torch.manual_seed(1234)
     with torch.device(os.environ.get("BENCH_TORCH_DEVICE", "cuda")):

@@ -75,7 +75,8 @@ pub const PREFILL_TILE_ROWS: usize = 64;
 /// Where each part of a step's metadata sits in its device copy (u32 offsets): `slot_mapping
 /// [rows]` at 0, `row_seq [rows]`, `positions [rows]`, the float window's `ring_slots [rows]`
 /// (`NO_SLOT` without one), per sequence `(q_start, q_len, context_len, offset of its block
-/// table)` `[4 seqs]`, the float window's `rings [seqs]` (0 without one), `row_end [rows]` (the
+/// table)` `[4 seqs]`, the float window's `rings [seqs]` (0 without one), each sequence's
+/// recurrent `state_slots [seqs]` (`NO_SLOT` without them, and for padding), `row_end [rows]` (the
 /// end of the bidirectional range a row lies in, else 0), the prompt-chunk tiles `(sequence,
 /// first row)` `[2 num_tiles]`, then the block tables end to end. Everything
 /// a step's kernels read is in it, so a CUDA graph replays a step by rewriting this buffer.
@@ -87,6 +88,7 @@ pub struct MetaLayout {
     pub ring_slots: usize,
     pub seq_info: usize,
     pub rings: usize,
+    pub state_slots: usize,
     pub row_end: usize,
     pub tiles: usize,
     pub num_tiles: usize,
@@ -96,7 +98,8 @@ pub struct MetaLayout {
 impl MetaLayout {
     pub fn new(rows: usize, seqs: usize, num_tiles: usize) -> Self {
         let rings = 4 * rows + 4 * seqs;
-        let row_end = rings + seqs;
+        let state_slots = rings + seqs;
+        let row_end = state_slots + seqs;
         let tiles = row_end + rows;
         MetaLayout {
             rows,
@@ -105,6 +108,7 @@ impl MetaLayout {
             ring_slots: 3 * rows,
             seq_info: 4 * rows,
             rings,
+            state_slots,
             row_end,
             tiles,
             num_tiles,
@@ -114,7 +118,7 @@ impl MetaLayout {
 
     /// Sequences the layout has room for (the step's and any padding).
     pub fn seqs(&self) -> usize {
-        self.row_end - self.rings
+        self.state_slots - self.rings
     }
 }
 
@@ -200,7 +204,10 @@ impl AttentionMeta {
             candle_core::bail!("{} state slots for {} sequences", slots.len(), self.seqs.len());
         }
         self.state_slots = Some(slots);
-        Ok(())
+        match self.device.as_ref().map(|d| d.data.device().clone()) {
+            Some(device) => self.upload(&device),
+            None => Ok(()),
+        }
     }
 
     /// Gives sequence i the ranges `spans[i]` whose rows see each other both ways (see
@@ -264,7 +271,11 @@ impl AttentionMeta {
         if let Some(w) = &self.window {
             data.extend_from_slice(&w.rings);
         }
-        data.resize(layout.row_end, 0);
+        data.resize(layout.state_slots, 0);
+        if let Some(slots) = &self.state_slots {
+            data.extend_from_slice(slots);
+        }
+        data.resize(layout.row_end, NO_SLOT);
         if let Some(spans) = &self.bidirectional {
             for (s, ranges) in self.seqs.iter().zip(spans) {
                 data.extend(
@@ -547,14 +558,19 @@ mod tests {
         let data = meta.packed(&layout);
         assert_eq!(&data[layout.ring_slots..layout.ring_slots + 7], &w.slots[..]);
         assert_eq!(&data[layout.ring_slots + 7..layout.seq_info], &[NO_SLOT, NO_SLOT]);
-        assert_eq!(&data[layout.rings..layout.row_end], &[3, 1, 0]);
+        assert_eq!(&data[layout.rings..layout.state_slots], &[3, 1, 0]);
         assert!(data[layout.row_end..layout.tiles].iter().all(|&e| e == 0), "no image ranges");
         assert_eq!(&data[layout.seq_info..layout.seq_info + 4], &[0, 6, 8, 0]);
         assert_eq!(&data[layout.block_tables..], &[0, 1, 2, 3, 4, 0]);
         // Without a window: no ring rows, ring 0.
         let plain = AttentionMeta::new(4, meta.seqs.clone()).packed(&layout);
         assert!(plain[layout.ring_slots..layout.seq_info].iter().all(|&s| s == NO_SLOT));
-        assert!(plain[layout.rings..layout.row_end].iter().all(|&r| r == 0));
+        assert!(plain[layout.rings..layout.state_slots].iter().all(|&r| r == 0));
+        // State slots: each sequence's, NO_SLOT for the padding sequence and without them.
+        assert!(plain[layout.state_slots..layout.row_end].iter().all(|&s| s == NO_SLOT));
+        let mut hybrid = AttentionMeta::new(4, meta.seqs.clone());
+        hybrid.set_state_slots(vec![5, 2]).unwrap();
+        assert_eq!(&hybrid.packed(&layout)[layout.state_slots..layout.row_end], &[5, 2, NO_SLOT]);
     }
 
     /// A row inside an image's bidirectional range carries the range's end, every other row 0,

@@ -647,3 +647,101 @@ fn quantized_matrices_match_cpu() {
         }
     }
 }
+
+/// The Gated DeltaNet step (conv with its state, then the delta rule with its state) against
+/// the CPU reference, sequence by sequence: fresh sequences (their slot's old state ignored),
+/// continuing ones (decodes and chunks), a graph's padding sequence (NO_SLOT: zero rows, no
+/// state touched), slots in shuffled order and a slot no sequence holds (kept); key head dims
+/// below, at and above one warp's 32 rows, value dims not a multiple of 32.
+#[test]
+fn gated_delta_matches_cpu() {
+    use iris::config::LinearAttnConfig;
+    use iris::ops::gated_delta::{run_sequence, DeltaParams};
+    use iris::ops::gated_delta_cuda::{run_step, DeviceDeltaParams};
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(7);
+    for (hk, hv, dk, dv) in [(2, 4, 16, 16), (2, 6, 128, 128), (1, 3, 48, 40)] {
+        let dims = LinearAttnConfig {
+            num_key_heads: hk,
+            num_value_heads: hv,
+            key_head_dim: dk,
+            value_head_dim: dv,
+            conv_kernel: 4,
+        };
+        let (c, (cl, sl)) = (dims.conv_dim(), dims.state_len());
+        // (context_len, q_len): a fresh prompt, a fresh one-token prompt, chunks and decodes
+        // after earlier rows, a decode at position 1, and the padding sequence (last).
+        let seqs = [(9, 9), (1, 1), (40, 3), (7, 1), (2, 1), (70, 70), (200, 66), (4, 4)];
+        let (mut m, _) = meta(&mut rng, &seqs, 16);
+        let slots_total = seqs.len() + 1;
+        let mut perm: Vec<u32> = (0..slots_total as u32).collect();
+        use rand::seq::SliceRandom;
+        perm.shuffle(&mut rng);
+        let mut slots: Vec<u32> = perm[..seqs.len()].to_vec();
+        *slots.last_mut().unwrap() = iris::batch::NO_SLOT;
+        m.set_state_slots(slots.clone()).unwrap();
+        let t = m.num_rows();
+        let host =
+            |rng: &mut StdRng, n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+        let (qkv, a, b) = (host(&mut rng, t * c), host(&mut rng, t * hv), host(&mut rng, t * hv));
+        let conv_w = host(&mut rng, c * 4);
+        let neg_a: Vec<f32> = host(&mut rng, hv).iter().map(|x| -(x.exp())).collect();
+        let dt_bias = host(&mut rng, hv);
+        // Poisoned states: a fresh sequence must ignore its slot's old values.
+        let (conv0, ssm0) = (host(&mut rng, slots_total * cl), host(&mut rng, slots_total * sl));
+        // The reference.
+        let p = DeltaParams { conv_weight: &conv_w, neg_a: &neg_a, dt_bias: &dt_bias };
+        let (mut conv_ref, mut ssm_ref) = (conv0.clone(), ssm0.clone());
+        let mut o_ref = vec![0f32; t * hv * dv];
+        for (s, &slot) in m.seqs.iter().zip(&slots).filter(|(_, &slot)| slot != iris::batch::NO_SLOT) {
+            let (slot, rows) = (slot as usize, s.q_start..s.q_start + s.q_len);
+            let (cs, ss) = (&mut conv_ref[slot * cl..(slot + 1) * cl], &mut ssm_ref[slot * sl..(slot + 1) * sl]);
+            if s.first_position() == 0 {
+                cs.fill(0.0);
+                ss.fill(0.0);
+            }
+            let out = run_sequence(
+                &dims,
+                &p,
+                cs,
+                ss,
+                &qkv[rows.start * c..rows.end * c],
+                &a[rows.start * hv..rows.end * hv],
+                &b[rows.start * hv..rows.end * hv],
+            );
+            o_ref[rows.start * hv * dv..rows.end * hv * dv].copy_from_slice(&out);
+        }
+        // The device.
+        m.upload(&dev).unwrap();
+        let on = |v: &[f32], shape: &[usize]| Tensor::from_slice(v, shape, &dev).unwrap();
+        let params = DeviceDeltaParams {
+            conv_weight: on(&conv_w, &[c, 4]),
+            neg_a: on(&neg_a, &[hv]),
+            dt_bias: on(&dt_bias, &[hv]),
+        };
+        let conv = on(&conv0, &[slots_total, 3, c]);
+        let ssm = on(&ssm0, &[slots_total, hv, dk, dv]);
+        let dm = m.device.as_ref().unwrap();
+        let o = run_step(&dims, &params, &conv, &ssm, dm, &on(&qkv, &[t, c]), &on(&a, &[t, hv]), &on(&b, &[t, hv]))
+            .unwrap();
+        let cpu = |v: &[f32], shape: &[usize]| Tensor::from_slice(v, shape, &Device::Cpu).unwrap();
+        let what = format!("Hk {hk} Hv {hv} Dk {dk} Dv {dv}");
+        let e = max_rel_err(&o, &cpu(&o_ref, &[t, hv * dv]));
+        assert!(e < 1e-4, "{what}: output rel err {e}");
+        let pad = m.seqs.last().unwrap();
+        let o_host: Vec<f32> = o.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(o_host[pad.q_start * hv * dv..].iter().all(|&x| x == 0.0), "{what}: padding rows are zero");
+        let e = max_rel_err(&conv, &cpu(&conv_ref, &[slots_total, 3, c]));
+        assert!(e < 1e-6, "{what}: conv state rel err {e}");
+        let e = max_rel_err(&ssm, &cpu(&ssm_ref, &[slots_total, hv, dk, dv]));
+        assert!(e < 1e-4, "{what}: delta state rel err {e}");
+        // The unheld slot and the padding's kept their poison exactly.
+        let free = perm[seqs.len()] as usize;
+        let ssm_host: Vec<f32> = ssm.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(
+            &ssm_host[free * sl..(free + 1) * sl],
+            &ssm0[free * sl..(free + 1) * sl],
+            "{what}: a free slot is kept"
+        );
+    }
+}

@@ -11,7 +11,8 @@
 //! the step's token ids and attention metadata are uploaded into buffers the graphs read, and
 //! the graph leaves the logits and their argmax in buffers the engine reads (only the ids, or
 //! the logits when some row samples, are copied back). Padding rows write no KV (slot NO_SLOT)
-//! and attend to one token of block 0; their outputs are ignored.
+//! and attend to one token of block 0; padding sequences hold no recurrent state slot
+//! (NO_SLOT: the recurrent kernels skip them); their outputs are ignored.
 //!
 //! A bucket is captured the first time a step of its size comes: one real pass first (its
 //! results are that step's output; it also fills candle's cache of the small layout uploads
@@ -27,7 +28,9 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor};
 
 use super::step_output::{draw_on_device, StepOutput};
-use crate::batch::{AttentionMeta, Batch, DeviceAttentionMeta, MetaLayout, Positions, SeqSlice, PREFILL_MIN_ROWS};
+use crate::batch::{
+    AttentionMeta, Batch, DeviceAttentionMeta, MetaLayout, Positions, SeqSlice, NO_SLOT, PREFILL_MIN_ROWS,
+};
 use crate::kv::KvCache;
 use crate::models::TextModel;
 use crate::ops::argmax::Argmax;
@@ -289,6 +292,10 @@ impl DecodeGraphs {
             }
         });
         let mut attn = AttentionMeta::new(meta.block_size, pads.collect());
+        if let Some(slots) = &meta.state_slots {
+            // Padding sequences hold no state slot: the recurrent kernels skip them.
+            attn.set_state_slots((0..bucket).map(|i| slots.get(i).copied().unwrap_or(NO_SLOT)).collect())?;
+        }
         if let Some(w) = &meta.window {
             let rings = (0..bucket).map(|i| w.rings.get(i).copied().unwrap_or(0)).collect();
             attn.set_float_window(w.len, rings)?;

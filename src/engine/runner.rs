@@ -274,10 +274,8 @@ impl ModelRunner {
             let hidden = model.forward(&batch, kv, None)?;
             return self.logits(model, &hidden, sample_rows);
         }
-        // A recurrent layer copies its rows to the host (no kernel yet), which a capture cannot
-        // hold, and a graph's padding rows would run its recurrence: those models go op by op.
         #[cfg(feature = "cuda")]
-        if let Some(graphs) = self.graphs.as_mut().filter(|_| !kv.has_recurrent_layers()) {
+        if let Some(graphs) = self.graphs.as_mut() {
             if let Some(out) = graphs.run(model, kv, &batch, sample_rows, draws)? {
                 return Ok(out);
             }

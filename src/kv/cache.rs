@@ -87,7 +87,7 @@ impl KvCache {
         let mut codebooks: Vec<(usize, (Arc<Codebook>, Arc<Codebook>))> = Vec::new();
         let layers = (0..cfg.num_layers)
             .map(|layer| {
-                if let Some(state) = recurrent_state(cfg, layer, state_slots) {
+                if let Some(state) = recurrent_state(cfg, layer, state_slots, device)? {
                     return Ok(LayerCache::Recurrent(Box::new(state)));
                 }
                 if let Some(source) = cfg.kv_source(layer) {
@@ -155,7 +155,7 @@ impl KvCache {
         let spec = KvCacheSpec { block_size, num_blocks: tokens.div_ceil(block_size), dtype: KvDtype::F32 };
         let layers = (0..cfg.num_layers)
             .map(|layer| {
-                if let Some(state) = recurrent_state(cfg, layer, 1) {
+                if let Some(state) = recurrent_state(cfg, layer, 1, device)? {
                     return Ok(LayerCache::Recurrent(Box::new(state)));
                 }
                 if let Some(source) = cfg.kv_source(layer) {
@@ -270,11 +270,18 @@ impl KvCache {
     }
 }
 
-/// A linear-attention layer's state storage, for `slots` sequences.
-fn recurrent_state(cfg: &TextConfig, layer: usize, slots: usize) -> Option<RecurrentState> {
-    let l = cfg.linear_attn.as_ref().filter(|_| cfg.layer_kinds[layer] == LayerKind::Linear)?;
-    let dims = *l;
-    Some(RecurrentState::new(dims, slots))
+/// A linear-attention layer's state storage, for `slots` sequences, on `device`; None for
+/// other layers.
+fn recurrent_state(
+    cfg: &TextConfig,
+    layer: usize,
+    slots: usize,
+    device: &Device,
+) -> candle_core::Result<Option<RecurrentState>> {
+    match cfg.linear_attn.as_ref().filter(|_| cfg.layer_kinds[layer] == LayerKind::Linear) {
+        Some(&dims) => RecurrentState::new(dims, slots, device).map(Some),
+        None => Ok(None),
+    }
 }
 
 impl LayerCache {

@@ -4,6 +4,8 @@
 //!   y = out_proj(RMSNorm_w(o) * silu(z))     the gated norm over each value head, plain w
 //! The state lives in the layer's `LayerCache::Recurrent`, one slot per running sequence
 //! (`AttentionMeta::state_slots`); a sequence computing its position 0 starts from zero.
+//! On the CPU the recurrence runs on the host (`ops::gated_delta`, the reference); on a GPU
+//! in device kernels over the device states (`ops::gated_delta_cuda`).
 
 use candle_core::{DType, Result, Tensor};
 
@@ -26,6 +28,9 @@ pub struct GatedDeltaNet {
     norm: RmsNorm,
     out_proj: Linear,
     dims: LinearAttnConfig,
+    /// The same fixed parameters in device memory, on a GPU.
+    #[cfg(feature = "cuda")]
+    device: Option<crate::ops::gated_delta_cuda::DeviceDeltaParams>,
 }
 
 /// The RMSNorm convention of a Qwen3.5 checkpoint's decoder norms: HF checkpoints store `w`
@@ -56,15 +61,27 @@ impl GatedDeltaNet {
             Ok(w.dense_f32(&format!("{p}.{name}"), shape)?.flatten_all()?.to_vec1()?)
         };
         let parts = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"].map(|n| format!("{p}.{n}"));
+        let conv_weight: Vec<f32> = w
+            .conv(&format!("{p}.conv1d.weight"), &[c, 1, dims.conv_kernel])?
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1()?;
+        let neg_a: Vec<f32> = vec1("A_log", &[hv])?.into_iter().map(|a| -a.exp()).collect();
+        let dt_bias = vec1("dt_bias", &[hv])?;
+        #[cfg(feature = "cuda")]
+        let device = match w.device() {
+            d if d.is_cuda() => Some(crate::ops::gated_delta_cuda::DeviceDeltaParams {
+                conv_weight: Tensor::from_slice(&conv_weight, (c, dims.conv_kernel), d)?,
+                neg_a: Tensor::from_slice(&neg_a, hv, d)?,
+                dt_bias: Tensor::from_slice(&dt_bias, hv, d)?,
+            }),
+            _ => None,
+        };
         Ok(GatedDeltaNet {
             in_proj: StackedLinear::load(w, &parts, h, &[c, dims.value_dim(), hv, hv], false)?,
-            conv_weight: w
-                .conv(&format!("{p}.conv1d.weight"), &[c, 1, dims.conv_kernel])?
-                .to_dtype(candle_core::DType::F32)?
-                .flatten_all()?
-                .to_vec1()?,
-            neg_a: vec1("A_log", &[hv])?.into_iter().map(|a| -a.exp()).collect(),
-            dt_bias: vec1("dt_bias", &[hv])?,
+            conv_weight,
+            neg_a,
+            dt_bias,
             norm: RmsNorm::load(
                 w,
                 &format!("{p}.norm.weight"),
@@ -74,6 +91,8 @@ impl GatedDeltaNet {
             )?,
             out_proj: Linear::load(w, &format!("{p}.out_proj"), dims.value_dim(), h, false)?,
             dims,
+            #[cfg(feature = "cuda")]
+            device,
         })
     }
 
@@ -87,12 +106,57 @@ impl GatedDeltaNet {
                 "a Gated DeltaNet layer needs each sequence's state slot (AttentionMeta::set_state_slots)"
             )
         };
+        // NO_SLOT: a CUDA graph's padding sequence, which the device kernels skip.
+        if let Some(&slot) = slots.iter().find(|&&s| s != crate::batch::NO_SLOT && s as usize >= state.slots()) {
+            candle_core::bail!("state slot {slot} of a recurrent layer with {} slots", state.slots());
+        }
         let t = x.dim(0)?;
         let [qkv, z, b, a]: [Tensor; 4] =
             self.in_proj.forward(x)?.try_into().map_err(|_| candle_core::Error::Msg("in_proj: 4 parts".into()))?;
-        // The recurrence runs on the host in f32 (its reference form; no device kernel yet).
+        let o = match state.device_tensors() {
+            Some((conv, ssm)) => self.recur_on_device(conv, ssm, meta, &qkv, &a, &b)?,
+            None => self.recur_on_host(state, meta, slots, &qkv, &a, &b)?,
+        };
+        let (hv, dv, vd) = (self.dims.num_value_heads, self.dims.value_head_dim, self.dims.value_dim());
+        let o = o.reshape((t, hv, dv))?.to_dtype(x.dtype())?;
+        let z = z.contiguous()?.reshape((t, hv, dv))?;
+        let gated = (self.norm.forward(&o)? * candle_nn::ops::silu(&z)?)?;
+        self.out_proj.forward(&gated.reshape((t, vd))?)
+    }
+
+    /// The recurrence in device kernels: `o` `[T, Hv * Dv]` f32.
+    #[allow(unused_variables)]
+    fn recur_on_device(
+        &self,
+        conv: &Tensor,
+        ssm: &Tensor,
+        meta: &AttentionMeta,
+        qkv: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let (Some(params), Some(dm)) = (&self.device, &meta.device) {
+            return crate::ops::gated_delta_cuda::run_step(&self.dims, params, conv, ssm, dm, qkv, a, b);
+        }
+        candle_core::bail!(
+            "a Gated DeltaNet layer with its state on a device needs its parameters and the step's metadata there"
+        )
+    }
+
+    /// The recurrence on the host, sequence by sequence (the reference): `o` `[T, Hv * Dv]` f32.
+    fn recur_on_host(
+        &self,
+        state: &crate::kv::RecurrentState,
+        meta: &AttentionMeta,
+        slots: &[u32],
+        qkv: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+    ) -> Result<Tensor> {
+        let (t, device) = (qkv.dim(0)?, qkv.device().clone());
         let host = |t: &Tensor| -> Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
-        let (qkv, a, b) = (host(&qkv)?, host(&a)?, host(&b)?);
+        let (qkv, a, b) = (host(qkv)?, host(a)?, host(b)?);
         let (c, hv, vd) = (self.dims.conv_dim(), self.dims.num_value_heads, self.dims.value_dim());
         let params = DeltaParams { conv_weight: &self.conv_weight, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
         let mut o = vec![0f32; t * vd];
@@ -111,10 +175,6 @@ impl GatedDeltaNet {
             })?;
             o[rows.start * vd..rows.end * vd].copy_from_slice(&out);
         }
-        let dv = self.dims.value_head_dim;
-        let o = Tensor::from_vec(o, (t, hv, dv), x.device())?.to_dtype(x.dtype())?;
-        let z = z.contiguous()?.reshape((t, hv, dv))?;
-        let gated = (self.norm.forward(&o)? * candle_nn::ops::silu(&z)?)?;
-        self.out_proj.forward(&gated.reshape((t, vd))?)
+        Tensor::from_vec(o, (t, vd), &device)
     }
 }

@@ -11,6 +11,8 @@ pub mod argmax;
 pub mod cuda;
 pub mod gated_act;
 pub mod gated_delta;
+#[cfg(feature = "cuda")]
+pub mod gated_delta_cuda;
 pub mod gemv;
 pub mod kv_elem;
 pub mod kv_write;

@@ -65,6 +65,7 @@ pub struct Module {
 
 pub const ADD_RMS_NORM: Module = Module { name: "iris_add_rms_norm", ptx: ptx::ADD_RMS_NORM };
 pub const GATED_ACT: Module = Module { name: "iris_gated_act", ptx: ptx::GATED_ACT };
+pub const GATED_DELTA: Module = Module { name: "iris_gated_delta", ptx: ptx::GATED_DELTA };
 pub const GEMV: Module = Module { name: "iris_gemv", ptx: ptx::GEMV };
 pub const KV_WRITE: Module = Module { name: "iris_kv_write", ptx: ptx::KV_WRITE };
 pub const MOE_EXPERTS: Module = Module { name: "iris_moe_experts", ptx: ptx::MOE_EXPERTS };
