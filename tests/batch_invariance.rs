@@ -491,3 +491,67 @@ fn qwen35_cancelled_sequence_frees_its_state_slot() {
     let got = run_requests(&mut e, &[(ps[3].clone(), greedy(8))], &[0]).remove(0);
     assert_eq!(got, want, "the cancelled sequence's state leaked into the next one");
 }
+
+/// vLLM's `--long-prefill-token-threshold`: a 1200-token prompt computed under a budget of 64
+/// holds back six short requests that arrive after it until its last chunk; with a threshold
+/// of 40 its chunks stay within 40, the short requests are admitted and decode while it is
+/// still computed (a token every step), and every request gives its solo tokens either way.
+#[test]
+fn long_prefill_threshold_lets_requests_behind_a_long_prompt_run() {
+    let path = fixture("tiny-llama");
+    let long: Vec<u32> = (0..1200u32).map(|i| 3 + (i * 7) % 200).collect();
+    let shorts: Vec<Vec<u32>> = (0..6u32).map(|r| (0..5u32).map(|i| 4 + (r * 31 + i * 13) % 150).collect()).collect();
+    let solo = |prompt: &Vec<u32>, n: usize| {
+        run_requests(&mut engine_with(&path, EngineOptions::default()), &[(prompt.clone(), greedy(n))], &[0]).remove(0)
+    };
+    let (long_solo, shorts_solo): (Vec<u32>, Vec<Vec<u32>>) =
+        (solo(&long, 3), shorts.iter().map(|p| solo(p, 20)).collect());
+    for threshold in [0, 40] {
+        let opts =
+            EngineOptions { max_num_batched_tokens: 64, long_prefill_token_threshold: threshold, ..Default::default() };
+        let mut engine = engine_with(&path, opts);
+        let req = |prompt: &Vec<u32>, n| iris::engine::Request { prompt_tokens: prompt.clone(), params: greedy(n) };
+        let a = engine.add_request(req(&long, 3)).unwrap();
+        let mut ids = Vec::new();
+        let mut outs: std::collections::HashMap<_, Vec<u32>> = Default::default();
+        let (mut chunks, mut served) = (Vec::new(), 0);
+        for step in 0..400 {
+            if step == 1 {
+                ids = shorts.iter().map(|p| engine.add_request(req(p, 20)).unwrap()).collect();
+            }
+            let sched = engine.scheduler();
+            let prefilling = sched.get(a).is_some_and(|s| s.num_uncomputed() > 1);
+            let before = sched.get(a).map_or(0, |s| s.num_computed);
+            let decoding: Vec<_> =
+                ids.iter().copied().filter(|&id| sched.get(id).is_some_and(|s| s.num_uncomputed() == 1)).collect();
+            let updates = engine.step().unwrap();
+            if prefilling {
+                chunks.push(engine.scheduler().get(a).map_or(0, |s| s.num_computed) - before);
+                for id in &decoding {
+                    assert!(
+                        updates.iter().any(|u| u.id == *id && u.token.is_some()),
+                        "step {step}: a decode was starved"
+                    );
+                    served += 1;
+                }
+            }
+            for u in updates {
+                outs.entry(u.id).or_default().extend(u.token.map(|t| t.token));
+            }
+            if !engine.scheduler().has_work() {
+                break;
+            }
+        }
+        match threshold {
+            0 => assert_eq!(served, 0, "without the threshold the prompt's chunks take the whole budget"),
+            t => {
+                assert!(chunks.iter().all(|&c| c <= t), "chunks past the threshold: {chunks:?}");
+                assert!(served >= 20, "short requests decoded next to the long prompt's chunks only {served} times");
+            }
+        }
+        assert_eq!(outs[&a], long_solo, "threshold {threshold}: the long prompt's tokens");
+        for ((id, s), i) in ids.iter().zip(&shorts_solo).zip(0..) {
+            assert_eq!(&outs[id], s, "threshold {threshold}: short request {i}'s tokens");
+        }
+    }
+}

@@ -161,6 +161,11 @@ pub struct EngineArgs {
     /// Most tokens computed in one step (prefill chunks and decodes together).
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
+    /// Most prompt tokens one sequence computes per step (vLLM's flag; 0: no limit beyond
+    /// --max-num-batched-tokens). A long prompt then takes several smaller chunks, which keeps
+    /// the steps short, and the running decodes' inter-token latency low, while it is admitted.
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
     /// Most sequences running at once; more wait in the queue.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
@@ -226,6 +231,7 @@ impl EngineArgs {
             kv_memory,
             block_size: self.block_size,
             max_num_batched_tokens: self.max_num_batched_tokens,
+            long_prefill_token_threshold: self.long_prefill_token_threshold,
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
             speculative,

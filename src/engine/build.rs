@@ -30,6 +30,9 @@ pub struct EngineOptions {
     pub kv_memory: Option<u64>,
     pub block_size: usize,
     pub max_num_batched_tokens: usize,
+    /// vLLM's `--long-prefill-token-threshold` (0: off): most prompt tokens one sequence
+    /// computes per step.
+    pub long_prefill_token_threshold: usize,
     pub max_num_seqs: usize,
     pub max_model_len: Option<usize>,
     /// Speculative decoding (`--speculative-config`).
@@ -56,6 +59,7 @@ impl Default for EngineOptions {
             kv_memory: None,
             block_size: 16,
             max_num_batched_tokens: 2048,
+            long_prefill_token_threshold: 0,
             max_num_seqs: 256,
             max_model_len: None,
             speculative: None,
@@ -323,6 +327,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
             max_num_seqs: opts.max_num_seqs,
             block_size: opts.block_size,
             whole_images: cfg.images_attend_both_ways(),
+            long_prefill_token_threshold: opts.long_prefill_token_threshold,
         },
         max_model_len,
         speculative: opts.speculative,

@@ -1,6 +1,8 @@
 //! Decides what runs each step: continuous batching under a token budget, chunked prefill
 //! mixed with decodes, draft tokens to verify, first come first served, preemption by
-//! recompute when blocks run out.
+//! recompute when blocks run out. With `long_prefill_token_threshold` no prompt takes more than
+//! that per step, so requests behind a long prompt are admitted while it is computed, and the
+//! step time (the running decodes' inter-token latency) stays bounded.
 
 use std::collections::VecDeque;
 
@@ -19,6 +21,9 @@ pub struct SchedulerConfig {
     /// image, `TextConfig::images_attend_both_ways`): it stops before the image, or, starting
     /// at one, takes it whole even past the budget.
     pub whole_images: bool,
+    /// vLLM's `--long-prefill-token-threshold`: a prompt chunk takes at most this many tokens
+    /// per step (0: as many as the budget leaves).
+    pub long_prefill_token_threshold: usize,
 }
 
 /// One sequence's share of a step.
@@ -179,9 +184,13 @@ impl Scheduler {
 
     /// A sequence's share under `budget`: the uncomputed tokens that fit, then, when that is
     /// a decode (one token), as many of its drafts as fit too.
-    fn share(seq: &Sequence, budget: usize, whole_images: bool) -> ScheduledSeq {
+    fn share(cfg: &SchedulerConfig, seq: &Sequence, budget: usize) -> ScheduledSeq {
         let mut num_new = seq.num_uncomputed().min(budget);
-        if let Some(mm) = seq.mm.as_ref().filter(|_| whole_images) {
+        let threshold = cfg.long_prefill_token_threshold;
+        if seq.num_uncomputed() > 1 && threshold > 0 {
+            num_new = num_new.min(threshold);
+        }
+        if let Some(mm) = seq.mm.as_ref().filter(|_| cfg.whole_images) {
             let (start, end) = (seq.num_computed, seq.num_computed + num_new);
             if let Some((a, b)) = mm.image_runs().into_iter().find(|&(a, b)| a < end && end < b) {
                 num_new = if a > start { a - start } else { b - start };
@@ -201,7 +210,7 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let item = Self::share(self.seqs.expect(id), budget, self.cfg.whole_images);
+            let item = Self::share(&self.cfg, self.seqs.expect(id), budget);
             // Blocks for the draft rows too (lookahead): their keys and values are written.
             let want = self.seqs.expect(id).num_computed + item.num_rows();
             let mut fits = true;
@@ -236,7 +245,7 @@ impl Scheduler {
                 // A sequence that holds no blocks (new, or preempted) starts after the longest
                 // cached run of its blocks.
                 let cached = self.prefix.map_or(0, |p| p.start_from_cache(seq, &mut self.allocator));
-                let item = Self::share(seq, budget, self.cfg.whole_images);
+                let item = Self::share(&self.cfg, seq, budget);
                 if !seq.block_table.grow(seq.num_computed + item.num_rows(), bs, &mut self.allocator) {
                     // Not now: the cached blocks go back (still cached) until it fits.
                     PrefixHasher::give_back(seq, &mut self.allocator);
