@@ -504,3 +504,30 @@ fn gemma4_history_renders_as_transformers_and_bad_input_is_a_400() {
     assert_eq!((r.status, r.json()["type"].clone()), (400, json!("error")), "{}", r.text());
     let _ = std::fs::remove_dir_all(&model);
 }
+
+/// Structured outputs with thinking on: Gemma 4's prompt does not open the thought channel, so
+/// a reply may open it with its first token (`<|channel>`, 948) and think before its JSON; the
+/// schema then holds from `<channel|>` on. A reply pushed to open it does (its first token is
+/// not the schema's), and one that does not answers in the schema from its first token.
+#[test]
+fn gemma4_structured_replies_may_think_first() {
+    let model = gemma4_chat_model();
+    let s = Server::start_path(&model, &[]);
+    let schema = json!({ "type": "object", "properties": { "a": { "type": "integer" } }, "required": ["a"] });
+    let body = |bias: Value| {
+        json!({ "messages": [{ "role": "user", "content": "Hi" }], "max_tokens": 12, "temperature": 0,
+                "response_format": { "type": "json_schema", "json_schema": { "name": "x", "schema": schema } },
+                "chat_template_kwargs": { "enable_thinking": true }, "logit_bias": bias })
+    };
+    let plain = s.post("/v1/chat/completions", &body(json!({}))).json();
+    let answer = plain["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string();
+    assert!(answer.starts_with('{'), "the schema holds from the first token: {plain}");
+    assert_eq!(plain["choices"][0]["message"]["reasoning_content"], Value::Null, "{plain}");
+    // Pushed to open the channel (the bias holds on every token, so it never closes it): the
+    // whole reply is inside the thinking, free of the schema.
+    let open = s.post("/v1/chat/completions", &body(json!({ "948": 100 }))).json();
+    let msg = &open["choices"][0]["message"];
+    assert_eq!(open["usage"]["completion_tokens"], 12, "{open}");
+    assert!(!msg["content"].as_str().unwrap_or_default().starts_with('{'), "the reply opened its thinking: {open}");
+    let _ = std::fs::remove_dir_all(&model);
+}

@@ -146,7 +146,13 @@ impl GrammarCompiler {
         if first.is_zero() {
             return Err(GrammarError::Invalid { kind, reason: "no output satisfies it".into() });
         }
-        Ok(Grammar { parser: Arc::new(Mutex::new(parser)), kind, eos: self.eos.clone().into(), after: None })
+        Ok(Grammar {
+            parser: Arc::new(Mutex::new(parser)),
+            kind,
+            eos: self.eos.clone().into(),
+            after: None,
+            opening: None,
+        })
     }
 }
 
@@ -182,6 +188,8 @@ pub struct Grammar {
     eos: Arc<[u32]>,
     /// The tokens after which the grammar begins (a thinking's closing tag), if not at once.
     after: Option<Arc<[u32]>>,
+    /// A thinking the output may open with this token, which then defers the grammar to its end.
+    opening: Option<Opening>,
 }
 
 impl Grammar {
@@ -190,7 +198,23 @@ impl Grammar {
         // The lock only guards the clone: a parser is not shared while it runs.
         let parser = self.parser.lock().unwrap_or_else(|p| p.into_inner()).deep_clone();
         let gate = self.after.clone().map(|marker| Gate { marker, recent: Vec::new() });
-        Constraint { matcher: Matcher::new(Ok(parser)), eos: self.eos.clone(), tentative: 0, gate, gate_saved: None }
+        let opening = self.opening.clone().filter(|_| gate.is_none());
+        Constraint {
+            matcher: Matcher::new(Ok(parser)),
+            eos: self.eos.clone(),
+            tentative: 0,
+            gate,
+            opening,
+            saved: None,
+        }
+    }
+
+    /// This grammar from the first token, unless the output opens with `open` (a model that
+    /// may think before it answers, whose prompt does not open the thinking itself): then from
+    /// once it has written `end` on. The first token may be `open` or what the grammar allows.
+    pub fn after_optional_opening(mut self, open: u32, end: Vec<u32>) -> Grammar {
+        self.opening = (!end.is_empty()).then(|| Opening { open, end: end.into() });
+        self
     }
 
     /// This grammar, begun only once the output has written `marker` (its token ids, as the
@@ -267,6 +291,13 @@ impl RowMasks {
     }
 }
 
+/// A thinking the output may open with its first token (`Grammar::after_optional_opening`).
+#[derive(Clone)]
+struct Opening {
+    open: u32,
+    end: Arc<[u32]>,
+}
+
 /// Where the output stands before its grammar begins: the last tokens, to spot the marker.
 #[derive(Clone)]
 struct Gate {
@@ -294,8 +325,11 @@ pub struct Constraint {
     tentative: usize,
     /// Some while the grammar has not begun.
     gate: Option<Gate>,
-    /// The gate as it was before the drafts being verified (restored with the matcher).
-    gate_saved: Option<Option<Gate>>,
+    /// Some before the first token, when the output may open a thinking with it.
+    opening: Option<Opening>,
+    /// The gate and opening as they were before the drafts being verified (restored with the
+    /// matcher).
+    saved: Option<(Option<Gate>, Option<Opening>)>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -309,10 +343,14 @@ impl Constraint {
     /// matcher error only EOS, so the sequence ends rather than leaves its grammar).
     pub fn mask(&mut self) -> SimpleVob {
         let trie_eos = |m: &Matcher| m.tok_env().map(|env| env.tok_trie().eos_token_set());
-        match self.matcher.compute_mask_or_eos() {
+        let mut mask = match self.matcher.compute_mask_or_eos() {
             Ok(m) => m,
             Err(_) => trie_eos(&self.matcher).unwrap_or_else(|_| SimpleVob::alloc(0)),
+        };
+        if let Some(o) = self.opening.as_ref().filter(|o| (o.open as usize) < mask.len()) {
+            mask.allow_token(o.open);
         }
+        mask
     }
 
     /// Sets every logit the grammar does not allow next to -inf (none before it begins).
@@ -344,6 +382,9 @@ impl Constraint {
         if self.eos.contains(&token) {
             return Ok(());
         }
+        if self.opens(token) {
+            return Ok(());
+        }
         if let Some(g) = self.gate.as_mut() {
             if g.opens_with(token) {
                 self.gate = None;
@@ -353,13 +394,30 @@ impl Constraint {
         self.matcher.consume_token(token).map_err(|e| e.to_string())
     }
 
+    /// Before the first token: whether `token` opens a thinking (the grammar then waits for
+    /// its end). Either way the choice is made.
+    fn opens(&mut self, token: u32) -> bool {
+        match self.opening.take() {
+            Some(o) if o.open == token => {
+                self.gate = Some(Gate { marker: o.end, recent: Vec::new() });
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Consumes a draft token while its sequence's rows are masked; `end_verify` undoes it.
     fn accept_tentative(&mut self, token: u32) {
         if self.eos.contains(&token) {
             return;
         }
+        if self.gate.is_some() || self.opening.is_some() {
+            self.saved.get_or_insert_with(|| (self.gate.clone(), self.opening.clone()));
+        }
+        if self.opens(token) {
+            return;
+        }
         if self.gate.is_some() {
-            self.gate_saved.get_or_insert_with(|| self.gate.clone());
             if self.gate.as_mut().is_some_and(|g| g.opens_with(token)) {
                 self.gate = None;
             }
@@ -380,8 +438,8 @@ impl Constraint {
             let _ = self.matcher.rollback(self.tentative);
             self.tentative = 0;
         }
-        if let Some(gate) = self.gate_saved.take() {
-            self.gate = gate;
+        if let Some((gate, opening)) = self.saved.take() {
+            (self.gate, self.opening) = (gate, opening);
         }
     }
 

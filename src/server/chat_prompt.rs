@@ -67,23 +67,31 @@ impl ChatPrompt {
 
     /// The grammar the replies follow: a forced call's (the call is the whole reply), else
     /// the structured output the request asked for, which a reply that begins in its
-    /// thinking follows from the thinking's end on (the answer is what has a schema).
+    /// thinking follows from the thinking's end on (the answer is what has a schema). With a
+    /// reasoning parser and a prompt that does not open the thinking, the reply may open it
+    /// with its first token (the format's special opening token) and think before the answer.
     pub async fn grammar(&self, engine: &EngineHandle, asked: Option<&Asked>) -> Result<Option<Grammar>, ApiError> {
         if let Some(call) = self.forced.asked() {
             return structured::compile_off_thread(engine, Some(&call)).await;
         }
         let grammar = structured::compile_off_thread(engine, asked).await?;
-        if !self.setup.begins_in_thinking() {
-            return Ok(grammar);
-        }
+        let Some(format) = self.setup.reasoning else { return Ok(grammar) };
         let tok = &engine.tokenizer;
         // Where the format's thinking ends.
-        let end = self.setup.reasoning.map(|r| r.markers().1).unwrap_or_default();
+        let end = format.markers().1;
         let marker = match tok.token_to_id(end) {
             Some(id) => vec![id],
             None => tok.encode_plain_text(end).map_err(|e| ApiError::bad_request(e.to_string()))?,
         };
-        Ok(grammar.map(|g| g.after(marker)))
+        if self.setup.begins_in_thinking() {
+            return Ok(grammar.map(|g| g.after(marker)));
+        }
+        // Only a special token opens it: a plain one would let any reply that starts with it
+        // out of its grammar.
+        Ok(match tok.token_to_id(format.opening_token()) {
+            Some(open) => grammar.map(|g| g.after_optional_opening(open, marker)),
+            None => grammar,
+        })
     }
 
     /// What the parsers need of the sampling ([`ReplySetup::fit`]): the tags, which may be

@@ -55,6 +55,14 @@ impl ReasoningFormat {
         }
     }
 
+    /// The special token a reply opens its thinking with (the first token of `markers().0`).
+    pub fn opening_token(self) -> &'static str {
+        match self {
+            ReasoningFormat::Gemma4 => "<|channel>",
+            _ => "<think>",
+        }
+    }
+
     /// What closes a thinking the prompt opened, as the format's templates write it (before
     /// an answer iris writes itself: a forced call).
     pub fn close_text(self) -> &'static str {

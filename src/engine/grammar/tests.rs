@@ -194,3 +194,55 @@ fn a_grammar_after_a_marker_begins_there() {
     }
     assert!(!free(&mut c));
 }
+
+/// A grammar the output may defer by opening a thinking with its first token: the first token
+/// may be the opening or what the grammar allows; after the opening the text is free until the
+/// thinking's end, then the grammar holds; without it the grammar holds from the first token.
+/// Drafts that open the thinking are taken back with the rest of verification.
+#[test]
+fn a_grammar_after_an_optional_opening() {
+    let (comp, tok) = compiler();
+    let id = |s: &str| tok.token_to_id(s).unwrap_or_else(|| panic!("{s}"));
+    let (a, b, x, y) = (id("a"), id("b"), id("x"), id("y"));
+    let g = comp.compile(&GrammarSpec::Regex("ab".into())).expect("regex").after_optional_opening(x, vec![y]);
+    let allowed = |c: &mut Constraint, t: u32| {
+        let mut l = vec![0.0f32; VOCAB];
+        c.apply(&mut l);
+        l[t as usize].is_finite()
+    };
+    // Straight into the grammar: `x` is allowed only as the first token.
+    let mut c = g.constraint();
+    assert!(allowed(&mut c, a) && allowed(&mut c, x) && !allowed(&mut c, b));
+    c.accept(a).expect("a");
+    assert!(!allowed(&mut c, x) && allowed(&mut c, b), "the opening is gone once the grammar began");
+    c.accept(b).expect("b");
+    assert!(c.is_finished());
+    // Thinking first: free until `y`, then the grammar.
+    let mut c = g.constraint();
+    c.accept(x).expect("the opening");
+    for t in [b, b, x] {
+        assert!(allowed(&mut c, b) && allowed(&mut c, a), "free inside the thinking");
+        c.accept(t).expect("thinking");
+    }
+    c.accept(y).expect("the thinking's end");
+    assert!(allowed(&mut c, a) && !allowed(&mut c, b) && !allowed(&mut c, x));
+    c.accept(a).expect("a");
+    c.accept(b).expect("b");
+    assert!(c.is_finished());
+
+    // In drafts: [x, b, y] are accepted (free inside the thinking), then `b` is not allowed
+    // after `y` and its row gives `a`; verification leaves the constraint at its start.
+    let params = SamplingParams::default();
+    let mut sampler = SequenceSampler::for_params(&params);
+    let row = |fav: u32| {
+        let mut r = vec![0.0f32; VOCAB];
+        r[fav as usize] = 10.0;
+        r[a as usize] = 5.0;
+        r
+    };
+    let mut c = g.constraint();
+    let mut rows = vec![row(x), row(b), row(y), row(b), row(b)];
+    let got = sampler.verify_constrained(&mut rows, &[x, b, y, b], &params, &[], &[], Some(&mut c));
+    assert_eq!(got.iter().map(|s| s.token).collect::<Vec<_>>(), vec![x, b, y, a]);
+    assert!(allowed(&mut c, x) && !allowed(&mut c, b), "verification consumed nothing for good");
+}
