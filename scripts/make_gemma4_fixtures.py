@@ -11,6 +11,11 @@
     tests/fixtures/tiny-gemma4-moe/  Gemma4ForCausalLM (`gemma4_text`), 26B-A4B-like: an MoE block
                                      (8 experts, top 2) beside the dense MLP in every layer,
                                      K-eq-V on the full layers with their own KV-head count, no PLE
+    tests/fixtures/tiny-gemma4-unified/  Gemma4UnifiedForCausalLM (`gemma4_unified_text`, the 12B
+                                     family's language model): no PLE fields at all (none used),
+                                     Gemma 2-style sandwich norms with `layer_scalar`, the last 2 of
+                                     6 layers KV-shared, K-eq-V on the full layers,
+                                     use_bidirectional_attention "vision" by default
 
 Both: hidden 64, 4 heads; sliding layers 2 KV heads of 16 (window 8, shorter than the prompts),
 full layers heads of 32 with "proportional" RoPE (partial factor 0.25: 4 of 16 angles turn, the
@@ -63,6 +68,7 @@ E2B = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=mf.MODEL_VO
            use_double_wide_mlp=True, num_key_value_heads=1)
 A4B = dict(hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
            enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
+UNIFIED = dict(num_kv_shared_layers=2, attention_k_eq_v=True, num_global_key_value_heads=1)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
               position_embedding_size=64)
@@ -86,6 +92,9 @@ def build(kind):
     if kind == "moe":
         from transformers import Gemma4ForCausalLM, Gemma4TextConfig
         return Gemma4TextConfig(**TEXT | A4B, **special), tok, Gemma4ForCausalLM
+    if kind == "unified":
+        from transformers import Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
+        return Gemma4UnifiedTextConfig(**TEXT | UNIFIED, **special), tok, Gemma4UnifiedForCausalLM
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
     # The multimodal ids sit at the top of the (padded) vocabulary, past the tokenizer's entries.
     top = mf.MODEL_VOCAB
@@ -114,12 +123,12 @@ class TextView(torch.nn.Module):
 
 
 def make(kind, seed):
-    name = "tiny-gemma4" if kind == "e2b" else "tiny-gemma4-moe"
+    name = {"e2b": "tiny-gemma4", "moe": "tiny-gemma4-moe", "unified": "tiny-gemma4-unified"}[kind]
     torch.manual_seed(seed)
     cfg, tok, cls = build(kind)
     model = cls._from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     perturb_(model, torch.Generator().manual_seed(seed + 1))
-    if kind == "moe":  # as for tiny-gemma3: the sqrt(H) embedding scale drowns the layers otherwise
+    if kind in ("moe", "unified"):  # as for tiny-gemma3: the sqrt(H) embedding scale drowns the layers otherwise
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(0.25)
     model.eval()
@@ -353,5 +362,8 @@ def add_vision(out_dir, tensors, info):
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    make("e2b", 400)
-    make("moe", 401)
+    # `make_gemma4_fixtures.py unified`: that fixture alone.
+    kinds = sys.argv[1:] or ["e2b", "moe", "unified"]
+    for kind, seed in [("e2b", 400), ("moe", 401), ("unified", 402)]:
+        if kind in kinds:
+            make(kind, seed)

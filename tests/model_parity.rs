@@ -229,7 +229,7 @@ fn qwen35_refuses_speculative_decoding() {
 /// the routed experts a token is not sent to).
 #[test]
 fn qwen35_and_gemma4_parameter_counts_match_transformers() {
-    for name in ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma4", "tiny-gemma4-moe"] {
+    for name in ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma4-unified"] {
         let cfg = iris::loader::read_config(&fixture(name)).unwrap().1;
         let j = reference_json(name);
         assert_eq!(cfg.parameter_count(), j["n_text_params"].as_u64().unwrap(), "{name} total");
@@ -268,5 +268,6 @@ parity_tests!(
     qwen35 => "tiny-qwen3.5",
     qwen35_moe => "tiny-qwen3.5-moe",
     gemma4 => "tiny-gemma4",
-    gemma4_moe => "tiny-gemma4-moe"
+    gemma4_moe => "tiny-gemma4-moe",
+    gemma4_unified => "tiny-gemma4-unified"
 );

@@ -30,10 +30,15 @@ fn flag(get: Get, key: &str) -> Result<bool, ConfigError> {
     }
 }
 
-/// Completes `cfg` (parsed with the common fields) with Gemma 4's.
-pub(super) fn complete(cfg: &mut TextConfig, get: Get) -> Result<(), ConfigError> {
+/// Completes `cfg` (parsed with the common fields) with Gemma 4's. The unified family
+/// (`gemma4_unified_text`, transformers' `Gemma4UnifiedTextConfig`) has no per-layer inputs and
+/// its images see each other both ways unless the config says otherwise.
+/// `present`: whether the config has a field at all (a null one included).
+pub(super) fn complete(cfg: &mut TextConfig, get: Get, present: &dyn Fn(&str) -> bool) -> Result<(), ConfigError> {
+    let unified = get("model_type").and_then(Value::as_str).is_some_and(|t| t.starts_with("gemma4_unified"));
     let vision_bidirectional = match get("use_bidirectional_attention").and_then(Value::as_str) {
-        None => false,
+        // Absent: the family's default; null: causal (transformers' None).
+        None => unified && !present("use_bidirectional_attention"),
         Some("vision") => true,
         Some(other) => {
             return Err(ConfigError::Unsupported {
@@ -60,7 +65,7 @@ pub(super) fn complete(cfg: &mut TextConfig, get: Get) -> Result<(), ConfigError
     let k_eq_v = flag(get, "attention_k_eq_v")?;
     cfg.layer_kv = layer_shapes(cfg, get, k_eq_v)?;
     cfg.kv_source = kv_sources(cfg, int(get, "num_kv_shared_layers", 0)?)?;
-    let ple = int(get, "hidden_size_per_layer_input", 256)?;
+    let ple = if unified { 0 } else { int(get, "hidden_size_per_layer_input", 256)? };
     cfg.gemma4 = Some(Gemma4Layers {
         per_layer_input: (ple > 0)
             .then(|| {

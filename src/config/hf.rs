@@ -49,7 +49,7 @@ impl TextConfig {
         let arch = Arch::from_model_type(model_type).ok_or_else(|| ConfigError::Unsupported {
             what: "architecture",
             value: model_type.into(),
-            supported: "llama, qwen2, qwen3, gemma3_text, gemma4, gemma4_text, qwen2_vl, qwen2_5_vl, glm4v, glm4v_moe, qwen3_5, qwen3_5_moe",
+            supported: "llama, qwen2, qwen3, gemma3_text, gemma4, gemma4_text, gemma4_unified, gemma4_unified_text, qwen2_vl, qwen2_5_vl, glm4v, glm4v_moe, qwen3_5, qwen3_5_moe",
         })?;
         let qwen35 = matches!(arch, Arch::Qwen35 | Arch::Qwen35Moe);
         let gemma = matches!(arch, Arch::Gemma3 | Arch::Gemma4);
@@ -210,7 +210,9 @@ impl TextConfig {
         };
         let mut cfg = cfg;
         if arch == Arch::Gemma4 {
-            super::gemma4::complete(&mut cfg, &get)?;
+            // Whether a field is there at all, null included (`get` passes over nulls).
+            let present = |key: &str| text.and_then(|t| t.get(key)).or_else(|| root.get(key)).is_some();
+            super::gemma4::complete(&mut cfg, &get, &present)?;
         }
         cfg.validate()?;
         Ok(cfg)
@@ -412,6 +414,26 @@ mod tests {
         assert_eq!(c.window_for(0), Some(4));
         assert_eq!(c.window_for(2), None);
         assert!((c.attention_scale() - 2f64.powf(-0.5)).abs() < 1e-12);
+    }
+
+    /// The unified Gemma 4 family (a VLM wrapper around `gemma4_unified_text`): Gemma 4's text
+    /// without per-layer inputs, images bidirectional by default, causal when the field is null.
+    #[test]
+    fn gemma4_unified_has_no_per_layer_inputs_and_bidirectional_images() {
+        let mut j = serde_json::json!({
+            "model_type": "gemma4_unified",
+            "text_config": {
+                "model_type": "gemma4_unified_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+                "global_head_dim": 8, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]
+            }
+        });
+        let c = TextConfig::from_hf_json(&j).unwrap();
+        assert_eq!(c.arch, Arch::Gemma4);
+        let g = c.gemma4.as_ref().expect("Gemma 4 fields");
+        assert!(g.per_layer_input.is_none() && g.vision_bidirectional);
+        j["text_config"]["use_bidirectional_attention"] = Value::Null;
+        assert!(!TextConfig::from_hf_json(&j).unwrap().gemma4.expect("Gemma 4 fields").vision_bidirectional);
     }
 
     #[test]

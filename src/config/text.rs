@@ -41,7 +41,8 @@ impl Arch {
             "glm4v_moe" | "glm4v_moe_text" => Some(Arch::Glm4vMoe),
             "qwen3_5" | "qwen3_5_text" => Some(Arch::Qwen35),
             "qwen3_5_moe" | "qwen3_5_moe_text" => Some(Arch::Qwen35Moe),
-            "gemma4" | "gemma4_text" => Some(Arch::Gemma4),
+            // The unified 12B family's language model is Gemma 4's without per-layer inputs.
+            "gemma4" | "gemma4_text" | "gemma4_unified" | "gemma4_unified_text" => Some(Arch::Gemma4),
             _ => None,
         }
     }

@@ -50,6 +50,11 @@ impl VisionConfig {
     /// Defaults are transformers 5.24's `Gemma4VisionConfig`'s and `Gemma4Config`'s.
     pub fn from_hf_json(root: &Value) -> Result<Option<Self>, String> {
         let Some(v) = root.get("vision_config").filter(|v| v.is_object()) else { return Ok(None) };
+        if root.get("model_type").and_then(Value::as_str) == Some("gemma4_unified") {
+            // Its vision embedder is not Gemma 4's tower.
+            tracing::warn!("the vision embedder of gemma4_unified checkpoints is not supported yet: iris serves the text, and requests with images are refused");
+            return Ok(None);
+        }
         let int = |key: &str, default: usize| -> Result<usize, String> {
             match v.get(key) {
                 None | Some(Value::Null) => Ok(default),
@@ -105,5 +110,21 @@ impl VisionConfig {
             return Err("`vision_config.attention_bias` is not supported (Gemma 4's projections have no bias)".into());
         }
         Ok(Some(cfg))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A gemma4_unified checkpoint's vision embedder is not Gemma 4's tower: it has no vision
+    /// half (its text is served); the same config as `gemma4` does.
+    #[test]
+    fn unified_checkpoints_have_no_vision_half_yet() {
+        let cfg = serde_json::json!({ "model_type": "gemma4_unified", "vision_config": { "hidden_size": 32 } });
+        assert!(matches!(VisionConfig::from_hf_json(&cfg), Ok(None)));
+        let mut g4 = cfg.clone();
+        g4["model_type"] = "gemma4".into();
+        assert!(!matches!(VisionConfig::from_hf_json(&g4), Ok(None)));
     }
 }
