@@ -40,6 +40,10 @@ pub struct AttentionMeta {
     /// Per sequence, its state slot in a hybrid model's recurrent layers (None: no such layers,
     /// or not given; a recurrent layer then refuses the step).
     pub state_slots: Option<Vec<u32>>,
+    /// Per sequence, whether a recurrent layer keeps its state after each of its rows but the
+    /// last in its slot's checkpoints (a verify step's sequences with drafts, so that rejected
+    /// rows can be undone; `RecurrentState::restore`). None: no sequence does.
+    pub state_checkpoints: Option<Vec<bool>>,
     /// Per sequence, position ranges `[start, end)` within its context whose rows also see the
     /// later rows of their range, on the layers that ask for it (Gemma 4's sliding layers see
     /// a whole image at once when the config says `use_bidirectional_attention: "vision"`).
@@ -161,6 +165,7 @@ impl AttentionMeta {
             row_seq,
             window: None,
             state_slots: None,
+            state_checkpoints: None,
             bidirectional: None,
             device: None,
         }
@@ -200,6 +205,16 @@ impl AttentionMeta {
             candle_core::bail!("{} state slots for {} sequences", slots.len(), self.seqs.len());
         }
         self.state_slots = Some(slots);
+        Ok(())
+    }
+
+    /// Marks the sequences whose recurrent states are kept after each row (`record[i]` for
+    /// `seqs[i]`; see `state_checkpoints`).
+    pub fn set_state_checkpoints(&mut self, record: Vec<bool>) -> candle_core::Result<()> {
+        if record.len() != self.seqs.len() {
+            candle_core::bail!("state checkpoints marked for {} sequences of {}", record.len(), self.seqs.len());
+        }
+        self.state_checkpoints = record.iter().any(|&r| r).then_some(record);
         Ok(())
     }
 
@@ -321,6 +336,7 @@ impl AttentionMeta {
             row_seq,
             window,
             state_slots: None,
+            state_checkpoints: None,
             bidirectional: None,
             device: None,
         };
