@@ -164,6 +164,18 @@ fn qwen35_kv_pool_covers_only_the_attention_layers() {
     let state = 4 * cfg.state_bytes_per_sequence();
     assert_eq!(report.kv_capacity_tokens, ((1 << 20) - state) / (4 * report.kv_bytes_per_token) * 4);
     assert!(report.kv_summary().contains("recurrent state of 4 sequences"), "{}", report.kv_summary());
+    if on_gpu() {
+        return; // speculation is refused there for hybrid models (tests/speculative.rs)
+    }
+    // Speculating 3 tokens, each sequence's state is kept 4 times (the live state, and the
+    // state after each verified row but the last, to roll back to).
+    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 });
+    let opts = EngineOptions { speculative: spec, ..opts };
+    let (_, report) = iris::engine::build::build_engine(&fixture("tiny-qwen3.5"), &device(), &opts).unwrap();
+    assert_eq!(report.state_bytes_per_seq, 4 * cfg.state_bytes_per_sequence());
+    let state = 4 * 4 * cfg.state_bytes_per_sequence();
+    assert_eq!(report.kv_capacity_tokens, ((1 << 20) - state) / (4 * report.kv_bytes_per_token) * 4);
+    assert!(report.kv_allocated_bytes >= state, "{} bytes allocated", report.kv_allocated_bytes);
 }
 
 /// Gemma 4's KV-sharing layers store nothing, so a step computes them only for the rows read
