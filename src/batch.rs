@@ -327,7 +327,7 @@ impl AttentionMeta {
         }
         let window =
             self.window.as_ref().map(|w| WindowMeta { len: w.len, rings: w.rings.clone(), slots: window_slots });
-        // Padding rows would run a recurrence; a recurrent model never pads (it does not speculate).
+        // Padding rows would run a recurrence; a recurrent model never pads (it runs op by op).
         // Padded steps are decodes and verifies: no image rows, nothing bidirectional.
         let meta = AttentionMeta {
             block_size: bs,

@@ -226,10 +226,10 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     };
     if opts.speculative.is_some() && !cfg.linear_layers().is_empty() && !device.is_cpu() {
         // A verify step keeps the recurrent state after each of its rows, to roll back to once
-        // the drafts are judged (`RecurrentState::restore`); only the host recurrence records
-        // those checkpoints so far.
+        // the drafts are judged (`RecurrentState::restore`). The host recurrence records those
+        // checkpoints; the state's device storage and kernels do not yet, so a GPU refuses.
         return Err(BuildError::Setting(format!(
-            "--speculative-config is not supported for {} on a GPU yet (its linear-attention layers' state is rolled back from per-row checkpoints, which only the CPU keeps so far); run without it, or on the CPU",
+            "--speculative-config is not supported for {} on a GPU yet (its linear-attention layers' state is rolled back from per-row checkpoints, which are kept on the CPU only so far); run without it, or on the CPU",
             cfg.arch.name()
         )));
     }
