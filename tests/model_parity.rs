@@ -229,7 +229,8 @@ fn gemma4_shared_layers_compute_only_the_rows_read() {
 #[test]
 fn qwen35_speculates_on_the_cpu_only() {
     let spec = iris::engine::speculative::SpeculativeConfig { num_tokens: 2, lookup_min: 1, lookup_max: 3 };
-    let opts = EngineOptions { kv_memory: Some(8 << 20), speculative: Some(spec), ..Default::default() };
+    let opts =
+        EngineOptions { kv_memory: Some(8 << 20), max_num_seqs: 4, speculative: Some(spec), ..Default::default() };
     let built = iris::engine::build::build_engine(&fixture("tiny-qwen3.5"), &device(), &opts);
     match (built, on_gpu()) {
         (Ok(_), false) => {}
