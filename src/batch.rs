@@ -40,6 +40,10 @@ pub struct AttentionMeta {
     /// Per sequence, its state slot in a hybrid model's recurrent layers (None: no such layers,
     /// or not given; a recurrent layer then refuses the step).
     pub state_slots: Option<Vec<u32>>,
+    /// Per sequence, whether a recurrent layer keeps its state after each of its rows but the
+    /// last in its slot's checkpoints (a verify step's sequences with drafts, so that rejected
+    /// rows can be undone; `RecurrentState::restore`). None: no sequence does.
+    pub state_checkpoints: Option<Vec<bool>>,
     /// Per sequence, position ranges `[start, end)` within its context whose rows also see the
     /// later rows of their range, on the layers that ask for it (Gemma 4's sliding layers see
     /// a whole image at once when the config says `use_bidirectional_attention: "vision"`).
@@ -165,6 +169,7 @@ impl AttentionMeta {
             row_seq,
             window: None,
             state_slots: None,
+            state_checkpoints: None,
             bidirectional: None,
             device: None,
         }
@@ -208,6 +213,16 @@ impl AttentionMeta {
             Some(device) => self.upload(&device),
             None => Ok(()),
         }
+    }
+
+    /// Marks the sequences whose recurrent states are kept after each row (`record[i]` for
+    /// `seqs[i]`; see `state_checkpoints`).
+    pub fn set_state_checkpoints(&mut self, record: Vec<bool>) -> candle_core::Result<()> {
+        if record.len() != self.seqs.len() {
+            candle_core::bail!("state checkpoints marked for {} sequences of {}", record.len(), self.seqs.len());
+        }
+        self.state_checkpoints = record.iter().any(|&r| r).then_some(record);
+        Ok(())
     }
 
     /// Gives sequence i the ranges `spans[i]` whose rows see each other both ways (see
@@ -323,7 +338,7 @@ impl AttentionMeta {
         }
         let window =
             self.window.as_ref().map(|w| WindowMeta { len: w.len, rings: w.rings.clone(), slots: window_slots });
-        // Padding rows would run a recurrence; a recurrent model never pads (it does not speculate).
+        // Padding rows would run a recurrence; a recurrent model never pads (it runs op by op).
         // Padded steps are decodes and verifies: no image rows, nothing bidirectional.
         let meta = AttentionMeta {
             block_size: bs,
@@ -332,6 +347,7 @@ impl AttentionMeta {
             row_seq,
             window,
             state_slots: None,
+            state_checkpoints: None,
             bidirectional: None,
             device: None,
         };

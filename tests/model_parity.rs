@@ -164,6 +164,18 @@ fn qwen35_kv_pool_covers_only_the_attention_layers() {
     let state = 4 * cfg.state_bytes_per_sequence();
     assert_eq!(report.kv_capacity_tokens, ((1 << 20) - state) / (4 * report.kv_bytes_per_token) * 4);
     assert!(report.kv_summary().contains("recurrent state of 4 sequences"), "{}", report.kv_summary());
+    if on_gpu() {
+        return; // speculation is refused there for hybrid models (tests/speculative.rs)
+    }
+    // Speculating 3 tokens, each sequence's state is kept 4 times (the live state, and the
+    // state after each verified row but the last, to roll back to).
+    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 });
+    let opts = EngineOptions { speculative: spec, ..opts };
+    let (_, report) = iris::engine::build::build_engine(&fixture("tiny-qwen3.5"), &device(), &opts).unwrap();
+    assert_eq!(report.state_bytes_per_seq, 4 * cfg.state_bytes_per_sequence());
+    let state = 4 * 4 * cfg.state_bytes_per_sequence();
+    assert_eq!(report.kv_capacity_tokens, ((1 << 20) - state) / (4 * report.kv_bytes_per_token) * 4);
+    assert!(report.kv_allocated_bytes >= state, "{} bytes allocated", report.kv_allocated_bytes);
 }
 
 /// Gemma 4's KV-sharing layers store nothing, so a step computes them only for the rows read
@@ -211,18 +223,25 @@ fn gemma4_shared_layers_compute_only_the_rows_read() {
     );
 }
 
-/// Speculative decoding would advance the recurrent state past drafts that may be rejected:
-/// refused at start, in one line that says what to do.
+/// Speculative decoding rolls the recurrent state back from per-row checkpoints, which only
+/// the CPU keeps so far: it builds there (tests/speculative.rs checks its tokens), and on a
+/// GPU it is refused at start, in one line that says what to do.
 #[test]
-fn qwen35_refuses_speculative_decoding() {
+fn qwen35_speculates_on_the_cpu_only() {
     let spec = iris::engine::speculative::SpeculativeConfig { num_tokens: 2, lookup_min: 1, lookup_max: 3 };
-    let opts = EngineOptions { kv_memory: Some(8 << 20), speculative: Some(spec), ..Default::default() };
-    let err = match iris::engine::build::build_engine(&fixture("tiny-qwen3.5"), &device(), &opts) {
-        Ok(_) => panic!("speculation on a hybrid model must be refused"),
-        Err(e) => e.to_string(),
-    };
-    assert!(err.contains("--speculative-config is not supported for qwen3_5"), "{err}");
-    assert!(!err.contains('\n'), "{err}");
+    let opts =
+        EngineOptions { kv_memory: Some(8 << 20), max_num_seqs: 4, speculative: Some(spec), ..Default::default() };
+    let built = iris::engine::build::build_engine(&fixture("tiny-qwen3.5"), &device(), &opts);
+    match (built, on_gpu()) {
+        (Ok(_), false) => {}
+        (Err(e), false) => panic!("speculation on the CPU: {e}"),
+        (Ok(_), true) => panic!("speculation on a hybrid model must be refused on a GPU"),
+        (Err(e), true) => {
+            let err = e.to_string();
+            assert!(err.contains("--speculative-config is not supported for qwen3_5 on a GPU"), "{err}");
+            assert!(err.contains("run without it") && !err.contains('\n'), "{err}");
+        }
+    }
 }
 
 /// `iris inspect`'s counts equal transformers' (text model; the MoE's active count leaves out

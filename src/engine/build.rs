@@ -97,8 +97,8 @@ pub struct StartupReport {
     pub prefix_caching: bool,
     /// Tokens a bf16 cache would hold in the same memory.
     pub kv_bf16_capacity_tokens: usize,
-    /// A hybrid model's recurrent state per sequence (all its linear-attention layers), in
-    /// bytes; 0 for other models.
+    /// A hybrid model's recurrent state per sequence (all its linear-attention layers, with a
+    /// checkpoint per draft token when speculating), in bytes; 0 for other models.
     pub state_bytes_per_seq: usize,
     /// Sequences whose state was reserved (`--max-num-seqs`), when there is a state.
     pub state_slots: usize,
@@ -228,11 +228,12 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         }
         None => None,
     };
-    if opts.speculative.is_some() && !cfg.linear_layers().is_empty() {
-        // Verifying drafts advances the recurrent state past rows that may be rejected, and
-        // there are no per-row state checkpoints to roll back to yet.
+    if opts.speculative.is_some() && !cfg.linear_layers().is_empty() && !device.is_cpu() {
+        // A verify step keeps the recurrent state after each of its rows, to roll back to once
+        // the drafts are judged (`RecurrentState::restore`). The host recurrence records those
+        // checkpoints; the state's device storage and kernels do not yet, so a GPU refuses.
         return Err(BuildError::Setting(format!(
-            "--speculative-config is not supported for {} (its linear-attention layers keep a state per sequence that a rejected draft cannot roll back yet); run without it",
+            "--speculative-config is not supported for {} on a GPU yet (its linear-attention layers' state is rolled back from per-row checkpoints, which are kept on the CPU only so far); run without it, or on the CPU",
             cfg.arch.name()
         )));
     }
@@ -255,8 +256,10 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     let prefix_caching = prefix_caching_setting(&cfg, tq.as_ref(), opts.enable_prefix_caching)?;
     // Every group of layers' memory: paged per token (attention layers only), and per state slot
     // (one per sequence that may run: float-window rings, recurrent states), fixed at start
-    // outside the blocks.
-    let caches = CacheSpec::for_model(&cfg, kv_dtype, tq.as_ref());
+    // outside the blocks. Speculating, a recurrent state is kept once more per draft token: a
+    // verify step records the state after each of its rows, so that rejected drafts roll back.
+    let caches = CacheSpec::for_model(&cfg, kv_dtype, tq.as_ref())
+        .with_state_checkpoints(1 + opts.speculative.map_or(0, |s| s.num_tokens));
     let per_token = caches.bytes_per_token();
     let slot_bytes = (caches.bytes_per_slot() * opts.max_num_seqs) as u64;
     let wanted_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
@@ -305,8 +308,9 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         Some(n) => n,
         None => wanted_len.min(capacity),
     };
-    let kv = KvCache::build(&cfg, spec, tq.as_ref(), opts.max_num_seqs, device)
-        .map_err(|e| BuildError::Kv(e.to_string()))?;
+    let kv =
+        KvCache::build_with_checkpoints(&cfg, spec, tq.as_ref(), opts.max_num_seqs, caches.state_checkpoints, device)
+            .map_err(|e| BuildError::Kv(e.to_string()))?;
     let report = StartupReport {
         kv_bytes_per_token: per_token,
         kv_capacity_tokens: capacity,
@@ -316,7 +320,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         prefix_caching,
         kv_bf16_capacity_tokens: KvCacheSpec::from_budget(&cfg, KvDtype::Bf16, opts.block_size, budget)
             .capacity_tokens(),
-        state_bytes_per_seq: cfg.state_bytes_per_sequence(),
+        state_bytes_per_seq: caches.recurrent_bytes_per_slot(),
         state_slots: opts.max_num_seqs,
         max_model_len,
         weight_bytes: loaded.weight_bytes,

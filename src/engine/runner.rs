@@ -149,6 +149,7 @@ impl ModelRunner {
             }
             None => None,
         };
+        let state_slots = step.batch.attn.state_slots.clone();
         let counts: Vec<usize> = step.sampled.iter().map(|&(_, n)| n).collect();
         self.sampled_hidden = None;
         let keep = self.keep_hidden.then(|| counts.clone());
@@ -188,6 +189,16 @@ impl ModelRunner {
                 .flat_map(|(item, t)| (0..item.num_draft).map(move |j| j + 1 >= t.len()))
                 .collect();
             kv.restore_window_rows(&cp, |i| rejected[i])?;
+        }
+        if let Some(slots) = &state_slots {
+            // A recurrent layer kept the state after each row of a sequence with drafts; where
+            // some were rejected, the state after its last kept row becomes the live one.
+            for ((item, t), &slot) in plan.items.iter().zip(&tokens).zip(slots) {
+                let kept = item.num_new + t.len().saturating_sub(1);
+                if item.num_draft > 0 && kept < item.num_rows() {
+                    kv.restore_state(slot, kept)?;
+                }
+            }
         }
         Ok(tokens)
     }
@@ -484,6 +495,8 @@ fn build_batch(
             .collect::<Option<Vec<u32>>>()
             .ok_or_else(|| candle_core::Error::Msg("a scheduled sequence holds no state slot".into()))?;
         batch.attn.set_state_slots(slots)?;
+        // A verify step keeps each row's state, to roll back to after the drafts are judged.
+        batch.attn.set_state_checkpoints(plan.items.iter().map(|item| item.num_draft > 0).collect())?;
     }
     Ok(BuiltStep { batch, sampled })
 }

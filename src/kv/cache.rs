@@ -81,13 +81,26 @@ impl KvCache {
         state_slots: usize,
         device: &Device,
     ) -> candle_core::Result<Self> {
+        Self::build_with_checkpoints(cfg, spec, tq, state_slots, 1, device)
+    }
+
+    /// `build`, with `state_checkpoints` copies of each recurrent state slot (1 + the most
+    /// draft tokens when speculating; `CacheSpec::state_checkpoints`).
+    pub fn build_with_checkpoints(
+        cfg: &TextConfig,
+        spec: KvCacheSpec,
+        tq: Option<&TqSpec>,
+        state_slots: usize,
+        state_checkpoints: usize,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
         let slots = spec.num_blocks * spec.block_size;
         let float = spec.dtype.dtype();
         // One pair of codebooks per head width (Gemma 4's full layers have wider heads).
         let mut codebooks: Vec<(usize, (Arc<Codebook>, Arc<Codebook>))> = Vec::new();
         let layers = (0..cfg.num_layers)
             .map(|layer| {
-                if let Some(state) = recurrent_state(cfg, layer, state_slots, device)? {
+                if let Some(state) = recurrent_state(cfg, layer, state_slots, state_checkpoints, device)? {
                     return Ok(LayerCache::Recurrent(Box::new(state)));
                 }
                 if let Some(source) = cfg.kv_source(layer) {
@@ -155,7 +168,7 @@ impl KvCache {
         let spec = KvCacheSpec { block_size, num_blocks: tokens.div_ceil(block_size), dtype: KvDtype::F32 };
         let layers = (0..cfg.num_layers)
             .map(|layer| {
-                if let Some(state) = recurrent_state(cfg, layer, 1, device)? {
+                if let Some(state) = recurrent_state(cfg, layer, 1, 1, device)? {
                     return Ok(LayerCache::Recurrent(Box::new(state)));
                 }
                 if let Some(source) = cfg.kv_source(layer) {
@@ -185,9 +198,23 @@ impl KvCache {
             .collect()
     }
 
-    /// Whether some layer keeps a recurrent state per sequence (which cannot be rolled back).
+    /// Whether some layer keeps a recurrent state per sequence.
     pub fn has_recurrent_layers(&self) -> bool {
-        self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_)))
+        self.recurrent().next().is_some()
+    }
+
+    /// Makes checkpoint `checkpoint` of state slot `slot` the live state in every recurrent
+    /// layer: the state after a verify step's row `checkpoint - 1`, when the rows after it
+    /// were rejected drafts.
+    pub fn restore_state(&self, slot: u32, checkpoint: usize) -> candle_core::Result<()> {
+        self.recurrent().try_for_each(|r| r.restore(slot, checkpoint))
+    }
+
+    fn recurrent(&self) -> impl Iterator<Item = &RecurrentState> {
+        self.layers.iter().filter_map(|l| match l {
+            LayerCache::Recurrent(r) => Some(r.as_ref()),
+            _ => None,
+        })
     }
 
     pub fn spec(&self) -> &KvCacheSpec {
@@ -270,16 +297,17 @@ impl KvCache {
     }
 }
 
-/// A linear-attention layer's state storage, for `slots` sequences, on `device`; None for
-/// other layers.
+/// A linear-attention layer's state storage, for `slots` sequences of `checkpoints` copies, on
+/// `device`; None for other layers.
 fn recurrent_state(
     cfg: &TextConfig,
     layer: usize,
     slots: usize,
+    checkpoints: usize,
     device: &Device,
 ) -> candle_core::Result<Option<RecurrentState>> {
     match cfg.linear_attn.as_ref().filter(|_| cfg.layer_kinds[layer] == LayerKind::Linear) {
-        Some(&dims) => RecurrentState::new(dims, slots, device).map(Some),
+        Some(&dims) => RecurrentState::with_checkpoints(dims, slots, checkpoints, device).map(Some),
         None => Ok(None),
     }
 }

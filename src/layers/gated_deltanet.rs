@@ -3,9 +3,11 @@
 //!   o = DeltaRule(conv(qkv), a, b)           per sequence, from its state (`ops::gated_delta`)
 //!   y = out_proj(RMSNorm_w(o) * silu(z))     the gated norm over each value head, plain w
 //! The state lives in the layer's `LayerCache::Recurrent`, one slot per running sequence
-//! (`AttentionMeta::state_slots`); a sequence computing its position 0 starts from zero.
+//! (`AttentionMeta::state_slots`); a sequence computing its position 0 starts from zero. A
+//! sequence verifying drafts (`AttentionMeta::state_checkpoints`) also leaves the state after
+//! each of its rows but the last in its slot's checkpoints, for the runner to roll back to.
 //! On the CPU the recurrence runs on the host (`ops::gated_delta`, the reference); on a GPU
-//! in device kernels over the device states (`ops::gated_delta_cuda`).
+//! in device kernels over the device states (`ops::gated_delta_cuda`), without checkpoints.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -14,7 +16,7 @@ use super::norm::{NormStyle, RmsNorm};
 use crate::batch::AttentionMeta;
 use crate::config::{LinearAttnConfig, TextConfig};
 use crate::kv::LayerCache;
-use crate::ops::gated_delta::{run_sequence, DeltaParams};
+use crate::ops::gated_delta::{run_sequence_recording, DeltaParams, RowStates};
 use crate::weights::{Weights, WeightsError};
 
 pub struct GatedDeltaNet {
@@ -96,7 +98,8 @@ impl GatedDeltaNet {
         })
     }
 
-    /// `x`: `[T, hidden]` -> `[T, hidden]`; advances each sequence's state past its rows.
+    /// `x`: `[T, hidden]` -> `[T, hidden]`; advances each sequence's state past its rows (and
+    /// records the state after each row of a sequence marked in `meta.state_checkpoints`).
     pub fn forward(&self, x: &Tensor, cache: &LayerCache, meta: &AttentionMeta) -> Result<Tensor> {
         let LayerCache::Recurrent(state) = cache else {
             candle_core::bail!("a Gated DeltaNet layer needs a recurrent state, not a KV cache")
@@ -160,10 +163,22 @@ impl GatedDeltaNet {
         let (c, hv, vd) = (self.dims.conv_dim(), self.dims.num_value_heads, self.dims.value_dim());
         let params = DeltaParams { conv_weight: &self.conv_weight, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
         let mut o = vec![0f32; t * vd];
-        for (s, &slot) in meta.seqs.iter().zip(slots) {
+        let (cl, sl) = self.dims.state_len();
+        for (i, (s, &slot)) in meta.seqs.iter().zip(slots).enumerate() {
             let rows = s.q_start..s.q_start + s.q_len;
-            let out = state.with_slot(slot, s.first_position() == 0, |conv, ssm| {
-                run_sequence(
+            let record = meta.state_checkpoints.as_ref().is_some_and(|r| r.get(i) == Some(&true));
+            if record && s.q_len > state.checkpoints() {
+                candle_core::bail!(
+                    "a verify step of {} rows, but the recurrent state keeps {} checkpoints per sequence",
+                    s.q_len,
+                    state.checkpoints()
+                );
+            }
+            let out = state.with_slot_checkpoints(slot, s.first_position() == 0, |conv, ssm| {
+                // Copy 0 is the live state; copies 1.. take the state after each row.
+                let (conv, conv_rows) = conv.split_at_mut(cl);
+                let (ssm, ssm_rows) = ssm.split_at_mut(sl);
+                run_sequence_recording(
                     &self.dims,
                     &params,
                     conv,
@@ -171,6 +186,7 @@ impl GatedDeltaNet {
                     &qkv[rows.start * c..rows.end * c],
                     &a[rows.start * hv..rows.end * hv],
                     &b[rows.start * hv..rows.end * hv],
+                    record.then_some(RowStates { conv: conv_rows, ssm: ssm_rows }),
                 )
             })?;
             o[rows.start * vd..rows.end * vd].copy_from_slice(&out);

@@ -11,6 +11,10 @@
 //! Each row depends on the rows before it only through the state, so a sequence computed in
 //! chunks of any size, or token by token, gives the same bits as in one piece (the same
 //! operations in the same order), and nothing depends on other sequences.
+//!
+//! A verify step (a sequence's last token and its drafts) can also keep the state after each
+//! row (`RowStates`): restoring the state after the last accepted row and running on from
+//! there gives the bits the sequence would have had without the rejected rows.
 
 use rayon::prelude::*;
 
@@ -45,6 +49,14 @@ fn l2norm(x: &mut [f32], scale: f32) {
     x.iter_mut().for_each(|v| *v *= inv * scale);
 }
 
+/// Where `run_sequence_recording` keeps the state after each row but the last (the last one's
+/// is the state left in place): `conv` `[n - 1, K - 1, conv_dim]` and `ssm` `[n - 1, Hv, Dk, Dv]`,
+/// or longer (the rest is left alone); shorter, only the rows that fit are kept.
+pub struct RowStates<'a> {
+    pub conv: &'a mut [f32],
+    pub ssm: &'a mut [f32],
+}
+
 /// Runs `n` rows of one sequence: `qkv` `[n, conv_dim]` (the projection, before the conv), `a`
 /// and `b` `[n, Hv]`; `conv_state` and `ssm_state` (`LinearAttnConfig::state_len`) are read as the state
 /// before the first row and left as the state after the last. Returns `o` `[n, Hv * Dv]`.
@@ -56,6 +68,22 @@ pub fn run_sequence(
     qkv: &[f32],
     a: &[f32],
     b: &[f32],
+) -> Vec<f32> {
+    run_sequence_recording(dims, p, conv_state, ssm_state, qkv, a, b, None)
+}
+
+/// `run_sequence`, also copying the state after each row but the last into `record` (the
+/// same operations: the outputs and the final state are the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn run_sequence_recording(
+    dims: &LinearAttnConfig,
+    p: &DeltaParams,
+    conv_state: &mut [f32],
+    ssm_state: &mut [f32],
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    record: Option<RowStates>,
 ) -> Vec<f32> {
     let (c, kk, hv) = (dims.conv_dim(), dims.conv_kernel, dims.num_value_heads);
     let (dk, dv, kd) = (dims.key_head_dim, dims.value_head_dim, dims.key_dim());
@@ -73,6 +101,19 @@ pub fn run_sequence(
         }
     }
     conv_state.copy_from_slice(&window[n * c..]);
+    // Per value head, where its state goes after each row but the last (none: not recording).
+    let mut head_records: Vec<Vec<&mut [f32]>> = (0..hv).map(|_| Vec::new()).collect();
+    if let Some(rec) = record.filter(|_| !conv_state.is_empty()) {
+        let cl = conv_state.len();
+        // The conv state after row t is the window's K - 1 rows that end at t.
+        for (t, dst) in rec.conv.chunks_exact_mut(cl).take(n.saturating_sub(1)).enumerate() {
+            dst.copy_from_slice(&window[(t + 1) * c..(t + 1) * c + cl]);
+        }
+        let rows = n.saturating_sub(1) * hv;
+        for (i, dst) in rec.ssm.chunks_exact_mut(dk * dv).take(rows).enumerate() {
+            head_records[i % hv].push(dst);
+        }
+    }
     // q^ and k^ per key head, in place.
     let q_scale = 1.0 / (dk as f32).sqrt();
     for row in y.chunks_mut(c) {
@@ -85,8 +126,9 @@ pub fn run_sequence(
     // Each value head's recurrence on its own state; heads are independent.
     let per_head: Vec<Vec<f32>> = ssm_state
         .par_chunks_mut(dk * dv)
+        .zip(head_records.into_par_iter())
         .enumerate()
-        .map(|(h, s)| {
+        .map(|(h, (s, mut rec))| {
             let kh = h / group;
             let mut out = vec![0f32; n * dv];
             let mut kv = vec![0f32; dv];
@@ -109,6 +151,9 @@ pub fn run_sequence(
                     for (sv, &d) in s[i * dv..(i + 1) * dv].iter_mut().zip(&kv) {
                         *sv += ki * d;
                     }
+                }
+                if let Some(dst) = rec.get_mut(t) {
+                    dst.copy_from_slice(s);
                 }
                 let o = &mut out[t * dv..(t + 1) * dv];
                 for (i, &qi) in q.iter().enumerate() {
@@ -184,6 +229,54 @@ mod tests {
         for chunk in 1..13 {
             assert_eq!(run_in_chunks(chunk, 13), whole, "chunk {chunk}");
         }
+    }
+
+    /// A verify step's recorded states: its outputs and final state are the plain run's bits,
+    /// and for every row r, the state after r restored and run on with other rows gives the
+    /// bits of a sequence that never saw the rows after r.
+    #[test]
+    fn recorded_row_states_restore_exactly() {
+        let d = DIMS;
+        let (c, hv) = (d.conv_dim(), d.num_value_heads);
+        let (cl, sl) = d.state_len();
+        let (w, neg_a, dt) = (noise(c * 4, 1), noise(hv, 2), noise(hv, 3));
+        let p = DeltaParams { conv_weight: &w, neg_a: &neg_a, dt_bias: &dt };
+        // Rows: 6 before (the prompt), 5 in the verify step, 4 after (what follows instead of
+        // the verify step's rejected rows).
+        let rows = |n: usize, seed: u32| (noise(n * c, seed), noise(n * hv, seed + 1), noise(n * hv, seed + 2));
+        let (pq, pa, pb) = rows(6, 10);
+        let (vq, va, vb) = rows(5, 20);
+        let (aq, aa, ab) = rows(4, 30);
+        let (mut cs, mut ss) = (vec![0f32; cl], vec![0f32; sl]);
+        run_sequence(&d, &p, &mut cs, &mut ss, &pq, &pa, &pb);
+        let (prompt_conv, prompt_ssm) = (cs.clone(), ss.clone());
+        let plain = run_sequence(&d, &p, &mut cs, &mut ss, &vq, &va, &vb);
+        let plain_state = (cs, ss);
+
+        let (mut cs, mut ss) = (prompt_conv.clone(), prompt_ssm.clone());
+        let (mut rc, mut rs) = (vec![f32::NAN; 4 * cl], vec![f32::NAN; 4 * sl]);
+        let rec = RowStates { conv: &mut rc, ssm: &mut rs };
+        let recorded = run_sequence_recording(&d, &p, &mut cs, &mut ss, &vq, &va, &vb, Some(rec));
+        assert!(plain.iter().zip(&recorded).all(|(a, b)| a.to_bits() == b.to_bits()), "outputs changed");
+        assert_eq!((cs, ss), plain_state, "the final state changed");
+
+        for kept in 1..5 {
+            // The detour: the state after row kept - 1, taken from the record.
+            let (mut cs, mut ss) = (rc[(kept - 1) * cl..kept * cl].to_vec(), rs[(kept - 1) * sl..kept * sl].to_vec());
+            let after = run_sequence(&d, &p, &mut cs, &mut ss, &aq, &aa, &ab);
+            // Without it: the prompt, the kept rows, then the same rows.
+            let (mut ws, mut wss) = (prompt_conv.clone(), prompt_ssm.clone());
+            run_sequence(&d, &p, &mut ws, &mut wss, &vq[..kept * c], &va[..kept * hv], &vb[..kept * hv]);
+            let want = run_sequence(&d, &p, &mut ws, &mut wss, &aq, &aa, &ab);
+            assert!(after.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{kept} rows kept");
+            assert_eq!((cs, ss), (ws, wss), "{kept} rows kept: the state differs");
+        }
+        // The rows after the verify step's first differ from those a restored state gives.
+        let (mut cs, mut ss) = plain_state;
+        assert_ne!(run_sequence(&d, &p, &mut cs, &mut ss, &aq, &aa, &ab), {
+            let (mut cs, mut ss) = (rc[..cl].to_vec(), rs[..sl].to_vec());
+            run_sequence(&d, &p, &mut cs, &mut ss, &aq, &aa, &ab)
+        });
     }
 
     /// A value head uses the key head h / (Hv / Hk): with the second key head's q and k

@@ -113,6 +113,25 @@ fn generate_chat_and_seeded_sampling() {
     assert_ne!(s7, sampled("8"), "different seeds should (almost surely) differ");
 }
 
+/// A hybrid model (Qwen3.5's Gated DeltaNet layers) speculates on the CPU, its recurrent
+/// state rolled back after rejected drafts: the same greedy text as without speculation.
+#[test]
+fn hybrid_model_generates_the_same_with_speculation() {
+    let m = fixture("tiny-qwen3.5");
+    let m = m.to_str().unwrap();
+    let prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the";
+    let run = |extra: &[&str]| {
+        let base = ["generate", "--model", m, "--device", "cpu", "--prompt", prompt, "--max-tokens", "24"];
+        stdout_of(&[&base[..], &["--temperature", "0", "--ignore-eos", "-q"], extra].concat())
+    };
+    let plain = run(&[]);
+    assert!(!plain.trim().is_empty(), "empty continuation");
+    for k in ["1", "3"] {
+        let spec = format!(r#"{{"method": "ngram", "num_speculative_tokens": {k}}}"#);
+        assert_eq!(run(&["--speculative-config", &spec]), plain, "K={k}");
+    }
+}
+
 #[test]
 fn generate_from_gguf_default_dir() {
     // A directory holding exactly one .gguf resolves to it.
