@@ -395,10 +395,17 @@ impl Constraint {
     }
 
     /// Before the first token: whether `token` opens a thinking (the grammar then waits for
-    /// its end). Either way the choice is made.
+    /// its end). Either way the choice is made. A grammar that itself allows the token first
+    /// (one that spells out the thinking) takes it as its own.
     fn opens(&mut self, token: u32) -> bool {
         match self.opening.take() {
-            Some(o) if o.open == token => {
+            Some(o)
+                if o.open == token
+                    && !self
+                        .matcher
+                        .compute_mask_or_eos()
+                        .is_ok_and(|m| (token as usize) < m.len() && m.is_allowed(token)) =>
+            {
                 self.gate = Some(Gate { marker: o.end, recent: Vec::new() });
                 true
             }

@@ -245,4 +245,10 @@ fn a_grammar_after_an_optional_opening() {
     let got = sampler.verify_constrained(&mut rows, &[x, b, y, b], &params, &[], &[], Some(&mut c));
     assert_eq!(got.iter().map(|s| s.token).collect::<Vec<_>>(), vec![x, b, y, a]);
     assert!(allowed(&mut c, x) && !allowed(&mut c, b), "verification consumed nothing for good");
+
+    // A grammar that spells out the thinking itself takes the opening as its own token.
+    let g = comp.compile(&GrammarSpec::Regex("xab".into())).expect("regex").after_optional_opening(x, vec![y]);
+    let mut c = g.constraint();
+    c.accept(x).expect("the grammar's x");
+    assert!(allowed(&mut c, a) && !allowed(&mut c, b), "inside the grammar, not a thinking");
 }
