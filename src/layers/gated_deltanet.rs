@@ -128,7 +128,7 @@ impl GatedDeltaNet {
     }
 
     /// The recurrence in device kernels: `o` `[T, Hv * Dv]` f32.
-    #[allow(unused_variables)]
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn recur_on_device(
         &self,
         conv: &Tensor,
