@@ -145,21 +145,32 @@ impl NgramDrafter {
     /// Up to `max` tokens to follow `tokens`: after the latest earlier occurrence of its
     /// longest suffix of `lookup_max..=lookup_min` tokens that occurs earlier at all. Empty
     /// when none does.
+    ///
+    /// One pass back from the end over the earlier positions j that hold the last token: the
+    /// match length at j is how many tokens ending there equal the suffix's (at most
+    /// `lookup_max`). The longest match wins, the latest among equals (found first), and a full
+    /// match ends the search. The pass is a compare per token, so a 32k-token sequence costs
+    /// tens of microseconds per step, not a scan per suffix length.
     pub fn propose(&self, tokens: &[u32], max: usize) -> Vec<u32> {
         let max = max.min(self.cfg.num_tokens);
-        if max == 0 {
+        let len = tokens.len();
+        let (lo, hi) = (self.cfg.lookup_min, self.cfg.lookup_max.min(len.saturating_sub(1)));
+        if max == 0 || lo > hi {
             return Vec::new();
         }
-        let len = tokens.len();
-        for n in (self.cfg.lookup_min..=self.cfg.lookup_max.min(len.saturating_sub(1))).rev() {
-            let suffix = &tokens[len - n..];
-            // Latest start i < len - n with tokens[i..i + n] == suffix; what follows it is the draft.
-            if let Some(i) = (0..len - n).rev().find(|&i| &tokens[i..i + n] == suffix) {
-                let from = i + n;
-                return tokens[from..(from + max).min(len)].to_vec();
+        let last = tokens[len - 1];
+        // (match length, end position) of the best occurrence so far.
+        let mut best: Option<(usize, usize)> = None;
+        for j in (0..len - 1).rev().filter(|&j| tokens[j] == last) {
+            let m = (0..hi.min(j + 1)).take_while(|&k| tokens[j - k] == tokens[len - 1 - k]).count();
+            if m >= lo && best.is_none_or(|(bm, _)| m > bm) {
+                best = Some((m, j));
+                if m == hi {
+                    break;
+                }
             }
         }
-        Vec::new()
+        best.map_or_else(Vec::new, |(_, j)| tokens[j + 1..(j + 1 + max).min(len)].to_vec())
     }
 }
 
@@ -233,5 +244,40 @@ mod tests {
         assert!(d.propose(&[1, 1, 1], 0).is_empty());
         // lookup_min 2: a lone repeated token does not count.
         assert!(drafter(3, 2, 3).propose(&[4, 1, 5, 1], 8).is_empty());
+    }
+
+    /// The one-pass search proposes what the definition does (a scan per suffix length, the
+    /// longest first, the latest start), on random sequences over small vocabularies (many
+    /// matches, overlaps, runs) and every lookup range.
+    #[test]
+    fn one_pass_search_equals_a_scan_per_length() {
+        fn by_definition(tokens: &[u32], k: usize, min: usize, max: usize) -> Vec<u32> {
+            let len = tokens.len();
+            for n in (min..=max.min(len.saturating_sub(1))).rev() {
+                let suffix = &tokens[len - n..];
+                if let Some(i) = (0..len - n).rev().find(|&i| &tokens[i..i + n] == suffix) {
+                    return tokens[i + n..(i + n + k).min(len)].to_vec();
+                }
+            }
+            Vec::new()
+        }
+        let mut x = 7u32;
+        let mut next = |m: u32| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x % m
+        };
+        let mut proposed = 0;
+        for case in 0..3000 {
+            let (vocab, len) = (2 + next(5), 1 + next(40) as usize);
+            let tokens: Vec<u32> = (0..len).map(|_| next(vocab)).collect();
+            let (min, max) = (1 + case % 3, 1 + case % 3 + case / 3 % 4);
+            let k = 1 + case % 5;
+            let want = by_definition(&tokens, k, min, max);
+            proposed += usize::from(!want.is_empty());
+            assert_eq!(drafter(k, min, max).propose(&tokens, 8), want, "{tokens:?} k {k} lookup {min}..={max}");
+        }
+        assert!(proposed > 1000, "the cases exercise matches ({proposed})");
     }
 }
