@@ -31,11 +31,6 @@ pub struct RecurrentState {
 }
 
 impl RecurrentState {
-    /// One live state per slot, no checkpoints, in device memory on a GPU.
-    pub fn new(dims: LinearAttnConfig, slots: usize, device: &Device) -> candle_core::Result<Self> {
-        Self::with_checkpoints(dims, slots, 1, device)
-    }
-
     /// `checkpoints` copies per slot (at least 1, the live state): 1 + the most draft tokens
     /// when speculating, which only the host keeps.
     pub fn with_checkpoints(

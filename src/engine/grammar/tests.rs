@@ -147,6 +147,22 @@ fn verification_rejects_a_draft_the_grammar_rejects_and_rolls_back() {
     assert_eq!(sampler.verify(&mut rows, &[a, a], &params, &[], &[]).len(), 3);
 }
 
+/// Greedy verification of `drafts` under `c`, row i's logits favouring `favs[i]`, then
+/// `second`: the tokens the rows give.
+fn verify_favouring(c: &mut Constraint, favs: &[u32], second: u32, drafts: &[u32]) -> Vec<u32> {
+    let params = SamplingParams::default();
+    let mut sampler = SequenceSampler::for_params(&params);
+    let row = |fav: u32| {
+        let mut r = vec![0.0f32; VOCAB];
+        r[fav as usize] = 10.0;
+        r[second as usize] = 5.0;
+        r
+    };
+    let mut rows: Vec<Vec<f32>> = favs.iter().map(|&f| row(f)).collect();
+    let got = sampler.verify_constrained(&mut rows, drafts, &params, &[], &[], Some(c));
+    got.iter().map(|s| s.token).collect()
+}
+
 /// A grammar begun after a marker (a thinking's closing tag): free before it, held after it,
 /// also when the marker arrives in drafts that verification then takes back.
 #[test]
@@ -174,20 +190,10 @@ fn a_grammar_after_a_marker_begins_there() {
     assert!(c.is_finished());
 
     // The marker in drafts: the rows after it are held, and the rollback frees them again.
-    let params = SamplingParams::default();
-    let mut sampler = SequenceSampler::for_params(&params);
-    let row = |fav: u32| {
-        let mut r = vec![0.0f32; VOCAB];
-        r[fav as usize] = 10.0;
-        r[a as usize] = 5.0;
-        r
-    };
     let mut c = g.constraint();
     // Drafts [x, y, b]: x and y are the argmax and accepted; after them only `a` may start
     // the grammar, so the draft `b` is rejected and its row gives `a`.
-    let mut rows = vec![row(x), row(y), row(b), row(b)];
-    let got = sampler.verify_constrained(&mut rows, &[x, y, b], &params, &[], &[], Some(&mut c));
-    assert_eq!(got.iter().map(|s| s.token).collect::<Vec<_>>(), vec![x, y, a]);
+    assert_eq!(verify_favouring(&mut c, &[x, y, b, b], a, &[x, y, b]), vec![x, y, a]);
     assert!(free(&mut c), "verification consumed nothing for good");
     for t in [x, y] {
         c.accept(t).expect("accepted drafts");
@@ -232,18 +238,8 @@ fn a_grammar_after_an_optional_opening() {
 
     // In drafts: [x, b, y] are accepted (free inside the thinking), then `b` is not allowed
     // after `y` and its row gives `a`; verification leaves the constraint at its start.
-    let params = SamplingParams::default();
-    let mut sampler = SequenceSampler::for_params(&params);
-    let row = |fav: u32| {
-        let mut r = vec![0.0f32; VOCAB];
-        r[fav as usize] = 10.0;
-        r[a as usize] = 5.0;
-        r
-    };
     let mut c = g.constraint();
-    let mut rows = vec![row(x), row(b), row(y), row(b), row(b)];
-    let got = sampler.verify_constrained(&mut rows, &[x, b, y, b], &params, &[], &[], Some(&mut c));
-    assert_eq!(got.iter().map(|s| s.token).collect::<Vec<_>>(), vec![x, b, y, a]);
+    assert_eq!(verify_favouring(&mut c, &[x, b, y, b, b], a, &[x, b, y, b]), vec![x, b, y, a]);
     assert!(allowed(&mut c, x) && !allowed(&mut c, b), "verification consumed nothing for good");
 
     // A grammar that spells out the thinking itself takes the opening as its own token.
