@@ -30,7 +30,7 @@ forward of the quantized main model and computes the head in torch with every qu
 Needs both venvs (the MLX part runs in a subprocess with mlx):
 
     flock /work/build.lock /work/venv-torch/bin/python scripts/make_mtp_fixtures.py \
-        [--mlx-python /work/venv-mlx/bin/python]          # ~30 s, offline; byte-identical on rerun
+        [--mlx-python /work/venv-mlx/bin/python]          # ~1-2 min on 2 cores, offline; byte-identical on rerun
 """
 from __future__ import annotations
 
