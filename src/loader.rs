@@ -21,6 +21,19 @@ pub enum LoadError {
     /// A GGUF file's vocabulary or chat template is unusable.
     #[error("{}: {source}", file.display())]
     GgufTokenizer { file: PathBuf, source: TokenizerError },
+    /// MTP drafting was asked for and the checkpoint has no head, or its family none.
+    #[error("--speculative-config method mtp: {0}")]
+    Mtp(String),
+}
+
+/// Where an MTP head's weights are, when drafting with one (`--speculative-config` method mtp).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MtpWeights {
+    /// In the checkpoint: `mtp.*` (also under `model.` or `language_model.`) in its shards or
+    /// MLX sidecars (`weights::MTP_SIDECARS`); beside a GGUF file, `<stem>.mtp.safetensors`.
+    Checkpoint,
+    /// In this safetensors file (or directory of them): a head trained apart from the model.
+    File(PathBuf),
 }
 
 pub struct LoadedModel {
@@ -42,10 +55,12 @@ impl LoadedModel {
 /// Reads the config only (cheap; for `inspect` and KV sizing before loading weights).
 pub fn read_config(path: &Path) -> Result<(ModelLocation, TextConfig), LoadError> {
     let loc = ModelLocation::resolve(path)?;
-    let cfg = match &loc {
+    let mut cfg = match &loc {
         ModelLocation::HfDir(dir) => TextConfig::from_hf_file(&dir.join("config.json"))?,
         ModelLocation::Gguf(file) => TextConfig::from_gguf(file, GgufFile::open(file)?.content())?,
     };
+    // As `load` sees it: no MTP layers unless drafting with them.
+    cfg.mtp_layers = 0;
     Ok((loc, cfg))
 }
 
@@ -61,8 +76,19 @@ pub fn load_with(
     device: &Device,
     dtype: DType,
 ) -> Result<LoadedModel, LoadError> {
+    load_model(path, tokenizer, device, dtype, None)
+}
+
+/// As `load_with`, with the MTP head the model drafts with when `mtp` says where it is.
+pub fn load_model(
+    path: &Path,
+    tokenizer: Option<&Path>,
+    device: &Device,
+    dtype: DType,
+    mtp: Option<&MtpWeights>,
+) -> Result<LoadedModel, LoadError> {
     let loc = ModelLocation::resolve(path)?;
-    let (weights, cfg, tokenizer, weight_bytes) = match &loc {
+    let (mut weights, mut cfg, tokenizer, weight_bytes) = match &loc {
         ModelLocation::HfDir(dir) => {
             let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
             merge_generation_config(dir, &mut cfg);
@@ -87,12 +113,65 @@ pub fn load_with(
             (Weights::from_gguf(g, device.clone(), dtype), cfg, tok, bytes)
         }
     };
+    cfg.mtp_layers = match mtp {
+        None => 0,
+        Some(m) => {
+            weights = with_mtp_weights(weights, &loc, &cfg, m)?;
+            1
+        }
+    };
     let model = load_text_model(&weights, &cfg)?;
     let vision = match &loc {
         ModelLocation::HfDir(dir) => load_vision_model(&weights, dir, &cfg)?,
         ModelLocation::Gguf(_) => None,
     };
     Ok(LoadedModel { model, vision, tokenizer: Arc::new(tokenizer), location: loc, weight_bytes })
+}
+
+/// `weights` able to serve the MTP head `mtp` names, checked to hold one.
+fn with_mtp_weights(
+    mut weights: Weights,
+    loc: &ModelLocation,
+    cfg: &TextConfig,
+    mtp: &MtpWeights,
+) -> Result<Weights, LoadError> {
+    use crate::config::Arch;
+    if !matches!(cfg.arch, Arch::Qwen35 | Arch::Qwen35Moe | Arch::Llama) {
+        return Err(LoadError::Mtp(format!(
+            "{} has no MTP head iris can run (Qwen3.5 and Llama-family heads in the Qwen3.5 layout can)",
+            cfg.arch.name()
+        )));
+    }
+    let side = match (mtp, loc) {
+        (MtpWeights::File(p), _) => Some(p.clone()),
+        (MtpWeights::Checkpoint, ModelLocation::Gguf(file)) => Some(file.with_extension("mtp.safetensors")),
+        (MtpWeights::Checkpoint, ModelLocation::HfDir(_)) => None,
+    };
+    if let Some(side) = side {
+        let files = if side.is_dir() {
+            let dir = SafetensorsDir::open(&side)?;
+            dir.files().to_vec()
+        } else if side.is_file() {
+            vec![side.clone()]
+        } else {
+            return Err(LoadError::Mtp(format!("no MTP head at {}", side.display())));
+        };
+        let dir = side.parent().unwrap_or(Path::new(".")).to_path_buf();
+        // A GGUF llama's q/k rows are in llama.cpp's pair order; the head's are HF's.
+        let pairs = matches!(loc, ModelLocation::Gguf(_)) && cfg.rope_layout == crate::config::RopeLayout::Interleaved;
+        weights = weights.with_mtp_sidecar(SafetensorsDir::open_files(&dir, files)?, pairs.then_some(cfg.head_dim));
+    }
+    if !weights.contains("mtp.fc.weight") {
+        return Err(LoadError::Mtp(format!(
+            "{} has no MTP head (no mtp.fc.weight in its shards, nor in {}); start without it, or name the head's file with \"model\"",
+            weights.origin().display(),
+            crate::weights::MTP_SIDECARS.join(" or ")
+        )));
+    }
+    if cfg.mtp_layers > 1 {
+        tracing::warn!("the checkpoint has {} MTP layers; drafting uses the first", cfg.mtp_layers);
+    }
+    Ok(weights)
 }
 
 /// The `quantization` block of an MLX conversion's config.json (None for other checkpoints).

@@ -167,6 +167,7 @@ fn refuses_mismatched_targets_and_non_assistants() {
 
 use common::{engine_with, greedy, run_requests};
 use iris::engine::build::{build_engine, EngineOptions};
+use iris::engine::speculative::DraftSource;
 use iris::engine::{SamplingParams, SpeculativeConfig};
 
 fn spec_opts(k: usize, base: EngineOptions) -> EngineOptions {
@@ -176,7 +177,7 @@ fn spec_opts(k: usize, base: EngineOptions) -> EngineOptions {
 fn spec_opts_for(pair: Pair, k: usize, base: EngineOptions) -> EngineOptions {
     EngineOptions {
         speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1 }),
-        draft_model: Some(fixture(pair.1)),
+        drafter: Some(DraftSource::Assistant(fixture(pair.1))),
         ..base
     }
 }
@@ -343,8 +344,11 @@ fn the_engine_drafts_each_step_as_the_assistant_alone_does() {
 #[test]
 fn the_engine_refuses_a_bad_assistant_in_one_line() {
     let build = |target: &str, dir: std::path::PathBuf| {
-        let opts =
-            EngineOptions { kv_memory: Some(1 << 20), draft_model: Some(dir), ..spec_opts(2, Default::default()) };
+        let opts = EngineOptions {
+            kv_memory: Some(1 << 20),
+            drafter: Some(DraftSource::Assistant(dir)),
+            ..spec_opts(2, Default::default())
+        };
         match build_engine(&fixture(target), &device(), &opts) {
             Ok(_) => panic!("built"),
             Err(e) => e.to_string(),

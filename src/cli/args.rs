@@ -214,7 +214,7 @@ impl EngineArgs {
             Some(s) => Some(parse_bytes(s).with_context(|| format!("--kv-cache-memory {s}"))?),
             None => None,
         };
-        let (speculative, draft_model) = match &self.speculative_config {
+        let (speculative, drafter) = match &self.speculative_config {
             Some(s) => {
                 let (c, model) = crate::engine::speculative::parse(s)?;
                 (Some(c), model)
@@ -235,7 +235,7 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
             speculative,
-            draft_model,
+            drafter,
             enable_prefix_caching: match (self.enable_prefix_caching, self.no_enable_prefix_caching) {
                 (true, _) => Some(true),
                 (_, true) => Some(false),

@@ -149,6 +149,8 @@ impl Metadata<'_> {
             layer_kv: vec![],
             kv_source: vec![],
             gemma4: None,
+            // A GGUF declares none; the loader counts a sidecar's `mtp.layers.N` when asked.
+            mtp_layers: 0,
         };
         cfg.validate()?;
         Ok(cfg)

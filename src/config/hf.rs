@@ -207,6 +207,10 @@ impl TextConfig {
             layer_kv: vec![],
             kv_source: vec![],
             gemma4: None,
+            mtp_layers: get("mtp_num_hidden_layers")
+                .or_else(|| get("num_nextn_predict_layers"))
+                .and_then(Value::as_u64)
+                .unwrap_or(0) as usize,
         };
         let mut cfg = cfg;
         if arch == Arch::Gemma4 {

@@ -305,6 +305,12 @@ pub struct TextConfig {
     /// attends over layer s's; empty when no layer shares.
     pub kv_source: Vec<Option<usize>>,
     pub gemma4: Option<Gemma4Layers>,
+    /// MTP (multi-token prediction) layers the model runs as a drafter, after its decoder
+    /// layers: the checkpoint's `mtp_num_hidden_layers` / `num_nextn_predict_layers` when
+    /// parsed; the loader keeps it only when MTP drafting is asked for (else 0: no weights
+    /// loaded, no cache). Each has a paged KV cache layer of its own, numbered from
+    /// `num_layers` on.
+    pub mtp_layers: usize,
 }
 
 impl TextConfig {
@@ -313,9 +319,26 @@ impl TextConfig {
         (0..self.num_layers).filter(|&l| self.layer_kinds[l] != LayerKind::Linear).collect()
     }
 
-    /// Attention layers that keep keys and values of their own (all but the KV-sharing ones).
+    /// Attention layers that keep keys and values of their own (all but the KV-sharing ones),
+    /// the MTP layers' last.
     pub fn cache_layers(&self) -> Vec<usize> {
-        self.attention_layers().into_iter().filter(|&l| self.kv_source(l).is_none()).collect()
+        let own = self.attention_layers().into_iter().filter(|&l| self.kv_source(l).is_none());
+        own.chain(self.num_layers..self.num_cache_layers()).collect()
+    }
+
+    /// Layers the KV memory is indexed by: the decoder layers, then the MTP layers.
+    pub fn num_cache_layers(&self) -> usize {
+        self.num_layers + self.mtp_layers
+    }
+
+    /// What layer `layer` mixes tokens with; an MTP layer (past the decoder's) attends fully.
+    pub fn layer_kind(&self, layer: usize) -> LayerKind {
+        self.layer_kinds.get(layer).copied().unwrap_or(LayerKind::Full)
+    }
+
+    /// Whether cache layer `layer` is an MTP layer's (a drafter's: its keys stay in floats).
+    pub fn is_mtp_layer(&self, layer: usize) -> bool {
+        layer >= self.num_layers
     }
 
     /// The layer whose keys and values layer `layer` attends over, when it keeps none itself.
@@ -340,7 +363,7 @@ impl TextConfig {
     /// Whether layer `layer`'s image tokens see their whole image (Gemma 4's sliding layers,
     /// when `images_attend_both_ways`).
     pub fn image_sees_whole(&self, layer: usize) -> bool {
-        self.images_attend_both_ways() && self.layer_kinds[layer] == LayerKind::Sliding
+        self.images_attend_both_ways() && self.layer_kind(layer) == LayerKind::Sliding
     }
 
     /// Layers with a recurrent state per sequence instead of a KV cache.
@@ -365,7 +388,7 @@ impl TextConfig {
     }
 
     pub fn window_for(&self, layer: usize) -> Option<usize> {
-        match self.layer_kinds[layer] {
+        match self.layer_kind(layer) {
             LayerKind::Sliding => self.sliding_window,
             LayerKind::Full | LayerKind::Linear => None,
         }

@@ -8,7 +8,7 @@ use super::calibrate;
 use super::core::{Engine, EngineConfig};
 use super::runner::ModelRunner;
 use super::scheduler::SchedulerConfig;
-use super::speculative::SpeculativeConfig;
+use super::speculative::{DraftSource, SpeculativeConfig};
 use crate::kv::format::resolve_layers;
 use crate::kv::{CacheSpec, KvCache, KvCacheSpec, KvDtype, KvFormatError, TqBits, TqSpec};
 use crate::loader::{self, LoadError};
@@ -37,8 +37,9 @@ pub struct EngineOptions {
     pub max_model_len: Option<usize>,
     /// Speculative decoding (`--speculative-config`).
     pub speculative: Option<SpeculativeConfig>,
-    /// With `speculative`: the drafter model's directory (method gemma4_mtp: a Gemma 4 assistant).
-    pub draft_model: Option<PathBuf>,
+    /// With `speculative`: where drafts come from besides the tokens (a Gemma 4 assistant's
+    /// directory, or the target's MTP head).
+    pub drafter: Option<DraftSource>,
     /// Automatic prefix caching (`--[no-]enable-prefix-caching`). None: on where it is exact
     /// (vLLM's default), off with a log line elsewhere; Some(true) where it cannot be exact
     /// is an error.
@@ -63,7 +64,7 @@ impl Default for EngineOptions {
             max_num_seqs: 256,
             max_model_len: None,
             speculative: None,
-            draft_model: None,
+            drafter: None,
             enable_prefix_caching: None,
             tokenizer: None,
         }
@@ -206,7 +207,16 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
     if opts.block_size == 0 || opts.max_num_seqs == 0 || opts.max_num_batched_tokens == 0 {
         return Err(BuildError::Setting("block size, max-num-seqs and max-num-batched-tokens must be positive".into()));
     }
-    let loaded = loader::load_with(path, opts.tokenizer.as_deref(), device, opts.dtype)?;
+    let mtp = match &opts.drafter {
+        Some(DraftSource::Mtp(_)) if !device.is_cpu() => {
+            return Err(BuildError::Setting(
+                "--speculative-config method mtp runs on the CPU only so far; run without it on CUDA".into(),
+            ));
+        }
+        Some(DraftSource::Mtp(m)) => Some(m),
+        _ => None,
+    };
+    let loaded = loader::load_model(path, opts.tokenizer.as_deref(), device, opts.dtype, mtp)?;
     let cfg = loaded.config().clone();
     let kv_dtype = opts.kv_dtype.or_else(|| KvDtype::from_dtype(opts.dtype)).unwrap_or(KvDtype::F32);
     let tq = match opts.kv_quant {
@@ -338,10 +348,12 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         prefix_caching,
     };
     let mut engine = Engine::new(loaded.model, kv, loaded.tokenizer, engine_cfg, device.clone()).with_vision(vision);
-    if let Some(dir) = &opts.draft_model {
-        engine
+    match &opts.drafter {
+        Some(DraftSource::Assistant(dir)) => engine
             .set_model_drafter(load_draft_model(dir, &cfg, device, opts.dtype)?)
-            .map_err(|e| BuildError::Setting(e.to_string()))?;
+            .map_err(|e| BuildError::Setting(e.to_string()))?,
+        Some(DraftSource::Mtp(_)) => engine.set_mtp_drafter().map_err(|e| BuildError::Setting(e.to_string()))?,
+        None => {}
     }
     Ok((engine, report))
 }

@@ -6,6 +6,7 @@ use candle_core::Device;
 
 use super::detokenizer::IncrementalDetokenizer;
 use super::model_drafter::{DraftInput, ModelDrafter};
+use super::mtp_drafter;
 use super::multimodal::{EmbedCache, ImageInput, MultiModalState};
 use super::output::{EngineStats, OutputProcessor};
 use super::prefix::PrefixHasher;
@@ -48,6 +49,8 @@ pub struct Engine {
     next_id: u64,
     /// Drafts from a model reading the target's state (else the output processor's drafter).
     model_drafter: Option<ModelDrafter>,
+    /// Drafts from the target's own MTP head (`mtp_drafter`).
+    mtp: bool,
     pub stats: EngineStats,
 }
 
@@ -83,6 +86,7 @@ impl Engine {
             cfg,
             next_id: 0,
             model_drafter: None,
+            mtp: false,
             stats: EngineStats::default(),
         }
     }
@@ -111,6 +115,18 @@ impl Engine {
         self.output.clear_drafter();
         self.runner.keep_hidden = true;
         self.model_drafter = Some(drafter);
+        Ok(())
+    }
+
+    /// Drafts with the target's MTP head (the model must have been loaded with one); needs
+    /// speculative decoding on (its `num_speculative_tokens` bounds the drafts).
+    pub fn set_mtp_drafter(&mut self) -> Result<(), super::speculative::SpeculativeConfigError> {
+        if self.cfg.speculative.is_none() {
+            return Err(super::speculative::SpeculativeConfigError::NotEnabled);
+        }
+        self.output.clear_drafter();
+        self.runner.keep_all_hidden = true;
+        self.mtp = true;
         Ok(())
     }
 
@@ -270,9 +286,27 @@ impl Engine {
             }
             None => Vec::new(),
         };
+        // The MTP head catches up on every kept row before sequences that finish are gone.
+        let caught = match self.runner.all_hidden.take().filter(|_| self.mtp) {
+            Some(hidden) => {
+                mtp_drafter::catch_up(self.model.as_ref(), &self.kv, &self.scheduler, &plan, &tokens, &hidden)?
+            }
+            None => None,
+        };
         let updates = self.output.apply(&mut self.scheduler, &plan, tokens, &mut self.stats);
         if self.model_drafter.is_some() {
             self.draft_with_model(&plan, &last_rows)?;
+        }
+        if let Some(caught) = caught {
+            let output = &self.output;
+            let drafts = mtp_drafter::propose(self.model.as_ref(), &self.kv, &mut self.scheduler, caught, |s| {
+                output.draft_limit(s)
+            })?;
+            for (id, d) in drafts {
+                if let Some(seq) = self.scheduler.get_mut(id) {
+                    seq.draft = d;
+                }
+            }
         }
         Ok(updates)
     }

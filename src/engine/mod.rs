@@ -12,6 +12,7 @@ pub mod finish;
 pub mod grammar;
 mod mask_job;
 pub mod model_drafter;
+pub mod mtp_drafter;
 pub mod multimodal;
 pub mod output;
 pub mod prefix;

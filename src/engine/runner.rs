@@ -38,6 +38,11 @@ pub struct ModelRunner {
     /// With `keep_hidden`: the last step's final hidden rows of its sampled rows, and how many
     /// each scheduled sequence had (in plan order). CPU only.
     pub sampled_hidden: Option<(Tensor, Vec<usize>)>,
+    /// Keep every row's final hidden state of the last step (`all_hidden`), for an MTP head.
+    pub keep_all_hidden: bool,
+    /// With `keep_all_hidden`: the last step's final hidden rows, each sequence's scheduled
+    /// rows in plan order. CPU only.
+    pub all_hidden: Option<Tensor>,
     vision: Option<Arc<dyn VisionModel>>,
     embed_cache: EmbedCache,
     #[cfg(feature = "cuda")]
@@ -84,6 +89,8 @@ impl ModelRunner {
             accept_all_drafts: false,
             keep_hidden: false,
             sampled_hidden: None,
+            keep_all_hidden: false,
+            all_hidden: None,
             vision: None,
             embed_cache: EmbedCache::new(EMBED_CACHE_BYTES),
             #[cfg(feature = "cuda")]
@@ -135,7 +142,10 @@ impl ModelRunner {
     ) -> Result<Vec<Vec<Sampled>>> {
         self.encode_images(seqs, plan)?;
         let cfg = model.config();
-        let step = build_batch(seqs, plan, kv, cfg.rope.mrope_section.is_some(), cfg.images_attend_both_ways())?;
+        let mut step = build_batch(seqs, plan, kv, cfg.rope.mrope_section.is_some(), cfg.images_attend_both_ways())?;
+        if self.keep_all_hidden {
+            step.batch.output_rows = None;
+        }
         let rows = step.sample_rows();
         let checkpoint = match &step.batch.attn.window {
             Some(w) => {
@@ -152,20 +162,22 @@ impl ModelRunner {
         let state_slots = step.batch.attn.state_slots.clone();
         let counts: Vec<usize> = step.sampled.iter().map(|&(_, n)| n).collect();
         self.sampled_hidden = None;
+        self.all_hidden = None;
         let keep = self.keep_hidden.then(|| counts.clone());
+        let keep_all = self.keep_all_hidden;
         let beside = !self.device.is_cpu();
         let (out, masks) = masks_beside(seqs, plan, &counts, beside, |seqs| -> Result<StepOutput> {
             if needs_plain_forward(seqs, plan, &step.batch) {
                 let hidden = self.forward(model, kv, step.batch)?;
                 record_prompt_logprobs(model, seqs, plan, &hidden)?;
-                self.keep_rows(&hidden, &rows, keep)?;
+                self.keep_rows(&hidden, &rows, keep, keep_all)?;
                 self.logits(model, &hidden, &rows)
             } else {
                 let draws = self.device_draws(seqs, plan, &step.sampled);
-                if let Some(counts) = keep {
-                    // The drafter model runs on the CPU only: the plain pass there.
+                if keep.is_some() || keep_all {
+                    // Drafter models run on the CPU only: the plain pass there.
                     let hidden = model.forward(&step.batch, kv, None)?;
-                    self.keep_rows(&hidden, &rows, Some(counts))?;
+                    self.keep_rows(&hidden, &rows, keep, keep_all)?;
                     return self.logits(model, &hidden, &rows);
                 }
                 self.run(model, kv, step.batch, &rows, draws.as_deref())
@@ -314,7 +326,10 @@ impl ModelRunner {
         model.forward(&batch, kv, None)
     }
 
-    fn keep_rows(&mut self, hidden: &Tensor, rows: &[u32], counts: Option<Vec<usize>>) -> Result<()> {
+    fn keep_rows(&mut self, hidden: &Tensor, rows: &[u32], counts: Option<Vec<usize>>, all: bool) -> Result<()> {
+        if all {
+            self.all_hidden = Some(hidden.clone());
+        }
         if let Some(counts) = counts.filter(|_| !rows.is_empty()) {
             let kept = hidden.index_select(&Tensor::new(rows, hidden.device())?, 0)?;
             self.sampled_hidden = Some((kept, counts));

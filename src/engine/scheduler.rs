@@ -148,6 +148,16 @@ impl Scheduler {
         Some(seq)
     }
 
+    /// Makes sure a running sequence's blocks cover `tokens` positions (a drafter writing
+    /// ahead of the cache), taking free blocks only; false when they do not suffice.
+    pub fn reserve(&mut self, id: SeqId, tokens: usize) -> bool {
+        let bs = self.cfg.block_size;
+        match self.seqs.get_mut(id) {
+            Some(seq) => seq.block_table.grow(tokens, bs, &mut self.allocator),
+            None => false,
+        }
+    }
+
     /// Publishes a sequence's blocks that are full of computed, committed tokens.
     pub fn publish(&mut self, id: SeqId) {
         if let (Some(p), Some(seq)) = (&self.prefix, self.seqs.get_mut(id)) {

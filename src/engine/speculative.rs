@@ -13,7 +13,9 @@ use serde::Deserialize;
 pub enum SpeculativeConfigError {
     #[error("--speculative-config is not valid JSON for it: {0} (e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}')")]
     Json(String),
-    #[error("--speculative-config: method `{0}` is not supported; use \"ngram\", or \"gemma4_mtp\" with \"model\"")]
+    #[error(
+        "--speculative-config: method `{0}` is not supported; use \"ngram\", \"mtp\", or \"gemma4_mtp\" with \"model\""
+    )]
     Method(String),
     #[error("--speculative-config: method gemma4_mtp needs \"model\": the directory of the target's gemma4_assistant checkpoint")]
     NeedsModel,
@@ -60,18 +62,31 @@ impl std::str::FromStr for SpeculativeConfig {
     }
 }
 
-/// `--speculative-config` with the drafter model's directory where the method has one: vLLM's
+/// Where drafts come from besides the tokens (an n-gram config has neither).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DraftSource {
+    /// Gemma 4's assistant checkpoint in this directory (method gemma4_mtp).
+    Assistant(std::path::PathBuf),
+    /// The target's own MTP head (method mtp; `model`, if given, is the head's file).
+    Mtp(crate::loader::MtpWeights),
+}
+
+/// `--speculative-config` with where drafts come from, when not from the tokens: vLLM's
 /// `{"method": "gemma4_mtp", "model": DIR, "num_speculative_tokens": K}` (Gemma 4's assistant),
-/// or an n-gram config (see `SpeculativeConfig::from_str`).
-pub fn parse(s: &str) -> Result<(SpeculativeConfig, Option<std::path::PathBuf>), SpeculativeConfigError> {
+/// `{"method": "mtp", "num_speculative_tokens": K}` (the checkpoint's MTP head; "model" may
+/// name a head kept apart), or an n-gram config (see `SpeculativeConfig::from_str`).
+pub fn parse(s: &str) -> Result<(SpeculativeConfig, Option<DraftSource>), SpeculativeConfigError> {
     {
         let raw: RawConfig = serde_json::from_str(s).map_err(|e| SpeculativeConfigError::Json(e.to_string()))?;
-        match (raw.method.as_str(), &raw.model) {
-            ("ngram", None) | ("gemma4_mtp", Some(_)) => {}
+        let source = match (raw.method.as_str(), raw.model) {
+            ("ngram", None) => None,
+            ("gemma4_mtp", Some(dir)) => Some(DraftSource::Assistant(dir)),
+            ("mtp", None) => Some(DraftSource::Mtp(crate::loader::MtpWeights::Checkpoint)),
+            ("mtp", Some(file)) => Some(DraftSource::Mtp(crate::loader::MtpWeights::File(file))),
             ("ngram", Some(_)) => return Err(SpeculativeConfigError::NoModel(raw.method)),
             ("gemma4_mtp", None) => return Err(SpeculativeConfigError::NeedsModel),
             _ => return Err(SpeculativeConfigError::Method(raw.method)),
-        }
+        };
         if !(1..=MAX_SPECULATIVE_TOKENS).contains(&raw.num_speculative_tokens) {
             return Err(SpeculativeConfigError::NumTokens(raw.num_speculative_tokens));
         }
@@ -83,7 +98,7 @@ pub fn parse(s: &str) -> Result<(SpeculativeConfig, Option<std::path::PathBuf>),
         if min == 0 || min > max {
             return Err(SpeculativeConfigError::Lookup { min, max });
         }
-        Ok((SpeculativeConfig { num_tokens: raw.num_speculative_tokens, lookup_min: min, lookup_max: max }, raw.model))
+        Ok((SpeculativeConfig { num_tokens: raw.num_speculative_tokens, lookup_min: min, lookup_max: max }, source))
     }
 }
 
@@ -211,7 +226,11 @@ mod tests {
             assert!(e.contains(want), "{bad}: {e}");
         }
         let (c, model) = parse(r#"{"method": "gemma4_mtp", "model": "/m/a", "num_speculative_tokens": 4}"#).unwrap();
-        assert_eq!((c.num_tokens, model), (4, Some("/m/a".into())));
+        assert_eq!((c.num_tokens, model), (4, Some(DraftSource::Assistant("/m/a".into()))));
+        let (c, model) = parse(r#"{"method": "mtp", "num_speculative_tokens": 2}"#).unwrap();
+        assert_eq!((c.num_tokens, model), (2, Some(DraftSource::Mtp(crate::loader::MtpWeights::Checkpoint))));
+        let (_, model) = parse(r#"{"method": "mtp", "model": "/h.safetensors", "num_speculative_tokens": 2}"#).unwrap();
+        assert_eq!(model, Some(DraftSource::Mtp(crate::loader::MtpWeights::File("/h.safetensors".into()))));
     }
 
     #[test]

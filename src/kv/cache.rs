@@ -98,7 +98,7 @@ impl KvCache {
         let float = spec.dtype.dtype();
         // One pair of codebooks per head width (Gemma 4's full layers have wider heads).
         let mut codebooks: Vec<(usize, (Arc<Codebook>, Arc<Codebook>))> = Vec::new();
-        let layers = (0..cfg.num_layers)
+        let layers = (0..cfg.num_cache_layers())
             .map(|layer| {
                 if let Some(state) = recurrent_state(cfg, layer, state_slots, state_checkpoints, device)? {
                     return Ok(LayerCache::Recurrent(Box::new(state)));
@@ -110,7 +110,7 @@ impl KvCache {
                 let floats = |rows: usize| -> candle_core::Result<(Tensor, Tensor)> {
                     Ok((Tensor::zeros((rows, h, d), float, device)?, Tensor::zeros((rows, h, d), float, device)?))
                 };
-                let tq = tq.filter(|t| t.quantizes(layer));
+                let tq = tq.filter(|t| t.quantizes(layer) && !cfg.is_mtp_layer(layer));
                 let (tq, (kb, vb)) = match tq {
                     Some(tq) => {
                         let cb = match codebooks.iter().find(|(width, _)| *width == d) {
@@ -306,7 +306,7 @@ fn recurrent_state(
     checkpoints: usize,
     device: &Device,
 ) -> candle_core::Result<Option<RecurrentState>> {
-    match cfg.linear_attn.as_ref().filter(|_| cfg.layer_kinds[layer] == LayerKind::Linear) {
+    match cfg.linear_attn.as_ref().filter(|_| cfg.layer_kinds.get(layer) == Some(&LayerKind::Linear)) {
         Some(&dims) => RecurrentState::with_checkpoints(dims, slots, checkpoints, device).map(Some),
         None => Ok(None),
     }

@@ -51,8 +51,8 @@ impl CacheSpec {
     /// says (its skipped layers dense); a hybrid model's linear-attention layers recurrent.
     /// KV-sharing layers are in no group: they keep nothing.
     pub fn for_model(cfg: &TextConfig, float: KvDtype, tq: Option<&TqSpec>) -> Self {
-        let shapes = (0..cfg.num_layers).map(|l| cfg.kv_shape(l)).collect();
-        let spec = Self::for_attention_layers(cfg.cache_layers(), shapes, float, tq);
+        let shapes = (0..cfg.num_cache_layers()).map(|l| cfg.kv_shape(l)).collect();
+        let spec = Self::for_attention_layers(cfg.cache_layers(), shapes, float, tq, cfg.num_layers);
         match &cfg.linear_attn {
             Some(l) if !cfg.linear_layers().is_empty() => spec.with_group(CacheGroup {
                 kind: CacheKind::Recurrent { state_bytes: l.state_bytes() },
@@ -71,16 +71,25 @@ impl CacheSpec {
         tq: Option<&TqSpec>,
     ) -> Self {
         let shapes = vec![KvShape { num_kv_heads, head_dim }; num_layers];
-        Self::for_attention_layers((0..num_layers).collect(), shapes, float, tq)
+        Self::for_attention_layers((0..num_layers).collect(), shapes, float, tq, num_layers)
     }
 
-    fn for_attention_layers(all: Vec<usize>, shapes: Vec<KvShape>, float: KvDtype, tq: Option<&TqSpec>) -> Self {
+    /// Layers from `first_mtp` on are MTP layers (a drafter's), kept in floats: their rows are
+    /// written again as drafts are verified, which codes and float-window rings do not allow.
+    fn for_attention_layers(
+        all: Vec<usize>,
+        shapes: Vec<KvShape>,
+        float: KvDtype,
+        tq: Option<&TqSpec>,
+        first_mtp: usize,
+    ) -> Self {
         let groups = match tq {
             None => vec![CacheGroup { kind: CacheKind::PagedDense { dtype: float }, layers: all }],
             Some(t) => {
                 let quantized =
                     CacheKind::PagedTurboQuant { bits: t.bits, float_dtype: float, float_window: t.float_window };
-                let (coded, dense): (Vec<usize>, Vec<usize>) = all.into_iter().partition(|&l| t.quantizes(l));
+                let (coded, dense): (Vec<usize>, Vec<usize>) =
+                    all.into_iter().partition(|&l| t.quantizes(l) && l < first_mtp);
                 [(CacheKind::PagedDense { dtype: float }, dense), (quantized, coded)]
                     .into_iter()
                     .filter(|(_, layers)| !layers.is_empty())

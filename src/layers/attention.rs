@@ -79,14 +79,26 @@ impl SelfAttention {
         layer: usize,
         opts: AttentionOptions,
     ) -> std::result::Result<Self, WeightsError> {
-        let p = format!("model.layers.{layer}.self_attn");
+        Self::load_at(w, cfg, &format!("model.layers.{layer}"), layer, opts)
+    }
+
+    /// `load_with` for the layer whose tensors are under `{prefix}.self_attn` (an MTP layer's
+    /// `mtp.layers.0`, whose cache `layer` follows the decoder's).
+    pub fn load_at(
+        w: &Weights,
+        cfg: &TextConfig,
+        prefix: &str,
+        layer: usize,
+        opts: AttentionOptions,
+    ) -> std::result::Result<Self, WeightsError> {
+        let p = format!("{prefix}.self_attn");
         let crate::config::KvShape { num_kv_heads, head_dim: d } = cfg.kv_shape(layer);
         let h = cfg.hidden_size;
         let (qd, kvd) = (cfg.num_heads * d, num_kv_heads * d);
         let bias = cfg.attention_bias;
         let kv_input = if cfg.kv_source(layer).is_some() {
             KvInput::Shared
-        } else if cfg.gemma4.is_some_and(|g| g.k_eq_v) && cfg.layer_kinds[layer] == LayerKind::Full {
+        } else if cfg.gemma4.is_some_and(|g| g.k_eq_v) && cfg.layer_kind(layer) == LayerKind::Full {
             KvInput::KeyIsValue
         } else {
             KvInput::Projected

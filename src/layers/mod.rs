@@ -8,6 +8,7 @@ pub mod grid_sample;
 pub mod linear;
 pub mod mlp;
 pub mod moe;
+pub mod mtp;
 pub mod norm;
 pub mod per_layer_embedding;
 pub mod rotary;

@@ -6,15 +6,16 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::model::{Taps, TextModel};
-use crate::batch::Batch;
+use crate::batch::{AttentionMeta, Batch};
 use crate::config::{Arch, TextConfig};
-use crate::kv::KvCache;
-use crate::layers::attention::SelfAttention;
+use crate::kv::{KvCache, LayerCache};
+use crate::layers::attention::{AttentionOptions, SelfAttention};
 use crate::layers::embedding::Embedding;
 use crate::layers::linear::Linear;
 use crate::layers::mlp::GatedMlp;
+use crate::layers::mtp::MtpHead;
 use crate::layers::norm::{NormStyle, RmsNorm};
-use crate::layers::rotary::Rotary;
+use crate::layers::rotary::{Rotary, RotaryAngles};
 use crate::weights::{Weights, WeightsError};
 
 struct Layer {
@@ -24,6 +25,28 @@ struct Layer {
     mlp: GatedMlp,
 }
 
+impl Layer {
+    /// The layer under `{p}` whose cache is layer `i`.
+    fn load(w: &Weights, cfg: &TextConfig, p: &str, i: usize) -> std::result::Result<Self, WeightsError> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let qk_norm = (cfg.arch == Arch::Qwen3).then_some(NormStyle::Plain);
+        let norm = |name: &str| RmsNorm::load(w, &format!("{p}.{name}.weight"), h, eps, NormStyle::Plain);
+        Ok(Layer {
+            attn_norm: norm("input_layernorm")?,
+            attn: SelfAttention::load_at(w, cfg, p, i, AttentionOptions { qk_norm, ..Default::default() })?,
+            mlp_norm: norm("post_attention_layernorm")?,
+            mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.activation)?,
+        })
+    }
+
+    /// x -> x' on its own (the decoder fuses each residual add with the next norm instead).
+    fn forward(&self, x: &Tensor, rot: &RotaryAngles, cache: &LayerCache, attn: &AttentionMeta) -> Result<Tensor> {
+        let a = self.attn.forward(&self.attn_norm.forward(x)?, rot, cache, attn)?;
+        let (h, hn) = self.mlp_norm.forward_residual(x, &a)?;
+        &h + self.mlp.forward(&hn)?
+    }
+}
+
 pub struct Llama {
     cfg: TextConfig,
     embed: Embedding,
@@ -31,6 +54,8 @@ pub struct Llama {
     norm: RmsNorm,
     lm_head: Linear,
     rotary: Rotary,
+    /// The MTP head, when drafting with it (`TextConfig::mtp_layers`).
+    mtp: Option<MtpHead<Layer>>,
     dtype: DType,
     device: Device,
 }
@@ -38,23 +63,8 @@ pub struct Llama {
 impl Llama {
     pub fn load(w: &Weights, cfg: TextConfig) -> std::result::Result<Self, WeightsError> {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let qk_norm = (cfg.arch == Arch::Qwen3).then_some(NormStyle::Plain);
         let layers = (0..cfg.num_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                Ok(Layer {
-                    attn_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), h, eps, NormStyle::Plain)?,
-                    attn: SelfAttention::load(w, &cfg, i, qk_norm)?,
-                    mlp_norm: RmsNorm::load(
-                        w,
-                        &format!("{p}.post_attention_layernorm.weight"),
-                        h,
-                        eps,
-                        NormStyle::Plain,
-                    )?,
-                    mlp: GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.activation)?,
-                })
-            })
+            .map(|i| Layer::load(w, &cfg, &format!("model.layers.{i}"), i))
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
         let embed = Embedding::load(w, "model.embed_tokens.weight", cfg.vocab_size, h)?;
         let lm_head = embed.output_head(w, cfg.tie_word_embeddings, cfg.vocab_size, h)?;
@@ -68,6 +78,7 @@ impl Llama {
                 w.dtype(),
                 cfg.max_position_embeddings,
             )?,
+            mtp: MtpHead::load(w, &cfg, NormStyle::Plain, |p, i| Layer::load(w, &cfg, p, i))?,
             dtype: w.dtype(),
             device: w.device().clone(),
             cfg,
@@ -100,6 +111,13 @@ impl TextModel for Llama {
             }
         }
         Ok(normed)
+    }
+
+    fn mtp_forward(&self, batch: &Batch, hidden: &Tensor, kv: &KvCache) -> Result<Tensor> {
+        let Some(mtp) = &self.mtp else { candle_core::bail!("this model was loaded without its MTP head") };
+        let rot = self.rotary.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
+        let x = mtp.input(&self.embed.forward(&batch.token_ids, self.dtype)?, hidden)?;
+        mtp.output(&mtp.layer.forward(&x, &rot, kv.layer(self.cfg.num_layers), &batch.attn)?)
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {

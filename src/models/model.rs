@@ -30,6 +30,14 @@ pub trait TextModel: Send {
     /// Next-token logits `[N, vocab]` (f32) for rows of final hidden states.
     fn logits(&self, hidden: &Tensor) -> Result<Tensor>;
 
+    /// The MTP head (`layers::mtp`) over rows of (next token, target hidden row): the batch
+    /// carries each row's next token, position and place in the head's cache layer, `hidden`
+    /// the target's final hidden rows `[T, hidden]`. Writes the head's keys and values; returns
+    /// its hidden rows (their logits by `logits`). Only models loaded with a head have it.
+    fn mtp_forward(&self, _batch: &Batch, _hidden: &Tensor, _kv: &KvCache) -> Result<Tensor> {
+        candle_core::bail!("{} has no MTP head", self.config().arch.name())
+    }
+
     /// The input embeddings `[T, hidden]` of token ids, as the first layer reads them (a
     /// drafter model reads the target's). Only models with such a drafter have it.
     fn input_embeddings(&self, _ids: &Tensor) -> Result<Tensor> {

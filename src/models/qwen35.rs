@@ -7,17 +7,18 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::batch::Batch;
+use crate::batch::{AttentionMeta, Batch};
 use crate::config::{LayerKind, TextConfig};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, LayerCache};
 use crate::layers::attention::{AttentionOptions, SelfAttention};
 use crate::layers::embedding::Embedding;
 use crate::layers::gated_deltanet::{decoder_norm_style, GatedDeltaNet};
 use crate::layers::linear::Linear;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Moe;
-use crate::layers::norm::RmsNorm;
-use crate::layers::rotary::Rotary;
+use crate::layers::mtp::MtpHead;
+use crate::layers::norm::{NormStyle, RmsNorm};
+use crate::layers::rotary::{Rotary, RotaryAngles};
 use crate::models::model::{Taps, TextModel};
 use crate::weights::{Weights, WeightsError};
 
@@ -38,6 +39,63 @@ struct Layer {
     ffn: Ffn,
 }
 
+impl Layer {
+    /// The layer under `{p}` whose cache is layer `i` (`cfg.layer_kind(i)` picks the mixer).
+    fn load(
+        w: &Weights,
+        cfg: &TextConfig,
+        p: &str,
+        i: usize,
+        style: NormStyle,
+    ) -> std::result::Result<Self, WeightsError> {
+        let h = cfg.hidden_size;
+        let norm = |name: &str| RmsNorm::load(w, &format!("{p}.{name}.weight"), h, cfg.rms_norm_eps, style);
+        let mixer = match cfg.layer_kind(i) {
+            LayerKind::Linear => Mixer::DeltaNet(GatedDeltaNet::load(w, cfg, i)?),
+            _ => Mixer::Attention(SelfAttention::load_at(
+                w,
+                cfg,
+                p,
+                i,
+                AttentionOptions { qk_norm: Some(style), gated: true, v_norm: false },
+            )?),
+        };
+        let ffn = match &cfg.moe {
+            Some(moe) => Ffn::Experts(Moe::load(w, &format!("{p}.mlp"), h, moe, cfg.activation)?),
+            None => Ffn::Dense(GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.activation)?),
+        };
+        Ok(Layer { input_norm: norm("input_layernorm")?, mixer, ffn_norm: norm("post_attention_layernorm")?, ffn })
+    }
+
+    /// x -> x' over the rows of a batch; `cache`: the layer's (its state or keys and values).
+    fn forward(
+        &self,
+        x: &Tensor,
+        rot: &RotaryAngles,
+        cache: &LayerCache,
+        attn: &AttentionMeta,
+        taps: Option<(usize, &mut Taps)>,
+    ) -> Result<Tensor> {
+        let xn = self.input_norm.forward(x)?;
+        let m = match &self.mixer {
+            Mixer::DeltaNet(d) => d.forward(&xn, cache, attn)?,
+            Mixer::Attention(a) => a.forward(&xn, rot, cache, attn)?,
+        };
+        let (h, hn) = self.ffn_norm.forward_residual(x, &m)?;
+        let f = match &self.ffn {
+            Ffn::Dense(mlp) => mlp.forward(&hn)?,
+            Ffn::Experts(moe) => {
+                let routing = moe.route(&hn)?;
+                if let Some((i, t)) = taps {
+                    t.router.push((i, routing.experts.clone()));
+                }
+                moe.forward(&hn, &routing)?
+            }
+        };
+        &h + f
+    }
+}
+
 pub struct Qwen35 {
     cfg: TextConfig,
     embed: Embedding,
@@ -45,53 +103,32 @@ pub struct Qwen35 {
     norm: RmsNorm,
     lm_head: Linear,
     rotary: Rotary,
+    /// The MTP head, when drafting with it (`TextConfig::mtp_layers`).
+    mtp: Option<MtpHead<Layer>>,
     dtype: DType,
     device: Device,
 }
 
 impl Qwen35 {
     pub fn load(w: &Weights, cfg: TextConfig) -> std::result::Result<Self, WeightsError> {
-        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let h = cfg.hidden_size;
         let style = decoder_norm_style(w, &cfg);
-        let norm = |name: String| RmsNorm::load(w, &name, h, eps, style);
         let layers = (0..cfg.num_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                let mixer = match cfg.layer_kinds[i] {
-                    LayerKind::Linear => Mixer::DeltaNet(GatedDeltaNet::load(w, &cfg, i)?),
-                    _ => Mixer::Attention(SelfAttention::load_with(
-                        w,
-                        &cfg,
-                        i,
-                        AttentionOptions { qk_norm: Some(style), gated: true, v_norm: false },
-                    )?),
-                };
-                let ffn = match &cfg.moe {
-                    Some(moe) => Ffn::Experts(Moe::load(w, &format!("{p}.mlp"), h, moe, cfg.activation)?),
-                    None => {
-                        Ffn::Dense(GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.activation)?)
-                    }
-                };
-                Ok(Layer {
-                    input_norm: norm(format!("{p}.input_layernorm.weight"))?,
-                    mixer,
-                    ffn_norm: norm(format!("{p}.post_attention_layernorm.weight"))?,
-                    ffn,
-                })
-            })
+            .map(|i| Layer::load(w, &cfg, &format!("model.layers.{i}"), i, style))
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
         let embed = Embedding::load(w, "model.embed_tokens.weight", cfg.vocab_size, h)?;
         let lm_head = embed.output_head(w, cfg.tie_word_embeddings, cfg.vocab_size, h)?;
         Ok(Qwen35 {
             embed,
             layers,
-            norm: norm("model.norm.weight".into())?,
+            norm: RmsNorm::load(w, "model.norm.weight", h, cfg.rms_norm_eps, style)?,
             lm_head,
             rotary: Rotary::new(&cfg.rope, cfg.rotary_dim, cfg.rope_layout).on_device(
                 w.device(),
                 w.dtype(),
                 cfg.max_position_embeddings,
             )?,
+            mtp: MtpHead::load(w, &cfg, style, |p, i| Layer::load(w, &cfg, p, i, style))?,
             dtype: w.dtype(),
             device: w.device().clone(),
             cfg,
@@ -111,28 +148,19 @@ impl TextModel for Qwen35 {
             t.embed = Some(x.clone());
         }
         for (i, l) in self.layers.iter().enumerate() {
-            let xn = l.input_norm.forward(&x)?;
-            let m = match &l.mixer {
-                Mixer::DeltaNet(d) => d.forward(&xn, kv.layer(i), &batch.attn)?,
-                Mixer::Attention(a) => a.forward(&xn, &rot, kv.layer(i), &batch.attn)?,
-            };
-            let (h, hn) = l.ffn_norm.forward_residual(&x, &m)?;
-            let f = match &l.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&hn)?,
-                Ffn::Experts(moe) => {
-                    let routing = moe.route(&hn)?;
-                    if let Some(t) = taps.as_deref_mut() {
-                        t.router.push((i, routing.experts.clone()));
-                    }
-                    moe.forward(&hn, &routing)?
-                }
-            };
-            x = (&h + f)?;
+            x = l.forward(&x, &rot, kv.layer(i), &batch.attn, taps.as_deref_mut().map(|t| (i, t)))?;
             if let Some(t) = taps.as_deref_mut() {
                 t.layers.push(x.clone());
             }
         }
         self.norm.forward(&x)
+    }
+
+    fn mtp_forward(&self, batch: &Batch, hidden: &Tensor, kv: &KvCache) -> Result<Tensor> {
+        let Some(mtp) = &self.mtp else { candle_core::bail!("this model was loaded without its MTP head") };
+        let rot = self.rotary.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
+        let x = mtp.input(&self.embed.forward(&batch.token_ids, self.dtype)?, hidden)?;
+        mtp.output(&mtp.layer.forward(&x, &rot, kv.layer(self.cfg.num_layers), &batch.attn, None)?)
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {

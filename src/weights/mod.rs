@@ -20,7 +20,7 @@ pub use error::WeightsError;
 pub use gguf::GgufFile;
 pub use mlx::{MlxQuantization, ModuleQuant};
 pub use names::gguf_name;
-pub use safetensors::SafetensorsDir;
+pub use safetensors::{SafetensorsDir, MTP_SIDECARS};
 pub use tensor::StoredTensor;
 
 use crate::config::Arch;
@@ -37,21 +37,45 @@ pub struct Weights {
     dtype: DType,
     /// An MLX conversion's `quantization` block.
     mlx: Option<MlxQuantization>,
+    /// Safetensors holding an MTP head (`mtp.*`) apart from the checkpoint (beside a GGUF).
+    mtp_sidecar: Option<SafetensorsDir>,
+    /// With a sidecar for a model whose q/k rows are in adjacent-pair order (a GGUF llama):
+    /// the head dim by which the sidecar's HF-order q/k rows are put in that order too.
+    sidecar_pairs: Option<usize>,
+}
+
+/// Whether `name` is an MTP head's tensor (`mtp.*`): quantized ones are dequantized at load,
+/// since a 4-bit head drafts almost nothing right (measured by vllm-mlx).
+fn is_mtp(name: &str) -> bool {
+    name.starts_with("mtp.")
 }
 
 impl Weights {
     pub fn from_safetensors(dir: SafetensorsDir, device: Device, dtype: DType) -> Self {
-        Weights { source: Source::Safetensors(dir), device, dtype, mlx: None }
+        Weights { source: Source::Safetensors(dir), device, dtype, mlx: None, mtp_sidecar: None, sidecar_pairs: None }
     }
 
     pub fn from_gguf(file: GgufFile, device: Device, dtype: DType) -> Self {
-        Weights { source: Source::Gguf(file), device, dtype, mlx: None }
+        Weights { source: Source::Gguf(file), device, dtype, mlx: None, mtp_sidecar: None, sidecar_pairs: None }
     }
 
     /// The parameters an MLX conversion's config gives its quantized modules.
     pub fn with_mlx_quantization(mut self, q: Option<MlxQuantization>) -> Self {
         self.mlx = q;
         self
+    }
+
+    /// Reads `mtp.*` tensors from `side` (an MTP head kept apart from the checkpoint); with
+    /// `pairs`, its q/k projections' rows are reordered for adjacent-pair rotary by that head dim.
+    pub fn with_mtp_sidecar(mut self, side: SafetensorsDir, pairs: Option<usize>) -> Self {
+        self.mtp_sidecar = Some(side);
+        self.sidecar_pairs = pairs;
+        self
+    }
+
+    /// The sidecar that holds `name`, if it is an MTP tensor and there is one.
+    fn sidecar_for(&self, name: &str) -> Option<&SafetensorsDir> {
+        self.mtp_sidecar.as_ref().filter(|_| is_mtp(name))
     }
 
     pub fn device(&self) -> &Device {
@@ -71,6 +95,9 @@ impl Weights {
 
     /// The file holding tensor `name` (for safetensors shards; the GGUF file otherwise).
     pub fn origin_of(&self, name: &str) -> &Path {
+        if let Some(side) = self.sidecar_for(name) {
+            return side.file_of(name);
+        }
         match &self.source {
             Source::Safetensors(s) => s.file_of(name),
             Source::Gguf(g) => g.path(),
@@ -85,6 +112,9 @@ impl Weights {
     }
 
     pub fn contains(&self, name: &str) -> bool {
+        if let Some(side) = self.sidecar_for(name) {
+            return side.contains(name);
+        }
         match &self.source {
             Source::Safetensors(s) => s.contains(name),
             Source::Gguf(g) => gguf_name(name, g.arch()).is_some_and(|n| g.contains(&n)),
@@ -94,14 +124,25 @@ impl Weights {
     /// A tensor as stored, shape-checked: dense ones on the device, quantized matrices (GGUF
     /// blocks, MLX affine) on the host as they are.
     pub fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, WeightsError> {
-        let stored = match &self.source {
-            Source::Safetensors(s) => match name.strip_suffix(".weight") {
+        let stored = match (&self.source, self.sidecar_for(name)) {
+            (_, Some(s)) | (Source::Safetensors(s), None) => match name.strip_suffix(".weight") {
                 Some(module) if s.contains(&format!("{module}.scales")) => {
-                    StoredTensor::Affine(self.affine(s, module, shape)?)
+                    let a = self.affine(s, module, shape)?;
+                    if is_mtp(name) {
+                        StoredTensor::Dense(a.dequantize(&self.device)?.reshape(shape)?.to_dtype(self.dtype)?)
+                    } else {
+                        StoredTensor::Affine(a)
+                    }
                 }
-                _ => StoredTensor::Dense(s.load(name, &self.device)?),
+                _ => {
+                    let t = s.load(name, &self.device)?;
+                    match self.sidecar_pairs.filter(|_| self.sidecar_for(name).is_some() && is_qk(name)) {
+                        Some(d) => StoredTensor::Dense(half_to_pairs(&t, d)?),
+                        None => StoredTensor::Dense(t),
+                    }
+                }
             },
-            Source::Gguf(g) => {
+            (Source::Gguf(g), None) => {
                 let arch = self.arch().unwrap_or(Arch::Llama);
                 let gname = gguf_name(name, arch).ok_or_else(|| WeightsError::MissingTensor {
                     name: name.to_string(),
@@ -244,6 +285,17 @@ impl Weights {
             biases: flat(biases)?,
         })
     }
+}
+
+fn is_qk(name: &str) -> bool {
+    name.ends_with("self_attn.q_proj.weight") || name.ends_with("self_attn.k_proj.weight")
+}
+
+/// Rows of a q/k projection from HF's rotary order (each head's first half, then its second)
+/// to adjacent pairs (llama.cpp's order): row 2i + j of a head is HF's row j * d/2 + i.
+fn half_to_pairs(w: &Tensor, head_dim: usize) -> candle_core::Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    w.reshape((rows / head_dim, 2, head_dim / 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))
 }
 
 /// `[out, in, k...]` -> `[out, k..., in]`.

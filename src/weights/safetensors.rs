@@ -16,9 +16,20 @@ pub struct SafetensorsDir {
 }
 
 impl SafetensorsDir {
-    /// Opens `model.safetensors.index.json`'s shards, or every `*.safetensors` in `dir`.
+    /// Opens `model.safetensors.index.json`'s shards, or every `*.safetensors` in `dir`, and
+    /// the sidecar files MLX conversions keep MTP heads in (`MTP_SIDECARS`) when there.
     pub fn open(dir: &Path) -> Result<Self, WeightsError> {
-        let files = shard_files(dir)?;
+        let mut files = shard_files(dir)?;
+        for side in MTP_SIDECARS.iter().map(|f| dir.join(f)) {
+            if side.is_file() && !files.contains(&side) {
+                files.push(side);
+            }
+        }
+        Self::open_files(dir, files)
+    }
+
+    /// Opens exactly `files` (errors name `dir` for the set).
+    pub fn open_files(dir: &Path, files: Vec<PathBuf>) -> Result<Self, WeightsError> {
         // Validate each file on its own first so a truncated shard is named in the error, and
         // note which file holds each tensor so later errors can name it.
         let mut names = HashMap::new();
@@ -58,7 +69,10 @@ impl SafetensorsDir {
         if self.names.contains_key(name) {
             return Some(name.to_string());
         }
-        let alts: Vec<String> = if let Some(rest) = name.strip_prefix("model.") {
+        let alts: Vec<String> = if name.starts_with("mtp.") {
+            // MTP heads: top level in Qwen3.5 checkpoints, under the wrapper in others.
+            vec![format!("model.{name}"), format!("language_model.{name}"), format!("model.language_model.{name}")]
+        } else if let Some(rest) = name.strip_prefix("model.") {
             vec![format!("model.language_model.{rest}"), format!("language_model.{name}")]
         } else if let Some(rest) = name.strip_prefix("visual.") {
             vec![format!("model.{name}"), format!("vision_tower.{rest}")]
@@ -148,6 +162,10 @@ impl SafetensorsDir {
         v
     }
 }
+
+/// Files beside a checkpoint's shards that hold its MTP head (`mtp.*`), where MLX tools put
+/// it when the index does not list it.
+pub const MTP_SIDECARS: [&str; 2] = ["model-mtp.safetensors", "mtp/weights.safetensors"];
 
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, WeightsError> {
     let index = dir.join("model.safetensors.index.json");

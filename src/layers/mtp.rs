@@ -1,0 +1,60 @@
+//! An MTP (multi-token prediction) head's input and output, around one decoder layer of the
+//! model's own kind (Qwen3.5's `mtp.*`; DeepSeek-V3 names the same parts eh_proj, enorm, hnorm
+//! and shared_head.norm). For the pair of a target hidden row h_p (after the final norm) and
+//! the token t_{p+1} it produced:
+//!   x = fc(concat(N_e(E[t_{p+1}]), N_h(h_p)));   m_p = N_m(Layer(x, position p))
+//! and lm_head(m_p) predicts t_{p+2}. The embedding table and the LM head are the target's.
+
+use candle_core::{Result, Tensor};
+
+use crate::config::TextConfig;
+use crate::layers::linear::Linear;
+use crate::layers::norm::{NormStyle, RmsNorm};
+use crate::weights::{Weights, WeightsError};
+
+pub struct MtpHead<L> {
+    embed_norm: RmsNorm,
+    hidden_norm: RmsNorm,
+    fc: Linear,
+    norm: RmsNorm,
+    /// The decoder layer, built by the family (`mtp.layers.0`); its cache layer is the first
+    /// after the decoder's (`TextConfig::num_layers`).
+    pub layer: L,
+}
+
+impl<L> MtpHead<L> {
+    /// The head under `mtp.` when `cfg.mtp_layers` asks for one (the first layer only: every
+    /// released head has one), else None. `layer` builds the decoder layer from its tensor
+    /// prefix and cache layer index.
+    pub fn load(
+        w: &Weights,
+        cfg: &TextConfig,
+        style: NormStyle,
+        layer: impl FnOnce(&str, usize) -> std::result::Result<L, WeightsError>,
+    ) -> std::result::Result<Option<Self>, WeightsError> {
+        if cfg.mtp_layers == 0 {
+            return Ok(None);
+        }
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let norm = |name: &str| RmsNorm::load(w, &format!("mtp.{name}.weight"), h, eps, style);
+        Ok(Some(MtpHead {
+            embed_norm: norm("pre_fc_norm_embedding")?,
+            hidden_norm: norm("pre_fc_norm_hidden")?,
+            fc: Linear::load(w, "mtp.fc", 2 * h, h, false)?,
+            norm: norm("norm")?,
+            layer: layer("mtp.layers.0", cfg.num_layers)?,
+        }))
+    }
+
+    /// The layer's input for rows of (embedded next token, target hidden row).
+    pub fn input(&self, embeds: &Tensor, hidden: &Tensor) -> Result<Tensor> {
+        let both = Tensor::cat(&[self.embed_norm.forward(embeds)?, self.hidden_norm.forward(hidden)?], 1)?;
+        self.fc.forward(&both)
+    }
+
+    /// The head's hidden rows (its logits through the target's LM head; the next draft step's
+    /// hidden input).
+    pub fn output(&self, x: &Tensor) -> Result<Tensor> {
+        self.norm.forward(x)
+    }
+}

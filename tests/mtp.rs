@@ -1,0 +1,251 @@
+//! MTP drafting (`--speculative-config '{"method": "mtp"}'`): the head's weights found under
+//! every key layout and sidecar checkpoints use, its hidden rows and logits against a torch
+//! reference built from transformers' own decoder layer (scripts/make_mtp_fixtures.py), its
+//! cache filled in one pass or row by row alike, and greedy output with MTP drafts equal to
+//! greedy output without them, alone and in mixed batches with chunked prefill, preemption
+//! and TurboQuant caches.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use iris::batch::{Batch, Positions, SeqSlice};
+use iris::engine::build::{build_engine, EngineOptions};
+use iris::engine::speculative::DraftSource;
+use iris::engine::SpeculativeConfig;
+use iris::kv::{KvCache, KvCacheSpec, KvDtype, TqBits};
+use iris::loader::{load_model, MtpWeights};
+
+const DENSE: &str = "tiny-qwen3.5-mtp";
+const MOE: &str = "tiny-qwen3.5-moe-mtp";
+
+fn mtp_opts(k: usize, base: EngineOptions) -> EngineOptions {
+    EngineOptions {
+        speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1 }),
+        drafter: Some(DraftSource::Mtp(MtpWeights::Checkpoint)),
+        ..base
+    }
+}
+
+// ---- The head against the reference ----
+
+/// The head over the reference's pairs (hidden[p], tokens[p + 1]) at positions p: the first
+/// `split` in one pass, the rest one row at a time (each reading the cache the earlier ones
+/// wrote). Its hidden rows and logits equal the reference's within 1e-4 relative.
+fn check_head(model_dir: &Path, reference: &Path, split: usize) {
+    let dev = Device::Cpu;
+    let loaded = load_model(model_dir, None, &dev, DType::F32, Some(&MtpWeights::Checkpoint)).unwrap();
+    let cfg = loaded.config().clone();
+    assert_eq!(cfg.mtp_layers, 1);
+    let r: HashMap<String, Tensor> = candle_core::safetensors::load(reference, &dev).unwrap();
+    let tokens: Vec<u32> = r["tokens"].to_dtype(DType::U32).unwrap().to_vec1().unwrap();
+    let n = tokens.len() - 1;
+    let bs = 4;
+    let kv = KvCache::new(&cfg, KvCacheSpec { block_size: bs, num_blocks: n.div_ceil(bs), dtype: KvDtype::F32 }, &dev)
+        .unwrap();
+    let table: Vec<u32> = (0..n.div_ceil(bs) as u32).collect();
+    let mut rows = Vec::new();
+    let mut start = 0;
+    for end in std::iter::once(split).chain(split + 1..=n) {
+        let slice = SeqSlice { q_start: 0, q_len: end - start, context_len: end, block_table: table.clone() };
+        let positions = Positions::Flat((start as u32..end as u32).collect());
+        let batch = Batch::new(&dev, bs, vec![slice], &tokens[start + 1..end + 1], positions, None).unwrap();
+        let hidden = r["hidden"].narrow(0, start, end - start).unwrap();
+        rows.push(loaded.model.mtp_forward(&batch, &hidden, &kv).unwrap());
+        start = end;
+    }
+    let m = Tensor::cat(&rows, 0).unwrap();
+    let (eh, el) = (rel_err(&m, &r["mtp_hidden"]), rel_err(&loaded.model.logits(&m).unwrap(), &r["mtp_logits"]));
+    eprintln!("{}: MTP hidden rel err {eh:.2e}, logits {el:.2e}", model_dir.display());
+    assert!(eh <= 1e-4 && el <= 1e-4, "{}: hidden {eh:.2e}, logits {el:.2e}", model_dir.display());
+}
+
+#[test]
+fn head_matches_the_reference_dense() {
+    check_head(&fixture(DENSE), &fixture(DENSE).join("reference_mtp.safetensors"), 7);
+}
+
+#[test]
+fn head_matches_the_reference_moe_in_a_vlm_checkpoint() {
+    check_head(&fixture(MOE), &fixture(MOE).join("reference_mtp.safetensors"), 12);
+}
+
+/// An MLX conversion whose head sits in a `model-mtp.safetensors` sidecar, quantized with
+/// per-module overrides: iris dequantizes it to floats, as the reference does.
+#[test]
+fn head_matches_the_reference_mlx_quantized_sidecar() {
+    let dir = fixture("mlx/qwen3.5-mtp-4bit");
+    check_head(&dir, &dir.join("reference_mtp.safetensors"), 3);
+}
+
+/// The head's tensors under each prefix and file checkpoints use: `model.mtp.*` in an MLX
+/// sidecar that the index does not list, `language_model.mtp.*` in `mtp/weights.safetensors`,
+/// `model.language_model.mtp.*` in a shard the index lists.
+#[test]
+fn head_found_under_every_key_layout() {
+    let src = fixture(DENSE);
+    let dev = Device::Cpu;
+    let mtp = candle_core::safetensors::load(src.join("model-00002-of-00002.safetensors"), &dev).unwrap();
+    let main = src.join("model-00001-of-00002.safetensors");
+    for (i, (prefix, file, listed)) in [
+        ("model.", "model-mtp.safetensors", false),
+        ("language_model.", "mtp/weights.safetensors", false),
+        ("model.language_model.", "model-00002-of-00002.safetensors", true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = ScratchDir::new(&format!("mtp-layout-{i}"));
+        for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+            std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+        }
+        std::fs::copy(&main, dir.path().join("model-00001-of-00002.safetensors")).unwrap();
+        let renamed: HashMap<String, Tensor> = mtp.iter().map(|(k, v)| (format!("{prefix}{k}"), v.clone())).collect();
+        let side = dir.path().join(file);
+        std::fs::create_dir_all(side.parent().unwrap()).unwrap();
+        candle_core::safetensors::save(&renamed, &side).unwrap();
+        // The index lists the main shard, and the head's file only where `listed`.
+        let main_keys = candle_core::safetensors::load(&main, &dev).unwrap();
+        let mut map: serde_json::Map<String, serde_json::Value> =
+            main_keys.keys().map(|k| (k.clone(), "model-00001-of-00002.safetensors".into())).collect();
+        if listed {
+            map.extend(renamed.keys().map(|k| (k.clone(), file.into())));
+        }
+        let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+        std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
+        check_head(dir.path(), &src.join("reference_mtp.safetensors"), 5);
+    }
+}
+
+// ---- Refusals ----
+
+fn build_err(path: &Path, opts: &EngineOptions) -> String {
+    match build_engine(path, &Device::Cpu, opts) {
+        Ok(_) => panic!("{} built", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_checkpoint_without_a_head_or_a_family_without_one_is_refused_in_one_line() {
+    let opts = mtp_opts(2, EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
+    let msg = build_err(&fixture("tiny-qwen3.5"), &opts);
+    assert!(msg.contains("has no MTP head") && msg.contains("mtp.fc.weight"), "{msg}");
+    let msg = build_err(&fixture("tiny-gemma3"), &opts);
+    assert!(msg.contains("no MTP head iris can run"), "{msg}");
+    let missing = EngineOptions {
+        drafter: Some(DraftSource::Mtp(MtpWeights::File("/nonexistent/head.safetensors".into()))),
+        ..opts.clone()
+    };
+    let msg = build_err(&fixture("tiny-qwen3.5"), &missing);
+    assert!(msg.contains("no MTP head at /nonexistent/head.safetensors"), "{msg}");
+    for m in [&msg] {
+        assert!(!m.contains('\n'), "one line: {m}");
+    }
+}
+
+// ---- Greedy output with MTP drafts equals greedy output without ----
+
+/// Prompts of lengths 3..=41, pseudo-random ids.
+fn requests() -> Vec<(Vec<u32>, iris::engine::SamplingParams)> {
+    let lens = [3, 17, 9, 41, 6, 30, 12, 24];
+    let mut x: u64 = 0x2545f4914f6cdd1d;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % 1000) as u32 + 10
+    };
+    lens.iter().enumerate().map(|(i, &n)| ((0..n).map(|_| next()).collect(), greedy(14 + i % 4 * 3))).collect()
+}
+
+fn solo(
+    name: &str,
+    reqs: &[(Vec<u32>, iris::engine::SamplingParams)],
+    opts: &EngineOptions,
+) -> (Vec<Vec<u32>>, u64, u64) {
+    let (mut outs, mut drafted, mut accepted) = (Vec::new(), 0, 0);
+    for r in reqs {
+        let mut e = engine_with(&fixture(name), opts.clone());
+        outs.push(run_requests(&mut e, std::slice::from_ref(r), &[0]).remove(0));
+        drafted += e.stats.spec.num_draft_tokens;
+        accepted += e.stats.spec.num_accepted_tokens;
+    }
+    (outs, drafted, accepted)
+}
+
+fn greedy_alone(name: &str) {
+    let reqs = requests();
+    let base = EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 4, ..Default::default() };
+    let (want, _, _) = solo(name, &reqs, &base);
+    for k in [1, 2, 3] {
+        let (got, drafted, accepted) = solo(name, &reqs, &mtp_opts(k, base.clone()));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{name} K={k}: request {i} differs with MTP drafts");
+        }
+        eprintln!("{name} alone K={k}: {accepted} of {drafted} draft tokens accepted");
+        assert!(drafted > 0, "{name} K={k}: no draft was verified");
+        assert!(accepted > 0 && accepted < drafted, "{name} K={k}: drafts were not both accepted and rejected");
+    }
+}
+
+#[test]
+fn greedy_with_mtp_equals_plain_decoding_alone() {
+    greedy_alone(DENSE);
+}
+
+#[test]
+fn greedy_with_mtp_equals_plain_decoding_alone_moe() {
+    greedy_alone(MOE);
+}
+
+/// Requests arriving over time, prompts prefilled in chunks beside verify steps, in a pool
+/// small enough to force preemption (the head's cache is rebuilt by recomputation), with
+/// float and TurboQuant caches (the head's layer stays in floats).
+#[test]
+fn greedy_with_mtp_equals_plain_decoding_in_mixed_batches() {
+    let reqs = requests();
+    let cfg = iris::loader::read_config(&fixture(DENSE)).unwrap().1;
+    let per_block = KvCacheSpec::bytes_per_token(&cfg, KvDtype::F32) * 4;
+    let arrivals = [0, 0, 1, 2, 3, 3, 5, 8];
+    for kv_quant in [None, Some(TqBits { key: 4, value: 4 })] {
+        let base = EngineOptions {
+            kv_memory: Some(1 << 20),
+            block_size: 4,
+            max_num_seqs: 4,
+            kv_quant,
+            kv_key_scales: false,
+            ..Default::default()
+        };
+        let (want, _, _) = solo(DENSE, &reqs, &base);
+        for k in [1, 2, 3] {
+            let opts = mtp_opts(
+                k,
+                EngineOptions {
+                    // 14 blocks of 4 tokens, and each sequence's recurrent state with its
+                    // checkpoints (one per verified row).
+                    kv_memory: Some((14 * per_block + 6 * (1 + k) * cfg.state_bytes_per_sequence()) as u64),
+                    max_num_batched_tokens: 16,
+                    max_num_seqs: 6,
+                    max_model_len: Some(90),
+                    ..base.clone()
+                },
+            );
+            let mut e = engine_with(&fixture(DENSE), opts);
+            let got = run_requests(&mut e, &reqs, &arrivals);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g, w, "K={k} {kv_quant:?}: request {i} differs in a mixed batch with MTP drafts");
+            }
+            let s = &e.stats.spec;
+            eprintln!(
+                "mixed K={k} {kv_quant:?}: {} of {} accepted, {} preemptions",
+                s.num_accepted_tokens, s.num_draft_tokens, e.stats.preemptions
+            );
+            assert!(s.num_accepted_tokens > 0 && s.num_accepted_tokens < s.num_draft_tokens, "K={k}: both branches");
+            assert!(e.stats.preemptions > 0, "K={k}: the pool was meant to force preemption");
+        }
+    }
+}
