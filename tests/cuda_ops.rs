@@ -332,7 +332,7 @@ fn seeded_sampling_gives_the_cpu_tokens() {
     let _gpu = common::gpu_lock();
     // Plain, then with n-gram drafts: their rows are judged on the device (rejection sampling)
     // with the numbers the host takes, so the tokens are the host's.
-    let speculative = SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 };
+    let speculative = SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3, adaptive: false };
     for spec in [None, Some(speculative)] {
         for name in common::TINY_MODELS {
             let path = common::fixture(name);

@@ -176,7 +176,7 @@ fn spec_opts(k: usize, base: EngineOptions) -> EngineOptions {
 
 fn spec_opts_for(pair: Pair, k: usize, base: EngineOptions) -> EngineOptions {
     EngineOptions {
-        speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1 }),
+        speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1, adaptive: false }),
         drafter: Some(DraftSource::Assistant(fixture(pair.1))),
         ..base
     }

@@ -169,7 +169,7 @@ fn qwen35_kv_pool_covers_only_the_attention_layers() {
     }
     // Speculating 3 tokens, each sequence's state is kept 4 times (the live state, and the
     // state after each verified row but the last, to roll back to).
-    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 });
+    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3, adaptive: false });
     let opts = EngineOptions { speculative: spec, ..opts };
     let (_, report) = iris::engine::build::build_engine(&fixture("tiny-qwen3.5"), &device(), &opts).unwrap();
     assert_eq!(report.state_bytes_per_seq, 4 * cfg.state_bytes_per_sequence());
@@ -228,7 +228,8 @@ fn gemma4_shared_layers_compute_only_the_rows_read() {
 /// GPU it is refused at start, in one line that says what to do.
 #[test]
 fn qwen35_speculates_on_the_cpu_only() {
-    let spec = iris::engine::speculative::SpeculativeConfig { num_tokens: 2, lookup_min: 1, lookup_max: 3 };
+    let spec =
+        iris::engine::speculative::SpeculativeConfig { num_tokens: 2, lookup_min: 1, lookup_max: 3, adaptive: false };
     let opts =
         EngineOptions { kv_memory: Some(8 << 20), max_num_seqs: 4, speculative: Some(spec), ..Default::default() };
     let built = iris::engine::build::build_engine(&fixture("tiny-qwen3.5"), &device(), &opts);

@@ -24,7 +24,7 @@ const MOE: &str = "tiny-qwen3.5-moe-mtp";
 
 fn mtp_opts(k: usize, base: EngineOptions) -> EngineOptions {
     EngineOptions {
-        speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1 }),
+        speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1, adaptive: false }),
         drafter: Some(DraftSource::Mtp(MtpWeights::Checkpoint)),
         ..base
     }

@@ -330,7 +330,7 @@ fn turboquant_outputs_are_the_same_with_the_prefix_cache() {
 /// blocks are published.
 #[test]
 fn speculation_with_the_prefix_cache_keeps_outputs() {
-    let spec = Some(SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 });
+    let spec = Some(SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3, adaptive: false });
     check_text("tiny-llama", None, spec);
     check_text("tiny-qwen3", None, spec);
 }

@@ -16,7 +16,7 @@ use iris::engine::{Drafter, Engine, FinishReason, ReplayDrafter, Request, Sampli
 use iris::kv::{KvCacheSpec, KvDtype, TqBits};
 
 fn spec(k: usize) -> Option<SpeculativeConfig> {
-    Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 3 })
+    Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 3, adaptive: false })
 }
 
 /// Prompts with repeats in them (so prompt lookup finds matches), lengths 3..=45.

@@ -101,7 +101,7 @@ fn speculation_keeps_greedy_constrained_output() {
     let reqs = requests(&plain, false);
     let want = run_requests(&mut plain, &reqs, &[0; 10]);
     check_outputs(&plain, &reqs, &want);
-    let speculative = Some(SpeculativeConfig { num_tokens: 4, lookup_min: 1, lookup_max: 3 });
+    let speculative = Some(SpeculativeConfig { num_tokens: 4, lookup_min: 1, lookup_max: 3, adaptive: false });
     let mut spec = engine_with(&path, EngineOptions { kv_memory: Some(1 << 22), speculative, ..Default::default() });
     let reqs = requests(&spec, false);
     assert_eq!(run_requests(&mut spec, &reqs, &[0; 10]), want);

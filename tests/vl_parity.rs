@@ -199,7 +199,7 @@ fn check_greedy_turboquant(name: &str) {
 /// Speculation with n-gram drafts leaves the greedy tokens transformers', images and M-RoPE
 /// positions of the draft rows included.
 fn check_greedy_speculative(name: &str) {
-    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 });
+    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3, adaptive: false });
     let opts = EngineOptions { kv_memory: Some(1 << 20), max_num_seqs: 4, speculative: spec, ..Default::default() };
     let (got, stats) = greedy_outputs_and_stats(name, opts, false);
     assert!(stats.spec.num_draft_tokens > 0, "{name}: no draft was verified");
@@ -218,7 +218,7 @@ fn check_hybrid_speculative(name: &str) {
     check_greedy_speculative(name);
     // Drafts that are transformers' tokens with every fifth changed: accepted up to the
     // changed one, rejected there (n-gram drafts are rarely accepted on these random models).
-    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 });
+    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3, adaptive: false });
     let opts = EngineOptions { kv_memory: Some(1 << 20), max_num_seqs: 4, speculative: spec, ..Default::default() };
     let (got, stats) = greedy_outputs_and_stats(name, opts, true);
     let s = &stats.spec;
@@ -229,7 +229,7 @@ fn check_hybrid_speculative(name: &str) {
 }
 
 fn check_speculation_refused(name: &str) {
-    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3 });
+    let spec = Some(iris::engine::SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3, adaptive: false });
     let opts = EngineOptions { kv_memory: Some(1 << 20), speculative: spec, ..Default::default() };
     let err = match iris::engine::build::build_engine(&fixture(name), &device(), &opts) {
         Ok(_) => panic!("{name}: speculation was accepted"),

@@ -15,6 +15,7 @@ use super::runner::ModelRunner;
 use super::scheduler::SchedulerOutput;
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence, TextState};
+use super::spec_governor::SpecGovernor;
 use super::speculative::{Drafter, NgramDrafter, SpeculativeConfig};
 use super::stop::StopChecker;
 use crate::kv::prefix_cache::root_hash;
@@ -51,6 +52,8 @@ pub struct Engine {
     model_drafter: Option<ModelDrafter>,
     /// Drafts from the target's own MTP head (`mtp_drafter`).
     mtp: bool,
+    /// With adaptive speculation: whether drafts pay at the batch running (`spec_governor`).
+    governor: Option<SpecGovernor>,
     pub stats: EngineStats,
 }
 
@@ -87,6 +90,7 @@ impl Engine {
             next_id: 0,
             model_drafter: None,
             mtp: false,
+            governor: cfg.speculative.filter(|s| s.adaptive).map(|_| SpecGovernor::default()),
             stats: EngineStats::default(),
         }
     }
@@ -267,6 +271,7 @@ impl Engine {
 
     /// schedule -> execute -> apply.
     fn step_inner(&mut self) -> candle_core::Result<Vec<SeqUpdate>> {
+        let started = std::time::Instant::now();
         let plan = self.scheduler.schedule();
         self.stats.preemptions += plan.preempted.len() as u64;
         self.stats.prefix = self.scheduler.prefix_stats;
@@ -293,6 +298,13 @@ impl Engine {
             }
             None => None,
         };
+        // A step of decodes only is timed for the governor (prompt chunks would blur it).
+        let decodes = plan.items.iter().all(|item| item.num_new == 1);
+        let drafted = plan.items.iter().any(|item| item.num_draft > 0);
+        let produced: usize = tokens.iter().map(Vec::len).sum();
+        if let Some(g) = &mut self.governor {
+            self.output.set_drafting(g.wants_drafts(self.scheduler.num_running()));
+        }
         let updates = self.output.apply(&mut self.scheduler, &plan, tokens, &mut self.stats);
         if self.model_drafter.is_some() {
             self.draft_with_model(&plan, &last_rows)?;
@@ -307,6 +319,9 @@ impl Engine {
                     seq.draft = d;
                 }
             }
+        }
+        if let Some(g) = self.governor.as_mut().filter(|_| decodes) {
+            g.record(plan.items.len(), drafted, started.elapsed().as_secs_f64(), produced);
         }
         Ok(updates)
     }

@@ -24,6 +24,7 @@ pub mod scheduler;
 pub mod sequence;
 #[cfg(test)]
 mod spec_distribution;
+mod spec_governor;
 pub mod speculative;
 pub mod step_output;
 pub mod stop;

@@ -82,15 +82,22 @@ pub struct OutputProcessor {
     drafter: Option<Drafter>,
     /// Most draft tokens per step (`num_speculative_tokens`; the runner's graphs are sized by it).
     max_drafts: usize,
+    /// Whether the next step verifies drafts (`SpecGovernor`); none are proposed while not.
+    drafting: bool,
 }
 
 impl OutputProcessor {
     pub fn new(eos: Vec<u32>, max_model_len: usize, drafter: Option<Drafter>, max_drafts: usize) -> Self {
-        OutputProcessor { eos, max_model_len, drafter, max_drafts }
+        OutputProcessor { eos, max_model_len, drafter, max_drafts, drafting: true }
     }
 
     pub fn set_drafter(&mut self, drafter: Drafter) {
         self.drafter = Some(drafter);
+    }
+
+    /// Whether the next step verifies drafts (the engine's governor says).
+    pub fn set_drafting(&mut self, on: bool) {
+        self.drafting = on;
     }
 
     /// Drafts come from elsewhere (a drafter model, run by the engine).
@@ -101,7 +108,7 @@ impl OutputProcessor {
     /// How many tokens a sequence may draft for the next step: None unless it decodes; no
     /// more than can still be output, nor than fit in the model's context.
     pub fn draft_limit(&self, seq: &super::sequence::Sequence) -> Option<usize> {
-        if seq.num_uncomputed() != 1 {
+        if seq.num_uncomputed() != 1 || !self.drafting {
             return None;
         }
         let left = seq.params.max_tokens.saturating_sub(seq.output().len() + 1);

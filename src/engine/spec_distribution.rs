@@ -33,7 +33,12 @@ fn engine(fixture: &str, spec: bool) -> Engine {
     let opts = EngineOptions {
         kv_memory: Some(64 << 20),
         max_num_seqs: 256,
-        speculative: spec.then_some(SpeculativeConfig { num_tokens: DRAFTS, lookup_min: 1, lookup_max: 3 }),
+        speculative: spec.then_some(SpeculativeConfig {
+            num_tokens: DRAFTS,
+            lookup_min: 1,
+            lookup_max: 3,
+            adaptive: false,
+        }),
         ..Default::default()
     };
     build_engine(&path, &Device::Cpu, &opts).expect("the fixture builds").0

@@ -40,14 +40,19 @@ struct RawConfig {
     prompt_lookup_max: Option<usize>,
     prompt_lookup_min: Option<usize>,
     model: Option<std::path::PathBuf>,
+    adaptive: Option<bool>,
 }
 
-/// How to speculate: today n-gram drafts of up to `num_tokens` tokens.
+/// How to speculate: drafts of up to `num_tokens` tokens (n-gram lookup bounds for that
+/// drafter).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpeculativeConfig {
     pub num_tokens: usize,
     pub lookup_min: usize,
     pub lookup_max: usize,
+    /// Draft only where it pays at the batch size running (`spec_governor`): `"adaptive"` in
+    /// the JSON, on unless false.
+    pub adaptive: bool,
 }
 
 impl std::str::FromStr for SpeculativeConfig {
@@ -98,7 +103,11 @@ pub fn parse(s: &str) -> Result<(SpeculativeConfig, Option<DraftSource>), Specul
         if min == 0 || min > max {
             return Err(SpeculativeConfigError::Lookup { min, max });
         }
-        Ok((SpeculativeConfig { num_tokens: raw.num_speculative_tokens, lookup_min: min, lookup_max: max }, source))
+        let adaptive = raw.adaptive.unwrap_or(true);
+        Ok((
+            SpeculativeConfig { num_tokens: raw.num_speculative_tokens, lookup_min: min, lookup_max: max, adaptive },
+            source,
+        ))
     }
 }
 
@@ -194,7 +203,7 @@ mod tests {
     use super::*;
 
     fn drafter(k: usize, min: usize, max: usize) -> NgramDrafter {
-        NgramDrafter::new(SpeculativeConfig { num_tokens: k, lookup_min: min, lookup_max: max })
+        NgramDrafter::new(SpeculativeConfig { num_tokens: k, lookup_min: min, lookup_max: max, adaptive: false })
     }
 
     #[test]
@@ -203,7 +212,10 @@ mod tests {
             r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}"#
                 .parse()
                 .unwrap();
-        assert_eq!(c, SpeculativeConfig { num_tokens: 3, lookup_min: 2, lookup_max: 4 });
+        assert_eq!(c, SpeculativeConfig { num_tokens: 3, lookup_min: 2, lookup_max: 4, adaptive: true });
+        let c: SpeculativeConfig =
+            r#"{"method": "ngram", "num_speculative_tokens": 1, "adaptive": false}"#.parse().unwrap();
+        assert!(!c.adaptive);
         let c: SpeculativeConfig = r#"{"method": "ngram", "num_speculative_tokens": 2}"#.parse().unwrap();
         assert_eq!((c.lookup_min, c.lookup_max), (1, 4));
         let c: SpeculativeConfig =
