@@ -76,6 +76,16 @@ impl PassRows {
     }
 }
 
+/// The head's argmax token for each of its rows `h`.
+fn draft_tokens(model: &dyn TextModel, h: &Tensor) -> Result<Vec<u32>> {
+    let (logits, vocab) = model.mtp_logits(h)?;
+    let best: Vec<u32> = logits.argmax(1)?.to_vec1()?;
+    Ok(match vocab {
+        Some(ids) => best.iter().map(|&i| ids[i as usize]).collect(),
+        None => best,
+    })
+}
+
 /// Runs the head over the rows the step kept (`tokens[i]`: what the runner gave `plan.items[i]`;
 /// `hidden`: the step's final hidden rows, all of them), before the output processor applies
 /// them. Returns None when no row was kept.
@@ -140,7 +150,7 @@ pub fn propose(
     let dev = caught.rows.device().clone();
     let rows: Vec<u32> = drafting.iter().map(|d| d.1 as u32).collect();
     let mut h = caught.rows.index_select(&Tensor::new(rows.as_slice(), &dev)?, 0)?;
-    let mut last: Vec<u32> = model.logits(&h)?.argmax(1)?.to_vec1()?;
+    let mut last = draft_tokens(model, &h)?;
     let mut drafts: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
     let mrope = model.config().rope.mrope_section.is_some();
     for j in 1..drafting[0].3 {
@@ -151,7 +161,7 @@ pub fn propose(
             pass.push(seq, pos + j, &last[i..i + 1], std::iter::once(i as u32));
         }
         h = pass.run(model, kv, &h, mrope)?;
-        last = model.logits(&h)?.argmax(1)?.to_vec1()?;
+        last = draft_tokens(model, &h)?;
         for (d, &t) in drafts.iter_mut().zip(&last) {
             d.push(t);
         }

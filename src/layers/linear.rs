@@ -95,6 +95,24 @@ impl Linear {
         }
     }
 
+    /// A projection onto the output rows `ids` only (an MTP head's draft vocabulary). Quantized
+    /// rows are requantized to 8-bit blocks (Q8_0), which keeps the few bytes per row that make
+    /// a small head fast; None on a device that keeps matrices quantized (not supported there).
+    pub fn rows(&self, ids: &[u32]) -> Result<Option<Linear>> {
+        let w = match &self.w {
+            Matrix::Dense(w) => Matrix::Dense(w.index_select(&Tensor::new(ids, w.device())?, 0)?),
+            Matrix::Quantized(q) => {
+                let (_, cols) = q.dims();
+                let f = Tensor::from_vec(q.dequantize_rows(ids)?, (ids.len(), cols), &candle_core::Device::Cpu)?;
+                let q8 = QTensor::quantize(&f, candle_core::quantized::GgmlDType::Q8_0)?;
+                Matrix::Quantized(Arc::new(QMatrix::new(Arc::new(q8))?))
+            }
+            Matrix::DeviceQuantized(_) => return Ok(None),
+        };
+        let bias = self.bias.as_ref().map(|b| b.index_select(&Tensor::new(ids, b.device())?, 0)).transpose()?;
+        Ok(Some(Linear { w, bias }))
+    }
+
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
     }

@@ -4,6 +4,11 @@
 //! the token t_{p+1} it produced:
 //!   x = fc(concat(N_e(E[t_{p+1}]), N_h(h_p)));   m_p = N_m(Layer(x, position p))
 //! and lm_head(m_p) predicts t_{p+2}. The embedding table and the LM head are the target's.
+//!
+//! A head may come with a draft vocabulary (`mtp.draft_vocab`, token ids; an iris extension,
+//! the idea of FR-Spec and EAGLE-3's reduced vocabularies): drafts are then scored over those
+//! tokens only, which makes the head's LM-head product, the larger part of a small model's
+//! draft step, that much smaller. Drafts are verified as always, so outputs do not change.
 
 use candle_core::{Result, Tensor};
 
@@ -20,6 +25,8 @@ pub struct MtpHead<L> {
     /// The decoder layer, built by the family (`mtp.layers.0`); its cache layer is the first
     /// after the decoder's (`TextConfig::num_layers`).
     pub layer: L,
+    /// With a draft vocabulary: the LM head's rows of its tokens, and the tokens.
+    draft_head: Option<(Linear, Vec<u32>)>,
 }
 
 impl<L> MtpHead<L> {
@@ -30,6 +37,7 @@ impl<L> MtpHead<L> {
         w: &Weights,
         cfg: &TextConfig,
         style: NormStyle,
+        lm_head: &Linear,
         layer: impl FnOnce(&str, usize) -> std::result::Result<L, WeightsError>,
     ) -> std::result::Result<Option<Self>, WeightsError> {
         if cfg.mtp_layers == 0 {
@@ -43,6 +51,7 @@ impl<L> MtpHead<L> {
             fc: Linear::load(w, "mtp.fc", 2 * h, h, false)?,
             norm: norm("norm")?,
             layer: layer("mtp.layers.0", cfg.num_layers)?,
+            draft_head: draft_head(w, cfg, lm_head)?,
         }))
     }
 
@@ -57,4 +66,33 @@ impl<L> MtpHead<L> {
     pub fn output(&self, x: &Tensor) -> Result<Tensor> {
         self.norm.forward(x)
     }
+
+    /// Draft logits of the head's rows `m`: over the draft vocabulary (with its tokens) when
+    /// the head has one, else the target's whole LM head's (`full`).
+    pub fn draft_logits(
+        &self,
+        m: &Tensor,
+        full: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Option<&[u32]>)> {
+        match &self.draft_head {
+            Some((head, ids)) => Ok((head.forward(m)?.to_dtype(candle_core::DType::F32)?, Some(ids))),
+            None => Ok((full(m)?, None)),
+        }
+    }
+}
+
+/// `mtp.draft_vocab`'s rows of `lm_head`, when the head has that tensor.
+fn draft_head(
+    w: &Weights,
+    cfg: &TextConfig,
+    lm_head: &Linear,
+) -> std::result::Result<Option<(Linear, Vec<u32>)>, WeightsError> {
+    const NAME: &str = "mtp.draft_vocab";
+    let Some(shape) = w.shape_of(NAME) else { return Ok(None) };
+    let bad = |msg: String| WeightsError::BadTensor { name: NAME.into(), origin: w.origin_of(NAME).to_path_buf(), msg };
+    let ids: Vec<u32> = w.dense_f32(NAME, &shape)?.flatten_all()?.to_vec1::<f32>()?.iter().map(|&v| v as u32).collect();
+    if shape.len() != 1 || ids.is_empty() || ids.iter().any(|&t| t as usize >= cfg.vocab_size) {
+        return Err(bad(format!("must be a list of token ids below the vocabulary's {}", cfg.vocab_size)));
+    }
+    Ok(lm_head.rows(&ids)?.map(|h| (h, ids)))
 }

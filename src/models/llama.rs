@@ -68,6 +68,7 @@ impl Llama {
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
         let embed = Embedding::load(w, "model.embed_tokens.weight", cfg.vocab_size, h)?;
         let lm_head = embed.output_head(w, cfg.tie_word_embeddings, cfg.vocab_size, h)?;
+        let mtp = MtpHead::load(w, &cfg, NormStyle::Plain, &lm_head, |p, i| Layer::load(w, &cfg, p, i))?;
         Ok(Llama {
             embed,
             layers,
@@ -78,7 +79,7 @@ impl Llama {
                 w.dtype(),
                 cfg.max_position_embeddings,
             )?,
-            mtp: MtpHead::load(w, &cfg, NormStyle::Plain, |p, i| Layer::load(w, &cfg, p, i))?,
+            mtp,
             dtype: w.dtype(),
             device: w.device().clone(),
             cfg,
@@ -118,6 +119,11 @@ impl TextModel for Llama {
         let rot = self.rotary.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
         let x = mtp.input(&self.embed.forward(&batch.token_ids, self.dtype)?, hidden)?;
         mtp.output(&mtp.layer.forward(&x, &rot, kv.layer(self.cfg.num_layers), &batch.attn)?)
+    }
+
+    fn mtp_logits(&self, m: &Tensor) -> Result<(Tensor, Option<&[u32]>)> {
+        let Some(mtp) = &self.mtp else { candle_core::bail!("this model was loaded without its MTP head") };
+        mtp.draft_logits(m, |m| self.logits(m))
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {

@@ -38,6 +38,12 @@ pub trait TextModel: Send {
         candle_core::bail!("{} has no MTP head", self.config().arch.name())
     }
 
+    /// Draft logits `[N, V]` (f32) of MTP head rows: over the whole vocabulary (None), or over
+    /// the head's draft vocabulary, whose tokens are given.
+    fn mtp_logits(&self, _m: &Tensor) -> Result<(Tensor, Option<&[u32]>)> {
+        candle_core::bail!("{} has no MTP head", self.config().arch.name())
+    }
+
     /// The input embeddings `[T, hidden]` of token ids, as the first layer reads them (a
     /// drafter model reads the target's). Only models with such a drafter have it.
     fn input_embeddings(&self, _ids: &Tensor) -> Result<Tensor> {

@@ -118,6 +118,7 @@ impl Qwen35 {
             .collect::<std::result::Result<Vec<_>, WeightsError>>()?;
         let embed = Embedding::load(w, "model.embed_tokens.weight", cfg.vocab_size, h)?;
         let lm_head = embed.output_head(w, cfg.tie_word_embeddings, cfg.vocab_size, h)?;
+        let mtp = MtpHead::load(w, &cfg, style, &lm_head, |p, i| Layer::load(w, &cfg, p, i, style))?;
         Ok(Qwen35 {
             embed,
             layers,
@@ -128,7 +129,7 @@ impl Qwen35 {
                 w.dtype(),
                 cfg.max_position_embeddings,
             )?,
-            mtp: MtpHead::load(w, &cfg, style, |p, i| Layer::load(w, &cfg, p, i, style))?,
+            mtp,
             dtype: w.dtype(),
             device: w.device().clone(),
             cfg,
@@ -161,6 +162,11 @@ impl TextModel for Qwen35 {
         let rot = self.rotary.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
         let x = mtp.input(&self.embed.forward(&batch.token_ids, self.dtype)?, hidden)?;
         mtp.output(&mtp.layer.forward(&x, &rot, kv.layer(self.cfg.num_layers), &batch.attn, None)?)
+    }
+
+    fn mtp_logits(&self, m: &Tensor) -> Result<(Tensor, Option<&[u32]>)> {
+        let Some(mtp) = &self.mtp else { candle_core::bail!("this model was loaded without its MTP head") };
+        mtp.draft_logits(m, |m| self.logits(m))
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {

@@ -121,6 +121,14 @@ impl Weights {
         }
     }
 
+    /// The stored shape of a safetensors tensor (None if absent, or in a GGUF).
+    pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        match (&self.source, self.sidecar_for(name)) {
+            (_, Some(s)) | (Source::Safetensors(s), None) => s.shape_of(name),
+            (Source::Gguf(_), None) => None,
+        }
+    }
+
     /// A tensor as stored, shape-checked: dense ones on the device, quantized matrices (GGUF
     /// blocks, MLX affine) on the host as they are.
     pub fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, WeightsError> {
