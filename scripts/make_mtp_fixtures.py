@@ -1,13 +1,20 @@
 #!/usr/bin/env python3
 """Fixtures for Qwen3.5 MTP (multi-token prediction) drafting, with a reference from transformers' classes.
 
-    tests/fixtures/tiny-qwen3.5-mtp/       tiny-qwen3.5 (shard 1, unchanged) + a random MTP head
+    tests/fixtures/tiny-qwen3.5-mtp/       tiny-qwen3.5 (shard 1, unchanged) + a trained MTP head
                                            (`mtp.*`, shard 2), `mtp_num_hidden_layers: 1`
     tests/fixtures/tiny-qwen3.5-moe-mtp/   tiny-qwen3.5-moe (VLM layout) + an MoE MTP head, top-level
                                            `mtp.*` keys (as real Qwen3.5 VLM checkpoints store them)
     tests/fixtures/mlx/qwen3.5-mtp-4bit/   mlx-vlm's 4-bit conversion of tiny-qwen3.5-mtp (main model,
                                            with two per-layer overrides) + the MTP head quantized by
                                            mx.quantize in a sidecar `model-mtp.safetensors`
+
+Each head starts random (seeded) and is trained for a few seconds (train_head: self-distillation of
+draft 1 and the chained draft 2 on the target's greedy continuations of TRAIN["prompts"] random prompts
+plus the reference tokens, stopped once the training prompts' position-1 acceptance reaches
+TRAIN["stop_at"]), so engine tests see accepted and rejected drafts on those prompts (listed in
+reference_mtp.json `training.train_sequences`). The tiny random targets are chaotic: on held-out random
+prompts acceptance stays ~0.5% (in `acceptance`), so test on the training prompts.
 
 The MTP head, for the pair (h_p, t_{p+1}) at position p (h_p = the target's post-final-norm hidden
 state, E = the shared embedding, no scaling):
