@@ -1,13 +1,20 @@
 #!/usr/bin/env python3
 """Fixtures for Qwen3.5 MTP (multi-token prediction) drafting, with a reference from transformers' classes.
 
-    tests/fixtures/tiny-qwen3.5-mtp/       tiny-qwen3.5 (shard 1, unchanged) + a random MTP head
+    tests/fixtures/tiny-qwen3.5-mtp/       tiny-qwen3.5 (shard 1, unchanged) + a trained MTP head
                                            (`mtp.*`, shard 2), `mtp_num_hidden_layers: 1`
     tests/fixtures/tiny-qwen3.5-moe-mtp/   tiny-qwen3.5-moe (VLM layout) + an MoE MTP head, top-level
                                            `mtp.*` keys (as real Qwen3.5 VLM checkpoints store them)
     tests/fixtures/mlx/qwen3.5-mtp-4bit/   mlx-vlm's 4-bit conversion of tiny-qwen3.5-mtp (main model,
                                            with two per-layer overrides) + the MTP head quantized by
                                            mx.quantize in a sidecar `model-mtp.safetensors`
+
+Each head starts random (seeded) and is trained for a few seconds (train_head: self-distillation of
+draft 1 and the chained draft 2 on the target's greedy continuations of TRAIN["prompts"] random prompts
+plus the reference tokens, stopped once the training prompts' position-1 acceptance reaches
+TRAIN["stop_at"]), so engine tests see accepted and rejected drafts on those prompts (listed in
+reference_mtp.json `training.train_sequences`). The tiny random targets are chaotic: on held-out random
+prompts acceptance stays ~0.5% (in `acceptance`), so test on the training prompts.
 
 The MTP head, for the pair (h_p, t_{p+1}) at position p (h_p = the target's post-final-norm hidden
 state, E = the shared embedding, no scaling):
@@ -66,6 +73,12 @@ MAIN_OVERRIDES = {
     "language_model.model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 6},
 }
 GLOBAL_Q = {"group_size": 64, "bits": 4}
+
+# The MTP head is trained briefly (self-distillation, see train_head) so that its greedy drafts are
+# accepted often enough for engine tests to see both accepted and rejected drafts.
+PROMPT_LEN, N_NEW = (3, 40), 24  # random-token prompts, greedy continuation length
+TRAIN = {"prompts": 64, "heldout_prompts": 64, "max_steps": 600, "stop_at": 0.6, "lr": 3e-3, "chain_weight": 0.5,
+         "prompt_seed": 1000, "heldout_seed": 2000}
 
 
 def is_norm(key):
@@ -152,6 +165,68 @@ def torch_main(args):
             x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], -1))
             return self.norm(self.decoder(x, positions))
 
+        def layer_masked(self, x, positions, allowed):
+            """The decoder layer over x [B, T, H] at `positions` [T] with the boolean mask `allowed` [T, T]."""
+            b = x.shape[0]
+            pe = self.rotary(x, positions.view(1, 1, -1).expand(3, b, -1))
+            mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            return self.layer(x, position_embeddings=pe, attention_mask=mask[None, None],
+                              position_ids=positions[None].expand(b, -1))
+
+        def chained(self, embed, ids, hidden):
+            """Drafts 1 and 2 for every pair, in two passes (B sequences, right-padded: causal).
+
+            Draft 1 at pair p: (hidden[p], ids[p+1]) at position p, over pairs 0..p -> m1[p] (for ids[p+2]).
+            Draft 2 chains it: (m1[p], ids[p+2]) at position p+1, over pairs 0..p and itself -> m2[p]
+            (for ids[p+3]); the token is the true ids[p+2], which is draft 1 whenever draft 1 is accepted."""
+            t = ids.shape[1] - 1
+            x1 = self.fc(torch.cat([self.pre_fc_norm_embedding(embed[ids[:, 1:]]),
+                                    self.pre_fc_norm_hidden(hidden[:, :-1])], -1))
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            m1 = self.norm(self.layer_masked(x1, torch.arange(t), causal))
+            x2 = self.fc(torch.cat([self.pre_fc_norm_embedding(embed[ids[:, 2:]]),
+                                    self.pre_fc_norm_hidden(m1[:, :-1])], -1))
+            allowed = torch.zeros(2 * t - 1, 2 * t - 1, dtype=torch.bool)
+            allowed[:t, :t] = causal
+            allowed[t:, :t - 1] = causal[:t - 1, :t - 1]  # chained pair p sees pairs 0..p ...
+            allowed[t:, t:] = torch.eye(t - 1, dtype=torch.bool)  # ... and itself
+            pos = torch.cat([torch.arange(t), torch.arange(1, t)])
+            m2 = self.norm(self.layer_masked(torch.cat([x1, x2], 1), pos, allowed)[:, t:])
+            return m1, m2
+
+        def export(self):
+            """The modules' weights as `mtp.*` tensors in the HF layout (per-expert MoE weights)."""
+            out = {}
+            for k, v in self.state_dict().items():
+                v = v.detach().clone().contiguous()
+                if k == "layer.mlp.experts.gate_up_proj":
+                    i = v.shape[1] // 2
+                    for e in range(v.shape[0]):
+                        out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = v[e, :i].clone()
+                        out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = v[e, i:].clone()
+                elif k == "layer.mlp.experts.down_proj":
+                    for e in range(v.shape[0]):
+                        out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = v[e].clone()
+                else:
+                    out["mtp." + (k.replace("layer.", "layers.0.", 1) if k.startswith("layer.") else k)] = v
+            return out
+
+        def stepped_chain(self, embed, ids, hidden, p):
+            """Draft 2 at pair p the decode way: pairs 0..p one at a time into a DynamicCache, then
+            (m_p, ids[p+2]) at position p+1."""
+            from transformers import DynamicCache
+            cache = DynamicCache()
+
+            def step(e, h, q):
+                x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(h)], -1))
+                pos = torch.tensor([q])
+                pe = self.rotary(x, pos.view(1, 1, -1).expand(3, 1, -1))
+                return self.norm(self.layer(x, position_embeddings=pe, attention_mask=None,
+                                            position_ids=pos[None], cache=cache))
+            for q in range(p + 1):
+                m = step(embed[ids[q + 1]][None, None], hidden[q][None, None], q)
+            return step(embed[ids[p + 2]][None, None], m, p + 1)[0, 0]
+
         def stepped(self, emb, hidden):
             """Pair by pair with transformers' DynamicCache (decode form), positions 0, 1, ..."""
             from transformers import DynamicCache
@@ -209,7 +284,97 @@ def torch_main(args):
     def rel(a, b):
         return float((a - b).abs().max() / b.abs().max())
 
+    def random_prompts(n, seed, vocab):
+        """n prompts of random token ids, lengths PROMPT_LEN."""
+        gen = torch.Generator().manual_seed(seed)
+        lens = torch.randint(PROMPT_LEN[0], PROMPT_LEN[1] + 1, (n,), generator=gen)
+        return [torch.randint(0, vocab, (int(n),), generator=gen) for n in lens]
+
+    def greedy_batch(tm, lm_head, prompts):
+        """The target's greedy continuations (N_NEW tokens) of `prompts`, batched right-padded (causal:
+        the padding never reaches a real position), and its hidden states over the result.
+        Returns ids [B, L] (pad 0), prompt lengths [B], hidden [B, L, H]."""
+        lens = torch.tensor([len(q) for q in prompts])
+        ids = torch.zeros(len(prompts), int(lens.max()) + N_NEW, dtype=torch.int64)
+        for i, q in enumerate(prompts):
+            ids[i, :len(q)] = q
+        rows, cur = torch.arange(len(prompts)), lens.clone()
+        with torch.no_grad():
+            for _ in range(N_NEW):
+                h = tm(input_ids=ids[:, :int(cur.max())]).last_hidden_state
+                ids[rows, cur] = lm_head(h[rows, cur - 1]).argmax(-1)
+                cur += 1
+            hidden = tm(input_ids=ids).last_hidden_state
+        return ids, lens, hidden
+
+    def draft_masks(ids, lens, first):
+        """Pairs p (rows of m1 / m2) whose draft targets are continuation tokens: p >= P - first
+        (first = 2: the pair that predicts the first generated token, for training; 1: the first draft
+        a decoder makes, after prefill), and ids[p+2] (draft 1) / ids[p+3] (draft 2) inside the sequence."""
+        t = ids.shape[1] - 1
+        p = torch.arange(t)[None]
+        start, end = (lens - first)[:, None], (lens + N_NEW)[:, None]  # end: sequence length
+        return ((p >= start) & (p + 2 < end))[:, :t - 1], ((p >= start) & (p + 3 < end))[:, :t - 2]
+
+    def acceptance(head, embed, ids, lens, hidden):
+        """Greedy acceptance of drafts 1 and 2 against the target's own greedy tokens, from the first
+        draft after prefill: position 1 (draft 1 = ids[p+2]), position 2 (both drafts accepted) and
+        position 2 given position 1."""
+        with torch.no_grad():
+            m1, m2 = head.chained(embed, ids, hidden)
+            d1, d2 = (m1[:, :-1] @ embed.T).argmax(-1), (m2[:, :-1] @ embed.T).argmax(-1)
+        v1, v2 = draft_masks(ids, lens, 1)
+        ok1 = d1 == ids[:, 2:]
+        ok2 = ok1[:, :-1] & (d2 == ids[:, 3:])
+        a1 = float(ok1[v1].float().mean())
+        a2 = float(ok2[v2].float().mean())
+        return {"position_1": round(a1, 4), "position_2": round(a2, 4),
+                "position_2_given_1": round(float(ok2[v2].sum() / ok1[:, :-1][v2].sum()), 4),
+                "drafts_1": int(v1.sum()), "drafts_2": int(v2.sum())}
+
+    def train_head(head, embed, ids, lens, hidden):
+        """Self-distillation: cross-entropy of draft 1 (pair p -> ids[p+2]) and of the chained draft 2
+        (-> ids[p+3]) to the target's greedy continuation tokens; full batch, Adam; the target (hidden
+        states, embedding = tied LM head) frozen. Stops once the training prompts' position-1 acceptance
+        reaches TRAIN["stop_at"] (checked every 10 steps), so that their drafts are partly rejected."""
+        v1, v2 = draft_masks(ids, lens, 2)
+        opt = torch.optim.Adam([q for q in head.parameters()], lr=TRAIN["lr"])
+        for step in range(TRAIN["max_steps"]):
+            if step % 10 == 0 and acceptance(head.eval(), embed, ids, lens, hidden)["position_1"] >= TRAIN["stop_at"]:
+                break
+            head.train()
+            m1, m2 = head.chained(embed, ids, hidden)
+            loss = (torch.nn.functional.cross_entropy((m1[:, :-1] @ embed.T)[v1], ids[:, 2:][v1])
+                    + TRAIN["chain_weight"] * torch.nn.functional.cross_entropy((m2[:, :-1] @ embed.T)[v2],
+                                                                                ids[:, 3:][v2]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        head.eval()
+        return step, float(loss.detach())
+
+    def training_info(steps, final_loss, train):
+        return {"method": "self-distillation: cross-entropy of draft 1 (pair p -> t_{p+2}) and of the chained "
+                          "draft 2 ((m_p, t_{p+2}) at position p+1 -> t_{p+3}, weight chain_weight) to the "
+                          "target's own greedy tokens, pairs from the one predicting the first generated "
+                          "token on; full batch, Adam, only mtp.* trained (target, tied embedding frozen), "
+                          "from the random init; stops at the first multiple of 10 steps where the training "
+                          "prompts' position-1 acceptance is >= stop_at",
+                "prompt_len": list(PROMPT_LEN), "continuation": N_NEW,
+                **TRAIN, "steps": steps, "final_loss": round(final_loss, 4),
+                "train_sequences": [{"prompt": " ".join(map(str, ids[:n].tolist())),
+                                     "continuation": " ".join(map(str, ids[n:n + N_NEW].tolist()))}
+                                    for ids, n in zip(train[0], train[1].tolist())],
+                "acceptance_defs": "greedy; over the drafts a decoder makes (from the first draft after "
+                                   "prefill); position_1: draft 1 == target's token; position_2: drafts 1 "
+                                   "and 2 both accepted; position_2_given_1: position_2 / position_1 over "
+                                   "the same drafts; train: train_sequences (the first prompt is the source "
+                                   "reference's tokens, the rest random from prompt_seed + seed); heldout: "
+                                   "random prompts from heldout_seed + seed"}
+
     def make(kind, seed):
+        import time
+        t0 = time.time()
         src_name = "tiny-qwen3.5" if kind == "dense" else "tiny-qwen3.5-moe"
         name = src_name + "-mtp"
         src, out = os.path.join(FIX, src_name), os.path.join(FIX, name)
@@ -264,6 +429,27 @@ def torch_main(args):
         d_layer3 = float((y - seen["out"]).abs().max())
         assert d_layer3 < 1e-6, d_layer3
 
+        # ---- training (self-distillation on the target's greedy continuations), then shard 2 again
+        embed = tm.embed_tokens.weight.detach()
+        head = MtpHead(tcfg, layer_cls, norm_cls, rope_cls).load(mtp)
+        vocab = embed.shape[0]
+        # the training prompts: the source reference's tokens, then random ones
+        train = greedy_batch(tm, model.lm_head, [tokens] + random_prompts(TRAIN["prompts"],
+                                                                          seed + TRAIN["prompt_seed"], vocab))
+        held = greedy_batch(tm, model.lm_head, random_prompts(TRAIN["heldout_prompts"], seed + TRAIN["heldout_seed"],
+                                                              vocab))
+        accept = {"random_init_heldout": acceptance(head.eval(), embed, *held)}
+        steps, final_loss = train_head(head, embed, *train)
+        mtp = head.export()
+        assert sorted(mtp) == sorted(random_mtp(main, lm, hidden_size, seed)), "export keys"
+        save_file(mtp, os.path.join(out, shard2), metadata={"format": "pt"})
+        write_index(os.path.join(out, "model.safetensors.index.json"), [(shard1, main), (shard2, mtp)])
+        # the figures from the head as saved
+        saved = MtpHead(tcfg, layer_cls, norm_cls, rope_cls).load(load_shard_keys(os.path.join(out, shard2))).eval()
+        accept["train"] = acceptance(saved, embed, *train)
+        accept["heldout"] = acceptance(saved, embed, *held)
+        print(f"{name}: steps {steps} loss {final_loss:.4f} acceptance {accept} ({time.time() - t0:.1f} s)", flush=True)
+
         # ---- the reference
         head = MtpHead(tcfg, layer_cls, norm_cls, rope_cls).load(load_shard_keys(os.path.join(out, shard2))).eval()
         emb_table = tm.embed_tokens.weight
@@ -273,15 +459,20 @@ def torch_main(args):
             m = head(emb, hidden[None, :-1], torch.arange(n - 1))[0]
             mtp_logits = m @ emb_table.T
             m_step = head.stepped(emb, hidden[None, :-1])[0]
+            _, m2 = head.chained(emb_table, tokens[None], hidden[None])
+            d_chain = max(float((head.stepped_chain(emb_table, tokens, hidden, p) - m2[0, p]).abs().max())
+                          for p in (0, n // 2, n - 3))
         ref = {"tokens": tokens.contiguous(), "hidden": hidden.contiguous(), "mtp_hidden": m.contiguous(),
                "mtp_logits": mtp_logits.contiguous()}
         checks = {
+            "chained_draft2_two_pass_vs_stepped_dynamic_cache_max_abs_diff": d_chain,
             "target_logits_vs_source_reference_max_rel_diff": d_src,
             "self_check_layer3_weights_vs_main_layer3_output_max_abs_diff": d_layer3,
             "stepped_with_dynamic_cache_vs_causal_pass_mtp_hidden_max_abs_diff": float((m_step - m).abs().max()),
         }
         return out, ref, checks, {"kind": kind, "seed": seed, "source": f"tests/fixtures/{src_name}",
-                                  "hidden_size": hidden_size, "n_mtp_tensors": len(mtp)}
+                                  "hidden_size": hidden_size, "n_mtp_tensors": len(mtp),
+                                  "training": training_info(steps, final_loss, train), "acceptance": accept}, (train, held)
 
     def save_ref(out, ref, info):
         save_file(ref, os.path.join(out, "reference_mtp.safetensors"),
@@ -296,10 +487,13 @@ def torch_main(args):
         chmod_files(out)
 
     results = {}
+    held = {}
     for kind, seed in (("dense", 360), ("moe", 361)):
-        out, ref, checks, info = make(kind, seed)
+        out, ref, checks, info, held[kind] = make(kind, seed)
         results[kind] = (out, ref, checks, info)
         print(f"{os.path.basename(out)}: N={ref['tokens'].shape[0]} checks={checks}", flush=True)
+    if args.train_only:
+        return
 
     # ---- MLX: conversion, sidecar, mlx hidden states and mlx-vlm's drafter, in the mlx venv
     with tempfile.TemporaryDirectory() as tmp:
@@ -349,6 +543,12 @@ def torch_main(args):
     assert checks["mlx_vlm_drafter_quantized_vs_reference_mtp_logits_max_rel_diff"] < 1e-4, checks
     info = dict(mlx_info["info"])
     info["checks"] = checks
+    # the quantized head against the FLOAT target's greedy sequences (the quantized target's own greedy
+    # continuations differ; these figures show what quantizing the head costs)
+    info["acceptance_dequantized_head_on_float_target_sequences"] = {
+        "train": acceptance(head, emb_table, *held["dense"][0]),
+        "heldout": acceptance(head, emb_table, *held["dense"][1])}
+    print(f"mlx/{MLX_NAME}: acceptance {info['acceptance_dequantized_head_on_float_target_sequences']}")
     save_ref(out, ref, info)
     print(f"mlx/{MLX_NAME}: N={tokens.shape[0]} checks={checks}", flush=True)
 
@@ -520,4 +720,6 @@ if __name__ == "__main__":
     else:
         ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         ap.add_argument("--mlx-python", default=os.environ.get("MLX_PYTHON", "/work/venv-mlx/bin/python"))
+        ap.add_argument("--train-only", action="store_true",
+                        help="stop after the float fixtures' heads (leaves the fixtures half-made)")
         torch_main(ap.parse_args())
