@@ -42,8 +42,39 @@ pub struct LoadedModel {
     pub vision: Option<Arc<dyn VisionModel>>,
     pub tokenizer: Arc<TextTokenizer>,
     pub location: ModelLocation,
-    /// Bytes of weights as stored in memory (quantized sizes for GGUF).
-    pub weight_bytes: u64,
+    /// Bytes of weights the model holds, measured at load.
+    pub held: HeldBytes,
+}
+
+/// Bytes of weights held in memory, as the store handed them out (dense tensors in the dtype
+/// they were converted to, quantized matrices in their own format), by the part that took
+/// them. The text model (with an MTP head when drafting with one) is the same whether or not
+/// a vision tower is loaded beside it: image and text-only requests run through it alike.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldBytes {
+    pub text: u64,
+    /// 0 when no tower was loaded (a text-only model, or `--limit-mm-per-prompt` image 0).
+    pub vision: u64,
+}
+
+impl HeldBytes {
+    pub fn total(&self) -> u64 {
+        self.text + self.vision
+    }
+
+    /// "12.3 MB of weights (text model 10.1 MB, vision tower 2.2 MB)".
+    pub fn summary(&self) -> String {
+        let mb = |b: u64| b as f64 / 1e6;
+        if self.vision == 0 {
+            return format!("{:.1} MB of weights", mb(self.text));
+        }
+        format!(
+            "{:.1} MB of weights (text model {:.1} MB, vision tower {:.1} MB)",
+            mb(self.total()),
+            mb(self.text),
+            mb(self.vision)
+        )
+    }
 }
 
 impl LoadedModel {
@@ -87,8 +118,21 @@ pub fn load_model(
     dtype: DType,
     mtp: Option<&MtpWeights>,
 ) -> Result<LoadedModel, LoadError> {
+    load_model_parts(path, tokenizer, device, dtype, mtp, true)
+}
+
+/// As `load_model`; without `vision`, a vision-language checkpoint's tower is not loaded at
+/// all (`--limit-mm-per-prompt '{"image": 0}'`): its language model alone, from the same store.
+pub fn load_model_parts(
+    path: &Path,
+    tokenizer: Option<&Path>,
+    device: &Device,
+    dtype: DType,
+    mtp: Option<&MtpWeights>,
+    vision: bool,
+) -> Result<LoadedModel, LoadError> {
     let loc = ModelLocation::resolve(path)?;
-    let (mut weights, mut cfg, tokenizer, weight_bytes) = match &loc {
+    let (mut weights, mut cfg, tokenizer) = match &loc {
         ModelLocation::HfDir(dir) => {
             let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
             merge_generation_config(dir, &mut cfg);
@@ -97,9 +141,8 @@ pub fn load_model(
                 None => TextTokenizer::from_dir(dir)?,
             };
             let st = SafetensorsDir::open(dir)?;
-            let bytes = st.files().iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
             let mlx = mlx_quantization(&dir.join("config.json"))?;
-            (Weights::from_safetensors(st, device.clone(), dtype).with_mlx_quantization(mlx), cfg, tok, bytes)
+            (Weights::from_safetensors(st, device.clone(), dtype).with_mlx_quantization(mlx), cfg, tok)
         }
         ModelLocation::Gguf(file) => {
             let g = GgufFile::open(file)?;
@@ -109,8 +152,7 @@ pub fn load_model(
                 None => TextTokenizer::from_gguf(g.content())
                     .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?,
             };
-            let bytes = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
-            (Weights::from_gguf(g, device.clone(), dtype), cfg, tok, bytes)
+            (Weights::from_gguf(g, device.clone(), dtype), cfg, tok)
         }
     };
     cfg.mtp_layers = match mtp {
@@ -121,11 +163,13 @@ pub fn load_model(
         }
     };
     let model = load_text_model(&weights, &cfg)?;
+    let text = weights.held_bytes();
     let vision = match &loc {
-        ModelLocation::HfDir(dir) => load_vision_model(&weights, dir, &cfg)?,
-        ModelLocation::Gguf(_) => None,
+        ModelLocation::HfDir(dir) if vision => load_vision_model(&weights, dir, &cfg)?,
+        _ => None,
     };
-    Ok(LoadedModel { model, vision, tokenizer: Arc::new(tokenizer), location: loc, weight_bytes })
+    let held = HeldBytes { text, vision: weights.held_bytes() - text };
+    Ok(LoadedModel { model, vision, tokenizer: Arc::new(tokenizer), location: loc, held })
 }
 
 /// `weights` able to serve the MTP head `mtp` names, checked to hold one.

@@ -190,6 +190,11 @@ pub struct EngineArgs {
     /// Turns automatic prefix caching off.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// Most media items per request, as vLLM takes it: '{"image": N}'. A request with more
+    /// images gets 400. '{"image": 0}' serves a vision-language checkpoint as a text model:
+    /// its vision tower is not loaded at all. (video and audio: iris has none; 0 only.)
+    #[arg(long)]
+    pub limit_mm_per_prompt: Option<String>,
 }
 
 impl EngineArgs {
@@ -243,6 +248,10 @@ impl EngineArgs {
             },
             // From `ModelArg::resolve`, which may download it.
             tokenizer: None,
+            image_limit: match &self.limit_mm_per_prompt {
+                Some(s) => crate::engine::mm_limit::parse(s)?,
+                None => None,
+            },
         })
     }
 }

@@ -1,9 +1,10 @@
+use anyhow::Context;
 use clap::Args;
 
 use super::args::ModelArg;
 use crate::config::LayerKind;
 use crate::kv::{KvCacheSpec, KvDtype, TqBits, TqSpec};
-use crate::loader::{mlx_quantization, read_config};
+use crate::loader::{load_model_parts, mlx_quantization, read_config};
 use crate::simd::Isa;
 use crate::weights::{footprint, GgufFile, ModelLocation, SafetensorsDir};
 
@@ -11,6 +12,17 @@ use crate::weights::{footprint, GgufFile, ModelLocation, SafetensorsDir};
 pub struct InspectArgs {
     #[command(flatten)]
     pub model: ModelArg,
+    /// Also load the weights (on the CPU) and print the bytes the loaded model holds, text
+    /// model and vision tower apart: what `serve` holds with the same --dtype and
+    /// --limit-mm-per-prompt (dense weights widened to the dtype, quantized ones as they are).
+    #[arg(long)]
+    pub load: bool,
+    /// With --load: the dtype dense weights are converted to (f32, bf16 or f16).
+    #[arg(long, default_value = "f32", requires = "load")]
+    pub dtype: String,
+    /// With --load: as `serve` takes it; '{"image": 0}' leaves the vision tower out.
+    #[arg(long, requires = "load")]
+    pub limit_mm_per_prompt: Option<String>,
 }
 
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
@@ -18,6 +30,15 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let path = model.path;
     let (loc, cfg) = read_config(&path)?;
     // Everything that can fail is read before anything is printed.
+    let held = if a.load {
+        let dtype = super::args::parse_dtype(&a.dtype).with_context(|| format!("--dtype {}", a.dtype))?;
+        let images = a.limit_mm_per_prompt.as_deref().map(crate::engine::mm_limit::parse).transpose()?.flatten();
+        let tok = model.tokenizer.as_deref();
+        let loaded = load_model_parts(&path, tok, &candle_core::Device::Cpu, dtype, None, images != Some(0))?;
+        Some((loaded.held, a.dtype.clone()))
+    } else {
+        None
+    };
     let mut vision_params = 0u64;
     let shares;
     let format = match &loc {
@@ -138,7 +159,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     println!("format:           {format}");
     let (bytes, weights) = shares.iter().fold((0, 0), |(b, w), s| (b + s.bytes, w + s.weights));
     println!(
-        "weight bytes:     {bytes} ({:.2} bits per weight over {weights} weights)",
+        "weight bytes:     {bytes} as stored ({:.2} bits per weight over {weights} weights)",
         8.0 * bytes as f64 / weights.max(1) as f64
     );
     for s in &shares {
@@ -149,6 +170,14 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
             s.tensors,
             s.weights,
             s.bytes
+        );
+    }
+    if let Some((held, dtype)) = held {
+        println!(
+            "held when loaded: {} bytes ({dtype}): text model {}, vision tower {}",
+            held.total(),
+            held.text,
+            held.vision
         );
     }
     for dt in [KvDtype::F32, KvDtype::Bf16] {

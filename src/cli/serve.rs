@@ -299,6 +299,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let limits = RequestLimits {
         default_max_tokens: a.default_max_tokens,
         request_timeout: a.request_timeout.map(|t| seconds("--request-timeout", t)).transpose()?,
+        max_images: opts.image_limit,
     };
     let addr = format!("{}:{}", a.host, a.port);
     let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
@@ -322,11 +323,11 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
                         build_engine(&p, &device, &opts).with_context(|| format!("cannot load {}", p.display()))?;
                     let cfg = engine.model().config();
                     tracing::info!(
-                        "loaded {} ({}, {} layers, {:.0} MB of weights; CPU kernels: {})",
+                        "loaded {} ({}, {} layers, {}; CPU kernels: {})",
                         p.display(),
                         cfg.arch.name(),
                         cfg.num_layers,
-                        report.weight_bytes as f64 / 1e6,
+                        report.weights.summary(),
                         crate::simd::Isa::active().name()
                     );
                     tracing::info!(

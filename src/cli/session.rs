@@ -34,11 +34,11 @@ pub fn open_engine(args: &EngineArgs) -> anyhow::Result<(Engine, StartupReport)>
     let cfg = engine.model().config();
     // Debug level (`-v`): stderr stays free for the statistics line and errors.
     tracing::debug!(
-        "loaded {} ({}, {} layers, {:.0} MB of weights); {}, max model len {}",
+        "loaded {} ({}, {} layers, {}); {}, max model len {}",
         path.display(),
         cfg.arch.name(),
         cfg.num_layers,
-        report.weight_bytes as f64 / 1e6,
+        report.weights.summary(),
         report.kv_summary(),
         report.max_model_len
     );

@@ -46,6 +46,9 @@ pub struct EngineOptions {
     pub enable_prefix_caching: Option<bool>,
     /// Tokenizer files from elsewhere than the model (`--tokenizer`): a directory or a .gguf.
     pub tokenizer: Option<PathBuf>,
+    /// Most images one request may carry (`--limit-mm-per-prompt`; None: no limit). At 0 a
+    /// vision-language model's tower is not loaded: its language model serves text alone.
+    pub image_limit: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -67,6 +70,7 @@ impl Default for EngineOptions {
             drafter: None,
             enable_prefix_caching: None,
             tokenizer: None,
+            image_limit: None,
         }
     }
 }
@@ -104,7 +108,8 @@ pub struct StartupReport {
     /// Sequences whose state was reserved (`--max-num-seqs`), when there is a state.
     pub state_slots: usize,
     pub max_model_len: usize,
-    pub weight_bytes: u64,
+    /// Bytes of weights held, text model and vision tower apart.
+    pub weights: loader::HeldBytes,
 }
 
 impl StartupReport {
@@ -216,7 +221,11 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         Some(DraftSource::Mtp(m)) => Some(m),
         _ => None,
     };
-    let loaded = loader::load_model(path, opts.tokenizer.as_deref(), device, opts.dtype, mtp)?;
+    let with_vision = opts.image_limit != Some(0);
+    let loaded = loader::load_model_parts(path, opts.tokenizer.as_deref(), device, opts.dtype, mtp, with_vision)?;
+    if !with_vision {
+        tracing::info!("--limit-mm-per-prompt image 0: no vision tower loaded; requests with images are refused");
+    }
     let cfg = loaded.config().clone();
     let kv_dtype = opts.kv_dtype.or_else(|| KvDtype::from_dtype(opts.dtype)).unwrap_or(KvDtype::F32);
     let tq = match opts.kv_quant {
@@ -333,7 +342,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         state_bytes_per_seq: caches.recurrent_bytes_per_slot(),
         state_slots: opts.max_num_seqs,
         max_model_len,
-        weight_bytes: loaded.weight_bytes,
+        weights: loaded.held,
     };
     let engine_cfg = EngineConfig {
         scheduler: SchedulerConfig {

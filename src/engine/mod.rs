@@ -11,6 +11,7 @@ pub mod detokenizer;
 pub mod finish;
 pub mod grammar;
 mod mask_job;
+pub mod mm_limit;
 pub mod model_drafter;
 pub mod mtp_drafter;
 pub mod multimodal;

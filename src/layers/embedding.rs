@@ -15,11 +15,19 @@ pub enum Embedding {
 
 impl Embedding {
     pub fn load(w: &Weights, name: &str, vocab: usize, hidden: usize) -> std::result::Result<Self, WeightsError> {
-        let q = match w.stored(name, &[vocab, hidden])? {
-            StoredTensor::Dense(t) => return Ok(Embedding::Dense(t.to_dtype(w.dtype())?)),
-            StoredTensor::Quantized(q) => QMatrix::new(q)?,
-            StoredTensor::Affine(a) => QMatrix::from_affine(&a)?,
+        let e = match w.stored(name, &[vocab, hidden])? {
+            StoredTensor::Dense(t) => Embedding::Dense(t.to_dtype(w.dtype())?),
+            StoredTensor::Quantized(q) => Self::quantized(w, QMatrix::new(q)?)?,
+            StoredTensor::Affine(a) => Self::quantized(w, QMatrix::from_affine(&a)?)?,
         };
+        w.hold(match &e {
+            Embedding::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Embedding::Quantized(q) => q.held_bytes(),
+        });
+        Ok(e)
+    }
+
+    fn quantized(w: &Weights, q: QMatrix) -> std::result::Result<Self, WeightsError> {
         // Lookups on a GPU gather rows on the device (a quantized table's lookup runs on the
         // host, which a captured decode graph cannot do): the table is dequantized there.
         if w.device().is_cuda() {

@@ -19,6 +19,15 @@ enum Matrix {
 }
 
 impl Matrix {
+    /// Bytes held, in the form kept (for the load's weight figure).
+    fn bytes(&self) -> usize {
+        match self {
+            Matrix::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Matrix::Quantized(q) => q.held_bytes(),
+            Matrix::DeviceQuantized(c) => c.bytes(),
+        }
+    }
+
     /// A quantized matrix where the weights live: on the CPU as it is; on CUDA dequantized
     /// into the compute dtype at load, unless `IRIS_CUDA_QUANT=1` keeps it quantized where the
     /// format has kernels. Opt-in: the kernels read fewer bytes but were measured slower than
@@ -58,6 +67,7 @@ impl Linear {
             StoredTensor::Quantized(q) => Matrix::quantized(QMatrix::new(q)?, w)?,
             StoredTensor::Affine(a) => Matrix::quantized(QMatrix::from_affine(&a)?, w)?,
         };
+        w.hold(m.bytes());
         let bias = if bias { Some(w.dense(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
         Ok(Linear { w: m, bias })
     }
@@ -173,16 +183,6 @@ impl StackedLinear {
             .zip(out_dims)
             .map(|(p, &o)| w.stored(&format!("{p}.weight"), &[o, in_dim]))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let biases = if bias {
-            let b = prefixes
-                .iter()
-                .zip(out_dims)
-                .map(|(p, &o)| w.dense(&format!("{p}.bias"), &[o]))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            Some(Tensor::cat(&b, 0)?)
-        } else {
-            None
-        };
         let merged = if let Some(ts) = stored
             .iter()
             .map(|s| match s {
@@ -214,7 +214,20 @@ impl StackedLinear {
             None
         };
         Ok(match merged {
-            Some(m) => StackedLinear::Merged { linear: Linear { w: m, bias: biases }, widths: out_dims.to_vec() },
+            Some(m) => {
+                w.hold(m.bytes());
+                let biases = if bias {
+                    let b = prefixes
+                        .iter()
+                        .zip(out_dims)
+                        .map(|(p, &o)| w.dense(&format!("{p}.bias"), &[o]))
+                        .collect::<std::result::Result<Vec<_>, _>>()?;
+                    Some(Tensor::cat(&b, 0)?)
+                } else {
+                    None
+                };
+                StackedLinear::Merged { linear: Linear { w: m, bias: biases }, widths: out_dims.to_vec() }
+            }
             None => StackedLinear::Separate(
                 prefixes
                     .iter()

@@ -80,6 +80,8 @@ pub struct RequestLimits {
     pub default_max_tokens: Option<usize>,
     /// A request still running this long after submission is cancelled.
     pub request_timeout: Option<std::time::Duration>,
+    /// Most images one request may carry (`--limit-mm-per-prompt`).
+    pub max_images: Option<usize>,
 }
 
 /// Cheap to clone; every handler holds one.

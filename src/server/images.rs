@@ -270,8 +270,23 @@ fn base64_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Refuses images for a model without a vision tower (before its template sees them).
+/// Refuses images for a model without a vision tower, and more than `--limit-mm-per-prompt`
+/// allows (before the template sees them).
 pub fn check_accepted(engine: &EngineHandle, refs: &[ImageRef]) -> Result<(), ApiError> {
+    // The first image past the limit.
+    if let Some((limit, r)) = engine.limits.max_images.and_then(|n| Some((n, refs.get(n)?))) {
+        let msg = match limit {
+            0 => format!(
+                "this server was started with --limit-mm-per-prompt image 0: it takes no images (`{}` is an `{}` item)",
+                r.item, r.item_type
+            ),
+            n => format!(
+                "at most {n} image(s) may be provided in one prompt (this server was started with --limit-mm-per-prompt image {n}); this request has {}",
+                refs.len()
+            ),
+        };
+        return Err(ApiError::invalid_param(format!("{}.type", r.item), msg));
+    }
     match (refs.first(), &engine.vision) {
         (Some(r), None) => Err(ApiError::invalid_param(
             format!("{}.type", r.item),

@@ -12,6 +12,7 @@ mod safetensors;
 mod tensor;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, Tensor};
 
@@ -42,6 +43,8 @@ pub struct Weights {
     /// With a sidecar for a model whose q/k rows are in adjacent-pair order (a GGUF llama):
     /// the head dim by which the sidecar's HF-order q/k rows are put in that order too.
     sidecar_pairs: Option<usize>,
+    /// Bytes held by what was built from this store (it keeps nothing itself but memory maps).
+    held: AtomicU64,
 }
 
 /// Whether `name` is an MTP head's tensor (`mtp.*`): quantized ones are dequantized at load,
@@ -52,11 +55,27 @@ fn is_mtp(name: &str) -> bool {
 
 impl Weights {
     pub fn from_safetensors(dir: SafetensorsDir, device: Device, dtype: DType) -> Self {
-        Weights { source: Source::Safetensors(dir), device, dtype, mlx: None, mtp_sidecar: None, sidecar_pairs: None }
+        Weights {
+            source: Source::Safetensors(dir),
+            device,
+            dtype,
+            mlx: None,
+            mtp_sidecar: None,
+            sidecar_pairs: None,
+            held: AtomicU64::new(0),
+        }
     }
 
     pub fn from_gguf(file: GgufFile, device: Device, dtype: DType) -> Self {
-        Weights { source: Source::Gguf(file), device, dtype, mlx: None, mtp_sidecar: None, sidecar_pairs: None }
+        Weights {
+            source: Source::Gguf(file),
+            device,
+            dtype,
+            mlx: None,
+            mtp_sidecar: None,
+            sidecar_pairs: None,
+            held: AtomicU64::new(0),
+        }
     }
 
     /// The parameters an MLX conversion's config gives its quantized modules.
@@ -84,6 +103,23 @@ impl Weights {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Bytes held by what was built from this store so far: dense tensors as handed out (in
+    /// their dtype), and what layers made of `stored` ones (`hold`). Measured around a
+    /// model's load, what that model holds.
+    pub fn held_bytes(&self) -> u64 {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    /// Counts `bytes` as held by the model being built (what a layer made of a `stored` tensor).
+    pub fn hold(&self, bytes: usize) {
+        self.held.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn hand_out(&self, t: Tensor) -> Tensor {
+        self.hold(t.elem_count() * t.dtype().size_in_bytes());
+        t
     }
 
     pub fn origin(&self) -> &Path {
@@ -131,6 +167,8 @@ impl Weights {
 
     /// A tensor as stored, shape-checked: dense ones on the device, quantized matrices (GGUF
     /// blocks, MLX affine) on the host as they are.
+    /// Not counted in `held_bytes`: the layer that keeps it in another form (converted,
+    /// repacked, stacked, dequantized on a GPU) counts that form with `hold`.
     pub fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, WeightsError> {
         let stored = match (&self.source, self.sidecar_for(name)) {
             (_, Some(s)) | (Source::Safetensors(s), None) => match name.strip_suffix(".weight") {
@@ -182,7 +220,7 @@ impl Weights {
 
     /// A dense tensor in the model's dtype (quantized ones are dequantized).
     pub fn dense(&self, name: &str, shape: &[usize]) -> Result<Tensor, WeightsError> {
-        Ok(self.dequantized(name, shape)?.to_dtype(self.dtype)?)
+        Ok(self.hand_out(self.dequantized(name, shape)?.to_dtype(self.dtype)?))
     }
 
     /// Whether convolution weight `name`, `[out, in, k...]` in PyTorch's layout (`shape`), is
@@ -202,15 +240,15 @@ impl Weights {
         if !self.is_channels_last(name, shape) {
             return self.dense(name, shape);
         }
-        let t = self.dense(name, &channels_last(shape))?;
+        let t = self.dequantized(name, &channels_last(shape))?.to_dtype(self.dtype)?;
         let n = shape.len();
         let order: Vec<usize> = [0, n - 1].into_iter().chain(1..n - 1).collect();
-        Ok(t.permute(order)?.contiguous()?)
+        Ok(self.hand_out(t.permute(order)?.contiguous()?))
     }
 
     /// A dense tensor kept in f32 whatever the model dtype (norm weights feeding f32 math).
     pub fn dense_f32(&self, name: &str, shape: &[usize]) -> Result<Tensor, WeightsError> {
-        Ok(self.dequantized(name, shape)?.to_dtype(DType::F32)?)
+        Ok(self.hand_out(self.dequantized(name, shape)?.to_dtype(DType::F32)?))
     }
 
     fn dequantized(&self, name: &str, shape: &[usize]) -> Result<Tensor, WeightsError> {

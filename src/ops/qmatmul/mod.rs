@@ -117,6 +117,14 @@ impl QMatrix {
         (self.rows, self.cols)
     }
 
+    /// Bytes held: the packed rows, or the file's blocks.
+    pub fn held_bytes(&self) -> usize {
+        match &self.storage {
+            Storage::Packed(p) => p.data().len(),
+            Storage::Ggml { q, .. } => q.storage_size_in_bytes(),
+        }
+    }
+
     /// Rows `ids` dequantized, `[ids.len(), cols]` f32 (embedding lookups).
     pub fn dequantize_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
         let data = self.bytes()?;
