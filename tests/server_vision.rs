@@ -342,3 +342,36 @@ fn official_python_sdks_send_images() {
 fn anthropic_prompt_tokens(usage: &serde_json::Value) -> u64 {
     usage["input_tokens"].as_u64().unwrap_or(0) + usage["cache_read_input_tokens"].as_u64().unwrap_or(0)
 }
+
+/// `--limit-mm-per-prompt` (vLLM's flag): at image 0 the tower is not loaded and images get a
+/// 400 naming the flag (OpenAI and Anthropic bodies) while text is served; at image N a
+/// request with more than N images gets a 400 naming the limit, one with N is served.
+#[test]
+fn limit_mm_per_prompt_refuses_images_past_the_limit() {
+    let server = Server::start_model(MODEL, &["--limit-mm-per-prompt", r#"{"image": 0}"#]);
+    assert!(server.log().contains("no vision tower loaded"), "{}", server.log());
+    let r = chat(&server, messages(MODEL, "single", &openai_part));
+    assert_eq!(r.status, 400, "{}", r.text());
+    let e = &r.json()["error"];
+    assert_eq!(e["type"], "invalid_request_error", "{}", r.text());
+    assert!(e["message"].as_str().unwrap().contains("--limit-mm-per-prompt image 0"), "{}", r.text());
+    let mut msgs = messages(MODEL, "single", &|f: &str| anthropic_block_of(MODEL, f));
+    msgs.as_array_mut().unwrap().retain(|m| m["role"] != "system");
+    let m = server.post("/v1/messages", &json!({"messages": msgs, "max_tokens": 4}));
+    assert_eq!(m.status, 400, "{}", m.text());
+    let v = m.json();
+    assert_eq!((&v["type"], &v["error"]["type"]), (&json!("error"), &json!("invalid_request_error")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--limit-mm-per-prompt image 0"), "{v}");
+    assert_eq!(chat(&server, json!([{"role": "user", "content": "hello"}])).status, 200);
+    drop(server);
+
+    let server = Server::start_model(MODEL, &["--limit-mm-per-prompt", r#"{"image": 1}"#]);
+    let many = messages(MODEL, "multi", &openai_part);
+    let n = many.to_string().matches(r#""type":"image_url""#).count();
+    assert!(n > 1, "the multi case has {n} images");
+    let r = chat(&server, many);
+    assert_eq!(r.status, 400, "{}", r.text());
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("at most 1 image") && msg.contains(&format!("this request has {n}")), "{msg}");
+    assert_eq!(chat(&server, messages(MODEL, "single", &openai_part)).status, 200);
+}

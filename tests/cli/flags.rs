@@ -162,3 +162,13 @@ fn serve_logs_have_no_colour_codes_on_a_pipe() {
     assert!(first.contains("listening on"), "{first}");
     assert!(!first.contains('\u{1b}'), "{first:?}");
 }
+
+#[test]
+fn limit_mm_per_prompt_is_checked_at_start() {
+    let m = fixture("tiny-llama");
+    let m = m.to_str().unwrap();
+    expect_error(&generate_args(m, &["--limit-mm-per-prompt", "image=0"]), &["--limit-mm-per-prompt", "JSON"]);
+    expect_error(&generate_args(m, &["--limit-mm-per-prompt", r#"{"video": 1}"#]), &["--limit-mm-per-prompt", "video"]);
+    expect_error(&generate_args(m, &["--limit-mm-per-prompt", r#"{"images": 1}"#]), &["images", "modality"]);
+    expect_error(&generate_args(m, &["--limit-mm-per-prompt", r#"{"image": -1}"#]), &["image", "-1"]);
+}
