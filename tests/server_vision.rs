@@ -366,6 +366,8 @@ fn limit_mm_per_prompt_refuses_images_past_the_limit() {
     drop(server);
 
     let server = Server::start_model(MODEL, &["--limit-mm-per-prompt", r#"{"image": 1}"#]);
+    // The startup log gives the bytes held, the tower's apart (none at image 0, above).
+    assert!(server.log().contains("vision tower"), "{}", server.log());
     let many = messages(MODEL, "multi", &openai_part);
     let n = many.to_string().matches(r#""type":"image_url""#).count();
     assert!(n > 1, "the multi case has {n} images");

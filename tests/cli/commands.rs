@@ -324,3 +324,27 @@ fn bench_reports_the_vision_tower_and_image_ttft() {
     expect_error(&["bench", "--model", m.to_str().unwrap(), "--image-size", "448"], &["--image-size"]);
     expect_error(&["bench", "--model", m.to_str().unwrap(), "--image", "/nonexistent.png"], &["/nonexistent.png"]);
 }
+
+#[test]
+fn inspect_load_reports_the_bytes_held_by_part() {
+    let dir = fixture("tiny-qwen2-vl");
+    let m = dir.to_str().unwrap();
+    // At f32 every weight of the checkpoint is held as 4 bytes (tied embeddings: once).
+    let (mut text, mut vision) = (0u64, 0u64);
+    for (name, info) in safetensors_header(&dir.join("model.safetensors")) {
+        let n: u64 = info["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product();
+        *if name.starts_with("visual.") { &mut vision } else { &mut text } += 4 * n;
+    }
+    let held = |extra: &[&str]| -> String {
+        let out = stdout_of(&[&["inspect", "--model", m, "--load"][..], extra].concat());
+        out.lines().find(|l| l.starts_with("held when loaded:")).unwrap_or_else(|| panic!("{out}")).to_string()
+    };
+    assert_eq!(
+        held(&[]),
+        format!("held when loaded: {} bytes (f32): text model {text}, vision tower {vision}", text + vision)
+    );
+    assert_eq!(
+        held(&["--limit-mm-per-prompt", r#"{"image": 0}"#]),
+        format!("held when loaded: {text} bytes (f32): text model {text}, vision tower 0")
+    );
+}
