@@ -9,7 +9,8 @@
 //!   cargo bench --bench mtp_speedup -- [--rounds 3] [--gen 64] [--batches 1,8] [--k 1,2,3] [--prompts 40]
 //!
 //! Speculation here is not adaptive (`"adaptive": false`): the figures are what drafting gives
-//! and costs, not what the governor would choose.
+//! and costs, not what the governor would choose; `--adaptive` measures the governor's choice
+//! instead.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -57,7 +58,8 @@ fn prompts() -> Vec<Vec<u32>> {
 fn engine(gguf: &Path, k: usize) -> Engine {
     let mut opts = EngineOptions { kv_memory: Some(256 << 20), max_num_seqs: 16, ..Default::default() };
     if k > 0 {
-        opts.speculative = Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1, adaptive: false });
+        let adaptive = std::env::args().any(|a| a == "--adaptive");
+        opts.speculative = Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 1, adaptive });
         let head = head_dir().join("SmolLM2-135M-Instruct.mtp.safetensors");
         opts.drafter = Some(DraftSource::Mtp(MtpWeights::File(head)));
     }

@@ -4,16 +4,21 @@
 //! is compute-bound, where extra rows are not free). Rather than a fixed threshold, each pure
 //! decode step is timed: its wall time and the tokens it gave, with drafts and without, kept
 //! per class of batch size (powers of two). In each class drafts are used while tokens per
-//! second with them are at least those without; every `PROBE_EVERY` steps the class runs a
-//! few steps the other way, so that a change (other requests, other acceptance) is seen.
+//! second with them are at least those without; every `PROBE_EVERY` steps (`PROBE_RARELY`
+//! when one way is far ahead) the class runs a few steps the other way, so that a change
+//! (other requests, other acceptance) is seen.
 //! Each change of mind is logged with the two rates.
 
-/// Steps between re-measurements of the way not taken, per class.
+/// Steps between re-measurements of the way not taken, per class, while the two ways are
+/// within `CLOSE` of each other; `PROBE_RARELY` when one is far ahead (a probe of a way that
+/// is several times slower costs more than it can find).
 const PROBE_EVERY: u64 = 64;
+const PROBE_RARELY: u64 = 512;
+const CLOSE: f64 = 1.25;
 /// Steps each re-measurement takes.
 const PROBE_STEPS: u64 = 3;
 /// Samples each way before the two are compared.
-const WARM: u32 = 4;
+const WARM: u32 = 3;
 /// Batch-size classes: 1, 2-3, 4-7, ..., 2048 and more.
 const CLASSES: usize = 12;
 
@@ -76,7 +81,8 @@ impl SpecGovernor {
             );
             c.drafting = Some(choice);
         }
-        choice ^ (c.steps % PROBE_EVERY < PROBE_STEPS)
+        let every = if w.max(o) < CLOSE * w.min(o) { PROBE_EVERY } else { PROBE_RARELY };
+        choice ^ (c.steps % every < PROBE_STEPS)
     }
 
     /// A step in which every scheduled sequence decoded: `batch` of them, whether it verified
