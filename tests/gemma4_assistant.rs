@@ -364,7 +364,7 @@ fn the_engine_refuses_a_bad_assistant_in_one_line() {
     }
     let e = iris::engine::speculative::parse(r#"{"method": "gemma4_mtp", "num_speculative_tokens": 2}"#).unwrap_err();
     assert!(e.to_string().contains("needs \"model\""), "{e}");
-    let e = iris::engine::speculative::parse(r#"{"method": "mtp", "model": "x", "num_speculative_tokens": 2}"#)
+    let e = iris::engine::speculative::parse(r#"{"method": "eagle", "model": "x", "num_speculative_tokens": 2}"#)
         .unwrap_err();
-    assert!(e.to_string().contains("method `mtp`"), "{e}");
+    assert!(e.to_string().contains("method `eagle`"), "{e}");
 }

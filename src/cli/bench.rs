@@ -114,6 +114,9 @@ pub struct BenchRow {
     pub acceptance_rate: Option<f64>,
     /// With --speculative-config: tokens appended per sequence and verify pass (accepted + 1).
     pub tokens_per_verify: Option<f64>,
+    /// With --speculative-config: per draft position, the share of verify passes that accepted
+    /// the draft there (and so every one before it).
+    pub accepted_by_position: Option<Vec<f64>>,
 }
 
 const TEXT: &str = "The quick brown fox jumps over the lazy dog while the children watch from the window. \
@@ -203,6 +206,8 @@ fn run_once(
         total_tok_s: generated as f64 / total.max(1e-9),
         acceptance_rate: speculating.then(|| spec.acceptance_rate()),
         tokens_per_verify: speculating.then(|| spec.tokens_per_verify()),
+        accepted_by_position: speculating
+            .then(|| spec.accepted_per_position.iter().map(|&a| a as f64 / spec.num_drafts.max(1) as f64).collect()),
     })
 }
 
@@ -280,6 +285,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             total_tok_s: m(|r| r.total_tok_s),
             acceptance_rate: runs[0].acceptance_rate.map(|_| m(|r| r.acceptance_rate.unwrap_or(0.0))),
             tokens_per_verify: runs[0].tokens_per_verify.map(|_| m(|r| r.tokens_per_verify.unwrap_or(0.0))),
+            accepted_by_position: runs[0].accepted_by_position.as_ref().map(|first| {
+                let at = |r: &BenchRow, j: usize| r.accepted_by_position.as_ref().and_then(|v| v.get(j).copied());
+                (0..first.len()).map(|j| median(runs.iter().map(|r| at(r, j).unwrap_or(0.0)).collect())).collect()
+            }),
         });
     }
     pb.finish_and_clear();
@@ -296,12 +305,19 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&BenchReport { rows, image })?);
     } else {
         let spec = rows.iter().any(|r| r.acceptance_rate.is_some());
-        let (head, rule) = if spec { (" draft acceptance | tokens/verify |", "---|---|") } else { ("", "") };
+        let (head, rule) = if spec {
+            (" draft acceptance | tokens/verify | accepted by position |", "---|---|---|")
+        } else {
+            ("", "")
+        };
         println!("| batch | prompt | gen | prefill tok/s | TTFT ms | decode tok/s | total tok/s |{head}");
         println!("|---|---|---|---|---|---|---|{rule}");
         for r in &rows {
-            let extra = match (r.acceptance_rate, r.tokens_per_verify) {
-                (Some(a), Some(t)) => format!(" {:.1}% | {t:.2} |", a * 100.0),
+            let extra = match (r.acceptance_rate, r.tokens_per_verify, &r.accepted_by_position) {
+                (Some(a), Some(t), Some(p)) => {
+                    let p: Vec<String> = p.iter().map(|v| format!("{v:.2}")).collect();
+                    format!(" {:.1}% | {t:.2} | {} |", a * 100.0, p.join(" / "))
+                }
                 _ => String::new(),
             };
             println!(

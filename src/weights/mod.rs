@@ -55,27 +55,15 @@ fn is_mtp(name: &str) -> bool {
 
 impl Weights {
     pub fn from_safetensors(dir: SafetensorsDir, device: Device, dtype: DType) -> Self {
-        Weights {
-            source: Source::Safetensors(dir),
-            device,
-            dtype,
-            mlx: None,
-            mtp_sidecar: None,
-            sidecar_pairs: None,
-            held: AtomicU64::new(0),
-        }
+        Self::new(Source::Safetensors(dir), device, dtype)
     }
 
     pub fn from_gguf(file: GgufFile, device: Device, dtype: DType) -> Self {
-        Weights {
-            source: Source::Gguf(file),
-            device,
-            dtype,
-            mlx: None,
-            mtp_sidecar: None,
-            sidecar_pairs: None,
-            held: AtomicU64::new(0),
-        }
+        Self::new(Source::Gguf(file), device, dtype)
+    }
+
+    fn new(source: Source, device: Device, dtype: DType) -> Self {
+        Weights { source, device, dtype, mlx: None, mtp_sidecar: None, sidecar_pairs: None, held: AtomicU64::new(0) }
     }
 
     /// The parameters an MLX conversion's config gives its quantized modules.
