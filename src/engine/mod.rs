@@ -38,7 +38,7 @@ pub use multimodal::{expand_image_tokens, EmbedCache, ImageInput};
 pub use output::{EngineStats, SpecStats};
 pub use prefix::PrefixStats;
 pub use request::{Request, RequestError, SeqUpdate};
-pub use sampler::{sample_batch, SampleRow, Sampled, SequenceSampler};
+pub use sampler::{sample_batch, DraftDist, SampleRow, Sampled, SequenceSampler};
 pub use sampling_params::{SamplingError, SamplingParams};
 pub use sequence::SeqId;
 pub use speculative::{Drafter, ReplayDrafter, SpeculativeConfig, SpeculativeConfigError};

@@ -140,6 +140,7 @@ impl OutputProcessor {
             let accepted = toks.len().saturating_sub(1);
             seq.num_computed += item.num_new + accepted;
             seq.draft.clear();
+            seq.draft_q.clear();
             stats.spec.record(item.num_draft, accepted);
             let mut finished = false;
             for tok in toks {

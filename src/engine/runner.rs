@@ -262,6 +262,13 @@ impl ModelRunner {
         if self.device.is_cpu() || !crate::switches::switched_on!("IRIS_DEVICE_SAMPLING") {
             return None;
         }
+        // The device judges drafts as point masses only: drafts with a distribution of their
+        // own (sampled MTP drafts) are judged on the host.
+        let sampled_drafts =
+            |item: &ScheduledSeq| seqs.expect(item.id).draft_q.iter().take(item.num_draft).any(|q| !q.is_point());
+        if plan.items.iter().any(sampled_drafts) {
+            return None;
+        }
         // Every row a sequence samples, the last after all its drafts, draws plainly.
         let plain = |item: &ScheduledSeq, n: usize| {
             let s = seqs.expect(item.id);
@@ -403,7 +410,9 @@ fn verify(
                         vec![s.sampler.sample_masked(&mut rows[0], s.params, s.prompt, s.output, m)]
                     } else {
                         let drafts = &s.draft[..item.num_draft];
-                        s.sampler.verify_masked(rows, drafts, s.params, s.prompt, s.output, m)
+                        // The scheduler may verify fewer drafts than there are: their q too.
+                        let q = s.draft_q.get(..item.num_draft).unwrap_or(&[]);
+                        s.sampler.verify_masked(rows, drafts, q, s.params, s.prompt, s.output, m)
                     }
                 })
                 .collect()

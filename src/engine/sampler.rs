@@ -44,10 +44,44 @@ impl Sampled {
     }
 }
 
+/// The distribution a draft was drawn from (speculative decoding's q), for verification to
+/// judge it by p(d) / q(d) and to draw from the residual max(p - q, 0) when it is rejected.
+/// Empty: a point mass on the draft (a draft chosen without sampling: n-gram, greedy, replay),
+/// for which that rule is "accept with p(d), else draw from p less d".
+///
+/// The tokens of nonzero probability sorted by id, as `ops::sample::Kept` keeps the target's
+/// row, so verification merges the two in one pass. Sparse because a sampled draft is
+/// usually cut by top-k / top-p / min-p to a few tokens; untruncated it costs 8 bytes per
+/// token with any mass, about a dense row's f32s. The probabilities are f32: their rounding
+/// (2^-24 relative) is the only way in which q departs from what the draft was drawn from.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DraftDist {
+    probs: Vec<(u32, f32)>,
+}
+
+impl DraftDist {
+    /// A point mass on the draft (what an empty `Sequence::draft_q` means for every draft).
+    pub fn point() -> Self {
+        Self::default()
+    }
+
+    pub fn is_point(&self) -> bool {
+        self.probs.is_empty()
+    }
+
+    /// q(token); 0 outside the distribution.
+    pub fn prob(&self, token: u32) -> f32 {
+        self.probs.binary_search_by_key(&token, |e| e.0).map_or(0.0, |i| self.probs[i].1)
+    }
+}
+
 /// Sampling state that lives as long as one sequence.
 #[derive(Debug, Clone)]
 pub struct SequenceSampler {
     rng: StdRng,
+    /// Draws the drafts of a drafter that samples (`draw_draft`): apart from `rng` so that the
+    /// target's tokens take the same numbers with and without speculation's drafts.
+    draft_rng: StdRng,
     eos_token_ids: Vec<u32>,
 }
 
@@ -69,11 +103,18 @@ thread_local! {
 impl SequenceSampler {
     /// A sampler seeded with `seed`, or from the OS when `None`.
     pub fn new(seed: Option<u64>) -> Self {
-        let rng = match seed {
-            Some(s) => StdRng::seed_from_u64(s),
-            None => StdRng::from_rng(&mut rand::rng()),
+        let (rng, draft_rng) = match seed {
+            // The draft stream from the seed through a different derivation than
+            // `seed_from_u64`, so it is no other seed's main stream.
+            Some(s) => {
+                let mut key = [0u8; 32];
+                key[..8].copy_from_slice(&s.to_le_bytes());
+                key[8..14].copy_from_slice(b"drafts");
+                (StdRng::seed_from_u64(s), StdRng::from_seed(key))
+            }
+            None => (StdRng::from_rng(&mut rand::rng()), StdRng::from_rng(&mut rand::rng())),
         };
-        Self { rng, eos_token_ids: Vec::new() }
+        Self { rng, draft_rng, eos_token_ids: Vec::new() }
     }
 
     /// A sampler seeded from `params.seed`.
@@ -154,6 +195,7 @@ impl SequenceSampler {
     /// so the tokens equal those of decoding one at a time. Sampled: rejection sampling for a
     /// deterministic draft keeps the target distribution exactly: draft x is accepted with
     /// probability p(x); on rejection the token is drawn from p with x removed, renormalised.
+    /// (A draft drawn from a distribution q of its own: `verify_masked` with its q.)
     /// Logprobs are those of the row the token came from, as without speculation.
     pub fn verify(
         &mut self,
@@ -180,20 +222,30 @@ impl SequenceSampler {
         constraint: Option<&mut Constraint>,
     ) -> Vec<Sampled> {
         let masks = constraint.map(|c| c.row_masks(drafts));
-        self.verify_masked(rows, drafts, params, prompt_tokens, output_tokens, masks.as_ref())
+        self.verify_masked(rows, drafts, &[], params, prompt_tokens, output_tokens, masks.as_ref())
     }
 
-    /// `verify_constrained` with the grammar's masks computed beforehand.
+    /// `verify_constrained` with the grammar's masks computed beforehand, and `draft_q[i]` the
+    /// distribution draft i was drawn from (empty: every draft a point mass). A sampled row
+    /// judges a draft d with a distribution by Leviathan et al.'s rule: accepted with
+    /// probability min(1, p(d) / q(d)), else the token is drawn from max(p - q, 0)
+    /// renormalised, so the output follows p exactly whatever q is. Either way it takes the
+    /// same numbers from the generator (one to judge, one more for the residual), those that
+    /// `settle_verify` takes.
+    #[allow(clippy::too_many_arguments)]
     pub fn verify_masked(
         &mut self,
         rows: &mut [Vec<f32>],
         drafts: &[u32],
+        draft_q: &[DraftDist],
         params: &SamplingParams,
         prompt_tokens: &[u32],
         output_tokens: &[u32],
         masks: Option<&RowMasks>,
     ) -> Vec<Sampled> {
         debug_assert_eq!(rows.len(), drafts.len() + 1);
+        debug_assert!(draft_q.is_empty() || draft_q.len() == drafts.len());
+        let point = DraftDist::point();
         let mut history = Vec::with_capacity(output_tokens.len() + drafts.len());
         history.extend_from_slice(output_tokens);
         history.extend_from_slice(drafts);
@@ -211,7 +263,7 @@ impl SequenceSampler {
                             if params.is_greedy() { argmax(logits) } else { self.draw(logits, params, &mut s.cand) };
                         (t.unwrap_or(0), false)
                     }
-                    Some(&draft) => self.judge(logits, draft, params, &mut s.cand),
+                    Some(&draft) => self.judge(logits, draft, draft_q.get(i).unwrap_or(&point), params, &mut s.cand),
                 };
                 out.push(match params.logprobs {
                     None => Sampled::token_only(token),
@@ -228,11 +280,12 @@ impl SequenceSampler {
         out
     }
 
-    /// One draft against its row: (the token to append, whether it is the draft).
+    /// One draft, drawn from `q`, against its row: (the token to append, whether it is the draft).
     fn judge(
         &mut self,
         logits: &[f32],
         draft: u32,
+        q: &DraftDist,
         params: &SamplingParams,
         cand: &mut Vec<(u32, u32)>,
     ) -> (u32, bool) {
@@ -247,11 +300,42 @@ impl SequenceSampler {
             self.rng.random::<f32>();
             return (0, false);
         };
-        if kept.accepts(draft, accept.u) {
+        let accepted = if q.is_point() {
+            kept.accepts(draft, accept.u)
+        } else {
+            // u < p(d) / q(d), as u q(d) < p(d): a 24-bit by 24-bit product, exact in f64, so a
+            // q equal to p (up to its f32 rounding) accepts always. A draft outside its own q
+            // (a drafter's mistake) is accepted wherever p has it.
+            (accept.u as f64) * (q.prob(draft) as f64) < kept.prob_of(draft)
+        };
+        if accepted {
             return (draft, true);
         }
         let residual = self.rng.random::<f32>();
-        (residual_pick(&kept, draft, residual).unwrap_or(0), false)
+        (residual_pick(&kept, draft, q, residual).unwrap_or(0), false)
+    }
+
+    /// A draft for a drafter that samples (an MTP head, say), drawn from its `head_logits`
+    /// shaped as the target's rows are by `params` (temperature, top-k, top-p, min-p; not
+    /// penalties, bias or grammar, which verification applies to p: exactness needs only that
+    /// the draft comes from the q handed over), with a generator of its own seeded from the
+    /// request's seed (so a seeded request repeats, and the target's generator takes the same
+    /// numbers as without drafts). Returns the draft and q, for `Sequence::draft_q`. Greedy
+    /// params: the argmax and a point mass (greedy verification compares argmaxes). Nothing
+    /// finite: token 0 as a point mass (judged like any deterministic draft).
+    pub fn draw_draft(&mut self, head_logits: &mut [f32], params: &SamplingParams) -> (u32, DraftDist) {
+        if params.is_greedy() {
+            return (argmax(head_logits).unwrap_or(0), DraftDist::point());
+        }
+        let d = Draw { u: self.draft_rng.random::<f32>(), ..draw_shape(params) };
+        SCRATCH.with_borrow_mut(|s| {
+            let Some(kept) = kept(head_logits, &d, &mut s.cand) else { return (0, DraftDist::point()) };
+            let token = kept.pick(d.u, None).unwrap_or(0);
+            let probs: Vec<(u32, f32)> = kept.probs().map(|(t, p)| (t, p as f32)).collect();
+            // One token kept: q is the point mass on it, whose rule is the cheaper one.
+            let q = if probs.len() > 1 { DraftDist { probs } } else { DraftDist::point() };
+            (token, q)
+        })
     }
 
     /// Temperature, top-k, top-p, min-p, then a draw (`ops::sample` defines them, for the
@@ -318,20 +402,45 @@ fn draw_shape(params: &SamplingParams) -> Draw {
     }
 }
 
-/// The token drawn after `draft` was rejected: from the kept distribution with the draft
-/// removed. (Tests swap in a wrong residual to show the distribution test catches it.)
-#[cfg(not(test))]
-fn residual_pick(kept: &Kept<'_>, draft: u32, u: f32) -> Option<u32> {
-    kept.pick(u, Some(draft))
+/// The token drawn after `draft`, drawn from `q`, was rejected: from max(p - q, 0)
+/// renormalised, p the kept distribution; for a point mass that is p with the draft removed.
+/// (Tests swap in a wrong residual to show the distribution tests catch it.)
+fn residual_pick(kept: &Kept<'_>, draft: u32, q: &DraftDist, u: f32) -> Option<u32> {
+    #[cfg(test)]
+    if tests::WRONG_RESIDUAL.with(|w| w.get()) {
+        return kept.pick(u, None); // the target distribution itself: over-weights the draft
+    }
+    if q.is_point() {
+        return kept.pick(u, Some(draft));
+    }
+    let total: f64 = p_less_q(kept, q).map(|(_, r)| r).sum();
+    if total <= 0.0 {
+        // p <= q everywhere only when p == q, which accepts always; kept for safety.
+        return kept.pick(u, None);
+    }
+    let x = u as f64 * total;
+    let (mut acc, mut last) = (0.0, None);
+    for (t, r) in p_less_q(kept, q).filter(|&(_, r)| r > 0.0) {
+        acc += r;
+        if x < acc {
+            return Some(t);
+        }
+        last = Some(t); // rounding can leave x at the very end
+    }
+    last
 }
 
-#[cfg(test)]
-fn residual_pick(kept: &Kept<'_>, draft: u32, u: f32) -> Option<u32> {
-    if tests::WRONG_RESIDUAL.with(|w| w.get()) {
-        kept.pick(u, None) // the target distribution itself: over-weights the draft
-    } else {
-        kept.pick(u, Some(draft))
-    }
+/// max(p(t) - q(t), 0) over the kept tokens t, by id: one merge of the two id-sorted lists
+/// (tokens outside p have no residual).
+fn p_less_q<'a>(kept: &'a Kept<'_>, q: &'a DraftDist) -> impl Iterator<Item = (u32, f64)> + 'a {
+    let mut j = 0;
+    kept.probs().map(move |(t, p)| {
+        while q.probs.get(j).is_some_and(|e| e.0 < t) {
+            j += 1;
+        }
+        let qt = q.probs.get(j).filter(|e| e.0 == t).map_or(0.0, |e| e.1 as f64);
+        (t, (p - qt).max(0.0))
+    })
 }
 
 /// Whether `sample` would draw from the model's logits as they are for a sequence with
@@ -783,6 +892,121 @@ pub(crate) mod tests {
         let worst = speculative_chi2();
         WRONG_RESIDUAL.with(|w| w.set(false));
         assert!(worst > 1000.0, "a residual that keeps the draft went unnoticed: chi2 {worst}");
+    }
+
+    /// Probabilities as a dense row over `n` tokens (0 where q has none).
+    fn dense(q: &DraftDist, n: usize) -> Vec<f32> {
+        (0..n as u32).map(|t| q.prob(t)).collect()
+    }
+
+    /// Speculation with drafts sampled from a q of their own (`draw_draft`, then Leviathan et
+    /// al.'s rule in `verify_masked`), at temperature 1 with and without top-k / top-p: the
+    /// first token follows the first row's target distribution and the token after an accepted
+    /// draft the next row's, whatever q is. Returns each case's largest chi2 (3 degrees of
+    /// freedom: P(chi2 > 16.27) = 0.001); it also checks that the drafts follow the q returned.
+    fn sampled_drafts_chi2() -> Vec<f64> {
+        let p0 = [0.1, 0.4, 0.3, 0.2];
+        let p1 = [0.25, 0.35, 0.15, 0.25];
+        let t1 = SamplingParams { temperature: 1.0, ..Default::default() };
+        let top_k = SamplingParams { top_k: 3, ..t1.clone() };
+        let top_p = SamplingParams { top_p: 0.8, ..t1.clone() };
+        // Top-3 and top-0.8 of p0 both keep ids 1, 2, 3; of p1, ids 1, 0, 3.
+        let p0t = [0.0, 0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9];
+        let p1t = [0.25 / 0.85, 0.35 / 0.85, 0.0, 0.25 / 0.85];
+        // (params, the rows' target distributions, the drafter's two heads)
+        let cases = [
+            // A skewed q, heavy where p is light.
+            (t1.clone(), [p0, p1], [[0.05, 0.1, 0.6, 0.25], [0.6, 0.05, 0.05, 0.3]]),
+            // q puts mass on token 0, which p has not (a -inf logit).
+            (t1.clone(), [[0.0, 0.5, 0.3, 0.2], p1], [[0.4, 0.2, 0.2, 0.2], [0.1, 0.1, 0.7, 0.1]]),
+            // Truncation cuts q as it cuts p: q keeps token 0 (none of p) and not token 2 (p's).
+            (top_k, [p0, p1], [[0.5, 0.1, 0.05, 0.35], [0.1, 0.2, 0.6, 0.1]]),
+            (top_p, [p0, p1], [[0.6, 0.05, 0.05, 0.3], [0.05, 0.1, 0.7, 0.15]]),
+        ];
+        let n = 20_000u64;
+        let mut worst = Vec::new();
+        for (params, [r0, r1], heads) in cases {
+            let truncated = params.top_k > 0 || params.top_p < 1.0;
+            let (want0, want1) = if truncated { (p0t, p1t) } else { (r0, r1) };
+            let (mut first, mut second, mut drafted) = (vec![0usize; 4], vec![0usize; 4], vec![0usize; 4]);
+            let mut q0 = DraftDist::point();
+            for seed in 0..n {
+                let mut s = SequenceSampler::new(Some(seed));
+                let (d0, q) = s.draw_draft(&mut logits_of(&heads[0]), &params);
+                let (d1, q1) = s.draw_draft(&mut logits_of(&heads[1]), &params);
+                drafted[d0 as usize] += 1;
+                q0 = q;
+                let mut rows = vec![logits_of(&r0), logits_of(&r1), logits_of(&r1)];
+                let qs = [q0.clone(), q1];
+                let out = s.verify_masked(&mut rows, &[d0, d1], &qs, &params, &[], &[], None);
+                first[out[0].token as usize] += 1;
+                if let Some(t) = out.get(1) {
+                    second[t.token as usize] += 1;
+                }
+            }
+            assert!(!q0.is_point());
+            assert!(chi2(&drafted, &dense(&q0, 4)) < 16.27, "drafts {drafted:?} against q {q0:?}");
+            let mut w = chi2(&first, &want0);
+            if second.iter().sum::<usize>() > 1000 {
+                w = w.max(chi2(&second, &want1));
+            }
+            worst.push(w);
+        }
+        worst
+    }
+
+    #[test]
+    fn sampled_drafts_keep_the_target_distribution() {
+        let worst = sampled_drafts_chi2();
+        eprintln!("chi2 by case: {worst:?}");
+        assert!(worst.iter().all(|&w| w < 16.27), "chi2 {worst:?}");
+    }
+
+    #[test]
+    fn the_sampled_draft_test_catches_a_wrong_residual() {
+        WRONG_RESIDUAL.with(|w| w.set(true));
+        let worst = sampled_drafts_chi2();
+        WRONG_RESIDUAL.with(|w| w.set(false));
+        eprintln!("chi2 by case, wrong residual: {worst:?}");
+        // Each case on its own, far past the 16.27 of P = 0.001.
+        assert!(worst.iter().all(|&w| w > 200.0), "a residual that ignores q went unnoticed: chi2 {worst:?}");
+    }
+
+    /// A draft drawn from the target's own distribution (q == p) is always accepted, with and
+    /// without truncation: u q(d) < p(d) holds for every u < 1 despite q's f32 rounding.
+    #[test]
+    fn a_q_equal_to_p_accepts_always() {
+        let mut g = StdRng::seed_from_u64(5);
+        for seed in 0..3000u64 {
+            let params = SamplingParams {
+                temperature: [1.0, 0.7, 1.3][seed as usize % 3],
+                top_k: [0, 5][seed as usize / 3 % 2],
+                top_p: [1.0, 0.9][seed as usize / 6 % 2],
+                ..Default::default()
+            };
+            let row: Vec<f32> = (0..64).map(|_| g.random_range(-3.0f32..3.0)).collect();
+            let mut s = SequenceSampler::new(Some(seed));
+            let (d, q) = s.draw_draft(&mut row.clone(), &params);
+            let mut rows = vec![row.clone(), row];
+            let out = s.verify_masked(&mut rows, &[d], &[q], &params, &[], &[], None);
+            assert_eq!((out.len(), out[0].token), (2, d), "seed {seed}, {params:?}");
+        }
+    }
+
+    /// Drafts come from a generator of their own: the target's numbers are those it takes
+    /// without drafts, and a seeded drafter repeats.
+    #[test]
+    fn drafts_leave_the_target_generator_alone() {
+        let head = logits_of(&[0.3, 0.3, 0.2, 0.2]);
+        let p = params(1.0);
+        let (mut a, mut b) = (SequenceSampler::new(Some(9)), SequenceSampler::new(Some(9)));
+        let drafts: Vec<u32> = (0..50).map(|_| a.draw_draft(&mut head.clone(), &p).0).collect();
+        assert_eq!(a.rng.random::<u64>(), b.rng.random::<u64>());
+        let mut c = SequenceSampler::new(Some(9));
+        assert_eq!(drafts, (0..50).map(|_| c.draw_draft(&mut head.clone(), &p).0).collect::<Vec<_>>());
+        assert!(drafts.iter().any(|&d| d != drafts[0]), "drafts are sampled");
+        // Greedy: the argmax, a point mass.
+        assert_eq!(a.draw_draft(&mut vec![0.0, 2.0, 1.0], &params(0.0)), (1, DraftDist::point()));
     }
 
     /// Verifying on a device (`verify_draws`, the rows drawn by the `Sample` op, then

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use super::detokenizer::IncrementalDetokenizer;
 use super::grammar::Constraint;
 use super::multimodal::MultiModalState;
-use super::sampler::{Sampled, SequenceSampler};
+use super::sampler::{DraftDist, Sampled, SequenceSampler};
 use super::sampling_params::SamplingParams;
 use super::stop::StopChecker;
 use crate::kv::{BlockHash, BlockTable};
@@ -46,6 +46,10 @@ pub struct Sequence {
     pub state_slot: Option<u32>,
     /// Tokens a drafter proposed to follow `tokens`, for the scheduler to verify next step.
     pub draft: Vec<u32>,
+    /// The distribution each draft was drawn from, one per draft (`SequenceSampler::draw_draft`),
+    /// or empty: every draft a point mass. Cleared with `draft` after each step, so a
+    /// drafter that sets `draft` alone leaves point masses.
+    pub draft_q: Vec<DraftDist>,
     pub params: SamplingParams,
     pub sampler: SequenceSampler,
     pub text: TextState,
@@ -79,6 +83,7 @@ impl Sequence {
             block_table: BlockTable::default(),
             state_slot: None,
             draft: Vec::new(),
+            draft_q: Vec::new(),
             params,
             sampler,
             text,
@@ -121,7 +126,14 @@ impl Sequence {
     /// What sampling the sequence's next tokens reads, borrowed apart from its generator.
     pub fn sampling(&mut self) -> SamplingView<'_> {
         let (prompt, output) = self.tokens.split_at(self.prompt_len);
-        SamplingView { sampler: &mut self.sampler, params: &self.params, prompt, output, draft: &self.draft }
+        SamplingView {
+            sampler: &mut self.sampler,
+            params: &self.params,
+            prompt,
+            output,
+            draft: &self.draft,
+            draft_q: &self.draft_q,
+        }
     }
 
     /// Tokens still to run through the model before the next token can be sampled.
@@ -137,6 +149,7 @@ pub struct SamplingView<'a> {
     pub prompt: &'a [u32],
     pub output: &'a [u32],
     pub draft: &'a [u32],
+    pub draft_q: &'a [DraftDist],
 }
 
 /// Every live sequence, by id.

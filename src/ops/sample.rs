@@ -151,6 +151,19 @@ impl Kept<'_> {
         }
     }
 
+    /// The probability of `token`: its mass over the kept mass (0 when it is not kept).
+    pub fn prob_of(&self, token: u32) -> f64 {
+        self.mass_of(token) as f64 / self.total as f64
+    }
+
+    /// The kept tokens of nonzero mass, by id, with their probabilities: a drafter hands this
+    /// over as the distribution its draft came from, and verification walks it for the
+    /// residual of a draft drawn from such a distribution.
+    pub fn probs(&self) -> impl Iterator<Item = (u32, f64)> + '_ {
+        let total = self.total as f64;
+        self.cand.iter().map(move |&(key, id)| (id, self.mass(key) as f64 / total)).filter(|&(_, p)| p > 0.0)
+    }
+
     /// Whether a uniform `u` in [0, 1) accepts `token`: with probability mass(token) / total,
     /// decided on the integer masses as a draw is.
     pub fn accepts(&self, token: u32, u: f32) -> bool {
