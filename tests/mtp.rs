@@ -282,3 +282,32 @@ fn a_trained_head_on_a_real_model_drafts_exactly_and_well() {
     eprintln!("SmolLM2 + MTP K=2: first drafts accepted {first:.3}, {:.2} tokens per verify", s.tokens_per_verify());
     assert!(first > 0.35, "first-draft acceptance {first:.3}");
 }
+
+/// Sampled requests draw their drafts from the head's own distribution and verify them by the
+/// p/q rule (the distribution itself is tested in `engine::spec_distribution`): through the
+/// engine they finish, drafts are accepted and rejected, and a seeded run repeats exactly.
+#[test]
+fn sampled_requests_draft_from_the_head_and_repeat_with_a_seed() {
+    let reqs: Vec<_> = requests(DENSE)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (p, g))| {
+            (p, iris::engine::SamplingParams { temperature: 0.8, top_k: 50, seed: Some(7 + i as u64), ..g })
+        })
+        .collect();
+    let opts =
+        mtp_opts(2, EngineOptions { kv_memory: Some(1 << 20), block_size: 4, max_num_seqs: 4, ..Default::default() });
+    let run = || {
+        let mut e = engine_with(&fixture(DENSE), opts.clone());
+        let out = run_requests(&mut e, &reqs, &[0, 0, 0, 1, 1, 2, 2, 3]);
+        (out, e.stats.spec.num_accepted_tokens, e.stats.spec.num_draft_tokens)
+    };
+    let (a, accepted, drafted) = run();
+    let (b, _, _) = run();
+    assert_eq!(a, b, "a seeded sampled run repeats");
+    for (o, r) in a.iter().zip(&reqs) {
+        assert_eq!(o.len(), r.1.max_tokens);
+    }
+    eprintln!("sampled K=2: {accepted} of {drafted} accepted");
+    assert!(accepted > 0 && accepted < drafted, "both branches ({accepted} of {drafted})");
+}

@@ -12,6 +12,7 @@ use super::output::{EngineStats, OutputProcessor};
 use super::prefix::PrefixHasher;
 use super::request::{Request, RequestError, SeqUpdate};
 use super::runner::ModelRunner;
+use super::sampler::DraftDist;
 use super::scheduler::SchedulerOutput;
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence, TextState};
@@ -314,9 +315,11 @@ impl Engine {
             let drafts = mtp_drafter::propose(self.model.as_ref(), &self.kv, &mut self.scheduler, caught, |s| {
                 output.draft_limit(s)
             })?;
-            for (id, d) in drafts {
+            for (id, (d, q)) in drafts {
                 if let Some(seq) = self.scheduler.get_mut(id) {
                     seq.draft = d;
+                    // Only sampled requests carry distributions; greedy ones are point masses.
+                    seq.draft_q = if q.iter().all(DraftDist::is_point) { Vec::new() } else { q };
                 }
             }
         }

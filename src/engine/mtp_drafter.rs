@@ -7,17 +7,22 @@
 //! and their positions written again later: nothing to roll back. The last kept row of a
 //! sequence that decodes gives its first draft; each further draft runs the head on its own
 //! previous output and draft one position on (writing rows the next catch-up rewrites).
-//! Drafts are the head's argmax; verification keeps the target's output exactly as it would be
-//! without them.
+//! Greedy requests draft the head's argmax; sampled ones draw from the head's distribution and
+//! hand it to verification (the p/q rule), which keeps the target's output exactly as it
+//! would be without drafts, or its distribution.
 
 use candle_core::{Result, Tensor};
 
-use super::sampler::Sampled;
+use super::sampler::{DraftDist, Sampled};
 use super::scheduler::{Scheduler, SchedulerOutput};
 use super::sequence::{SeqId, Sequence};
 use crate::batch::{Batch, Positions, SeqSlice};
 use crate::kv::KvCache;
 use crate::models::TextModel;
+
+/// A sequence's drafts and the distribution each was drawn from (point masses for greedy
+/// requests).
+pub type Drafts = (Vec<u32>, Vec<DraftDist>);
 
 /// What the catch-up pass leaves for drafting: per sequence, its last head row and position.
 pub struct CaughtUp {
@@ -76,14 +81,35 @@ impl PassRows {
     }
 }
 
-/// The head's argmax token for each of its rows `h`.
-fn draft_tokens(model: &dyn TextModel, h: &Tensor) -> Result<Vec<u32>> {
+/// Each drafting sequence's draft from its head row in `h` (row i for `ids[i]`): the argmax
+/// for greedy requests; for sampled ones a draw from the head's distribution under the
+/// request's temperature and filters (`SequenceSampler::draw_draft`), handed on with the draft
+/// for the p/q rule. A draft vocabulary's logits are spread over the whole vocabulary first.
+fn draw(model: &dyn TextModel, sched: &mut Scheduler, ids: &[SeqId], h: &Tensor) -> Result<Vec<(u32, DraftDist)>> {
     let (logits, vocab) = model.mtp_logits(h)?;
+    let token = |i: u32| vocab.map_or(i, |v| v[i as usize]);
     let best: Vec<u32> = logits.argmax(1)?.to_vec1()?;
-    Ok(match vocab {
-        Some(ids) => best.iter().map(|&i| ids[i as usize]).collect(),
-        None => best,
-    })
+    let sampled = |id: &SeqId| sched.get(*id).is_some_and(|s| !s.params.is_greedy());
+    let rows: Vec<Vec<f32>> = if ids.iter().any(sampled) { logits.to_vec2()? } else { Vec::new() };
+    let mut out = Vec::with_capacity(ids.len());
+    for (r, id) in ids.iter().enumerate() {
+        let Some(seq) = sched.get_mut(*id).filter(|s| !s.params.is_greedy()) else {
+            out.push((token(best[r]), DraftDist::point()));
+            continue;
+        };
+        let mut full = match vocab {
+            Some(v) => {
+                let mut f = vec![f32::NEG_INFINITY; model.config().vocab_size];
+                for (&t, &l) in v.iter().zip(&rows[r]) {
+                    f[t as usize] = l;
+                }
+                f
+            }
+            None => rows[r].clone(),
+        };
+        out.push(seq.sampler.draw_draft(&mut full, &seq.params));
+    }
+    Ok(out)
 }
 
 /// Runs the head over the rows the step kept (`tokens[i]`: what the runner gave `plan.items[i]`;
@@ -133,7 +159,7 @@ pub fn propose(
     sched: &mut Scheduler,
     caught: CaughtUp,
     limit: impl Fn(&Sequence) -> Option<usize>,
-) -> Result<Vec<(SeqId, Vec<u32>)>> {
+) -> Result<Vec<(SeqId, Drafts)>> {
     // (sequence, its row in `caught.rows`, its last position, how many drafts).
     let mut drafting = Vec::new();
     for (id, row, pos) in caught.last {
@@ -147,24 +173,26 @@ pub fn propose(
     }
     // Longest first: the sequences still drafting at each step are then a prefix.
     drafting.sort_by_key(|d| std::cmp::Reverse(d.3));
+    let ids: Vec<SeqId> = drafting.iter().map(|d| d.0).collect();
     let dev = caught.rows.device().clone();
     let rows: Vec<u32> = drafting.iter().map(|d| d.1 as u32).collect();
     let mut h = caught.rows.index_select(&Tensor::new(rows.as_slice(), &dev)?, 0)?;
-    let mut last = draft_tokens(model, &h)?;
-    let mut drafts: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
+    let mut last = draw(model, sched, &ids, &h)?;
+    let mut drafts: Vec<Drafts> = last.iter().map(|(t, q)| (vec![*t], vec![q.clone()])).collect();
     let mrope = model.config().rope.mrope_section.is_some();
     for j in 1..drafting[0].3 {
         let live = drafting.iter().take_while(|d| d.3 > j).count();
         let mut pass = PassRows::default();
         for (i, &(id, _, pos, _)) in drafting[..live].iter().enumerate() {
             let seq = sched.get(id).expect("drafting sequences run");
-            pass.push(seq, pos + j, &last[i..i + 1], std::iter::once(i as u32));
+            pass.push(seq, pos + j, &[last[i].0], std::iter::once(i as u32));
         }
         h = pass.run(model, kv, &h, mrope)?;
-        last = draft_tokens(model, &h)?;
-        for (d, &t) in drafts.iter_mut().zip(&last) {
+        last = draw(model, sched, &ids[..live], &h)?;
+        for ((d, q), (t, dq)) in drafts.iter_mut().zip(last.iter().cloned()) {
             d.push(t);
+            q.push(dq);
         }
     }
-    Ok(drafting.into_iter().zip(drafts).map(|((id, ..), d)| (id, d)).collect())
+    Ok(ids.into_iter().zip(drafts).collect())
 }
