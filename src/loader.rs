@@ -192,18 +192,16 @@ fn with_mtp_weights(
         (MtpWeights::Checkpoint, ModelLocation::HfDir(_)) => None,
     };
     if let Some(side) = side {
-        let files = if side.is_dir() {
-            let dir = SafetensorsDir::open(&side)?;
-            dir.files().to_vec()
+        let store = if side.is_dir() {
+            SafetensorsDir::open(&side)?
         } else if side.is_file() {
-            vec![side.clone()]
+            SafetensorsDir::open_files(side.parent().unwrap_or(Path::new(".")), vec![side.clone()])?
         } else {
             return Err(LoadError::Mtp(format!("no MTP head at {}", side.display())));
         };
-        let dir = side.parent().unwrap_or(Path::new(".")).to_path_buf();
         // A GGUF llama's q/k rows are in llama.cpp's pair order; the head's are HF's.
         let pairs = matches!(loc, ModelLocation::Gguf(_)) && cfg.rope_layout == crate::config::RopeLayout::Interleaved;
-        weights = weights.with_mtp_sidecar(SafetensorsDir::open_files(&dir, files)?, pairs.then_some(cfg.head_dim));
+        weights = weights.with_mtp_sidecar(store, pairs.then_some(cfg.head_dim));
     }
     if !weights.contains("mtp.fc.weight") {
         return Err(LoadError::Mtp(format!(

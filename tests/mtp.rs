@@ -132,18 +132,41 @@ fn build_err(path: &Path, opts: &EngineOptions) -> String {
 #[test]
 fn a_checkpoint_without_a_head_or_a_family_without_one_is_refused_in_one_line() {
     let opts = mtp_opts(2, EngineOptions { kv_memory: Some(1 << 20), ..Default::default() });
-    let msg = build_err(&fixture("tiny-qwen3.5"), &opts);
-    assert!(msg.contains("has no MTP head") && msg.contains("mtp.fc.weight"), "{msg}");
-    let msg = build_err(&fixture("tiny-gemma3"), &opts);
-    assert!(msg.contains("no MTP head iris can run"), "{msg}");
     let missing = EngineOptions {
         drafter: Some(DraftSource::Mtp(MtpWeights::File("/nonexistent/head.safetensors".into()))),
         ..opts.clone()
     };
-    let msg = build_err(&fixture("tiny-qwen3.5"), &missing);
-    assert!(msg.contains("no MTP head at /nonexistent/head.safetensors"), "{msg}");
-    for m in [&msg] {
-        assert!(!m.contains('\n'), "one line: {m}");
+    for (model, opts, want) in [
+        ("tiny-qwen3.5", &opts, "has no MTP head (no mtp.fc.weight"),
+        ("tiny-gemma3", &opts, "no MTP head iris can run"),
+        ("tiny-qwen3.5", &missing, "no MTP head at /nonexistent/head.safetensors"),
+    ] {
+        let msg = build_err(&fixture(model), opts);
+        assert!(msg.contains(want) && msg.contains("--speculative-config method mtp"), "{model}: {msg}");
+        assert!(!msg.contains('\n'), "one line: {msg}");
+    }
+}
+
+/// A draft vocabulary that is not a list of token ids is refused at load, naming the tensor.
+#[test]
+fn a_bad_draft_vocabulary_is_refused() {
+    let src = fixture(DENSE);
+    let dev = Device::Cpu;
+    for (i, bad) in [vec![3f32, -1.0], vec![2.5], vec![5000.0]].into_iter().enumerate() {
+        let dir = copy_with_config(&src, &format!("mtp-vocab-{i}"), |_| {});
+        let shard = dir.path().join("model-00002-of-00002.safetensors");
+        let mut t = candle_core::safetensors::load(&shard, &dev).unwrap();
+        t.insert("mtp.draft_vocab".into(), Tensor::new(bad.as_slice(), &dev).unwrap());
+        candle_core::safetensors::save(&t, &shard).unwrap();
+        let index = dir.path().join("model.safetensors.index.json");
+        let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
+        j["weight_map"]["mtp.draft_vocab"] = "model-00002-of-00002.safetensors".into();
+        std::fs::write(&index, j.to_string()).unwrap();
+        let msg = match load_model(dir.path(), None, &dev, DType::F32, Some(&MtpWeights::Checkpoint)) {
+            Ok(_) => panic!("{bad:?} loaded"),
+            Err(e) => e.to_string(),
+        };
+        assert!(msg.contains("mtp.draft_vocab") && msg.contains("token ids below"), "{bad:?}: {msg}");
     }
 }
 

@@ -90,9 +90,12 @@ fn draft_head(
     const NAME: &str = "mtp.draft_vocab";
     let Some(shape) = w.shape_of(NAME) else { return Ok(None) };
     let bad = |msg: String| WeightsError::BadTensor { name: NAME.into(), origin: w.origin_of(NAME).to_path_buf(), msg };
-    let ids: Vec<u32> = w.dense_f32(NAME, &shape)?.flatten_all()?.to_vec1::<f32>()?.iter().map(|&v| v as u32).collect();
-    if shape.len() != 1 || ids.is_empty() || ids.iter().any(|&t| t as usize >= cfg.vocab_size) {
+    let values = w.dense_f32(NAME, &shape)?.flatten_all()?.to_vec1::<f32>()?;
+    // Checked before the cast, which would turn a negative or fractional id into another one.
+    let is_id = |v: f32| v >= 0.0 && v.fract() == 0.0 && (v as usize) < cfg.vocab_size;
+    if shape.len() != 1 || values.is_empty() || !values.iter().all(|&v| is_id(v)) {
         return Err(bad(format!("must be a list of token ids below the vocabulary's {}", cfg.vocab_size)));
     }
+    let ids: Vec<u32> = values.iter().map(|&v| v as u32).collect();
     Ok(lm_head.rows(&ids)?.map(|h| (h, ids)))
 }
