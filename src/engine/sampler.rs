@@ -407,7 +407,7 @@ fn draw_shape(params: &SamplingParams) -> Draw {
 /// (Tests swap in a wrong residual to show the distribution tests catch it.)
 fn residual_pick(kept: &Kept<'_>, draft: u32, q: &DraftDist, u: f32) -> Option<u32> {
     #[cfg(test)]
-    if tests::WRONG_RESIDUAL.with(|w| w.get()) {
+    if WRONG_RESIDUAL.with(|w| w.get()) {
         return kept.pick(u, None); // the target distribution itself: over-weights the draft
     }
     if q.is_point() {
@@ -568,6 +568,13 @@ pub(crate) fn logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, 
     }
     let lp = logits.get(token as usize).map_or(f32::NAN, |&l| l - lse);
     (lp, top)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests only: makes `residual_pick` draw from the target distribution itself (a wrong
+    /// residual), to show the distribution tests catch it.
+    pub(crate) static WRONG_RESIDUAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use std::path::Path;
 use candle_core::Device;
 
 use super::build::{build_engine, EngineOptions};
-use super::sampler::tests::WRONG_RESIDUAL;
+use super::sampler::WRONG_RESIDUAL;
 use super::{Drafter, Engine, ReplayDrafter, Request, SamplingParams, SpeculativeConfig};
 
 const REQUESTS: u64 = 8000;

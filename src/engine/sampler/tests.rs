@@ -3,11 +3,6 @@
 
 use super::*;
 
-thread_local! {
-    /// Makes `residual_pick` draw from the target distribution itself (a wrong residual).
-    pub(crate) static WRONG_RESIDUAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 fn params(temperature: f32) -> SamplingParams {
     SamplingParams { temperature, ..Default::default() }
 }
