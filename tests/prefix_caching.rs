@@ -501,3 +501,215 @@ fn hybrid_models_and_float_windows_refuse_prefix_caching() {
     let (e, _) = build_engine(&fixture("tiny-llama"), &device(), &base).unwrap();
     assert!(e.config().prefix_caching && e.scheduler().allocator.prefix_caching());
 }
+
+// ---- Through the server: transformers' scores and text after cache hits ----
+
+mod server_support;
+
+use serde_json::{json, Value};
+use server_support::Server;
+
+/// The server's block size in these checks.
+const SERVER_BS: usize = 16;
+
+/// Log-softmax of one row of reference logits (f64 sums), largest first.
+fn reference_logprobs(row: &candle_core::Tensor) -> Vec<f32> {
+    let v = row.to_vec1::<f32>().unwrap();
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = m + v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+    let mut lp: Vec<f32> = v.iter().map(|&x| (x as f64 - lse) as f32).collect();
+    lp.sort_by(|a, b| b.total_cmp(a));
+    lp
+}
+
+/// Logprobs the server gives against transformers': the greedy token's (`chosen`) and the top
+/// ones (`top`). model_parity holds iris's logits within 1e-4 of the row's largest logit, and
+/// a logprob moves by at most twice that.
+fn assert_scores(what: &str, chosen: f32, top: &[f32], row: &candle_core::Tensor) {
+    let want = reference_logprobs(row);
+    let scale = row.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    let tol = 2e-4 * scale + 1e-5;
+    assert!((chosen - want[0]).abs() <= tol, "{what}: the greedy token's logprob {chosen} against {}", want[0]);
+    // The completions API keys its top entries by text, so tokens of one text (a random
+    // model's stray bytes) keep one entry: each value must be one of the reference's top ones.
+    assert!(!top.is_empty(), "{what}: no top logprobs");
+    for g in top {
+        assert!(want[..5].iter().any(|w| (g - w).abs() <= tol), "{what}: {g} is none of {:?}", &want[..5]);
+    }
+}
+
+/// The cached prompt tokens the server must report for a prompt of `len` tokens whose first
+/// `shared` tokens were computed and released before: whole blocks, leaving MIN_COMPUTED.
+fn expect_cached(len: usize, shared: usize) -> usize {
+    (len.saturating_sub(MIN_COMPUTED) / SERVER_BS).min(shared / SERVER_BS) * SERVER_BS
+}
+
+fn cached_of(v: &Value) -> usize {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() as usize
+}
+
+/// `/v1/completions` on token ids, one greedy token with its top 5: its logprob, the top ones,
+/// and the cached prompt tokens.
+fn score(s: &Server, prompt: &[u32]) -> (f32, Vec<f32>, usize) {
+    let body = json!({ "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 5 });
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let lp = &v["choices"][0]["logprobs"];
+    let top = lp["top_logprobs"][0].as_object().unwrap().values().map(|x| x.as_f64().unwrap() as f32).collect();
+    (lp["token_logprobs"][0].as_f64().unwrap() as f32, top, cached_of(&v))
+}
+
+/// A greedy chat (OpenAI) with the top 5 logprobs of every token: content, the logprobs
+/// (chosen and top, per token) and the cached prompt tokens.
+fn chat_scored(s: &Server, messages: &Value, n: usize) -> (String, Vec<Vec<f32>>, usize, usize) {
+    let body = json!({ "messages": messages, "max_tokens": n, "temperature": 0, "ignore_eos": true,
+                       "logprobs": true, "top_logprobs": 5 });
+    let r = s.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let per_token = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let mut lp = vec![t["logprob"].as_f64().unwrap() as f32];
+            lp.extend(t["top_logprobs"].as_array().unwrap().iter().map(|x| x["logprob"].as_f64().unwrap() as f32));
+            lp
+        })
+        .collect();
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    (content, per_token, cached_of(&v), v["usage"]["prompt_tokens"].as_u64().unwrap() as usize)
+}
+
+/// An Anthropic message (greedy): its text and `cache_read_input_tokens`.
+fn anthropic(s: &Server, messages: &Value, n: usize) -> (String, usize) {
+    let mut msgs = messages.clone();
+    let mut body = json!({ "max_tokens": n, "temperature": 0, "top_k": 1 });
+    if msgs[0]["role"] == "system" {
+        body["system"] = msgs[0]["content"].clone();
+        msgs.as_array_mut().unwrap().remove(0);
+    }
+    body["messages"] = msgs;
+    let r = s.post("/v1/messages", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let text = v["content"][0]["text"].as_str().unwrap_or("").to_string();
+    (text, v["usage"]["cache_read_input_tokens"].as_u64().unwrap() as usize)
+}
+
+/// Every token's logprobs equal between two runs of one request (the cache's and a server
+/// without it).
+fn assert_same_scores(what: &str, a: &[Vec<f32>], b: &[Vec<f32>]) {
+    assert_eq!(a.len(), b.len(), "{what}: token counts");
+    for (k, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.len(), y.len(), "{what}: token {k}");
+        for (p, q) in x.iter().zip(y) {
+            assert!((p - q).abs() <= LOGPROB_TOL, "{what}: token {k}: {p} against {q}");
+        }
+    }
+}
+
+/// A text fixture through `iris serve` with the prefix cache on (the default): the reference
+/// chat prompt, then prompts cut from it that hit its blocks, are scored as transformers
+/// scores them (its logits at every prompt position); the chat then gives transformers'
+/// greedy text over both APIs after hits of the expected size, with the same logprobs for
+/// every token as a server without the cache.
+fn check_server_text(name: &str) {
+    let _gpu = gpu_lock();
+    let (r, j) = (reference(name), reference_json(name));
+    let prompt = ids(&r["chat.input_ids"]);
+    let generated = json_ids(&j["chat_generated_ids"]);
+    let logits = &r["chat.logits"];
+    let bs = SERVER_BS.to_string();
+    let s = Server::start_model(name, &["--block-size", &bs]);
+    let n = prompt.len();
+    // The whole prompt first (nothing cached), then cuts of it (the cache holds its full
+    // blocks), longest last.
+    for (i, k) in [n, 20, n / 2, n - 9, n - 1].into_iter().enumerate() {
+        let (chosen, top, cached) = score(&s, &prompt[..k]);
+        assert_eq!(cached, if i == 0 { 0 } else { expect_cached(k, n) }, "{name}: cached tokens of a {k}-token cut");
+        let what = format!("{name}: the next token after {k} prompt tokens");
+        assert_scores(&what, chosen, &top, &logits.get(k - 1).unwrap());
+    }
+    assert!(expect_cached(n - 1, n) > 0, "{name}: the cuts must hit the cache");
+
+    let messages = j["chat_messages"].clone();
+    let (text, scores, cached, prompt_len) = chat_scored(&s, &messages, generated.len());
+    assert_eq!(prompt_len, n, "{name}: the chat renders to the reference's ids");
+    assert_eq!(cached, expect_cached(n, n), "{name}: the chat reads the prompt's blocks");
+    assert_eq!(text, server_support::continuation_text(name, &prompt, &generated), "{name}: greedy text");
+    assert_scores(
+        &format!("{name}: the chat's first token"),
+        scores[0][0],
+        &scores[0][1..],
+        &logits.get(n - 1).unwrap(),
+    );
+    let (atext, read) = anthropic(&s, &messages, generated.len());
+    assert!(read > 0, "{name}: Anthropic reads the cache");
+    assert!(!atext.is_empty() && text.starts_with(&atext), "{name} anthropic: {atext:?} against {text:?}");
+
+    let cold = Server::start_model(name, &["--block-size", &bs, "--no-enable-prefix-caching"]);
+    let (cold_text, cold_scores, cold_cached, _) = chat_scored(&cold, &messages, generated.len());
+    assert_eq!((cold_text, cold_cached), (text, 0), "{name}: without the cache");
+    assert_same_scores(&format!("{name}: chat with and without the cache"), &scores, &cold_scores);
+}
+
+#[test]
+fn server_scores_and_text_after_cache_hits_llama_qwen2() {
+    check_server_text("tiny-llama");
+    check_server_text("tiny-qwen2");
+}
+
+#[test]
+fn server_scores_and_text_after_cache_hits_qwen3_gemma3() {
+    check_server_text("tiny-qwen3");
+    check_server_text("tiny-gemma3");
+}
+
+#[test]
+fn server_scores_and_text_after_cache_hits_gemma4() {
+    check_server_text("tiny-gemma4");
+}
+
+/// A vision fixture through the server with the cache on: each image case gives
+/// transformers' greedy text and first-token scores when it runs cold, when it runs again
+/// (its image's blocks read from the cache), and after another picture ran; the repeat's
+/// logprobs are the cold run's.
+fn check_server_images(name: &str) {
+    let _gpu = gpu_lock();
+    let r = reference(name);
+    let bs = SERVER_BS.to_string();
+    let s = Server::start_model(name, &["--block-size", &bs]);
+    let part = |f: &str| json!({"type": "image_url", "image_url": {"url": server_support::data_url(name, f)}});
+    let mut seen = std::collections::HashMap::new();
+    for case in ["single", "nonsquare", "single", "multi", "multi", "nonsquare"] {
+        let messages = server_support::case_messages(name, case, &part);
+        let (want, prompt_len) = server_support::reference_case_text(name, case);
+        let n = reference_json(name)["cases"][case]["generated_ids"].as_array().unwrap().len();
+        let (text, scores, cached, len) = chat_scored(&s, &messages, n);
+        assert_eq!((len, &text), (prompt_len, &want), "{name} {case}: prompt length and greedy text");
+        let tail = &r[&format!("{case}.logits_tail")];
+        let last = tail.get(tail.dim(0).unwrap() - 1).unwrap();
+        assert_scores(&format!("{name} {case}: first token"), scores[0][0], &scores[0][1..], &last);
+        match seen.get(case) {
+            None => {
+                seen.insert(case, scores);
+            }
+            Some(first) => {
+                assert_eq!(cached, expect_cached(len, len), "{name} {case}: the repeat reads every full block");
+                assert_same_scores(&format!("{name} {case}: repeat"), &scores, first);
+            }
+        }
+    }
+}
+
+#[test]
+fn server_images_after_cache_hits_qwen2_vl() {
+    check_server_images("tiny-qwen2-vl");
+}
+
+#[test]
+fn server_images_after_cache_hits_glm4v_moe() {
+    check_server_images("tiny-glm4v-moe");
+}

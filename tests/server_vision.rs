@@ -8,61 +8,9 @@
 mod server_support;
 
 use serde_json::{json, Value};
-use server_support::{fixture, Server};
+use server_support::{b64, case_messages, data_url, fixture, reference_case_text, reference_json, Server};
 
 const MODEL: &str = "tiny-qwen2-vl";
-
-fn b64(bytes: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for c in bytes.chunks(3) {
-        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
-        for i in 0..4 {
-            out.push(if i <= c.len() { T[(n >> (18 - 6 * i) & 63) as usize] as char } else { '=' });
-        }
-    }
-    out
-}
-
-fn data_url(model: &str, file: &str) -> String {
-    format!("data:image/png;base64,{}", b64(&std::fs::read(fixture(model).join(file)).unwrap()))
-}
-
-fn reference(model: &str) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture(model).join("reference.json")).unwrap()).unwrap()
-}
-
-/// The case's messages with each `{"type": "image"}` part replaced by `image(file)`.
-fn messages(model: &str, case: &str, image: &dyn Fn(&str) -> Value) -> Value {
-    let r = reference(model);
-    let files: Vec<String> =
-        r["cases"][case]["images"].as_array().unwrap().iter().map(|f| f.as_str().unwrap().to_string()).collect();
-    let mut next = files.iter();
-    let mut msgs = r["cases"][case]["messages"].clone();
-    for m in msgs.as_array_mut().unwrap() {
-        if let Some(parts) = m["content"].as_array_mut() {
-            for p in parts.iter_mut().filter(|p| p["type"] == "image") {
-                *p = image(next.next().unwrap());
-            }
-        }
-    }
-    msgs
-}
-
-/// transformers' greedy continuation as the server streams its text (after the prompt, so a
-/// random model's stray bytes join their neighbours as they do there), and the prompt length.
-fn expected(model: &str, case: &str) -> (String, usize) {
-    let r = reference(model);
-    let ids = |k: &str| -> Vec<u32> {
-        r["cases"][case][k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
-    };
-    let (prompt, generated) = (ids("input_ids"), ids("generated_ids"));
-    let tok = iris::tokenizer::TextTokenizer::from_dir(fixture(model)).unwrap();
-    let mut detok = iris::engine::IncrementalDetokenizer::new(tok.inner().clone(), &prompt, true).unwrap();
-    let mut text: String = generated.iter().map(|&t| detok.push(t).unwrap()).collect();
-    text += &detok.finish().unwrap();
-    (text, prompt.len())
-}
 
 fn openai_part(file: &str) -> Value {
     openai_part_of(MODEL, file)
@@ -84,10 +32,10 @@ fn chat(server: &Server, msgs: Value) -> server_support::Response {
 fn check_reference_continuations(model: &str) {
     let server = Server::start_model(model, &[]);
     for case in ["single", "nonsquare", "multi"] {
-        let r = chat(&server, messages(model, case, &|f: &str| openai_part_of(model, f)));
+        let r = chat(&server, case_messages(model, case, &|f: &str| openai_part_of(model, f)));
         assert_eq!(r.status, 200, "{model} {case}: {}", r.text());
         let v = r.json();
-        let (text, prompt_len) = expected(model, case);
+        let (text, prompt_len) = reference_case_text(model, case);
         assert_eq!(v["choices"][0]["message"]["content"], text, "{model} {case}");
         assert_eq!(v["usage"]["prompt_tokens"], prompt_len, "{model} {case}: prompt tokens after expanding the images");
     }
@@ -97,7 +45,7 @@ fn check_reference_continuations(model: &str) {
         let bytes = std::fs::read(fixture(model).join(file)).unwrap();
         json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(&bytes)}})
     };
-    let mut msgs = messages(model, "single", &block);
+    let mut msgs = case_messages(model, "single", &block);
     let mut body = json!({"max_tokens": 10, "temperature": 0, "top_k": 1});
     if msgs[0]["role"] == "system" {
         body["system"] = msgs[0]["content"].clone();
@@ -107,7 +55,7 @@ fn check_reference_continuations(model: &str) {
     let r = server.post("/v1/messages", &body);
     assert_eq!(r.status, 200, "{model}: {}", r.text());
     let v = r.json();
-    let (text, prompt_len) = expected(model, "single");
+    let (text, prompt_len) = reference_case_text(model, "single");
     // Anthropic's API has no ignore_eos: compare up to where the reference stops.
     let got = v["content"][0]["text"].as_str().unwrap();
     assert!(text.starts_with(got) && !got.is_empty(), "{model} anthropic: {got:?} vs {text:?}");
@@ -145,18 +93,18 @@ fn local_files_only_under_the_allowed_directory() {
     let server = Server::start_model(MODEL, &["--allowed-local-media-path", dir.to_str().unwrap()]);
     let file_part =
         |file: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}", dir.join(file).display())}});
-    let r = chat(&server, messages(MODEL, "single", &file_part));
+    let r = chat(&server, case_messages(MODEL, "single", &file_part));
     assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.json()["choices"][0]["message"]["content"], expected(MODEL, "single").0);
+    assert_eq!(r.json()["choices"][0]["message"]["content"], reference_case_text(MODEL, "single").0);
     // `..` out of the directory, and a file that is not an image.
     let outside = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}/../../../Cargo.toml", dir.display())}});
-    let r = chat(&server, messages(MODEL, "single", &outside));
+    let r = chat(&server, case_messages(MODEL, "single", &outside));
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("not a file under the allowed media directory"), "{}", r.text());
     // Whether a file outside exists is not revealed: a missing one gets the same answer.
     let error_of = |r: &server_support::Response| r.json()["error"]["message"].as_str().unwrap().to_string();
     let missing = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}/../../../no-such-file", dir.display())}});
-    let r2 = chat(&server, messages(MODEL, "single", &missing));
+    let r2 = chat(&server, case_messages(MODEL, "single", &missing));
     assert_eq!(r2.status, 400, "{}", r2.text());
     assert_eq!(error_of(&r2).replace("no-such-file", "Cargo.toml"), error_of(&r), "{}", r2.text());
     // RFC 8089: `file://localhost/`, a scheme in capitals, percent-escapes.
@@ -165,11 +113,11 @@ fn local_files_only_under_the_allowed_directory() {
         [format!("file://localhost{path}"), format!("FILE://{path}"), format!("file://{}", path.replace('_', "%5F"))]
     {
         let part = |_: &str| json!({"type": "image_url", "image_url": {"url": url.clone()}});
-        let r = chat(&server, messages(MODEL, "single", &part));
+        let r = chat(&server, case_messages(MODEL, "single", &part));
         assert_eq!(r.status, 200, "{url}: {}", r.text());
     }
     let not_image = |_: &str| json!({"type": "image_url", "image_url": {"url": format!("file://{}", dir.join("config.json").display())}});
-    let r = chat(&server, messages(MODEL, "single", &not_image));
+    let r = chat(&server, case_messages(MODEL, "single", &not_image));
     assert_eq!(r.status, 400, "{}", r.text());
 }
 
@@ -217,12 +165,12 @@ fn anthropic_block_of(model: &str, file: &str) -> Value {
 fn tokenize_and_count_tokens_count_the_image_tokens() {
     for model in [MODEL, "tiny-glm4v-moe"] {
         let server = Server::start_model(model, &[]);
-        let r = reference(model);
+        let r = reference_json(model);
         for case in ["single", "nonsquare", "multi"] {
             // transformers' processor: the prompt with each image's tokens expanded to its grid.
             let want: Vec<u64> =
                 r["cases"][case]["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
-            let msgs = messages(model, case, &|f: &str| openai_part_of(model, f));
+            let msgs = case_messages(model, case, &|f: &str| openai_part_of(model, f));
             let t = server.post("/tokenize", &json!({ "messages": msgs }));
             assert_eq!(t.status, 200, "{model} {case}: {}", t.text());
             let t = t.json();
@@ -234,7 +182,7 @@ fn tokenize_and_count_tokens_count_the_image_tokens() {
             assert_eq!(t["count"], used, "{model} {case}: /tokenize vs the prompt the engine ran");
 
             // Anthropic: the system message goes in `system`.
-            let mut msgs = messages(model, case, &|f: &str| anthropic_block_of(model, f));
+            let mut msgs = case_messages(model, case, &|f: &str| anthropic_block_of(model, f));
             let mut body = json!({});
             if msgs[0]["role"] == "system" {
                 body["system"] = msgs[0]["content"].clone();
@@ -322,7 +270,7 @@ fn official_python_sdks_send_images() {
         return;
     };
     let server = Server::start_model(MODEL, &["--served-model-name", "tiny-qwen2-vl"]);
-    let r = reference(MODEL);
+    let r = reference_json(MODEL);
     let question = r["cases"]["single"]["messages"][0]["content"][1]["text"].as_str().unwrap().to_string();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_sdk_vision.py");
     let out = std::process::Command::new(&py)
@@ -331,7 +279,7 @@ fn official_python_sdks_send_images() {
         .env("IRIS_BASE_URL", format!("http://{}", server.addr))
         .env("IRIS_IMAGE", fixture(MODEL).join("image_square.png"))
         .env("IRIS_QUESTION", question)
-        .env("IRIS_EXPECTED", expected(MODEL, "single").0)
+        .env("IRIS_EXPECTED", reference_case_text(MODEL, "single").0)
         .output()
         .expect("python runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -350,12 +298,12 @@ fn anthropic_prompt_tokens(usage: &serde_json::Value) -> u64 {
 fn limit_mm_per_prompt_refuses_images_past_the_limit() {
     let server = Server::start_model(MODEL, &["--limit-mm-per-prompt", r#"{"image": 0}"#]);
     assert!(server.log().contains("no vision tower loaded"), "{}", server.log());
-    let r = chat(&server, messages(MODEL, "single", &openai_part));
+    let r = chat(&server, case_messages(MODEL, "single", &openai_part));
     assert_eq!(r.status, 400, "{}", r.text());
     let e = &r.json()["error"];
     assert_eq!(e["type"], "invalid_request_error", "{}", r.text());
     assert!(e["message"].as_str().unwrap().contains("--limit-mm-per-prompt image 0"), "{}", r.text());
-    let mut msgs = messages(MODEL, "single", &|f: &str| anthropic_block_of(MODEL, f));
+    let mut msgs = case_messages(MODEL, "single", &|f: &str| anthropic_block_of(MODEL, f));
     msgs.as_array_mut().unwrap().retain(|m| m["role"] != "system");
     let m = server.post("/v1/messages", &json!({"messages": msgs, "max_tokens": 4}));
     assert_eq!(m.status, 400, "{}", m.text());
@@ -368,12 +316,12 @@ fn limit_mm_per_prompt_refuses_images_past_the_limit() {
     let server = Server::start_model(MODEL, &["--limit-mm-per-prompt", r#"{"image": 1}"#]);
     // The startup log gives the bytes held, the tower's apart (none at image 0, above).
     assert!(server.log().contains("vision tower"), "{}", server.log());
-    let many = messages(MODEL, "multi", &openai_part);
+    let many = case_messages(MODEL, "multi", &openai_part);
     let n = many.to_string().matches(r#""type":"image_url""#).count();
     assert!(n > 1, "the multi case has {n} images");
     let r = chat(&server, many);
     assert_eq!(r.status, 400, "{}", r.text());
     let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
     assert!(msg.contains("at most 1 image") && msg.contains(&format!("this request has {n}")), "{msg}");
-    assert_eq!(chat(&server, messages(MODEL, "single", &openai_part)).status, 200);
+    assert_eq!(chat(&server, case_messages(MODEL, "single", &openai_part)).status, 200);
 }

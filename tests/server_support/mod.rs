@@ -359,3 +359,64 @@ pub fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
     cond()
 }
+
+/// Standard base64 with padding (for image data URLs and Anthropic blocks).
+pub fn b64(bytes: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for c in bytes.chunks(3) {
+        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
+        for i in 0..4 {
+            out.push(if i <= c.len() { T[(n >> (18 - 6 * i) & 63) as usize] as char } else { '=' });
+        }
+    }
+    out
+}
+
+/// A fixture's image file as a PNG data URL.
+pub fn data_url(model: &str, file: &str) -> String {
+    format!("data:image/png;base64,{}", b64(&std::fs::read(fixture(model).join(file)).unwrap()))
+}
+
+/// A fixture's reference.json (what transformers gave).
+pub fn reference_json(model: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(model).join("reference.json")).unwrap()).unwrap()
+}
+
+/// A vision fixture case's messages with each `{"type": "image"}` part replaced by `image(file)`.
+pub fn case_messages(model: &str, case: &str, image: &dyn Fn(&str) -> serde_json::Value) -> serde_json::Value {
+    let r = reference_json(model);
+    let files: Vec<String> =
+        r["cases"][case]["images"].as_array().unwrap().iter().map(|f| f.as_str().unwrap().to_string()).collect();
+    let mut next = files.iter();
+    let mut msgs = r["cases"][case]["messages"].clone();
+    for m in msgs.as_array_mut().unwrap() {
+        if let Some(parts) = m["content"].as_array_mut() {
+            for p in parts.iter_mut().filter(|p| p["type"] == "image") {
+                *p = image(next.next().unwrap());
+            }
+        }
+    }
+    msgs
+}
+
+/// `generated` as the server streams its text after `prompt` (so a random model's stray bytes
+/// join their neighbours as they do there).
+pub fn continuation_text(model: &str, prompt: &[u32], generated: &[u32]) -> String {
+    let tok = iris::tokenizer::TextTokenizer::from_dir(fixture(model)).unwrap();
+    let mut detok = iris::engine::IncrementalDetokenizer::new(tok.inner().clone(), prompt, true).unwrap();
+    let mut text: String = generated.iter().map(|&t| detok.push(t).unwrap()).collect();
+    text += &detok.finish().unwrap();
+    text
+}
+
+/// A vision fixture case's greedy continuation from transformers, as text, and its prompt
+/// length.
+pub fn reference_case_text(model: &str, case: &str) -> (String, usize) {
+    let r = reference_json(model);
+    let ids = |k: &str| -> Vec<u32> {
+        r["cases"][case][k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
+    };
+    let (prompt, generated) = (ids("input_ids"), ids("generated_ids"));
+    (continuation_text(model, &prompt, &generated), prompt.len())
+}
