@@ -209,6 +209,51 @@ def make_with_transformers(out, name, cfg):
                       "lookup_bytes": ple, "format": "bf16"}))
 
 
+def make_vl(out):
+    """A Qwen2.5-VL-7B-shaped checkpoint (the text model of Qwen2.5-7B, a 32-block vision tower
+    of width 1280 with windowed attention), random bf16 weights as make_with_transformers
+    draws them. Tokenizer, chat template and image processor are the tiny Qwen2.5-VL fixture's
+    (its 512-token vocabulary with the vision tokens; the LM head is then small, which a TTFT
+    barely feels), the processor's pixel limits the real model's."""
+    import shutil
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    fix = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "tiny-qwen2.5-vl")
+    with open(os.path.join(fix, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, layer_types=["full_attention"] * 28, max_position_embeddings=32768,
+               rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, initializer_range=0.02)
+    cfg["vision_config"].update(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                out_hidden_size=3584, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                                initializer_range=0.02)
+    if os.environ.get("BENCH_LAYERS"):
+        cfg["num_hidden_layers"] = int(os.environ["BENCH_LAYERS"])
+        cfg["layer_types"] = cfg["layer_types"][: cfg["num_hidden_layers"]]
+    os.makedirs(out, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if os.path.exists(os.path.join(fix, name)):
+            shutil.copy(os.path.join(fix, name), out)
+    with open(os.path.join(fix, "preprocessor_config.json")) as f:
+        pre = json.load(f)
+    pre.update(min_pixels=3136, max_pixels=12845056)
+    with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
+        json.dump(pre, f, indent=1)
+    conf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "dtype", "transformers_version")})
+    with torch.device(os.environ.get("BENCH_TORCH_DEVICE", "cuda")):
+        model = AutoModelForImageTextToText.from_config(conf, dtype=torch.bfloat16)
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(1234)
+    nbytes = 0
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            base = 1.0 if "norm" in n and p.dim() == 1 else 0.0
+            p.copy_((base + (0.1 if base else 0.02) * torch.randn(p.shape, generator=g, device=p.device)).to(p.dtype))
+            nbytes += p.numel() * p.element_size()
+    model.save_pretrained(out, max_shard_size="4GB")
+    print(json.dumps({"model": "qwen2.5-vl-7b", "weight_bytes": nbytes, "format": "bf16"}))
+
+
 def mlx_quantize(module, w, bits, group):
     """MLX affine quantization of w [out, in] (bits dividing 32): per group of `group` weights
     scale = (max - min) / (2^bits - 1), bias = min, q = round((w - bias) / scale); the codes
@@ -338,6 +383,8 @@ def main():
     m = sub.add_parser("make")
     m.add_argument("out")
     m.add_argument("model", choices=sorted(CONFIGS) + sorted(f"{c}+{k}" for c in CONFIGS for k in ("bytes", "mlx4", "mlx8")))
+    v = sub.add_parser("make-vl")
+    v.add_argument("out")
     sub.add_parser("bandwidth")
     sub.add_parser("gemv")
     h = sub.add_parser("hf")
@@ -350,6 +397,8 @@ def main():
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.out, a.model)
+    elif a.cmd == "make-vl":
+        make_vl(a.out)
     elif a.cmd == "bandwidth":
         bandwidth()
     elif a.cmd == "gemv":

@@ -11,7 +11,9 @@ use serde::Serialize;
 use super::args::EngineArgs;
 use super::image_bench::{self, ImageBench, ImageSource};
 use super::session::open_engine;
-use crate::engine::{Drafter, Engine, Grammar, GrammarCompiler, GrammarSpec, ReplayDrafter, Request, SamplingParams};
+use crate::engine::{
+    Drafter, Engine, Grammar, GrammarCompiler, GrammarSpec, ImageInput, ReplayDrafter, Request, SamplingParams,
+};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -95,6 +97,11 @@ pub struct BenchArgs {
     /// token per turn, medians over --repeats conversations.
     #[arg(long, conflicts_with_all = ["url", "all_accepted", "prompt_file"])]
     pub conversation_turns: Option<usize>,
+    /// With --conversation-turns on a vision-language model: the first user message holds an
+    /// image (--image, or a generated one of --image-size; another picture per conversation),
+    /// and every turn resends it.
+    #[arg(long, requires = "conversation_turns")]
+    pub conversation_image: bool,
 }
 
 #[derive(Debug, Serialize, Clone)]
@@ -340,26 +347,69 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
 
 /// `--conversation-turns`: the same flags with prefix caching on, then off.
 fn conversation(a: &BenchArgs, turns: usize) -> anyhow::Result<()> {
+    use super::conversation_bench::{self as conv, Conversation};
     let mut flags = a.engine.clone();
     (flags.enable_prefix_caching, flags.no_enable_prefix_caching) = (true, false);
     let (mut on, _) = open_engine(&flags)?;
     (flags.enable_prefix_caching, flags.no_enable_prefix_caching) = (false, true);
     let (mut off, _) = open_engine(&flags)?;
     let unit = on.tokenizer().encode(TEXT, false)?;
+    // With an image: its one-turn prompt opens every conversation, another picture each
+    // (variant r + 1; the warm-up's is variant 0).
+    let vision = match (a.conversation_image, on.vision()) {
+        (false, _) => None,
+        (true, Some(v)) => Some(v.clone()),
+        (true, None) => anyhow::bail!("--conversation-image needs a vision-language model"),
+    };
+    let source = match &a.image {
+        Some(p) => ImageSource::File(p.clone()),
+        None => ImageSource::Generated(a.image_size.0, a.image_size.1),
+    };
+    let pixels = |r: usize| -> anyhow::Result<Vec<crate::media::PixelValues>> {
+        match &vision {
+            Some(v) => Ok(vec![v.preprocess(&image_bench::load_image(&source, r)?)?]),
+            None => Ok(Vec::new()),
+        }
+    };
+    let per_conversation: Vec<Vec<ImageInput>> = (0..=a.repeats)
+        .map(|r| Ok(pixels(r)?.into_iter().map(ImageInput::new).collect()))
+        .collect::<anyhow::Result<_>>()?;
+    let opening = match (&vision, per_conversation[0].first()) {
+        (Some(v), Some(image)) => image_bench::image_prompt(&on, v.as_ref(), &image.pixels)?,
+        _ => Vec::new(),
+    };
+    let images = |r: usize| per_conversation[r].clone();
+    let shifted = |r: usize| per_conversation[r + 1].clone();
     // Warm up caches and thread pools (a conversation of its own: other tokens than the runs').
-    super::conversation_bench::run(&mut on, &mut off, &unit[1..], 1, 16, 2, 1)?;
-    let rows = super::conversation_bench::run(&mut on, &mut off, &unit, turns, a.prompt_len, a.gen_len, a.repeats)?;
-    println!("| turn | prompt | cached | TTFT ms, cache on | TTFT ms, cache off | speedup |");
-    println!("|---|---|---|---|---|---|");
+    let warm =
+        Conversation { unit: &unit[1..], opening: &opening, images: &images, turns: 1, user_len: 16, gen_len: 2 };
+    conv::run(&mut on, &mut off, &warm, 1)?;
+    let c = Conversation {
+        unit: &unit,
+        opening: &opening,
+        images: &shifted,
+        turns,
+        user_len: a.prompt_len,
+        gen_len: a.gen_len,
+    };
+    let rows = conv::run(&mut on, &mut off, &c, a.repeats)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!("| turn | prompt | cached | TTFT ms, cache on | TTFT ms, cache off | speedup | new tokens alone ms | cache on / alone |");
+    println!("|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.2}x |",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.2}x | {:.1} | {:.2} |",
             r.turn,
             r.prompt_len,
             r.cached,
             r.ttft_on_ms,
             r.ttft_off_ms,
-            r.ttft_off_ms / r.ttft_on_ms.max(1e-9)
+            r.ttft_off_ms / r.ttft_on_ms.max(1e-9),
+            r.ttft_new_alone_ms,
+            r.ttft_on_ms / r.ttft_new_alone_ms.max(1e-9)
         );
     }
     Ok(())

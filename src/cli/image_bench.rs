@@ -10,7 +10,8 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::engine::{expand_image_tokens, Engine, ImageInput, Request, SamplingParams};
-use crate::media::{decode_image, DecodeLimits, RgbImage};
+use crate::media::{decode_image, DecodeLimits, PixelValues, RgbImage};
+use crate::models::VisionModel;
 use crate::tokenizer::{ChatMessage, ContentPart};
 
 /// Where the benchmark image comes from.
@@ -66,15 +67,35 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn run(engine: &mut Engine, source: &ImageSource, repeats: usize) -> anyhow::Result<ImageBench> {
-    let vision = engine.vision().cloned().context("this model does not take images (--image, --image-size)")?;
-    let image = match source {
+/// The benchmark image; `variant` > 0 shifts its colours, so that each variant is another
+/// picture (another content hash) of the same size.
+pub fn load_image(source: &ImageSource, variant: usize) -> anyhow::Result<RgbImage> {
+    let mut image = match source {
         ImageSource::Generated(w, h) => generated(*w, *h),
         ImageSource::File(p) => {
             let bytes = std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
             decode_image(&bytes, &DecodeLimits::default()).with_context(|| format!("{}", p.display()))?
         }
     };
+    for px in image.data.chunks_mut(3) {
+        px[2] = px[2].wrapping_add((variant * 37) as u8);
+    }
+    Ok(image)
+}
+
+/// A one-turn chat prompt ("Describe this image.") holding `pixels` (processed), with the
+/// model's image tokens expanded.
+pub fn image_prompt(engine: &Engine, vision: &dyn VisionModel, pixels: &PixelValues) -> anyhow::Result<Vec<u32>> {
+    let msg = ChatMessage::parts("user", vec![ContentPart::image(), ContentPart::text("Describe this image.")]);
+    let tok = engine.tokenizer().clone();
+    let text = tok.apply_chat_template(&[msg], true).context("cannot render the chat template")?;
+    expand_image_tokens(&tok.encode(&text, false)?, vision, &[vision.num_image_tokens(pixels)])
+        .map_err(|e| anyhow::anyhow!("the chat template did not place the image: {e}"))
+}
+
+pub fn run(engine: &mut Engine, source: &ImageSource, repeats: usize) -> anyhow::Result<ImageBench> {
+    let vision = engine.vision().cloned().context("this model does not take images (--image, --image-size)")?;
+    let image = load_image(source, 0)?;
     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
     let mut preprocess = Vec::with_capacity(repeats);
     let mut pixels = None;
@@ -85,12 +106,7 @@ pub fn run(engine: &mut Engine, source: &ImageSource, repeats: usize) -> anyhow:
     }
     let pixels = pixels.context("--repeats must be positive")?;
     let image_tokens = vision.num_image_tokens(&pixels);
-
-    let msg = ChatMessage::parts("user", vec![ContentPart::image(), ContentPart::text("Describe this image.")]);
-    let tok = engine.tokenizer().clone();
-    let text = tok.apply_chat_template(&[msg], true).context("cannot render the chat template")?;
-    let prompt = expand_image_tokens(&tok.encode(&text, false)?, vision.as_ref(), &[image_tokens])
-        .map_err(|e| anyhow::anyhow!("the chat template did not place the image: {e}"))?;
+    let prompt = image_prompt(engine, vision.as_ref(), &pixels)?;
 
     // Warm-up, then the tower alone.
     vision.encode(&pixels)?;

@@ -325,6 +325,47 @@ fn bench_reports_the_vision_tower_and_image_ttft() {
     expect_error(&["bench", "--model", m.to_str().unwrap(), "--image", "/nonexistent.png"], &["/nonexistent.png"]);
 }
 
+/// `--conversation-turns`: each turn's prompt grows by the user message and the answer, the
+/// cache holds all but the turn's last partial block and its new tokens, and every time is
+/// measured; with `--conversation-image` the first turn opens with the image's tokens.
+#[test]
+fn bench_conversation_with_and_without_an_image() {
+    let (user, answer) = (16, 4);
+    for (model, image) in [("tiny-llama", false), ("tiny-qwen2.5-vl", true)] {
+        let m = fixture(model);
+        let mut args = vec!["bench", "--model", m.to_str().unwrap(), "--conversation-turns", "3", "--prompt-len", "16"];
+        args.extend(["--gen-len", "4", "--repeats", "1", "--block-size", "4", "--json"]);
+        if image {
+            args.push("--conversation-image");
+        }
+        let out = stdout_of(&args);
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}):\n{out}"));
+        assert_eq!(rows.len(), 3, "{out}");
+        let len = |i: usize| rows[i]["prompt_len"].as_u64().unwrap() as usize;
+        let cached = |i: usize| rows[i]["cached"].as_u64().unwrap() as usize;
+        // A text conversation starts with the user's text; an image one with its image prompt.
+        assert_eq!(len(0) == user, !image, "{model}: {out}");
+        for t in 1..3 {
+            assert_eq!(len(t), len(t - 1) + answer + user, "{model}: {out}");
+            // Everything before the last turn's answer's last token, to whole blocks, less
+            // what must be computed.
+            assert!(cached(t) > cached(t - 1) && cached(t) + user + 4 + 8 >= len(t), "{model} turn {t}: {out}");
+        }
+        for r in &rows {
+            for k in ["ttft_on_ms", "ttft_off_ms", "ttft_new_alone_ms"] {
+                let x = r[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {out}"));
+                assert!(x.is_finite() && x > 0.0, "{model}: {k} = {x}: {out}");
+            }
+        }
+    }
+    let m = fixture("tiny-llama");
+    expect_error(
+        &["bench", "--model", m.to_str().unwrap(), "--conversation-turns", "2", "--conversation-image"],
+        &["vision-language"],
+    );
+}
+
 #[test]
 fn inspect_load_reports_the_bytes_held_by_part() {
     let dir = fixture("tiny-qwen2-vl");
