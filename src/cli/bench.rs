@@ -102,6 +102,15 @@ pub struct BenchArgs {
     /// and every turn resends it.
     #[arg(long, requires = "conversation_turns")]
     pub conversation_image: bool,
+    /// Instead of the batch table: --streams sequences decode (prompts of --prompt-len), then a
+    /// prompt of this many tokens arrives; the streams' inter-token latency before it (over
+    /// --gen-len steps) and while it is admitted, and its time to first token. Compare runs
+    /// with and without --long-prefill-token-threshold.
+    #[arg(long, conflicts_with_all = ["url", "all_accepted", "prompt_file", "conversation_turns"])]
+    pub admit_prompt_len: Option<usize>,
+    /// With --admit-prompt-len: sequences decoding while the long prompt is admitted.
+    #[arg(long, default_value_t = 8, requires = "admit_prompt_len")]
+    pub streams: usize,
 }
 
 #[derive(Debug, Serialize, Clone)]
@@ -250,6 +259,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!a.all_accepted || a.temperature == 0.0, "--all-accepted needs greedy decoding (--temperature 0)");
     if let Some(turns) = a.conversation_turns {
         return conversation(&a, turns);
+    }
+    if let Some(n) = a.admit_prompt_len {
+        return admission(&a, n);
     }
     let (mut engine, _) = open_engine(&a.engine)?;
     let prompt = prompt_tokens(&engine, &a)?;
@@ -411,6 +423,35 @@ fn conversation(a: &BenchArgs, turns: usize) -> anyhow::Result<()> {
             r.ttft_new_alone_ms,
             r.ttft_on_ms / r.ttft_new_alone_ms.max(1e-9)
         );
+    }
+    Ok(())
+}
+
+/// `--admit-prompt-len`: a long prompt admitted beside decoding streams.
+fn admission(a: &BenchArgs, admit_len: usize) -> anyhow::Result<()> {
+    let (mut engine, _) = open_engine(&a.engine)?;
+    let unit = engine.tokenizer().encode(TEXT, false)?;
+    // Warm up caches and thread pools.
+    run_once(&mut engine, 1, &unit, 4, a, None)?;
+    let r = super::admission_bench::run(&mut engine, &unit, a.streams, a.prompt_len, admit_len, a.gen_len)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    println!(
+        "{} streams; a {}-token prompt admitted in {} steps, first token after {:.1} ms \
+         (--max-num-batched-tokens {}, --long-prefill-token-threshold {})",
+        r.streams,
+        r.admitted_prompt_len,
+        r.admission_steps,
+        r.admitted_ttft_ms,
+        r.max_num_batched_tokens,
+        r.long_prefill_token_threshold
+    );
+    println!("| streams' inter-token latency | gaps | median ms | p99 ms | max ms |");
+    println!("|---|---|---|---|---|");
+    for (phase, l) in [("steady", &r.steady), ("while admitting", &r.admitting)] {
+        println!("| {phase} | {} | {:.2} | {:.2} | {:.2} |", l.gaps, l.median_ms, l.p99_ms, l.max_ms);
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! The `iris` command line.
 
+mod admission_bench;
 mod args;
 mod bench;
 mod chat;

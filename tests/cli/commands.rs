@@ -366,6 +366,38 @@ fn bench_conversation_with_and_without_an_image() {
     );
 }
 
+/// `--admit-prompt-len`: the streams' latencies before and while a long prompt is admitted,
+/// which takes as many steps as its chunks (the threshold cuts it into more).
+#[test]
+fn bench_admission_of_a_long_prompt() {
+    let m = fixture("tiny-llama");
+    let run = |threshold: &str| -> serde_json::Value {
+        let args = ["bench", "--model", m.to_str().unwrap(), "--admit-prompt-len", "600", "--streams", "3"];
+        let more = ["--prompt-len", "12", "--gen-len", "5", "--max-num-batched-tokens", "200"];
+        let args = [&args[..], &more[..], &["--long-prefill-token-threshold", threshold, "--json"]].concat();
+        let out = stdout_of(&args);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}):\n{out}"))
+    };
+    for (threshold, chunk) in [("0", 197), ("50", 50)] {
+        let v = run(threshold);
+        assert_eq!(v["streams"], 3, "{v}");
+        assert_eq!(v["admitted_prompt_len"], 600, "{v}");
+        // The streams' decodes take 3 of the step's 200 tokens; the rest (or the threshold) go
+        // to the prompt, whose last step also samples its token.
+        let steps = v["admission_steps"].as_u64().unwrap() as usize;
+        assert_eq!(steps, 600usize.div_ceil(chunk), "threshold {threshold}: {v}");
+        assert_eq!(v["steady"]["gaps"], 3 * 5, "{v}");
+        assert_eq!(v["admitting"]["gaps"].as_u64().unwrap() as usize, 3 * steps, "{v}");
+        for phase in ["steady", "admitting"] {
+            for k in ["median_ms", "p99_ms", "max_ms"] {
+                let x = v[phase][k].as_f64().unwrap_or_else(|| panic!("{phase}.{k}: {v}"));
+                assert!(x.is_finite() && x > 0.0, "{phase}.{k} = {x}");
+            }
+        }
+    }
+    expect_error(&["bench", "--model", m.to_str().unwrap(), "--admit-prompt-len", "100000"], &["--max-model-len"]);
+}
+
 #[test]
 fn inspect_load_reports_the_bytes_held_by_part() {
     let dir = fixture("tiny-qwen2-vl");

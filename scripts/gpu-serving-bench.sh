@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Prefix caching on the GPU (issue: prefix caching): a 10-turn conversation, each turn resending
-# the growing conversation, with the cache on and off and against the prefill of each turn's new
-# tokens alone (`iris bench --conversation-turns`), on a Qwen2.5-7B-shaped text model and on a
-# Qwen2.5-VL-7B-shaped model whose conversations open with a 448x448 image. Random bf16 weights
-# made here by scripts/gpu_bench.py. On the GPU machine, from the repo root:
+# Serving under load on the GPU, random bf16 weights made here by scripts/gpu_bench.py:
+# - prefix caching: a 10-turn conversation, each turn resending the growing conversation, with
+#   the cache on and off and against the prefill of each turn's new tokens alone
+#   (`iris bench --conversation-turns`), on a Qwen2.5-7B-shaped text model and on a
+#   Qwen2.5-VL-7B-shaped model whose conversations open with a 448x448 image;
+# - long prompts beside decodes: 8 streams decode while a 32,000-token prompt is admitted
+#   (`iris bench --admit-prompt-len`), whole in one step, in the default 2,048-token steps, and
+#   with --long-prefill-token-threshold 512.
+# On the GPU machine, from the repo root:
 #
-#   scripts/gpu-conversation-bench.sh [RESULTS_DIR]
+#   scripts/gpu-serving-bench.sh [RESULTS_DIR]
 #
 # iris: $IRIS_BIN, else .gpu/iris.xz (scripts/gpu-build.sh). Prints the tables last.
 set -uo pipefail
@@ -25,7 +29,12 @@ common=(--device cuda --dtype bf16 --conversation-turns 10 --prompt-len 128 --ge
   || tail -5 "$RES/conversation-text.err"
 "$IRIS" bench --model "$DIR/qwen2.5-vl-7b" "${common[@]}" --conversation-image --image-size 448x448 \
   > "$RES/conversation-image.md" 2> "$RES/conversation-image.err" || tail -5 "$RES/conversation-image.err"
+adm=(--model "$DIR/qwen2.5-7b" --device cuda --dtype bf16 --admit-prompt-len 32000 --streams 8 --prompt-len 128 --gen-len 32)
+for policy in "--max-num-batched-tokens 32768" "--max-num-batched-tokens 2048" "--max-num-batched-tokens 2048 --long-prefill-token-threshold 512"; do
+  "$IRIS" bench "${adm[@]}" $policy >> "$RES/admission.md" 2>> "$RES/admission.err" || tail -5 "$RES/admission.err"
+done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 date -u
 echo "== Qwen2.5-7B-shaped, text"; cat "$RES/conversation-text.md"
 echo "== Qwen2.5-VL-7B-shaped, a 448x448 image in the first turn"; cat "$RES/conversation-image.md"
+echo "== Qwen2.5-7B-shaped: 8 streams while a 32,000-token prompt is admitted"; cat "$RES/admission.md"
