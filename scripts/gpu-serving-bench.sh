@@ -28,7 +28,8 @@ py() { PYTHONUNBUFFERED=1 python3 scripts/gpu_bench.py "$@"; }
 PARTS=${PARTS:-text image admission}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 has image && { [ -f "$DIR/qwen2.5-vl-7b/done.json" ] || { py make-vl "$DIR/qwen2.5-vl-7b" > "$RES/make-vl.log" 2>&1 && touch "$DIR/qwen2.5-vl-7b/done.json"; } || { tail -5 "$RES/make-vl.log"; exit 1; }; }
-common=(--device cuda --dtype bf16 --conversation-turns 10 --prompt-len 128 --gen-len 16 --repeats ${REPEATS:-3})
+# Two engines at once (cache on and off), so each gets a pool of its own size.
+common=(--device cuda --dtype bf16 --kv-cache-memory 24GiB --conversation-turns 10 --prompt-len 128 --gen-len 16 --repeats ${REPEATS:-3})
 has text && { "$IRIS" bench --model "$DIR/qwen2.5-7b" "${common[@]}" > "$RES/conversation-text.md" \
   2> "$RES/conversation-text.err" || tail -5 "$RES/conversation-text.err"; }
 has image && { "$IRIS" bench --model "$DIR/qwen2.5-vl-7b" "${common[@]}" --conversation-image --image-size 448x448 \
