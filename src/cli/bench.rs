@@ -393,13 +393,22 @@ fn conversation(a: &BenchArgs, turns: usize) -> anyhow::Result<()> {
     let images = |r: usize| per_conversation[r].clone();
     let shifted = |r: usize| per_conversation[r + 1].clone();
     // Warm up caches and thread pools (a conversation of its own: other tokens than the runs').
-    let warm =
-        Conversation { unit: &unit[1..], opening: &opening, images: &images, turns: 1, user_len: 16, gen_len: 2 };
+    let placeholder = vision.as_ref().map(|v| v.image_token_id());
+    let warm = Conversation {
+        unit: &unit[1..],
+        opening: &opening,
+        images: &images,
+        placeholder,
+        turns: 1,
+        user_len: 16,
+        gen_len: 2,
+    };
     conv::run(&mut on, &mut off, &warm, 1)?;
     let c = Conversation {
         unit: &unit,
         opening: &opening,
         images: &shifted,
+        placeholder,
         turns,
         user_len: a.prompt_len,
         gen_len: a.gen_len,

@@ -36,6 +36,9 @@ pub struct Conversation<'a> {
     pub opening: &'a [u32],
     /// The images `opening` places, for conversation `r`; resent every turn.
     pub images: &'a dyn Fn(usize) -> Vec<ImageInput>,
+    /// A token a client never sends back as itself (the image placeholder): an answer that
+    /// holds it (a random model's can) is resent with a text token there.
+    pub placeholder: Option<u32>,
     pub turns: usize,
     pub user_len: usize,
     /// The answer's length.
@@ -68,7 +71,8 @@ pub fn run(on: &mut Engine, off: &mut Engine, c: &Conversation, repeats: usize) 
                     cached[t] = hit;
                     prompt_lens[t] = prompt.len();
                 }
-                prompt.extend(answer);
+                let unit0 = c.unit[0];
+                prompt.extend(answer.into_iter().map(|t| if Some(t) == c.placeholder { unit0 } else { t }));
             }
         }
         // The baseline: as many fresh tokens as the cache left, on the uncached engine (another
