@@ -46,8 +46,10 @@ impl MtpLayout {
     /// for a decoder of `num_layers` layers.
     fn modules(self, num_layers: usize) -> [String; 5] {
         match self {
-            MtpLayout::Qwen => ["mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.fc", "mtp.norm", "mtp.layers.0"]
-                .map(String::from),
+            MtpLayout::Qwen => {
+                ["mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.fc", "mtp.norm", "mtp.layers.0"]
+                    .map(String::from)
+            }
             MtpLayout::NextN => {
                 let p = format!("model.layers.{num_layers}");
                 [format!("{p}.enorm"), format!("{p}.hnorm"), format!("{p}.eh_proj"), format!("{p}.shared_head.norm"), p]
