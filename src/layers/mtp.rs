@@ -37,6 +37,8 @@ impl MtpLayout {
     pub fn of(arch: Arch) -> Option<Self> {
         match arch {
             Arch::Qwen35 | Arch::Qwen35Moe | Arch::Llama => Some(MtpLayout::Qwen),
+            // GLM-4.1V's would be its own (sandwich-norm) layer in the same layout; only
+            // GLM-4.5V's is tested (tests/mtp.rs).
             Arch::Glm4v | Arch::Glm4vMoe => Some(MtpLayout::NextN),
             _ => None,
         }
