@@ -179,17 +179,26 @@ fn with_mtp_weights(
     cfg: &TextConfig,
     mtp: &MtpWeights,
 ) -> Result<Weights, LoadError> {
-    use crate::config::Arch;
-    if !matches!(cfg.arch, Arch::Qwen35 | Arch::Qwen35Moe | Arch::Llama) {
+    use crate::layers::mtp::MtpLayout;
+    let Some(layout) = MtpLayout::of(cfg.arch) else {
         return Err(LoadError::Mtp(format!(
-            "{} has no MTP head iris can run (Qwen3.5 and Llama-family heads in the Qwen3.5 layout can)",
+            "{} has no MTP head iris can run (Qwen3.5 and Llama-family heads in the Qwen3.5 layout, and GLM-4.5V / GLM-4.6V NextN layers, can)",
             cfg.arch.name()
         )));
-    }
-    let side = match (mtp, loc) {
-        (MtpWeights::File(p), _) => Some(p.clone()),
-        (MtpWeights::Checkpoint, ModelLocation::Gguf(file)) => Some(file.with_extension("mtp.safetensors")),
-        (MtpWeights::Checkpoint, ModelLocation::HfDir(_)) => None,
+    };
+    let marker = layout.marker(cfg.num_layers);
+    let side = match (layout, mtp, loc) {
+        // A NextN layer is part of the checkpoint: its tensors sit among the decoder's.
+        (MtpLayout::NextN, MtpWeights::File(p), _) => {
+            return Err(LoadError::Mtp(format!(
+                "{} drafts with the NextN layer in its own shards (`{marker}`); \"model\" ({}) names a head in the Qwen3.5 layout",
+                cfg.arch.name(),
+                p.display()
+            )))
+        }
+        (MtpLayout::NextN, _, _) | (_, MtpWeights::Checkpoint, ModelLocation::HfDir(_)) => None,
+        (_, MtpWeights::File(p), _) => Some(p.clone()),
+        (_, MtpWeights::Checkpoint, ModelLocation::Gguf(file)) => Some(file.with_extension("mtp.safetensors")),
     };
     if let Some(side) = side {
         let store = if side.is_dir() {
@@ -203,12 +212,15 @@ fn with_mtp_weights(
         let pairs = matches!(loc, ModelLocation::Gguf(_)) && cfg.rope_layout == crate::config::RopeLayout::Interleaved;
         weights = weights.with_mtp_sidecar(store, pairs.then_some(cfg.head_dim));
     }
-    if !weights.contains("mtp.fc.weight") {
-        return Err(LoadError::Mtp(format!(
-            "{} has no MTP head (no mtp.fc.weight in its shards, nor in {}); start without it, or name the head's file with \"model\"",
-            weights.origin().display(),
-            crate::weights::MTP_SIDECARS.join(" or ")
-        )));
+    if !weights.contains(&marker) {
+        let origin = weights.origin().display();
+        return Err(LoadError::Mtp(match layout {
+            MtpLayout::NextN => format!("{origin} has no MTP head (no NextN layer: no {marker} in its shards); start without it"),
+            MtpLayout::Qwen => format!(
+                "{origin} has no MTP head (no {marker} in its shards, nor in {}); start without it, or name the head's file with \"model\"",
+                crate::weights::MTP_SIDECARS.join(" or ")
+            ),
+        }));
     }
     if cfg.mtp_layers > 1 {
         tracing::warn!("the checkpoint has {} MTP layers; drafting uses the first", cfg.mtp_layers);

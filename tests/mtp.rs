@@ -1,8 +1,9 @@
 //! MTP drafting (`--speculative-config '{"method": "mtp"}'`): the head's weights found under
 //! every key layout and sidecar checkpoints use, its hidden rows and logits against a torch
-//! reference built from transformers' own decoder layer (scripts/make_mtp_fixtures.py), its
-//! cache filled in one pass or row by row alike, and greedy output with MTP drafts equal to
-//! greedy output without them, alone and in mixed batches with chunked prefill, preemption
+//! reference built from transformers' own decoder layer (scripts/make_mtp_fixtures.py; for
+//! GLM-4.5V's NextN layer scripts/make_glm_nextn_fixture.py), its cache filled in one pass or
+//! row by row alike, and greedy output with MTP drafts equal to greedy output without them,
+//! alone and in mixed batches (image requests among them) with chunked prefill, preemption
 //! and TurboQuant caches.
 
 mod common;
@@ -21,6 +22,8 @@ use iris::loader::{load_model, MtpWeights};
 
 const DENSE: &str = "tiny-qwen3.5-mtp";
 const MOE: &str = "tiny-qwen3.5-moe-mtp";
+/// GLM-4.5V-style, its NextN layer at `model.language_model.layers.3` in a shard of its own.
+const GLM: &str = "tiny-glm4v-moe-mtp";
 
 fn mtp_opts(k: usize, base: EngineOptions) -> EngineOptions {
     EngineOptions {
@@ -71,6 +74,13 @@ fn head_matches_the_reference_dense() {
 #[test]
 fn head_matches_the_reference_moe_in_a_vlm_checkpoint() {
     check_head(&fixture(MOE), &fixture(MOE).join("reference_mtp.safetensors"), 12);
+}
+
+/// The NextN layer (enorm, hnorm, eh_proj, a GLM-4.5V MoE decoder layer, shared_head.norm)
+/// found at decoder index num_hidden_layers, against the reference of its equations.
+#[test]
+fn head_matches_the_reference_glm_nextn() {
+    check_head(&fixture(GLM), &fixture(GLM).join("reference_mtp.safetensors"), 9);
 }
 
 /// An MLX conversion whose head sits in a `model-mtp.safetensors` sidecar, quantized with
@@ -136,12 +146,21 @@ fn a_checkpoint_without_a_head_or_a_family_without_one_is_refused_in_one_line() 
         drafter: Some(DraftSource::Mtp(MtpWeights::File("/nonexistent/head.safetensors".into()))),
         ..opts.clone()
     };
+    // A GLM-4.5V config that asks for a NextN layer its shards lack.
+    let asks = copy_with_config(&fixture("tiny-glm4v-moe"), "mtp-nextn-absent", |c| {
+        c["text_config"]["num_nextn_predict_layers"] = 1.into();
+    });
+    let nextn_missing = "has no MTP head (no NextN layer: no model.layers.3.eh_proj.weight in its shards)";
     for (model, opts, want) in [
-        ("tiny-qwen3.5", &opts, "has no MTP head (no mtp.fc.weight"),
-        ("tiny-gemma3", &opts, "no MTP head iris can run"),
-        ("tiny-qwen3.5", &missing, "no MTP head at /nonexistent/head.safetensors"),
+        (fixture("tiny-qwen3.5"), &opts, "has no MTP head (no mtp.fc.weight"),
+        (fixture("tiny-gemma3"), &opts, "no MTP head iris can run"),
+        (fixture("tiny-qwen3.5"), &missing, "no MTP head at /nonexistent/head.safetensors"),
+        (fixture("tiny-glm4v-moe"), &opts, nextn_missing),
+        (asks.path().to_path_buf(), &opts, nextn_missing),
+        (fixture(GLM), &missing, "drafts with the NextN layer in its own shards"),
     ] {
-        let msg = build_err(&fixture(model), opts);
+        let msg = build_err(&model, opts);
+        let model = model.display();
         assert!(msg.contains(want) && msg.contains("--speculative-config method mtp"), "{model}: {msg}");
         assert!(!msg.contains('\n'), "one line: {msg}");
     }
@@ -225,6 +244,11 @@ fn greedy_with_mtp_equals_plain_decoding_alone_moe() {
     greedy_alone(MOE);
 }
 
+#[test]
+fn greedy_with_mtp_equals_plain_decoding_alone_glm_nextn() {
+    greedy_alone(GLM);
+}
+
 /// Requests arriving over time, prompts prefilled in chunks beside verify steps, in a pool
 /// small enough to force preemption (the head's cache is rebuilt by recomputation), with
 /// float and TurboQuant caches (the head's layer stays in floats).
@@ -267,7 +291,116 @@ fn greedy_with_mtp_equals_plain_decoding_in_mixed_batches() {
                 "mixed K={k} {kv_quant:?}: {} of {} accepted, {} preemptions",
                 s.num_accepted_tokens, s.num_draft_tokens, e.stats.preemptions
             );
-            assert!(s.num_accepted_tokens > 0 && s.num_accepted_tokens < s.num_draft_tokens, "K={k}: both branches");
+            assert!(s.num_accepted_tokens < s.num_draft_tokens, "K={k}: drafts were rejected");
+            // The head learnt the float target's continuations of its training prompts; a
+            // TurboQuant target's drift from them (the tiny random model is chaotic), so there
+            // nearly every draft is rejected.
+            assert!(kv_quant.is_some() || s.num_accepted_tokens > 0, "K={k}: drafts were accepted");
+            assert!(e.stats.preemptions > 0, "K={k}: the pool was meant to force preemption");
+        }
+    }
+}
+
+/// GLM-4.5V's NextN layer with image requests (M-RoPE positions, the drafts' running on from
+/// an image prompt's) among the text ones: arriving over time, prefilled in chunks that cut
+/// through image-token runs, in a pool small enough to force preemption, with float and
+/// TurboQuant caches; each request gives the tokens it gives alone without drafts.
+#[test]
+fn greedy_with_nextn_equals_plain_decoding_in_mixed_batches_with_images() {
+    use iris::engine::{ImageInput, Request};
+    use iris::media::{decode_image, DecodeLimits};
+
+    // The image prompts and images are tiny-glm4v-moe's (the same target and processor).
+    let (src, r, j) = (fixture("tiny-glm4v-moe"), reference("tiny-glm4v-moe"), reference_json("tiny-glm4v-moe"));
+    let vision = load_model(&fixture(GLM), None, &Device::Cpu, DType::F32, None).unwrap().vision.unwrap();
+    let case = |c: &str, max_tokens: usize| -> (Vec<u32>, Vec<ImageInput>, iris::engine::SamplingParams) {
+        let images = j["cases"][c]["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| {
+                let bytes = std::fs::read(src.join(f.as_str().unwrap())).unwrap();
+                ImageInput::new(vision.preprocess(&decode_image(&bytes, &DecodeLimits::default()).unwrap()).unwrap())
+            })
+            .collect();
+        (ids(&r[&format!("{c}.input_ids")]), images, greedy(max_tokens))
+    };
+    let text = requests(GLM).into_iter().map(|(p, g)| (p, vec![], g));
+    let mut reqs: Vec<_> = text.collect();
+    reqs.insert(1, case("multi", 12));
+    reqs.insert(4, case("single", 15));
+    reqs.insert(7, case("nonsquare", 10));
+    let arrivals = [0, 0, 1, 2, 3, 3, 5, 6, 8, 9, 12];
+    let run = |e: &mut iris::engine::Engine, which: &[usize], arrivals: &[usize]| -> Vec<Vec<u32>> {
+        let (mut ids, mut outs) = (vec![None; which.len()], vec![Vec::new(); which.len()]);
+        let (mut done, mut step) = (0, 0);
+        while done < which.len() {
+            for (slot, &i) in which.iter().enumerate() {
+                if ids[slot].is_none() && arrivals[slot] <= step {
+                    let (p, imgs, params) = &reqs[i];
+                    let req = Request { prompt_tokens: p.clone(), params: params.clone() };
+                    ids[slot] = Some(e.add_request_with_images(req, imgs.clone()).unwrap());
+                }
+            }
+            for u in e.step().unwrap() {
+                let slot = ids.iter().position(|x| *x == Some(u.id)).unwrap();
+                outs[slot].extend(u.token.map(|t| t.token));
+                done += u.finish.is_some() as usize;
+            }
+            step += 1;
+            assert!(step < 10_000, "engine did not finish");
+        }
+        outs
+    };
+    let max_len = reqs.iter().map(|r| r.0.len() + r.2.max_tokens).max().unwrap() + 8;
+    // Float; TurboQuant; TurboQuant with the last 8 tokens in floats (a ring whose rows drafts
+    // overwrite before they are judged).
+    let tq = Some(TqBits { key: 4, value: 4 });
+    for (kv_quant, kv_float_window) in [(None, 0), (tq, 0), (tq, 8)] {
+        let base = EngineOptions {
+            kv_memory: Some(1 << 20),
+            block_size: 4,
+            max_num_seqs: 4,
+            kv_quant,
+            kv_float_window,
+            kv_key_scales: false,
+            ..Default::default()
+        };
+        let want: Vec<Vec<u32>> =
+            (0..reqs.len()).map(|i| run(&mut engine_with(&fixture(GLM), base.clone()), &[i], &[0]).remove(0)).collect();
+        for k in [1, 2, 3] {
+            let opts = mtp_opts(k, EngineOptions { max_num_batched_tokens: 16, max_num_seqs: 6, ..base.clone() });
+            // A pool of 40 blocks of this cache's kind (the head's layer in floats, a float
+            // window's rings apart), read off engines of two budgets.
+            let blocks = |mb: u64| {
+                let o = EngineOptions { kv_memory: Some(mb << 20), ..opts.clone() };
+                engine_with(&fixture(GLM), o).scheduler().allocator.num_blocks() as u64
+            };
+            let (one, two) = (blocks(1), blocks(2));
+            let per_block = (1 << 20) / (two - one);
+            let opts = EngineOptions {
+                kv_memory: Some((1 << 20) - one * per_block + 40 * per_block),
+                max_model_len: Some(max_len),
+                ..opts
+            };
+            let mut e = engine_with(&fixture(GLM), opts);
+            let all: Vec<usize> = (0..reqs.len()).collect();
+            let got = run(&mut e, &all, &arrivals);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let images = reqs[i].1.len();
+                let cache = format!("{kv_quant:?} window {kv_float_window}");
+                assert_eq!(g, w, "K={k} {cache}: request {i} ({images} images) differs with NextN drafts");
+            }
+            let s = &e.stats.spec;
+            eprintln!(
+                "GLM mixed K={k} {kv_quant:?} window {kv_float_window}: {} of {} accepted, {} preemptions",
+                s.num_accepted_tokens, s.num_draft_tokens, e.stats.preemptions
+            );
+            assert!(s.num_accepted_tokens < s.num_draft_tokens, "K={k}: drafts were rejected");
+            // The head learnt the float target's continuations of its training prompts; a
+            // TurboQuant target's drift from them (the tiny random model is chaotic), so there
+            // nearly every draft is rejected.
+            assert!(kv_quant.is_some() || s.num_accepted_tokens > 0, "K={k}: drafts were accepted");
             assert!(e.stats.preemptions > 0, "K={k}: the pool was meant to force preemption");
         }
     }

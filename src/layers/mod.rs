@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod centroid_head;
 pub mod embedding;
+pub mod ffn;
 pub mod gated_deltanet;
 pub mod grid_sample;
 pub mod linear;

@@ -1,7 +1,7 @@
 //! An MTP (multi-token prediction) head's input and output, around one decoder layer of the
-//! model's own kind (Qwen3.5's `mtp.*`; DeepSeek-V3 names the same parts eh_proj, enorm, hnorm
-//! and shared_head.norm). For the pair of a target hidden row h_p (after the final norm) and
-//! the token t_{p+1} it produced:
+//! model's own kind, named as `MtpLayout` says (Qwen3.5's `mtp.*`, or the NextN layer of
+//! DeepSeek-V3 and GLM-4.5V / GLM-4.6V). For the pair of a target hidden row h_p (after the
+//! final norm) and the token t_{p+1} it produced:
 //!   x = fc(concat(N_e(E[t_{p+1}]), N_h(h_p)));   m_p = N_m(Layer(x, position p))
 //! and lm_head(m_p) predicts t_{p+2}. The embedding table and the LM head are the target's.
 //!
@@ -12,27 +12,76 @@
 
 use candle_core::{Result, Tensor};
 
-use crate::config::TextConfig;
+use crate::config::{Arch, TextConfig};
 use crate::layers::linear::Linear;
 use crate::layers::norm::{NormStyle, RmsNorm};
 use crate::weights::{Weights, WeightsError};
+
+/// Where a checkpoint keeps its head's parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MtpLayout {
+    /// Qwen3.5's: `mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm}` around the
+    /// decoder layer at `mtp.layers.0`.
+    Qwen,
+    /// DeepSeek-V3's NextN layer (GLM-4.5V / GLM-4.6V), stored as decoder layer
+    /// `num_hidden_layers` under the decoder's prefix: `{enorm, hnorm, eh_proj,
+    /// shared_head.norm}` beside the layer's own tensors. Its `embed_tokens` and
+    /// `shared_head.head`, where a checkpoint has them, are not read: they are the target's,
+    /// shared in training (transformers' MtpModel ties both to the target's, vLLM takes the
+    /// target's embedding), and would double the largest matrices in memory.
+    NextN,
+}
+
+impl MtpLayout {
+    /// How `arch`'s heads are stored; None for a family without one iris can run.
+    pub fn of(arch: Arch) -> Option<Self> {
+        match arch {
+            Arch::Qwen35 | Arch::Qwen35Moe | Arch::Llama => Some(MtpLayout::Qwen),
+            // GLM-4.1V's would be its own (sandwich-norm) layer in the same layout; only
+            // GLM-4.5V's is tested (tests/mtp.rs).
+            Arch::Glm4v | Arch::Glm4vMoe => Some(MtpLayout::NextN),
+            _ => None,
+        }
+    }
+
+    /// The modules of (embedding norm, hidden norm, fc, output norm) and the layer's prefix,
+    /// for a decoder of `num_layers` layers.
+    fn modules(self, num_layers: usize) -> [String; 5] {
+        match self {
+            MtpLayout::Qwen => {
+                ["mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.fc", "mtp.norm", "mtp.layers.0"]
+                    .map(String::from)
+            }
+            MtpLayout::NextN => {
+                let p = format!("model.layers.{num_layers}");
+                [format!("{p}.enorm"), format!("{p}.hnorm"), format!("{p}.eh_proj"), format!("{p}.shared_head.norm"), p]
+            }
+        }
+    }
+
+    /// The tensor every head of this layout has (the loader looks for it).
+    pub fn marker(self, num_layers: usize) -> String {
+        let [_, _, fc, _, _] = self.modules(num_layers);
+        format!("{fc}.weight")
+    }
+}
 
 pub struct MtpHead<L> {
     embed_norm: RmsNorm,
     hidden_norm: RmsNorm,
     fc: Linear,
     norm: RmsNorm,
-    /// The decoder layer, built by the family (`mtp.layers.0`); its cache layer is the first
-    /// after the decoder's (`TextConfig::num_layers`).
+    /// The decoder layer, built by the family (`mtp.layers.0`, or NextN's `model.layers.{N}`);
+    /// its cache layer is the first after the decoder's (`TextConfig::num_layers`).
     pub layer: L,
     /// With a draft vocabulary: the LM head's rows of its tokens, and the tokens.
     draft_head: Option<(Linear, Vec<u32>)>,
 }
 
 impl<L> MtpHead<L> {
-    /// The head under `mtp.` when `cfg.mtp_layers` asks for one (the first layer only: every
-    /// released head has one), else None. `layer` builds the decoder layer from its tensor
-    /// prefix and cache layer index.
+    /// The head, in its family's layout, when `cfg.mtp_layers` asks for one (the first layer
+    /// only: every released head has one), else None. `layer` builds the decoder layer from
+    /// its tensor prefix and cache layer index.
     pub fn load(
         w: &Weights,
         cfg: &TextConfig,
@@ -40,17 +89,17 @@ impl<L> MtpHead<L> {
         lm_head: &Linear,
         layer: impl FnOnce(&str, usize) -> std::result::Result<L, WeightsError>,
     ) -> std::result::Result<Option<Self>, WeightsError> {
-        if cfg.mtp_layers == 0 {
-            return Ok(None);
-        }
+        // The loader refuses MTP drafting for a family without a layout before this.
+        let Some(layout) = MtpLayout::of(cfg.arch).filter(|_| cfg.mtp_layers > 0) else { return Ok(None) };
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let norm = |name: &str| RmsNorm::load(w, &format!("mtp.{name}.weight"), h, eps, style);
+        let [embed_norm, hidden_norm, fc, norm, prefix] = layout.modules(cfg.num_layers);
+        let norm_at = |m: &str| RmsNorm::load(w, &format!("{m}.weight"), h, eps, style);
         Ok(Some(MtpHead {
-            embed_norm: norm("pre_fc_norm_embedding")?,
-            hidden_norm: norm("pre_fc_norm_hidden")?,
-            fc: Linear::load(w, "mtp.fc", 2 * h, h, false)?,
-            norm: norm("norm")?,
-            layer: layer("mtp.layers.0", cfg.num_layers)?,
+            embed_norm: norm_at(&embed_norm)?,
+            hidden_norm: norm_at(&hidden_norm)?,
+            fc: Linear::load(w, &fc, 2 * h, h, false)?,
+            norm: norm_at(&norm)?,
+            layer: layer(&prefix, cfg.num_layers)?,
             draft_head: draft_head(w, cfg, lm_head)?,
         }))
     }

@@ -12,10 +12,9 @@ use crate::config::{LayerKind, TextConfig};
 use crate::kv::{KvCache, LayerCache};
 use crate::layers::attention::{AttentionOptions, SelfAttention};
 use crate::layers::embedding::Embedding;
+use crate::layers::ffn::Ffn;
 use crate::layers::gated_deltanet::{decoder_norm_style, GatedDeltaNet};
 use crate::layers::linear::Linear;
-use crate::layers::mlp::GatedMlp;
-use crate::layers::moe::Moe;
 use crate::layers::mtp::MtpHead;
 use crate::layers::norm::{NormStyle, RmsNorm};
 use crate::layers::rotary::{Rotary, RotaryAngles};
@@ -25,11 +24,6 @@ use crate::weights::{Weights, WeightsError};
 enum Mixer {
     DeltaNet(GatedDeltaNet),
     Attention(SelfAttention),
-}
-
-enum Ffn {
-    Dense(GatedMlp),
-    Experts(Moe),
 }
 
 struct Layer {
@@ -60,10 +54,7 @@ impl Layer {
                 AttentionOptions { qk_norm: Some(style), gated: true, v_norm: false },
             )?),
         };
-        let ffn = match &cfg.moe {
-            Some(moe) => Ffn::Experts(Moe::load(w, &format!("{p}.mlp"), h, moe, cfg.activation)?),
-            None => Ffn::Dense(GatedMlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, cfg.activation)?),
-        };
+        let ffn = Ffn::load(w, cfg, p, i)?;
         Ok(Layer { input_norm: norm("input_layernorm")?, mixer, ffn_norm: norm("post_attention_layernorm")?, ffn })
     }
 
@@ -82,16 +73,10 @@ impl Layer {
             Mixer::Attention(a) => a.forward(&xn, rot, cache, attn)?,
         };
         let (h, hn) = self.ffn_norm.forward_residual(x, &m)?;
-        let f = match &self.ffn {
-            Ffn::Dense(mlp) => mlp.forward(&hn)?,
-            Ffn::Experts(moe) => {
-                let routing = moe.route(&hn)?;
-                if let Some((i, t)) = taps {
-                    t.router.push((i, routing.experts.clone()));
-                }
-                moe.forward(&hn, &routing)?
-            }
-        };
+        let (f, experts) = self.ffn.forward(&hn)?;
+        if let (Some((i, t)), Some(e)) = (taps, experts) {
+            t.router.push((i, e));
+        }
         &h + f
     }
 }
