@@ -130,6 +130,12 @@ impl<L> MtpHead<L> {
     }
 }
 
+/// A model's head, when it was loaded with one (the engine asks for it only when drafting
+/// with MTP, so its absence is a bug in the caller, not bad input).
+pub fn loaded<L>(head: &Option<MtpHead<L>>) -> Result<&MtpHead<L>> {
+    head.as_ref().ok_or_else(|| candle_core::Error::Msg("this model was loaded without its MTP head".into()))
+}
+
 /// `mtp.draft_vocab`'s rows of `lm_head`, when the head has that tensor.
 fn draft_head(
     w: &Weights,

@@ -15,7 +15,7 @@ use crate::layers::embedding::Embedding;
 use crate::layers::ffn::Ffn;
 use crate::layers::gated_deltanet::{decoder_norm_style, GatedDeltaNet};
 use crate::layers::linear::Linear;
-use crate::layers::mtp::MtpHead;
+use crate::layers::mtp::{self, MtpHead};
 use crate::layers::norm::{NormStyle, RmsNorm};
 use crate::layers::rotary::{Rotary, RotaryAngles};
 use crate::models::model::{Taps, TextModel};
@@ -143,15 +143,14 @@ impl TextModel for Qwen35 {
     }
 
     fn mtp_forward(&self, batch: &Batch, hidden: &Tensor, kv: &KvCache) -> Result<Tensor> {
-        let Some(mtp) = &self.mtp else { candle_core::bail!("this model was loaded without its MTP head") };
+        let mtp = mtp::loaded(&self.mtp)?;
         let rot = self.rotary.angles_for(&batch.positions, &batch.attn, &self.device, self.dtype)?;
         let x = mtp.input(&self.embed.forward(&batch.token_ids, self.dtype)?, hidden)?;
         mtp.output(&mtp.layer.forward(&x, &rot, kv.layer(self.cfg.num_layers), &batch.attn, None)?)
     }
 
     fn mtp_logits(&self, m: &Tensor) -> Result<(Tensor, Option<&[u32]>)> {
-        let Some(mtp) = &self.mtp else { candle_core::bail!("this model was loaded without its MTP head") };
-        mtp.draft_logits(m, |m| self.logits(m))
+        mtp::loaded(&self.mtp)?.draft_logits(m, |m| self.logits(m))
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
