@@ -115,6 +115,7 @@ fn joint_counts(fixture: &str, drafts: Drafts, temperature: f32, seeds: u64) -> 
     let outs = run(&mut e, &prompt, &reqs);
     if drafts != Drafts::Off {
         let s = &e.stats.spec;
+        eprintln!("{fixture}: {} of {} drafts accepted", s.num_accepted_tokens, s.num_draft_tokens);
         assert!(s.num_accepted_tokens > 0 && s.num_accepted_tokens < s.num_draft_tokens, "{s:?}");
     }
     let mut counts = HashMap::new();
