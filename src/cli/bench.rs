@@ -373,19 +373,20 @@ fn conversation(a: &BenchArgs, turns: usize) -> anyhow::Result<()> {
         (true, Some(v)) => Some(v.clone()),
         (true, None) => anyhow::bail!("--conversation-image needs a vision-language model"),
     };
-    let source = match &a.image {
-        Some(p) => ImageSource::File(p.clone()),
-        None => ImageSource::Generated(a.image_size.0, a.image_size.1),
-    };
-    let pixels = |r: usize| -> anyhow::Result<Vec<crate::media::PixelValues>> {
-        match &vision {
-            Some(v) => Ok(vec![v.preprocess(&image_bench::load_image(&source, r)?)?]),
-            None => Ok(Vec::new()),
+    // The picture is read once; entry r holds variant r of it.
+    let per_conversation: Vec<Vec<ImageInput>> = match &vision {
+        None => vec![Vec::new(); a.repeats + 1],
+        Some(v) => {
+            let source = match &a.image {
+                Some(p) => ImageSource::File(p.clone()),
+                None => ImageSource::Generated(a.image_size.0, a.image_size.1),
+            };
+            let image = image_bench::load_image(&source)?;
+            (0..=a.repeats)
+                .map(|r| Ok(vec![ImageInput::new(v.preprocess(&image_bench::variant(&image, r))?)]))
+                .collect::<anyhow::Result<_>>()?
         }
     };
-    let per_conversation: Vec<Vec<ImageInput>> = (0..=a.repeats)
-        .map(|r| Ok(pixels(r)?.into_iter().map(ImageInput::new).collect()))
-        .collect::<anyhow::Result<_>>()?;
     let opening = match (&vision, per_conversation[0].first()) {
         (Some(v), Some(image)) => image_bench::image_prompt(&on, v.as_ref(), &image.pixels)?,
         _ => Vec::new(),

@@ -67,20 +67,27 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// The benchmark image; `variant` > 0 shifts its colours, so that each variant is another
-/// picture (another content hash) of the same size.
-pub fn load_image(source: &ImageSource, variant: usize) -> anyhow::Result<RgbImage> {
-    let mut image = match source {
+/// The benchmark image.
+pub fn load_image(source: &ImageSource) -> anyhow::Result<RgbImage> {
+    Ok(match source {
         ImageSource::Generated(w, h) => generated(*w, *h),
         ImageSource::File(p) => {
             let bytes = std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
             decode_image(&bytes, &DecodeLimits::default()).with_context(|| format!("{}", p.display()))?
         }
-    };
-    for px in image.data.chunks_mut(3) {
-        px[2] = px[2].wrapping_add((variant * 37) as u8);
+    })
+}
+
+/// `image` with its colours shifted by `variant` steps: another picture (another content
+/// hash) of the same size for each variant, the image itself for 0.
+pub fn variant(image: &RgbImage, variant: usize) -> RgbImage {
+    let mut out = image.clone();
+    if variant > 0 {
+        for px in out.data.chunks_mut(3) {
+            px[2] = px[2].wrapping_add((variant * 37) as u8);
+        }
     }
-    Ok(image)
+    out
 }
 
 /// A one-turn chat prompt ("Describe this image.") holding `pixels` (processed), with the
@@ -95,7 +102,7 @@ pub fn image_prompt(engine: &Engine, vision: &dyn VisionModel, pixels: &PixelVal
 
 pub fn run(engine: &mut Engine, source: &ImageSource, repeats: usize) -> anyhow::Result<ImageBench> {
     let vision = engine.vision().cloned().context("this model does not take images (--image, --image-size)")?;
-    let image = load_image(source, 0)?;
+    let image = load_image(source)?;
     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
     let mut preprocess = Vec::with_capacity(repeats);
     let mut pixels = None;
