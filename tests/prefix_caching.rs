@@ -646,7 +646,7 @@ fn check_server_text(name: &str) {
         &logits.get(n - 1).unwrap(),
     );
     let (atext, read) = anthropic(&s, &messages, generated.len());
-    assert!(read > 0, "{name}: Anthropic reads the cache");
+    assert_eq!(read, expect_cached(n, n), "{name}: Anthropic reads the prompt's blocks");
     assert!(!atext.is_empty() && text.starts_with(&atext), "{name} anthropic: {atext:?} against {text:?}");
 
     let cold = Server::start_model(name, &["--block-size", &bs, "--no-enable-prefix-caching"]);
