@@ -7,10 +7,13 @@
 //!       [--heads 9] [--kv-heads 3] [--head-dim 64] [--reps 20]
 //!
 //! Defaults: SmolLM2-135M's attention (9 query heads, 3 kv heads, head dim 64), f32 cache.
+//! `--cuda` (a build with `--features cuda`): on the GPU with a bf16 cache and queries, the
+//! tensor-core prompt-chunk kernel (`ops/cuda/prefill_attention.cu`); `--seqs N` runs N such
+//! sequences in one launch (N x rows rows).
 
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use iris::batch::{AttentionMeta, SeqSlice};
 use iris::ops::paged_attention::PagedAttention;
 use iris::simd::Isa;
@@ -28,18 +31,33 @@ fn main() {
     let reps: usize = arg("--reps", "20").parse().expect("--reps");
     let contexts: Vec<usize> =
         arg("--contexts", "0,256,1280,4096").split(',').map(|c| c.parse().expect("--contexts")).collect();
+    let nseqs: usize = arg("--seqs", "1").parse().expect("--seqs");
+    let cuda = std::env::args().any(|a| a == "--cuda");
+    let (dev, dt) = match cuda {
+        true => (Device::new_cuda(0).expect("--cuda: a CUDA device (a build with --features cuda)"), DType::BF16),
+        false => (Device::Cpu, DType::F32),
+    };
     let bs = 16;
     println!("| cached context | rows | ms per layer | GFLOP/s |");
     println!("|---|---|---|---|");
     for &cached in &contexts {
         let total = cached + rows;
         let blocks = total.div_ceil(bs);
-        let dev = Device::Cpu;
-        let k = Tensor::randn(0f32, 1.0, (blocks * bs, hkv, d), &dev).unwrap();
-        let v = Tensor::randn(0f32, 1.0, (blocks * bs, hkv, d), &dev).unwrap();
-        let q = Tensor::randn(0f32, 1.0, (rows, hq, d), &dev).unwrap();
-        let seq = SeqSlice { q_start: 0, q_len: rows, context_len: total, block_table: (0..blocks as u32).collect() };
-        let meta = AttentionMeta::new(bs, vec![seq]);
+        let k = Tensor::randn(0f32, 1.0, (nseqs * blocks * bs, hkv, d), &dev).unwrap().to_dtype(dt).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (nseqs * blocks * bs, hkv, d), &dev).unwrap().to_dtype(dt).unwrap();
+        let q = Tensor::randn(0f32, 1.0, (nseqs * rows, hq, d), &dev).unwrap().to_dtype(dt).unwrap();
+        let seqs = (0..nseqs)
+            .map(|i| SeqSlice {
+                q_start: i * rows,
+                q_len: rows,
+                context_len: total,
+                block_table: (0..blocks as u32).map(|b| (i * blocks) as u32 + b).collect(),
+            })
+            .collect();
+        let mut meta = AttentionMeta::new(bs, seqs);
+        if cuda {
+            meta.upload(&dev).unwrap();
+        }
         let op = PagedAttention {
             meta: &meta,
             num_heads: hq,
@@ -52,17 +70,19 @@ fn main() {
             bidirectional: false,
         };
         op.forward(&q, &k, &v).unwrap();
+        dev.synchronize().unwrap();
         let mut times = Vec::with_capacity(reps);
         for _ in 0..reps {
             let t = Instant::now();
             op.forward(&q, &k, &v).unwrap();
+            dev.synchronize().unwrap();
             times.push(t.elapsed().as_secs_f64());
         }
         times.sort_by(|a, b| a.total_cmp(b));
         let median = times[reps / 2];
         // Row i sees cached + i + 1 keys: a score and a value product per key and head.
         let keys: usize = (0..rows).map(|i| cached + i + 1).sum();
-        let flops = 4.0 * (keys * hq * d) as f64;
-        println!("| {cached} | {rows} | {:.2} | {:.1} |", median * 1e3, flops / median / 1e9);
+        let flops = 4.0 * (nseqs * keys * hq * d) as f64;
+        println!("| {cached} | {} | {:.3} | {:.1} |", nseqs * rows, median * 1e3, flops / median / 1e9);
     }
 }

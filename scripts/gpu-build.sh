@@ -6,8 +6,9 @@
 #   .gpu/tests.tar.xz     every test binary (scripts/gpu-check.sh)
 #   .gpu/paths            the build's repo and binary paths, which the tests have compiled in
 #   .gpu/kv_decode.xz     the KV-cache decode bench (scripts/gpu-kv-bench.sh)
+#   .gpu/prefill_attention.xz  the prompt-chunk attention bench (`--cuda`, benches/prefill_attention.rs)
 # Uses $CARGO_TARGET_DIR (default target/). TESTS="cuda_ops model_parity": only those test
-# binaries (and no bench), for a quick check of a change.
+# binaries, for a quick check of a change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TGT=${CARGO_TARGET_DIR:-$PWD/target}
@@ -27,14 +28,16 @@ for line in sys.stdin:
         # The library and the binary unit tests are both named after the crate.
         print(t["name"] + ("-" + t["kind"][0] if t["kind"][0] in ("lib", "bin") else ""), m["executable"])
 ' > /tmp/iris-gpu-tests.txt
-kv_bench=$(cargo build --release --features cuda --bench kv_decode --message-format=json 2>/dev/null \
-  | python3 -c '
+# A bench binary's path (built on the way).
+bench() {
+  cargo build --release --features cuda --bench "$1" --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kv_decode":
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])
-')
+' "$1"
+}
 mkdir -p "$stage/tests" .gpu
 # Not shipped: tests that download real models or need the Python SDKs (absent there).
 while read -r name exe; do
@@ -45,8 +48,10 @@ strip "$stage"/tests/*
 # One archive with a large window: the test binaries share most of their bytes (candle's kernels).
 tar -C "$stage" -cf - tests | xz -T1 --lzma2=preset=3,dict=512MiB > .gpu/tests.tar.xz
 xz -T2 -9 -c "$stage/iris" > .gpu/iris.xz
-strip -o "$stage/kv_decode" "$kv_bench"
-xz -T2 -9 -c "$stage/kv_decode" > .gpu/kv_decode.xz
+for b in kv_decode prefill_attention; do
+  strip -o "$stage/$b" "$(bench $b)"
+  xz -T2 -9 -c "$stage/$b" > .gpu/$b.xz
+done
 printf 'MANIFEST_DIR=%s\nBIN_EXE=%s\n' "$PWD" "$TGT/release/iris" > .gpu/paths
 rm -rf "$stage"
 ls -la .gpu

@@ -76,13 +76,39 @@ pub const PREFILL_MIN_ROWS: usize = 16;
 /// Rows per prompt-chunk tile.
 pub const PREFILL_TILE_ROWS: usize = 64;
 
+/// A prompt-chunk tile: `PREFILL_TILE_ROWS` rows (fewer at a chunk's end) of one sequence, and
+/// how its attention's keys may be split over blocks of the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillTile {
+    pub seq: usize,
+    /// The tile's first row.
+    pub row: usize,
+    /// The most blocks its keys are split over (1: not split); `prefill_splits`.
+    pub splits: usize,
+    /// Where its split blocks' partial states start in the step's scratch, in units of
+    /// `PREFILL_TILE_ROWS` rows (0 when not split).
+    pub part: usize,
+}
+
+/// The most blocks a prompt chunk's tiles split their keys over: enough that the chunk's tiles
+/// take about 16 blocks per query head together, as long as each block still reads 4 key tiles
+/// of 64 (`PF_MIN_SPLIT_TILES` in prefill_attention.cu, which also bounds it by the layer's
+/// window), and at most 8. A chunk of few rows over a long cached context (a conversation's
+/// turn after a prefix-cache hit) would otherwise run on a few of the GPU's ~130
+/// multiprocessors. It depends on the chunk alone (its rows and context), so a row's result
+/// does not depend on the rest of the batch.
+pub fn prefill_splits(q_len: usize, context_len: usize) -> usize {
+    let tiles = q_len.div_ceil(PREFILL_TILE_ROWS);
+    16usize.div_ceil(tiles).min(context_len.div_ceil(64) / 4).clamp(1, 8)
+}
+
 /// Where each part of a step's metadata sits in its device copy (u32 offsets): `slot_mapping
 /// [rows]` at 0, `row_seq [rows]`, `positions [rows]`, the float window's `ring_slots [rows]`
 /// (`NO_SLOT` without one), per sequence `(q_start, q_len, context_len, offset of its block
 /// table)` `[4 seqs]`, the float window's `rings [seqs]` (0 without one), each sequence's
 /// recurrent `state_slots [seqs]` (`NO_SLOT` without them, and for padding), `row_end [rows]` (the
 /// end of the bidirectional range a row lies in, else 0), the prompt-chunk tiles `(sequence,
-/// first row)` `[2 num_tiles]`, then the block tables end to end. Everything
+/// first row, splits, part)` `[4 num_tiles]` (`PrefillTile`), then the block tables end to end. Everything
 /// a step's kernels read is in it, so a CUDA graph replays a step by rewriting this buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetaLayout {
@@ -96,11 +122,13 @@ pub struct MetaLayout {
     pub row_end: usize,
     pub tiles: usize,
     pub num_tiles: usize,
+    /// Units of partial states the prompt-chunk tiles' key splits need (`PrefillTile::part`).
+    pub split_units: usize,
     pub block_tables: usize,
 }
 
 impl MetaLayout {
-    pub fn new(rows: usize, seqs: usize, num_tiles: usize) -> Self {
+    pub fn new(rows: usize, seqs: usize, num_tiles: usize, split_units: usize) -> Self {
         let rings = 4 * rows + 4 * seqs;
         let state_slots = rings + seqs;
         let row_end = state_slots + seqs;
@@ -116,7 +144,8 @@ impl MetaLayout {
             row_end,
             tiles,
             num_tiles,
-            block_tables: tiles + 2 * num_tiles,
+            split_units,
+            block_tables: tiles + 4 * num_tiles,
         }
     }
 
@@ -140,7 +169,7 @@ impl DeviceAttentionMeta {
         let data: Vec<u32> = slots.iter().copied().chain([NO_SLOT]).collect();
         Ok(DeviceAttentionMeta {
             data: Tensor::new(data.as_slice(), device)?,
-            layout: MetaLayout::new(slots.len(), 0, 0),
+            layout: MetaLayout::new(slots.len(), 0, 0, 0),
         })
     }
 
@@ -245,7 +274,9 @@ impl AttentionMeta {
         if device.is_cpu() {
             return Ok(());
         }
-        let layout = MetaLayout::new(self.num_rows(), self.seqs.len(), self.prefill_tiles().count());
+        let tiles = self.prefill_tiles();
+        let units = tiles.iter().filter(|t| t.splits > 1).map(|t| t.part + t.splits).max().unwrap_or(0);
+        let layout = MetaLayout::new(self.num_rows(), self.seqs.len(), tiles.len(), units);
         let data = Tensor::new(self.packed(&layout).as_slice(), device)?;
         self.device = Some(DeviceAttentionMeta { data, layout });
         Ok(())
@@ -300,7 +331,12 @@ impl AttentionMeta {
             }
         }
         data.resize(layout.tiles, 0);
-        data.extend(self.prefill_tiles().take(layout.num_tiles).flat_map(|(s, r)| [s as u32, r as u32]));
+        data.extend(
+            self.prefill_tiles()
+                .iter()
+                .take(layout.num_tiles)
+                .flat_map(|t| [t.seq, t.row, t.splits, t.part].map(|v| v as u32)),
+        );
         for s in &self.seqs {
             data.extend_from_slice(&s.block_table);
         }
@@ -390,13 +426,21 @@ impl AttentionMeta {
         Ok((meta, kept))
     }
 
-    /// `(sequence, first row)` of every tile of PREFILL_TILE_ROWS rows of the prompt chunks.
-    pub fn prefill_tiles(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        self.seqs
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.q_len >= PREFILL_MIN_ROWS)
-            .flat_map(|(i, s)| (s.q_start..s.q_start + s.q_len).step_by(PREFILL_TILE_ROWS).map(move |r| (i, r)))
+    /// The tiles of PREFILL_TILE_ROWS rows of the prompt chunks, in row order, their split
+    /// blocks' partial states one after another.
+    pub fn prefill_tiles(&self) -> Vec<PrefillTile> {
+        let mut part = 0;
+        let mut tiles = Vec::new();
+        for (seq, s) in self.seqs.iter().enumerate().filter(|(_, s)| s.q_len >= PREFILL_MIN_ROWS) {
+            let splits = prefill_splits(s.q_len, s.context_len);
+            for row in (s.q_start..s.q_start + s.q_len).step_by(PREFILL_TILE_ROWS) {
+                tiles.push(PrefillTile { seq, row, splits, part: if splits > 1 { part } else { 0 } });
+                if splits > 1 {
+                    part += splits;
+                }
+            }
+        }
+        tiles
     }
 }
 
@@ -556,6 +600,30 @@ mod tests {
     /// window within the step (no ring row), the rest go to `ring * len + position % len`;
     /// the device copy holds them, and each sequence's ring, where its layout says, with
     /// padding rows and sequences writing nothing and reading ring 0.
+    /// Few rows over a long context split the most; a chunk of many tiles, or one over a short
+    /// context, not at all; the split tiles' partial states follow each other.
+    #[test]
+    fn prompt_chunk_tiles_split_by_their_own_rows_and_context() {
+        assert_eq!(prefill_splits(16, 30_000), 8);
+        assert_eq!(prefill_splits(144, 1424), 5); // 3 tiles: 6 wanted, 22 key tiles allow 5
+        assert_eq!(prefill_splits(144, 600), 2);
+        assert_eq!(prefill_splits(45, 300), 1);
+        assert_eq!(prefill_splits(1024, 30_000), 1);
+        assert_eq!(prefill_splits(2048, 30_000), 1);
+        let seq = |q_start, q_len, context_len: usize| SeqSlice {
+            q_start,
+            q_len,
+            context_len,
+            block_table: (0..context_len.div_ceil(16) as u32).collect(),
+        };
+        let m = AttentionMeta::new(16, vec![seq(0, 1, 900), seq(1, 130, 2000), seq(131, 40, 300), seq(171, 20, 4000)]);
+        let t: Vec<_> = m.prefill_tiles().iter().map(|t| (t.seq, t.row, t.splits, t.part)).collect();
+        assert_eq!(t, [(1, 1, 6, 0), (1, 65, 6, 6), (1, 129, 6, 12), (2, 131, 1, 0), (3, 171, 8, 18)]);
+        let l = MetaLayout::new(m.num_rows(), 4, t.len(), 26);
+        let data = m.packed(&l);
+        assert_eq!(&data[l.tiles + 16..l.tiles + 20], &[3, 171, 8, 18]);
+    }
+
     #[test]
     fn float_window_rows_and_rings_are_packed_where_the_layout_says() {
         let seqs = vec![
@@ -570,7 +638,7 @@ mod tests {
         // Positions 2..8 of the first sequence, 4..8 kept (ring 3 starts at row 12); position
         // 10 of the second (ring 1 starts at row 4; 10 % 4 = 2).
         assert_eq!(w.slots, vec![NO_SLOT, NO_SLOT, 12, 13, 14, 15, 6]);
-        let layout = MetaLayout::new(9, 3, 0);
+        let layout = MetaLayout::new(9, 3, 0, 0);
         let data = meta.packed(&layout);
         assert_eq!(&data[layout.ring_slots..layout.ring_slots + 7], &w.slots[..]);
         assert_eq!(&data[layout.ring_slots + 7..layout.seq_info], &[NO_SLOT, NO_SLOT]);
@@ -600,7 +668,7 @@ mod tests {
         let mut meta = AttentionMeta::new(4, seqs);
         assert!(meta.set_bidirectional(vec![vec![(3, 9)], vec![]]).is_err(), "past the context");
         meta.set_bidirectional(vec![vec![(3, 6)], vec![(9, 11)]]).unwrap();
-        let layout = MetaLayout::new(8, 3, 0);
+        let layout = MetaLayout::new(8, 3, 0, 0);
         let data = meta.packed(&layout);
         // Rows are positions 2..8 of the first sequence, then position 10 of the second.
         assert_eq!(&data[layout.row_end..layout.row_end + 7], &[0, 6, 6, 6, 0, 0, 11]);
@@ -642,7 +710,7 @@ mod tests {
             SeqSlice { q_start: 3, q_len: 3, context_len: 3, block_table: vec![2] },
         ];
         let meta = AttentionMeta::new(4, seqs);
-        let layout = MetaLayout::new(12, 4, 0);
+        let layout = MetaLayout::new(12, 4, 0, 0);
         let data = meta.packed(&layout);
         assert_eq!(&data[..12], &[26, 27, 28, 8, 9, 10, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT]);
         assert_eq!(&data[layout.row_seq..layout.positions], &[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]);

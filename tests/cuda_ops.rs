@@ -46,8 +46,11 @@ struct Case {
 }
 
 /// Decodes (one of them a first token, some past one chunk of 256 keys), a whole prompt, and
-/// prompt chunks over a cached prefix, all in one launch.
-const SEQS: [(usize, usize); 8] = [(1, 1), (17, 1), (256, 1), (257, 1), (700, 1), (40, 40), (300, 45), (33, 7)];
+/// prompt chunks over a cached prefix, all in one launch. The chunks over 1,000-2,100 cached
+/// positions split their keys over several blocks (`batch::prefill_splits`: 8 and 6 blocks,
+/// fewer with a window), the others do not.
+const SEQS: [(usize, usize); 10] =
+    [(1, 1), (17, 1), (256, 1), (257, 1), (700, 1), (40, 40), (300, 45), (33, 7), (2100, 40), (1200, 150)];
 /// Few rows (rows x kv heads < 128): one head per block, the lane-split kernel (`paged_decode`).
 const FEW_ROWS: [(usize, usize); 7] = [(1, 1), (17, 1), (256, 1), (257, 1), (700, 1), (2000, 1), (33, 7)];
 
@@ -192,6 +195,39 @@ fn decode_attention_is_batch_invariant() {
     };
     m.upload(&dev).unwrap();
     common::cuda::assert_decodes_batch_invariant(&dev, &m, &q, attend);
+}
+
+/// A prompt chunk's rows do not depend on the rest of the batch either: alone they give the bits
+/// they give beside decodes and other chunks, split over blocks (`batch::prefill_splits`) or
+/// not, with and without a window (which bounds the splits by the keys it leaves).
+#[test]
+fn prefill_attention_is_batch_invariant() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(12);
+    let (hq, hkv, d, bs) = (28, 4, 128, 16);
+    let seqs = [(700, 1), (2100, 40), (300, 45), (1200, 150), (5000, 600), (33, 7), (4000, 16)];
+    let (mut m, slots) = meta(&mut rng, &seqs, bs);
+    let q = random(&mut rng, &[m.num_rows(), hq, d]).to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap();
+    let k = random(&mut rng, &[slots, hkv, d]).to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap();
+    let v = random(&mut rng, &[slots, hkv, d]).to_dtype(DType::BF16).unwrap().to_device(&dev).unwrap();
+    m.upload(&dev).unwrap();
+    for window in [None, Some(1000)] {
+        let attend = |m: &AttentionMeta, q: &Tensor| {
+            let op = PagedAttention {
+                meta: m,
+                num_heads: hq,
+                num_kv_heads: hkv,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                window,
+                softcap: None,
+                isa: iris::simd::Isa::active(),
+                bidirectional: false,
+            };
+            op.forward(q, &k, &v).unwrap()
+        };
+        common::cuda::assert_batch_invariant(&dev, &m, &q, |s| s.q_len >= iris::batch::PREFILL_MIN_ROWS, attend);
+    }
 }
 
 #[test]

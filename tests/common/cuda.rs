@@ -103,13 +103,25 @@ pub fn assert_decodes_batch_invariant(
     q: &Tensor,
     attend: impl Fn(&AttentionMeta, &Tensor) -> Tensor,
 ) {
+    assert_batch_invariant(dev, m, q, |s| s.q_len == 1, attend);
+}
+
+/// Each sequence of `m` that `which` picks, attended alone, gives the bits it gives within `m`.
+pub fn assert_batch_invariant(
+    dev: &Device,
+    m: &AttentionMeta,
+    q: &Tensor,
+    which: impl Fn(&SeqSlice) -> bool,
+    attend: impl Fn(&AttentionMeta, &Tensor) -> Tensor,
+) {
     let mixed = attend(m, q);
-    for s in m.seqs.iter().filter(|s| s.q_len == 1) {
-        let solo = SeqSlice { q_start: 0, q_len: 1, context_len: s.context_len, block_table: s.block_table.clone() };
+    for s in m.seqs.iter().filter(|s| which(s)) {
+        let solo =
+            SeqSlice { q_start: 0, q_len: s.q_len, context_len: s.context_len, block_table: s.block_table.clone() };
         let mut one = AttentionMeta::new(m.block_size, vec![solo]);
         one.upload(dev).unwrap();
-        let alone = attend(&one, &q.narrow(0, s.q_start, 1).unwrap());
-        let e = max_rel_err(&alone, &mixed.narrow(0, s.q_start, 1).unwrap());
-        assert_eq!(e, 0.0, "context {}: alone differs from within the batch", s.context_len);
+        let alone = attend(&one, &q.narrow(0, s.q_start, s.q_len).unwrap());
+        let e = max_rel_err(&alone, &mixed.narrow(0, s.q_start, s.q_len).unwrap());
+        assert_eq!(e, 0.0, "{} rows over a context of {}: alone differs from within the batch", s.q_len, s.context_len);
     }
 }

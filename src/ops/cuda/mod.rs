@@ -38,22 +38,24 @@ pub fn check_tq_codec(what: &str, codec: &crate::ops::turboquant::TqCodec, table
 pub const PREFILL_HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
 
 /// Kernel `name` of `prefill_attention.cu` (`prefill_attention` or `tq_prefill_attention`, for
-/// `qt` queries and `head_dim`) and its launch over a step's `num_tiles` prompt-chunk tiles
-/// and `heads` query heads: a block of 4 warps per (tile, head), with the dynamic shared
-/// memory of PfLayout::BYTES there.
+/// `qt` queries and `head_dim`) and its launch over a step's `num_tiles` prompt-chunk tiles,
+/// `heads` query heads and `splits` blocks per tile's keys (`PrefillTile::splits`): a block of
+/// 4 warps each, with the dynamic shared memory of PfLayout::BYTES there.
 pub fn prefill_launch(
     dev: &CudaDevice,
     name: &str,
     qt: &str,
     head_dim: usize,
-    num_tiles: usize,
-    heads: usize,
+    (num_tiles, heads, splits): (usize, usize, usize),
 ) -> Result<(Kernel, LaunchConfig)> {
     let f = PREFILL_ATTENTION.func(dev, &format!("{name}_{qt}_{head_dim}"))?;
-    let smem = (640 * head_dim + 30720) as u32;
+    let smem = (640 * (head_dim + 8)) as u32;
     f.set_max_dynamic_shared(smem)?;
-    let cfg =
-        LaunchConfig { grid_dim: (num_tiles as u32, heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem };
+    let cfg = LaunchConfig {
+        grid_dim: (num_tiles as u32, heads as u32, splits as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem,
+    };
     Ok((f, cfg))
 }
 

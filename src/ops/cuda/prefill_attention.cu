@@ -5,137 +5,214 @@
 // from the exact products of the 16-bit inputs; probabilities are rounded to the input type for
 // the P V product (as FlashAttention does); the output accumulates in f32.
 //
-// One block per (tile of up to 64 rows of one sequence, query head); 4 warps of 16 rows. Key
-// tiles of 64 positions go through shared memory; each warp keeps its rows' running max and
-// sum and its output rows (f32) in shared memory, rescaled when the max grows.
+// As FlashAttention-2: one block per (tile of up to 64 rows of one sequence, query head), 4 warps
+// of 16 rows. Key tiles of 64 positions go through shared memory, the next one loading
+// (cp.async) while the warps work on this one; each warp keeps its scores, probabilities and
+// output rows in registers, in the layouts of the m16n8k16 tensor-core product (the scores'
+// accumulator layout is the probabilities' operand layout), so nothing but K, V and Q passes
+// through shared memory.
+//
+// Split over keys (prefill_attention): a tile whose sequence computes few rows over a long
+// context would leave most of the GPU idle, so its key tiles are shared among up to 8 blocks
+// (grid z), each writing its rows' partial softmax to a scratch buffer, merged in a fixed order
+// by prefill_merge. How many blocks a tile takes depends on its own sequence's rows and context
+// (batch.rs: prefill_splits) and on the window, never on the rest of the batch.
 #include "tq_common.cuh"
-#include <mma.h>
-
-using namespace nvcuda;
 
 #define PF_ROWS 64
 #define PF_KEYS 64
 #define PF_WARPS 4
+// Key tiles a split block takes at least.
+#define PF_MIN_SPLIT_TILES 4
 
 template <int D> struct PfLayout {
-    static constexpr int LD = D + 8;          // 16-bit rows of K, V, Q
-    static constexpr int LS = PF_KEYS + 4;    // f32 score rows
-    static constexpr int LP = PF_KEYS + 8;    // 16-bit probability rows
-    static constexpr int LO = D + 4;          // f32 output rows
-    static constexpr size_t K = 0;
-    static constexpr size_t V = K + 2 * PF_KEYS * LD;
-    static constexpr size_t Q = V + 2 * PF_KEYS * LD;
-    static constexpr size_t S = Q + 2 * PF_ROWS * LD;
-    static constexpr size_t P = S + 4 * PF_ROWS * LS;
-    static constexpr size_t O = P + 2 * PF_ROWS * LP;
-    static constexpr size_t BYTES = O + 4 * PF_ROWS * LO;  // = 640 D + 30720 (ops/paged_attention/mod.rs)
-    // A warp's rotation scratch (tq_prefill_attention; 2 D floats) is its score rows, free
-    // outside a tile's softmax.
-    static_assert(16 * LS >= 2 * D, "the rotation scratch fits in a warp's score rows");
+    static constexpr int LD = D + 8;  // 16-bit rows of Q, K, V: rows 16 bytes apart mod 128 (ldmatrix without conflicts)
+    static constexpr size_t Q = 0;
+    static constexpr size_t KV = Q + 2 * PF_ROWS * LD;        // then stages of (K tile, V tile)
+    static constexpr size_t STAGE = 2 * 2 * PF_KEYS * LD;     // bytes of one stage
+    static constexpr size_t BYTES = KV + 2 * STAGE;           // = 640 (D + 8) (ops/cuda/mod.rs)
+    // tq_prefill_attention's output rows (f32) and each warp's rotation scratch (2 D floats),
+    // in the stages once the keys are done.
+    static constexpr int LO = D + 4;
+    static constexpr size_t X = KV + 4 * PF_ROWS * LO;
+    static_assert(X + PF_WARPS * 2 * D * 4 <= BYTES, "the output rows and rotation scratch fit in the stages");
 };
 
-// A block's shared memory and the state of its warp's rows, as both kernels use them.
-template <typename T, int D> struct PfBlock {
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// Four 8x8 matrices of 16-bit values from shared memory (lane l gives a row address of matrix
+// l / 8); TRANS: each transposed.
+template <bool TRANS> __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_addr(p)));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_addr(p)));
+}
+
+// d += a b for a 16x16 a (row major) and a 16x8 b (column major), f32 accumulators.
+template <typename T> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as two 16-bit values in one register, the first in the low half.
+template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+    __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// 16 bytes from global to shared memory without passing through registers; zeros when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+#define PF_LOG2E 1.4426950408889634f
+
+// A warp's 16 rows of a tile: their running max and sum, and their output rows, in registers.
+// Lane l holds rows l / 4 and l / 4 + 8 (`i` = 0, 1 below) of the warp's; of each row, output
+// columns 8 n + 2 (l % 4) and the next, for every n.
+template <typename T, int D> struct PfWarp {
     using L = PfLayout<D>;
-    T *K_s, *V_s, *Q_s, *P_w;
-    float *S_w, *O_w;
-    int warp, lane, half, row;  // row: this lane's row of the tile (two lanes per row)
-    float m = -INFINITY, l = 0.f;
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa[D / 16];
+    static constexpr int NT = D / 8;  // output column tiles of 8
+    const T* Q_w;                     // the warp's 16 query rows in shared memory
+    int lane;
+    float o[NT][4];
+    float m[2] = {-INFINITY, -INFINITY};  // in log2 units (scores times log2 e)
+    float l[2] = {0.f, 0.f};              // this lane's part of the sum; whole after finish()
 
-    __device__ __forceinline__ explicit PfBlock(unsigned char* smem) {
-        K_s = reinterpret_cast<T*>(smem + L::K);
-        V_s = reinterpret_cast<T*>(smem + L::V);
-        Q_s = reinterpret_cast<T*>(smem + L::Q);
-        const int tid = threadIdx.x;
-        warp = tid / 32, lane = tid % 32, half = lane % 2, row = warp * 16 + lane / 2;
-        S_w = reinterpret_cast<float*>(smem + L::S) + warp * 16 * L::LS;
-        P_w = reinterpret_cast<T*>(smem + L::P) + warp * 16 * L::LP;
-        O_w = reinterpret_cast<float*>(smem + L::O) + warp * 16 * L::LO;
+    __device__ __forceinline__ explicit PfWarp(const T* Q_s) {
+        lane = threadIdx.x % 32;
+        Q_w = Q_s + (threadIdx.x / 32) * 16 * L::LD;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    }
+    // The tile row of this lane's row i.
+    __device__ __forceinline__ int row(int i) const { return (threadIdx.x / 32) * 16 + lane / 4 + 8 * i; }
+
+    // The key tile at positions [k0, k0 + 64) (in K_s and V_s, 64 rows of LD) joins the
+    // softmax; row i reads positions [a[i], b[i]] of it (none when a[i] > b[i]).
+    __device__ __forceinline__ void attend(const T* K_s, const T* V_s, int k0, const int (&a)[2], const int (&b)[2],
+                                           float scale, float softcap) {
+        // S = Q K^T: 8 column tiles of 8 keys.
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[4];
+            ldsm_x4<false>(qa, Q_w + (lane & 15) * L::LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                uint32_t kb[4];  // keys np*16 + [0, 8) then [8, 16), each dims [0, 8) and [8, 16) of kk
+                ldsm_x4<false>(kb, K_s + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * L::LD + kk * 16 +
+                                       ((lane >> 3) & 1) * 8);
+                mma16816<T>(s[2 * np], qa, kb[0], kb[1]);
+                mma16816<T>(s[2 * np + 1], qa, kb[2], kb[3]);
+            }
+        }
+        // Online softmax: masked scores, each row's max over its quad of lanes.
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1, j = k0 + 8 * n + 2 * (lane & 3) + (e & 1);
+                float v = s[n][e] * scale;
+                if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
+                v = j >= a[i] && j <= b[i] ? v * PF_LOG2E : -INFINITY;
+                s[n][e] = v;
+                mx[i] = fmaxf(mx[i], v);
+            }
+        }
+        float base[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            const float m_new = fmaxf(m[i], mx[i]);
+            base[i] = m_new == -INFINITY ? 0.f : m_new;
+            const float corr = exp2f(m[i] - base[i]);
+            m[i] = m_new;
+            l[i] *= corr;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) o[n][2 * i] *= corr, o[n][2 * i + 1] *= corr;
+        }
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = exp2f(s[n][e] - base[e >> 1]);
+                l[e >> 1] += s[n][e];
+            }
+        }
+        // O += P V: the scores' accumulators, rounded to T, are P's operand fragments.
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                    pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                    pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                uint32_t vb[4];  // keys kk*16 + [0, 8) and [8, 16) of dims dp*16 + [0, 8), then of [8, 16)
+                ldsm_x4<true>(vb, V_s + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * L::LD + dp * 16 +
+                                      (lane >> 4) * 8);
+                mma16816<T>(o[2 * dp], pa, vb[0], vb[1]);
+                mma16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+            }
+        }
     }
 
-    // After Q_s is written and the block has synchronised: output rows zeroed, this warp's
-    // query rows into fragments.
-    __device__ __forceinline__ void start() {
-        for (int i = lane; i < 16 * L::LO; i += 32) O_w[i] = 0.f;
+    // The rows' sums over their quads: l is then each row's whole sum.
+    __device__ __forceinline__ void finish() {
 #pragma unroll
-        for (int k = 0; k < D / 16; ++k) wmma::load_matrix_sync(qa[k], Q_s + (warp * 16) * L::LD + k * 16, L::LD);
-        __syncwarp();
+        for (int i = 0; i < 2; ++i) {
+            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        }
     }
 
-    // The key tile at positions [k0, k0 + 64) (in K_s and V_s) joins this warp's rows'
-    // softmax; this lane's row reads positions [a, b] of it (none when the row is past the
-    // tile's rows: a > b).
-    __device__ __forceinline__ void attend(int k0, int a, int b, float scale, float softcap) {
-        // S = Q K^T for this warp's 16 rows.
+    // After finish(): put(i, column, value) for the normalised output of this lane's columns.
+    template <typename Put> __device__ __forceinline__ void each_output(Put put) const {
 #pragma unroll
-        for (int n = 0; n < PF_KEYS / 16; ++n) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
+        for (int i = 0; i < 2; ++i) {
+            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
 #pragma unroll
-            for (int k = 0; k < D / 16; ++k) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
-                wmma::load_matrix_sync(kb, K_s + (n * 16) * L::LD + k * 16, L::LD);
-                wmma::mma_sync(acc, qa[k], kb, acc);
-            }
-            wmma::store_matrix_sync(S_w + n * 16, acc, L::LS, wmma::mem_row_major);
-        }
-        __syncwarp();
-        // Running softmax over this key tile: each lane takes half a row.
-        float x[PF_KEYS / 2];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < PF_KEYS / 2; ++c) {
-            const int col = half * (PF_KEYS / 2) + c;
-            const int j = k0 + col;
-            float v = S_w[(lane / 2) * L::LS + col] * scale;
-            if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
-            x[c] = j >= a && j <= b ? v : -INFINITY;
-            mx = fmaxf(mx, x[c]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        const float m_new = fmaxf(m, mx);
-        const float base = m_new == -INFINITY ? 0.f : m_new;
-        const float corr = expf(m - base);
-        float sum = 0.f;
-#pragma unroll
-        for (int c = 0; c < PF_KEYS / 2; ++c) {
-            const float p = expf(x[c] - base);
-            sum += p;
-            P_w[(lane / 2) * L::LP + half * (PF_KEYS / 2) + c] = from_f<T>(p);
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        l = l * corr + sum;
-        m = m_new;
-        for (int c = half; c < D; c += 2) O_w[(lane / 2) * L::LO + c] *= corr;
-        __syncwarp();
-        // O += P V.
-#pragma unroll
-        for (int dt = 0; dt < D / 16; ++dt) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
-            wmma::load_matrix_sync(o, O_w + dt * 16, L::LO, wmma::mem_row_major);
-#pragma unroll
-            for (int k = 0; k < PF_KEYS / 16; ++k) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
-                wmma::load_matrix_sync(pa, P_w + k * 16, L::LP);
-                wmma::load_matrix_sync(vb, V_s + (k * 16) * L::LD + dt * 16, L::LD);
-                wmma::mma_sync(o, pa, vb, o);
-            }
-            wmma::store_matrix_sync(O_w + dt * 16, o, L::LO, wmma::mem_row_major);
+            for (int n = 0; n < NT; ++n) put(i, 8 * n + 2 * (lane & 3), o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
         }
     }
 };
 
-// A tile's position bounds: its sequence's rows and this block's rows of it.
+// A tile's position bounds: its sequence's rows and this block's rows of it, and the most
+// blocks its keys may be split over (1: none) and where its partial states start (in units of
+// 64 rows of every head).
 struct PfTile {
-    int s, q_start, r0, n_rows, pos0;
+    int s, q_start, r0, n_rows, pos0, max_splits, part;
 };
 
 __device__ __forceinline__ PfTile pf_tile(const uint32_t* tiles, const uint32_t* seq_info, int tile) {
     PfTile t;
-    t.s = tiles[2 * tile];
-    t.r0 = tiles[2 * tile + 1];
+    t.s = tiles[4 * tile];
+    t.r0 = tiles[4 * tile + 1];
+    t.max_splits = tiles[4 * tile + 2];
+    t.part = tiles[4 * tile + 3];
     t.q_start = seq_info[4 * t.s];
     const int q_len = seq_info[4 * t.s + 1], ctx = seq_info[4 * t.s + 2];
     t.n_rows = min(PF_ROWS, t.q_start + q_len - t.r0);
@@ -143,60 +220,139 @@ __device__ __forceinline__ PfTile pf_tile(const uint32_t* tiles, const uint32_t*
     return t;
 }
 
-// tiles: 2 u32 per tile: sequence, first row of the tile.
+// The key tiles a tile reads (from position `lo`), and the blocks they are split over: at
+// most max_splits, each taking PF_MIN_SPLIT_TILES tiles or more.
+struct PfKeys {
+    int lo, tiles, splits;
+    __device__ __forceinline__ PfKeys(const PfTile& t, int window) {
+        const int hi = t.pos0 + t.n_rows - 1;
+        lo = window > 0 ? max(0, t.pos0 + 1 - window) : 0;
+        tiles = (hi - lo) / PF_KEYS + 1;
+        splits = max(1, min(t.max_splits, tiles / PF_MIN_SPLIT_TILES));
+    }
+    // Split z's key tiles, [first(z), first(z + 1)).
+    __device__ __forceinline__ int first(int z) const { return z * tiles / splits; }
+};
+
+// A split block's partial state of (row, head): its normalised output row, then its max (log2
+// units) and sum.
+template <int D>
+__device__ __forceinline__ float* pf_part(float* part, const PfTile& t, int z, int row, int head, int num_heads) {
+    return part + (((size_t)(t.part + z) * PF_ROWS + row) * num_heads + head) * (D + 2);
+}
+
+// tiles: 4 u32 per tile: sequence, first row of the tile, most splits, first partial unit.
 template <typename T, int D>
-__device__ void prefill_attention(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ kc,
-                                  const T* __restrict__ vc, const uint32_t* __restrict__ tiles,
+__device__ void prefill_attention(T* __restrict__ out, float* __restrict__ part, const T* __restrict__ q,
+                                  const T* __restrict__ kc, const T* __restrict__ vc, const uint32_t* __restrict__ tiles,
                                   const uint32_t* __restrict__ seq_info, const uint32_t* __restrict__ block_tables,
                                   int num_heads, int num_kv_heads, int block_size, float scale, int window,
                                   float softcap) {
     using L = PfLayout<D>;
     constexpr int V16 = 8;  // 16-bit elements per 16-byte vector
     extern __shared__ __align__(128) unsigned char smem[];
-    PfBlock<T, D> B(smem);
+    T* Q_s = reinterpret_cast<T*>(smem + L::Q);
     const int tid = threadIdx.x;
     const PfTile tl = pf_tile(tiles, seq_info, blockIdx.x);
+    const PfKeys keys(tl, window);
+    const int z = blockIdx.z;
+    if (z >= keys.splits) return;
     const uint32_t* bt = block_tables + seq_info[4 * tl.s + 3];
     const int h = blockIdx.y;
     const int kvh = h / (num_heads / num_kv_heads);
     const int hi = tl.pos0 + tl.n_rows - 1;
-    const int lo = window > 0 ? max(0, tl.pos0 + 1 - window) : 0;
 
-    // Q tile (zero rows past the sequence).
-    for (int i = tid; i < PF_ROWS * (D / V16); i += PF_WARPS * 32) {
-        const int r = i / (D / V16), c = (i % (D / V16)) * V16;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < tl.n_rows) v = *reinterpret_cast<const uint4*>(q + ((size_t)(tl.r0 + r) * num_heads + h) * D + c);
-        *reinterpret_cast<uint4*>(B.Q_s + r * L::LD + c) = v;
-    }
-    __syncthreads();
-    B.start();
-
-    const int pos = tl.pos0 + B.row;
-    const int row_lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int row_hi = B.row < tl.n_rows ? pos : -1;
-    for (int k0 = lo; k0 <= hi; k0 += PF_KEYS) {
+    // Key tile t into stage st: K then V, zeros past the last row's position.
+    auto load = [&](int t, int st) {
+        T* K_s = reinterpret_cast<T*>(smem + L::KV + st * L::STAGE);
+        T* V_s = K_s + PF_KEYS * L::LD;
+        const int k0 = keys.lo + t * PF_KEYS;
         for (int i = tid; i < PF_KEYS * (D / V16); i += PF_WARPS * 32) {
             const int r = i / (D / V16), c = (i % (D / V16)) * V16;
             const int j = k0 + r;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
-            if (j <= hi) {
-                const size_t slot = (size_t)bt[j / block_size] * block_size + j % block_size;
-                const size_t off = (slot * num_kv_heads + kvh) * D + c;
-                kv = *reinterpret_cast<const uint4*>(kc + off);
-                vv = *reinterpret_cast<const uint4*>(vc + off);
-            }
-            *reinterpret_cast<uint4*>(B.K_s + r * L::LD + c) = kv;
-            *reinterpret_cast<uint4*>(B.V_s + r * L::LD + c) = vv;
+            const size_t slot = j <= hi ? (size_t)bt[j / block_size] * block_size + j % block_size : 0;
+            const size_t off = (slot * num_kv_heads + kvh) * D + c;
+            cp_async16(K_s + r * L::LD + c, kc + off, j <= hi);
+            cp_async16(V_s + r * L::LD + c, vc + off, j <= hi);
+        }
+    };
+    // The Q tile (zero rows past the sequence) with the first key tile.
+    for (int i = tid; i < PF_ROWS * (D / V16); i += PF_WARPS * 32) {
+        const int r = i / (D / V16), c = (i % (D / V16)) * V16;
+        cp_async16(Q_s + r * L::LD + c, q + ((size_t)(tl.r0 + min(r, tl.n_rows - 1)) * num_heads + h) * D + c,
+                   r < tl.n_rows);
+    }
+    const int t0 = keys.first(z), t1 = keys.first(z + 1);
+    load(t0, 0);
+    cp_async_commit_group();
+
+    PfWarp<T, D> W(Q_s);
+    int a[2], b[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int pos = tl.pos0 + W.row(i);
+        a[i] = window > 0 ? max(0, pos + 1 - window) : 0;
+        b[i] = W.row(i) < tl.n_rows ? pos : -1;
+    }
+    for (int t = t0; t < t1; ++t) {
+        const int st = (t - t0) & 1;
+        if (t + 1 < t1) {
+            load(t + 1, st ^ 1);  // the stage the last iteration read, freed by its closing barrier
+            cp_async_commit_group();
+            cp_async_wait_group<1>();
+        } else {
+            cp_async_wait_group<0>();
         }
         __syncthreads();
-        B.attend(k0, row_lo, row_hi, scale, softcap);
+        const T* K_s = reinterpret_cast<const T*>(smem + L::KV + st * L::STAGE);
+        W.attend(K_s, K_s + PF_KEYS * L::LD, keys.lo + t * PF_KEYS, a, b, scale, softcap);
         __syncthreads();
     }
-    if (B.row < tl.n_rows) {
-        const float inv = 1.f / B.l;
-        T* dst = out + ((size_t)(tl.r0 + B.row) * num_heads + h) * D;
-        for (int c = B.half; c < D; c += 2) dst[c] = from_f<T>(B.O_w[(B.lane / 2) * L::LO + c] * inv);
+    W.finish();
+    if (keys.splits == 1) {
+        W.each_output([&](int i, int c, float v0, float v1) {
+            const int r = W.row(i);
+            if (r >= tl.n_rows) return;
+            *reinterpret_cast<uint32_t*>(out + ((size_t)(tl.r0 + r) * num_heads + h) * D + c) = pack2<T>(v0, v1);
+        });
+        return;
+    }
+    W.each_output([&](int i, int c, float v0, float v1) {
+        float* p = pf_part<D>(part, tl, z, W.row(i), h, num_heads);
+        *reinterpret_cast<float2*>(p + c) = make_float2(v0, v1);
+    });
+    if ((W.lane & 3) == 0) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float* p = pf_part<D>(part, tl, z, W.row(i), h, num_heads);
+            p[D] = W.m[i];
+            p[D + 1] = W.l[i];
+        }
+    }
+}
+
+// The split tiles' partial states into their output rows, in split order (so a row's result is
+// the same bits however the blocks ran). Grid: (tiles, query heads); tiles not split return.
+template <typename T, int D>
+__device__ void prefill_merge(T* __restrict__ out, const float* __restrict__ part, const uint32_t* __restrict__ tiles,
+                              const uint32_t* __restrict__ seq_info, int num_heads, int window) {
+    const PfTile tl = pf_tile(tiles, seq_info, blockIdx.x);
+    const PfKeys keys(tl, window);
+    if (keys.splits == 1) return;
+    const int h = blockIdx.y;
+    for (int r = threadIdx.y; r < tl.n_rows; r += blockDim.y) {
+        float mx = -INFINITY;
+        for (int z = 0; z < keys.splits; ++z) mx = fmaxf(mx, pf_part<D>(const_cast<float*>(part), tl, z, r, h, num_heads)[D]);
+        for (int c = threadIdx.x; c < D; c += blockDim.x) {
+            float acc = 0.f, sum = 0.f;
+            for (int z = 0; z < keys.splits; ++z) {
+                const float* p = pf_part<D>(const_cast<float*>(part), tl, z, r, h, num_heads);
+                const float w = p[D + 1] > 0.f ? p[D + 1] * exp2f(p[D] - mx) : 0.f;
+                acc += w * p[c];
+                sum += w;
+            }
+            out[((size_t)(tl.r0 + r) * num_heads + h) * D + c] = from_f<T>(acc / sum);
+        }
     }
 }
 
@@ -375,9 +531,11 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
     constexpr int V16 = 8;  // 16-bit elements per 16-byte vector
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float ksign_s[2 * D], vsign_s[2 * D], kscale_s[D];
-    PfBlock<T, D> B(smem);
+    T* Q_s = reinterpret_cast<T*>(smem + L::Q);
+    T* K_s = reinterpret_cast<T*>(smem + L::KV);  // one stage: these loads are not pipelined
+    T* V_s = K_s + PF_KEYS * L::LD;
     pdl_launch_dependents();
-    const int tid = threadIdx.x, warp = B.warp;
+    const int tid = threadIdx.x, warp = tid / 32;
     // Written once at start-up, not by the kernels before: read before the wait.
     for (int i = tid; i < 2 * D; i += PF_WARPS * 32) {
         if (!kdense) ksign_s[i] = ktab[TQ_ROTATION + i];
@@ -394,7 +552,8 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
     int code_off, float_off;
     tq_stage_offsets(seq_info, seq0, tl.s, skip, window, float_window, code_off, float_off);
     const int hi = tl.pos0 + tl.n_rows - 1;
-    float* x = B.S_w;  // this warp's rotation scratch (dense rotations): x[0, D), tmp[D, 2 D)
+    // This warp's rotation scratch (dense rotations): x[0, D), tmp[D, 2 D).
+    float* x = reinterpret_cast<float*>(smem + L::X) + warp * 2 * D;
     __syncthreads();  // the tables
 
     // Q tile: each warp rotates its 16 rows, divided by the key scales (zero rows past the sequence).
@@ -402,14 +561,20 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
         const T* qr = q + ((size_t)(tl.r0 + r) * num_heads + h) * D;
         const bool in = r < tl.n_rows;
         pf_rotate<D, false>([&](int c) { return in ? to_f(qr[c]) / kscale_s[c] : 0.f; },
-                            [&](int c, float v) { B.Q_s[r * L::LD + c] = from_f<T>(v); }, krot, kdense != 0, x);
+                            [&](int c, float v) { Q_s[r * L::LD + c] = from_f<T>(v); }, krot, kdense != 0, x);
     }
     __syncthreads();
-    B.start();
 
-    const int pos = tl.pos0 + B.row;
-    const bool live = B.row < tl.n_rows;
-    const int row_split = tq_split_of(pos, window, float_window);
+    PfWarp<T, D> W(Q_s);
+    int lo[2], split[2], pos[2];
+    bool live[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        pos[i] = tl.pos0 + W.row(i);
+        live[i] = W.row(i) < tl.n_rows;
+        lo[i] = tq_lo_of(pos[i], window);
+        split[i] = tq_split_of(pos[i], window, float_window);
+    }
 
     // A tile of 64 staged positions from k0, those before `end` (zeros past it), into K_s / V_s.
     auto load = [&](const T* ks, const T* vs, int k0, int end, int base) {
@@ -422,8 +587,8 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
                 kv = *reinterpret_cast<const uint4*>(ks + off);
                 vv = *reinterpret_cast<const uint4*>(vs + off);
             }
-            *reinterpret_cast<uint4*>(B.K_s + r * L::LD + c) = kv;
-            *reinterpret_cast<uint4*>(B.V_s + r * L::LD + c) = vv;
+            *reinterpret_cast<uint4*>(K_s + r * L::LD + c) = kv;
+            *reinterpret_cast<uint4*>(V_s + r * L::LD + c) = vv;
         }
         __syncthreads();
     };
@@ -431,25 +596,31 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
     const int code_end = tq_split_of(hi, window, float_window);
     for (int k0 = tq_lo_of(tl.pos0, window); k0 < code_end; k0 += PF_KEYS) {
         load(kcs, vcs, k0, code_end, code_off - g.code_lo);
-        B.attend(k0, tq_lo_of(pos, window), live ? row_split - 1 : -1, scale, softcap);
+        const int b[2] = {live[0] ? split[0] - 1 : -1, live[1] ? split[1] - 1 : -1};
+        W.attend(K_s, V_s, k0, lo, b, scale, softcap);
         __syncthreads();
     }
     // The float window's positions, [split of the first row, the last row's position].
     if (float_window > 0) {
         for (int k0 = tq_split_of(tl.pos0, window, float_window); k0 <= hi; k0 += PF_KEYS) {
             load(kfs, vfs, k0, hi + 1, float_off - g.float_lo);
-            B.attend(k0, row_split, live ? pos : -1, scale, softcap);
+            const int b[2] = {live[0] ? pos[0] : -1, live[1] ? pos[1] : -1};
+            W.attend(K_s, V_s, k0, split, b, scale, softcap);
             __syncthreads();
         }
     }
 
-    // Each row's sum rotated back once (by its warp, a row at a time) and written.
-    const float inv = live ? 1.f / B.l : 0.f;  // both lanes of a row hold it
-    for (int rr = 0; rr < 16; ++rr) {
-        const float f = __shfl_sync(0xffffffffu, inv, 2 * rr);
-        const int r = warp * 16 + rr;
+    // Each row's normalised sum into shared memory, then rotated back once (by its warp, a
+    // row at a time) and written.
+    W.finish();
+    float* O_s = reinterpret_cast<float*>(smem + L::KV);
+    W.each_output([&](int i, int c, float v0, float v1) {
+        *reinterpret_cast<float2*>(O_s + W.row(i) * L::LO + c) = make_float2(v0, v1);
+    });
+    __syncwarp();
+    for (int r = warp * 16; r < warp * 16 + 16; ++r) {
         T* dst = out + ((size_t)(tl.r0 + r) * num_heads + h) * D;
-        pf_rotate<D, true>([&](int c) { return B.O_w[rr * L::LO + c] * f; },
+        pf_rotate<D, true>([&](int c) { return O_s[r * L::LO + c]; },
                            [&](int c, float v) {
                                if (r < tl.n_rows) dst[c] = from_f<T>(v);
                            },
@@ -459,11 +630,17 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
 
 #define PF(NAME, T, D)                                                                                         \
     extern "C" __global__ void __launch_bounds__(PF_WARPS * 32)                                                \
-        NAME(T* out, const T* q, const T* kc, const T* vc, const uint32_t* tiles, const uint32_t* seq_info,    \
-             const uint32_t* block_tables, int num_heads, int num_kv_heads, int block_size, float scale,        \
-             int window, float softcap) {                                                                       \
-        prefill_attention<T, D>(out, q, kc, vc, tiles, seq_info, block_tables, num_heads, num_kv_heads,         \
+        NAME(T* out, float* part, const T* q, const T* kc, const T* vc, const uint32_t* tiles,                 \
+             const uint32_t* seq_info, const uint32_t* block_tables, int num_heads, int num_kv_heads,           \
+             int block_size, float scale, int window, float softcap) {                                         \
+        prefill_attention<T, D>(out, part, q, kc, vc, tiles, seq_info, block_tables, num_heads, num_kv_heads,   \
                                 block_size, scale, window, softcap);                                           \
+    }
+
+#define PF_MERGE(NAME, T, D)                                                                                   \
+    extern "C" __global__ void NAME(T* out, const float* part, const uint32_t* tiles, const uint32_t* seq_info, \
+                                    int num_heads, int window) {                                               \
+        prefill_merge<T, D>(out, part, tiles, seq_info, num_heads, window);                                    \
     }
 
 #define TQ_PF(NAME, T, D)                                                                                      \
@@ -495,6 +672,8 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
 
 PF_DIMS(PF, prefill_attention, bf16, __nv_bfloat16)
 PF_DIMS(PF, prefill_attention, f16, __half)
+PF_DIMS(PF_MERGE, prefill_merge, bf16, __nv_bfloat16)
+PF_DIMS(PF_MERGE, prefill_merge, f16, __half)
 PF_DIMS(TQ_PF, tq_prefill_attention, bf16, __nv_bfloat16)
 PF_DIMS(TQ_PF, tq_prefill_attention, f16, __half)
 PF_DIMS(TQ_STAGE, tq_prefill_stage, bf16, __nv_bfloat16)

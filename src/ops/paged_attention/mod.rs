@@ -390,8 +390,8 @@ impl CustomOp3 for PagedAttention<'_> {
         use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
 
-        use super::cuda::{dtype_name, with_u32_slice, PAGED_ATTENTION};
-        use crate::batch::PREFILL_MIN_ROWS;
+        use super::cuda::{dtype_name, with_u32_slice, PAGED_ATTENTION, PREFILL_ATTENTION};
+        use crate::batch::{PREFILL_MIN_ROWS, PREFILL_TILE_ROWS};
 
         let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let rows = self.meta.num_rows();
@@ -458,9 +458,14 @@ impl CustomOp3 for PagedAttention<'_> {
             candle_core::bail!("paged-attention: device metadata has {} rows, the step {rows}", l.rows);
         }
         // Prompt chunks of 16-bit models go to the tensor-core kernel, the other rows here.
+        // Their tiles' keys split over up to `splits` blocks, merged by `prefill_merge`.
         let prefill =
             if l.num_tiles > 0 && !bidi && qt == ct && qt != "f32" && super::cuda::PREFILL_HEAD_DIMS.contains(&d) {
-                Some(super::cuda::prefill_launch(&dev, "prefill_attention", qt, d, l.num_tiles, hq)?)
+                let splits = self.meta.prefill_tiles().iter().map(|t| t.splits).max().unwrap_or(1);
+                let (attend, cfg) =
+                    super::cuda::prefill_launch(&dev, "prefill_attention", qt, d, (l.num_tiles, hq, splits))?;
+                let merge = PREFILL_ATTENTION.func(&dev, &format!("prefill_merge_{qt}_{d}"))?;
+                Some(Prefill { attend, cfg, merge, units: l.split_units })
             } else {
                 None
             };
@@ -481,6 +486,13 @@ impl CustomOp3 for PagedAttention<'_> {
         };
         let (ko, vo) = (k_l.start_offset(), v_l.start_offset());
 
+        struct Prefill {
+            attend: Kernel,
+            cfg: LaunchConfig,
+            merge: Kernel,
+            /// Partial states of the split tiles, in units of PREFILL_TILE_ROWS rows.
+            units: usize,
+        }
         /// How the lane-split kernel's position splits are merged.
         enum SplitMerge {
             /// By the last block to finish, counting arrivals in these (left at zero).
@@ -513,7 +525,7 @@ impl CustomOp3 for PagedAttention<'_> {
         fn launch<Q: CudaDType + DeviceRepr, C: DeviceRepr>(
             dev: &candle_core::cuda_backend::CudaDevice,
             decode: &Kernel,
-            prefill: &Option<(Kernel, LaunchConfig)>,
+            prefill: &Option<Prefill>,
             p: &Params,
             n_out: usize,
             (q, k, v): (CudaView<Q>, CudaView<C>, CudaView<C>),
@@ -568,12 +580,28 @@ impl CustomOp3 for PagedAttention<'_> {
                 // SAFETY: argument types and counts match the kernel's signature; block tables were checked.
                 unsafe { b.launch(p.decode) }.w()?;
             }
-            if let Some((f, cfg)) = prefill {
-                let mut b = f.builder();
-                b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.tiles).arg(&m.seq_info).arg(&m.block_tables);
+            if let Some(pf) = prefill {
+                let d = n_out / (p.decode.grid_dim.0 as usize * hq as usize);
+                // SAFETY: the split blocks write every partial state the merge reads.
+                let part: CudaSlice<f32> =
+                    unsafe { dev.alloc::<f32>((pf.units * PREFILL_TILE_ROWS * hq as usize * (d + 2)).max(1))? };
+                let mut b = pf.attend.builder();
+                b.arg(&out).arg(&part).arg(&q).arg(&k).arg(&v).arg(&m.tiles).arg(&m.seq_info).arg(&m.block_tables);
                 b.arg(&hq).arg(&hkv).arg(&bs).arg(&p.scale).arg(&p.window).arg(&p.softcap);
-                // SAFETY: as above; the tiles cover exactly the rows the first kernel skipped.
-                unsafe { b.launch(*cfg) }.w()?;
+                // SAFETY: as above; the tiles cover exactly the rows the first kernel skipped, and
+                // their partial states fit `part` (MetaLayout::split_units).
+                unsafe { b.launch(pf.cfg) }.w()?;
+                if pf.units > 0 {
+                    let cfg = LaunchConfig {
+                        grid_dim: (pf.cfg.grid_dim.0, hq as u32, 1),
+                        block_dim: (32, 8, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let mut b = pf.merge.builder();
+                    b.arg(&out).arg(&part).arg(&m.tiles).arg(&m.seq_info).arg(&hq).arg(&p.window);
+                    // SAFETY: as above; it reads the partial states the launch before wrote.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
             }
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }

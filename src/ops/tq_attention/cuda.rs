@@ -159,7 +159,7 @@ pub(super) fn forward(
     let combine = TQ_ATTENTION.func(&dev, &format!("tq_attn_combine_{qt}_{d}"))?;
     let prefill = match prefill {
         true => {
-            let (attend, cfg) = prefill_launch(&dev, "tq_prefill_attention", qt, d, l.num_tiles, hq)?;
+            let (attend, cfg) = prefill_launch(&dev, "tq_prefill_attention", qt, d, (l.num_tiles, hq, 1))?;
             let stage = PREFILL_ATTENTION.func(&dev, &format!("tq_prefill_stage_{qt}_{d}"))?;
             let fw = op.float.as_ref().map_or(0, |f| f.len);
             // Keys and values, in q's type.
