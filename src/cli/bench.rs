@@ -263,7 +263,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if let Some(n) = a.admit_prompt_len {
         return admission(&a, n);
     }
-    let (mut engine, _) = open_engine(&a.engine)?;
+    let (mut engine, _) = open_engine(&uncached(&a.engine))?;
     let prompt = prompt_tokens(&engine, &a)?;
     if a.all_accepted {
         // Every sequence of a run has this prompt, so one greedy continuation serves them all.
@@ -357,6 +357,16 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The engine flags with prefix caching off unless `--enable-prefix-caching` was given: the
+/// batch table and the admission bench send the same prompt again and again (every sequence of
+/// a batch, every repeat, the warm-up), so with the cache on they would time its hits, not the
+/// prefill.
+fn uncached(flags: &EngineArgs) -> EngineArgs {
+    let mut flags = flags.clone();
+    flags.no_enable_prefix_caching = !flags.enable_prefix_caching;
+    flags
+}
+
 /// `--conversation-turns`: the same flags with prefix caching on, then off.
 fn conversation(a: &BenchArgs, turns: usize) -> anyhow::Result<()> {
     use super::conversation_bench::{self as conv, Conversation};
@@ -439,7 +449,7 @@ fn conversation(a: &BenchArgs, turns: usize) -> anyhow::Result<()> {
 
 /// `--admit-prompt-len`: a long prompt admitted beside decoding streams.
 fn admission(a: &BenchArgs, admit_len: usize) -> anyhow::Result<()> {
-    let (mut engine, _) = open_engine(&a.engine)?;
+    let (mut engine, _) = open_engine(&uncached(&a.engine))?;
     let unit = engine.tokenizer().encode(TEXT, false)?;
     // Warm up caches and thread pools.
     run_once(&mut engine, 1, &unit, 4, a, None)?;
