@@ -164,6 +164,18 @@ fn paged_attention_bf16_matches_cpu() {
     }
 }
 
+/// Long contexts (the long-context issue's 32k and 128k): decodes at 32k and 128k positions and
+/// prompt chunks over 32k cached ones (16 rows: the most key splits; 200 rows), in one launch
+/// and each with a 7B model's heads, against the CPU reference.
+#[test]
+fn paged_attention_at_long_contexts_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let seqs = [(32_768, 1), (131_072, 1), (32_784, 16), (33_000, 200)];
+    let c = Case { heads: 28, kv_heads: 4, head_dim: 128, window: None, softcap: None, bidi: false };
+    check_attention_on(&dev, &seqs, &c, DType::BF16, DType::BF16, 8e-3);
+    check_attention_on(&dev, &seqs, &Case { window: Some(4096), ..c }, DType::BF16, DType::BF16, 8e-3);
+}
+
 /// A decode row's attention does not depend on the rows beside it: alone it gives the same bits
 /// as within a few-row mix (the lane-split kernel's position split is fixed, not chosen by the
 /// batch), for contexts within one chunk of positions and past several. Alone, a row's 28 x 16
