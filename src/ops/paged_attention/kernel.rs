@@ -62,7 +62,7 @@ impl<T: KvElem> WithSimd for Partial<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<S: Simd>(self, s: S) {
-        debug_assert!(self.d % 16 == 0 && self.q.len() >= self.spans.len() * self.group * self.d);
+        debug_assert!(self.d.is_multiple_of(16) && self.q.len() >= self.spans.len() * self.group * self.d);
         debug_assert!(self.part.len() == self.spans.len() * self.group * (self.d + 2));
         // SAFETY: as the struct's doc states.
         unsafe { partial(s, self) }
@@ -95,7 +95,8 @@ unsafe fn partial<S: Simd, T: KvElem>(s: S, a: Partial<'_, T>) {
             ((lo - b0) / 16, (hi - b0).div_ceil(16))
         };
         let runs: Vec<_> = meeting(spans, b0, b1).collect();
-        let (Some(w0), Some(w1)) = (runs.iter().map(|r| cols(r.0, r.1).0).min(), runs.iter().map(|r| cols(r.0, r.1).1).max())
+        let (Some(w0), Some(w1)) =
+            (runs.iter().map(|r| cols(r.0, r.1).0).min(), runs.iter().map(|r| cols(r.0, r.1).1).max())
         else {
             continue;
         };
@@ -214,7 +215,14 @@ fn fetch_rows<T>(x: &[T], offs: &[usize], d: usize) {
 /// `kt[c * KEY_BLOCK + j]` = key `j`'s lane `c`, for the keys at `offs` (at most KEY_BLOCK)
 /// in the vectors of 16 keys `w0..w1`, zero for missing keys.
 #[inline(always)]
-unsafe fn transpose_keys<S: Simd, T: KvElem>(s: S, k: &[T], offs: &[usize], (w0, w1): (usize, usize), d: usize, kt: *mut f32) {
+unsafe fn transpose_keys<S: Simd, T: KvElem>(
+    s: S,
+    k: &[T],
+    offs: &[usize],
+    (w0, w1): (usize, usize),
+    d: usize,
+    kt: *mut f32,
+) {
     let kp = k.as_ptr();
     for w in w0..w1 {
         for c in (0..d).step_by(16) {
@@ -382,7 +390,8 @@ unsafe fn values_rc<S: Simd, T: KvElem, const R: usize, const C: usize>(
     out: *mut f32,
     out_stride: usize,
 ) {
-    let mut acc: [[S::F; C]; R] = std::array::from_fn(|i| std::array::from_fn(|c| s.load(out.add(i * out_stride + 16 * c))));
+    let mut acc: [[S::F; C]; R] =
+        std::array::from_fn(|i| std::array::from_fn(|c| s.load(out.add(i * out_stride + 16 * c))));
     let pr: [*const f32; R] = std::array::from_fn(|i| p.add(i * stride));
     for j in a..b {
         let vj = v.add(*offs.get_unchecked(j) + c0);

@@ -98,10 +98,16 @@ impl PagedAttention<'_> {
         let dst = OutPtr(out.as_mut_ptr());
         let isa = self.isa;
         // Partial softmax states of `tile`'s rows (query values `qt`, `[rows, group, d]`) over
-        // the positions `seg` of kv head `g`, into `part` (`[rows, group, d + 2]`).
-        // `offs`: kv head `g`'s offsets for `seg` (`Tile::offsets`), `next` those of the segment
-        // after it (prefetched), if any.
-        let partial = |tile: &Tile, qt: &[f32], seg: (usize, usize), offs: &[usize], next: &[usize], scratch: &mut Scratch, part: &mut [f32]| {
+        // the positions `seg` of one kv head, whose vectors are at `offs` (`Tile::offsets`),
+        // into `part` (`[rows, group, d + 2]`); `next`: the offsets of the segment after it
+        // (prefetched), if any.
+        let partial = |tile: &Tile,
+                       qt: &[f32],
+                       seg: (usize, usize),
+                       offs: &[usize],
+                       next: &[usize],
+                       scratch: &mut Scratch,
+                       part: &mut [f32]| {
             let spans: Vec<(usize, usize)> = tile
                 .spans
                 .iter()
