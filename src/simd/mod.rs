@@ -20,19 +20,6 @@ mod portable;
 pub use isa::{run, Isa, IsaError, WithSimd};
 pub use lanes::Simd;
 
-/// Asks for the cache line at `p` to be brought into L1 (x86-64; elsewhere nothing): a hint,
-/// never a fault, whatever the address.
-#[inline(always)]
-pub fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is only a hint; any address is allowed.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
 /// Dot product of two equal-length f32 slices: two 16-lane accumulators over 32 values at a
 /// time, one more 16, their sum reduced, then the tail one product at a time.
 #[inline]

@@ -20,7 +20,7 @@
 
 use super::softmax::exp_shifted;
 use crate::ops::kv_elem::KvElem;
-use crate::simd::{prefetch, Simd, WithSimd};
+use crate::simd::{Simd, WithSimd};
 
 /// Keys transposed at a time (a multiple of 16; the scores' rows are padded to a multiple).
 const KEY_BLOCK: usize = 64;
@@ -38,7 +38,6 @@ pub(super) struct Scratch {
 /// of one sequence, each with `group` query heads (`q`: `[rows, group, d]`; `part`: `[rows,
 /// group, d + 2]`), over the key/value vectors at `offs` (any cache type, widened to f32 as
 /// it is read), row r reading `offs[spans[r].0..spans[r].1]` (m = -inf when that is empty).
-/// `next`: the offsets of the run of keys that comes next, whose first keys are prefetched.
 ///
 /// Its fields must hold (`PagedAttention::run` makes them so): `d % 16 == 0`; every `off + d`
 /// within `k` and `v`; each span within `offs`; `q` holds `rows * group * d` values and `part`
@@ -48,7 +47,6 @@ pub(super) struct Partial<'a, T> {
     pub group: usize,
     pub spans: &'a [(usize, usize)],
     pub offs: &'a [usize],
-    pub next: &'a [usize],
     pub k: &'a [T],
     pub v: &'a [T],
     pub d: usize,
@@ -71,23 +69,14 @@ impl<T: KvElem> WithSimd for Partial<'_, T> {
 
 #[inline(always)]
 unsafe fn partial<S: Simd, T: KvElem>(s: S, a: Partial<'_, T>) {
-    let Partial { q, group, spans, offs, next, k, v, d, scale, softcap, scratch, part } = a;
+    let Partial { q, group, spans, offs, k, v, d, scale, softcap, scratch, part } = a;
     let (nq, n) = (spans.len() * group, offs.len());
     let np = n.next_multiple_of(KEY_BLOCK);
     scratch.kt.resize(d * KEY_BLOCK, 0.0);
     scratch.scores.resize(nq * np, 0.0);
     let (kt, sc) = (scratch.kt.as_mut_ptr(), scratch.scores.as_mut_ptr());
-    // The keys and values come from all over the cache (L3 or DRAM, not in any order the
-    // hardware prefetchers follow): each block's values, and the next block's keys, are asked
-    // for while a block's scores are computed.
-    fetch_rows(k, &offs[..KEY_BLOCK.min(n)], d);
     for b0 in (0..n).step_by(KEY_BLOCK) {
         let b1 = (b0 + KEY_BLOCK).min(n);
-        fetch_rows(v, &offs[b0..b1], d);
-        match offs.get(b1..) {
-            Some(rest) if !rest.is_empty() => fetch_rows(k, &rest[..KEY_BLOCK.min(rest.len())], d),
-            _ => fetch_rows(k, &next[..KEY_BLOCK.min(next.len())], d),
-        }
         // The vectors of 16 keys of the block that rows r0..r1 (meeting it) see.
         let cols = |r0: usize, r1: usize| {
             let lo = spans[r0..r1].iter().map(|sp| sp.0.max(b0)).min().unwrap_or(b0);
@@ -197,19 +186,6 @@ fn meeting(spans: &[(usize, usize)], a: usize, b: usize) -> impl Iterator<Item =
         }
         (r0 < r).then_some((r0, r))
     })
-}
-
-/// Prefetches the `d` values at each of `offs` in `x`.
-#[inline(always)]
-fn fetch_rows<T>(x: &[T], offs: &[usize], d: usize) {
-    let bytes = d * std::mem::size_of::<T>();
-    for &off in offs {
-        let row = x.as_ptr().wrapping_add(off).cast::<u8>();
-        for b in (0..bytes).step_by(64) {
-            prefetch(row.wrapping_add(b));
-        }
-        prefetch(row.wrapping_add(bytes - 1));
-    }
 }
 
 /// `kt[c * KEY_BLOCK + j]` = key `j`'s lane `c`, for the keys at `offs` (at most KEY_BLOCK)

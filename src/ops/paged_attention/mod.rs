@@ -98,36 +98,30 @@ impl PagedAttention<'_> {
         let dst = OutPtr(out.as_mut_ptr());
         let isa = self.isa;
         // Partial softmax states of `tile`'s rows (query values `qt`, `[rows, group, d]`) over
-        // the positions `seg` of one kv head, whose vectors are at `offs` (`Tile::offsets`),
-        // into `part` (`[rows, group, d + 2]`); `next`: the offsets of the segment after it
-        // (prefetched), if any.
-        let partial = |tile: &Tile,
-                       qt: &[f32],
-                       seg: (usize, usize),
-                       offs: &[usize],
-                       next: &[usize],
-                       scratch: &mut Scratch,
-                       part: &mut [f32]| {
-            let spans: Vec<(usize, usize)> = tile
-                .spans
-                .iter()
-                .map(|&(lo, end)| {
-                    let (a, b) = (lo.max(seg.0), end.min(seg.1));
-                    if a < b {
-                        (a - seg.0, b - seg.0)
-                    } else {
-                        (0, 0)
-                    }
-                })
-                .collect();
-            if d % 16 != 0 {
-                return self.partial_portable(qt, &spans, offs, k, v, part);
-            }
-            // Offsets are in bounds (block tables were checked against the cache, whose shape
-            // `cpu_fwd` checked); spans lie within the offsets.
-            let (scale, softcap, spans) = (self.scale, self.softcap, &spans[..]);
-            isa.run(Partial { q: qt, group, spans, offs, next, k, v, d, scale, softcap, scratch, part })
-        };
+        // the positions `seg` of kv head `g`, into `part` (`[rows, group, d + 2]`).
+        let partial =
+            |tile: &Tile, qt: &[f32], g: usize, seg: (usize, usize), scratch: &mut Scratch, part: &mut [f32]| {
+                let offs = tile.offsets(g, seg);
+                let spans: Vec<(usize, usize)> = tile
+                    .spans
+                    .iter()
+                    .map(|&(lo, end)| {
+                        let (a, b) = (lo.max(seg.0), end.min(seg.1));
+                        if a < b {
+                            (a - seg.0, b - seg.0)
+                        } else {
+                            (0, 0)
+                        }
+                    })
+                    .collect();
+                if d % 16 != 0 {
+                    return self.partial_portable(qt, &spans, &offs, k, v, part);
+                }
+                // Offsets are in bounds (block tables were checked against the cache, whose shape
+                // `cpu_fwd` checked); spans lie within the offsets.
+                let (scale, softcap, spans) = (self.scale, self.softcap, &spans[..]);
+                isa.run(Partial { q: qt, group, spans, offs: &offs, k, v, d, scale, softcap, scratch, part })
+            };
         // SAFETY (both loops): the item finishing (tile, g) is the only writer of its rows'
         // heads of group g, each written once.
         let finish = |tile: &Tile, g: usize, states: &[f32]| {
@@ -153,12 +147,8 @@ impl PagedAttention<'_> {
                 let mut states = empty_states(tile.rows.len());
                 let mut part = vec![0f32; states.len()];
                 let mut scratch = Scratch::default();
-                let segs = tile.segments();
-                let mut offs = tile.offsets(g, segs[0]);
-                for (i, &seg) in segs.iter().enumerate() {
-                    let next = segs.get(i + 1).map_or_else(Vec::new, |&s| tile.offsets(g, s));
-                    partial(tile, &qt, seg, &offs, &next, &mut scratch, &mut part);
-                    offs = next;
+                for seg in tile.segments() {
+                    partial(tile, &qt, g, seg, &mut scratch, &mut part);
                     for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
                         fold(st, p);
                     }
@@ -168,8 +158,7 @@ impl PagedAttention<'_> {
             Job::Segment { tile, g, seg, part } => {
                 // SAFETY: each segment job owns its slot of `partials`.
                 let p = unsafe { std::slice::from_raw_parts_mut(pdst.at(part * part_len), part_len) };
-                let (tile, offs) = (&tiles[tile], tiles[tile].offsets(g, seg));
-                partial(tile, &tile.queries(q, g), seg, &offs, &[], &mut Scratch::default(), p);
+                partial(&tiles[tile], &tiles[tile].queries(q, g), g, seg, &mut Scratch::default(), p);
             }
         });
         team().for_each(merges.len(), |i| {
