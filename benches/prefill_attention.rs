@@ -4,9 +4,11 @@
 //! and the attention's arithmetic rate (4 * rows * heads * head_dim * keys seen, causal).
 //!
 //!   cargo bench --bench prefill_attention -- [--rows 144] [--contexts 0,256,1280,4096]
-//!       [--heads 9] [--kv-heads 3] [--head-dim 64] [--reps 20]
+//!       [--heads 9] [--kv-heads 3] [--head-dim 64] [--reps 20] [--cache-dtype f32|bf16|f16]
 //!
-//! Defaults: SmolLM2-135M's attention (9 query heads, 3 kv heads, head dim 64), f32 cache.
+//! Defaults: SmolLM2-135M's attention (9 query heads, 3 kv heads, head dim 64), f32 cache
+//! (`--cache-dtype`: the CPU's cache type; queries stay f32). `--rows 1` is a decode step's
+//! attention.
 //! `--cuda` (a build with `--features cuda`): on the GPU with a bf16 cache and queries, the
 //! tensor-core prompt-chunk kernel (`ops/cuda/prefill_attention.cu`); `--seqs N` runs N such
 //! sequences in one launch (N x rows rows).
@@ -33,9 +35,22 @@ fn main() {
         arg("--contexts", "0,256,1280,4096").split(',').map(|c| c.parse().expect("--contexts")).collect();
     let nseqs: usize = arg("--seqs", "1").parse().expect("--seqs");
     let cuda = std::env::args().any(|a| a == "--cuda");
-    let (dev, dt) = match cuda {
-        true => (Device::new_cuda(0).expect("--cuda: a CUDA device (a build with --features cuda)"), DType::BF16),
-        false => (Device::Cpu, DType::F32),
+    // The cache's type and the queries' (the CPU op takes f32 queries).
+    let (dev, dt, qt) = match cuda {
+        true => (
+            Device::new_cuda(0).expect("--cuda: a CUDA device (a build with --features cuda)"),
+            DType::BF16,
+            DType::BF16,
+        ),
+        false => {
+            let dt = match arg("--cache-dtype", "f32").as_str() {
+                "f32" => DType::F32,
+                "bf16" => DType::BF16,
+                "f16" => DType::F16,
+                other => panic!("--cache-dtype {other}: f32, bf16 or f16"),
+            };
+            (Device::Cpu, dt, DType::F32)
+        }
     };
     let bs = 16;
     println!("| cached context | rows | ms per layer | GFLOP/s |");
@@ -45,7 +60,7 @@ fn main() {
         let blocks = total.div_ceil(bs);
         let k = Tensor::randn(0f32, 1.0, (nseqs * blocks * bs, hkv, d), &dev).unwrap().to_dtype(dt).unwrap();
         let v = Tensor::randn(0f32, 1.0, (nseqs * blocks * bs, hkv, d), &dev).unwrap().to_dtype(dt).unwrap();
-        let q = Tensor::randn(0f32, 1.0, (nseqs * rows, hq, d), &dev).unwrap().to_dtype(dt).unwrap();
+        let q = Tensor::randn(0f32, 1.0, (nseqs * rows, hq, d), &dev).unwrap().to_dtype(qt).unwrap();
         let seqs = (0..nseqs)
             .map(|i| SeqSlice {
                 q_start: i * rows,

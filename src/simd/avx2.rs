@@ -31,6 +31,41 @@ pub(super) unsafe fn reduce8(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<1>(c, c)))
 }
 
+/// The 8 x 8 matrix whose rows are `a`, transposed.
+///
+/// # Safety
+/// AVX (the callers' features).
+#[inline(always)]
+unsafe fn transpose8(a: [__m256; 8]) -> [__m256; 8] {
+    // Pairs of rows interleaved, then 4 x 4 blocks within 128-bit halves, then the halves.
+    let t: [__m256; 8] = std::array::from_fn(|k| {
+        let (x, y) = (a[k / 2 * 2], a[k / 2 * 2 + 1]);
+        if k % 2 == 0 {
+            _mm256_unpacklo_ps(x, y)
+        } else {
+            _mm256_unpackhi_ps(x, y)
+        }
+    });
+    // u[4i+k], half H: lane 4H+k of rows 4i..4i+4.
+    let u: [__m256; 8] = std::array::from_fn(|n| {
+        let (i, k) = (n / 4, n % 4);
+        let (x, y) = (t[4 * i + k / 2], t[4 * i + 2 + k / 2]);
+        if k % 2 == 0 {
+            _mm256_shuffle_ps::<0x44>(x, y)
+        } else {
+            _mm256_shuffle_ps::<0xEE>(x, y)
+        }
+    });
+    std::array::from_fn(|c| {
+        let (h, k) = (c / 4, c % 4);
+        if h == 0 {
+            _mm256_permute2f128_ps::<0x20>(u[k], u[4 + k])
+        } else {
+            _mm256_permute2f128_ps::<0x31>(u[k], u[4 + k])
+        }
+    })
+}
+
 /// Lanes `0..n` of each half as a load/store mask (n <= 16).
 #[inline(always)]
 unsafe fn first_lanes(n: usize) -> I {
@@ -108,6 +143,17 @@ impl Simd for Avx2 {
     fn reduce_add(self, v: F) -> f32 {
         // Lanes i + i+8 are the two halves' lanes i.
         unsafe { reduce8(_mm256_add_ps(v[0], v[1])) }
+    }
+
+    /// Four 8 x 8 transposes, one per quarter of the matrix.
+    #[inline(always)]
+    fn transpose16(self, a: &[F; 16]) -> [F; 16] {
+        // SAFETY: as above.
+        unsafe {
+            let q = |rows: usize, half: usize| transpose8(std::array::from_fn(|i| a[rows + i][half]));
+            let (tl, tr, bl, br) = (q(0, 0), q(0, 1), q(8, 0), q(8, 1));
+            std::array::from_fn(|i| if i < 8 { [tl[i], bl[i]] } else { [tr[i - 8], br[i - 8]] })
+        }
     }
 
     #[inline(always)]

@@ -98,6 +98,47 @@ impl Simd for Avx512 {
         }
     }
 
+    /// Four rounds of 16 shuffles: 2 x 2 blocks within 128-bit lanes (unpack), 4 x 4 (two
+    /// lanes' pairs), then the 128-bit blocks across the registers (two rounds of
+    /// `shuffle_f32x4`).
+    #[inline(always)]
+    fn transpose16(self, a: &[__m512; 16]) -> [__m512; 16] {
+        unsafe {
+            // t[4i], t[4i+1]: rows 4i, 4i+1 interleaved (lanes 0, 1 / 2, 3 of each 128-bit lane);
+            // t[4i+2], t[4i+3]: rows 4i+2, 4i+3.
+            let t: [__m512; 16] = std::array::from_fn(|k| {
+                let (x, y) = (a[k / 2 * 2], a[k / 2 * 2 + 1]);
+                match k % 2 {
+                    0 => _mm512_unpacklo_ps(x, y),
+                    _ => _mm512_unpackhi_ps(x, y),
+                }
+            });
+            // u[4i+k], 128-bit lane L: lane 4L+k of rows 4i..4i+4.
+            let u: [__m512; 16] = std::array::from_fn(|n| {
+                let (i, k) = (n / 4, n % 4);
+                let (x, y) = (t[4 * i + k / 2], t[4 * i + 2 + k / 2]);
+                match k % 2 {
+                    0 => _mm512_shuffle_ps::<0x44>(x, y),
+                    _ => _mm512_shuffle_ps::<0xEE>(x, y),
+                }
+            });
+            // Row 4L+k of the result: 128-bit lane L of u[k], u[4+k], u[8+k], u[12+k].
+            let mut out = [_mm512_setzero_ps(); 16];
+            for k in 0..4 {
+                let (v0, v1, v2, v3) = (u[k], u[4 + k], u[8 + k], u[12 + k]);
+                let x0 = _mm512_shuffle_f32x4::<0x88>(v0, v1);
+                let x1 = _mm512_shuffle_f32x4::<0xDD>(v0, v1);
+                let x2 = _mm512_shuffle_f32x4::<0x88>(v2, v3);
+                let x3 = _mm512_shuffle_f32x4::<0xDD>(v2, v3);
+                out[k] = _mm512_shuffle_f32x4::<0x88>(x0, x2);
+                out[4 + k] = _mm512_shuffle_f32x4::<0x88>(x1, x3);
+                out[8 + k] = _mm512_shuffle_f32x4::<0xDD>(x0, x2);
+                out[12 + k] = _mm512_shuffle_f32x4::<0xDD>(x1, x3);
+            }
+            out
+        }
+    }
+
     #[inline(always)]
     fn splat_i(self, x: i32) -> __m512i {
         unsafe { _mm512_set1_epi32(x) }

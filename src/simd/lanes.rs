@@ -82,6 +82,19 @@ pub trait Simd: Copy + Send + Sync + 'static {
         unsafe { self.load(sums.as_ptr()) }
     }
 
+    /// The 16 x 16 matrix whose rows are `a`, transposed: lane j of vector i is lane i of
+    /// `a[j]`. Only moves values (the same bits on every set); sets with cross-lane shuffles
+    /// override it, the others go through memory.
+    #[inline(always)]
+    fn transpose16(self, a: &[Self::F; 16]) -> [Self::F; 16] {
+        let rows = a.map(|v| self.to_array(v));
+        std::array::from_fn(|i| {
+            let col: [f32; 16] = std::array::from_fn(|j| rows[j][i]);
+            // SAFETY: 16 values.
+            unsafe { self.load(col.as_ptr()) }
+        })
+    }
+
     fn splat_i(self, x: i32) -> Self::I;
     /// Lanes 0..8 `lo`, lanes 8..16 `hi`.
     fn splat2_i(self, lo: i32, hi: i32) -> Self::I;

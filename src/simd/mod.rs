@@ -140,6 +140,32 @@ const EXP_LN2_LO: f32 = 1.428_606_77e-6;
 const EXP_POLY: [f32; 8] =
     [1.984_126_98e-4, 1.388_888_89e-3, 8.333_333_33e-3, 4.166_666_67e-2, 1.666_666_67e-1, 0.5, 1.0, 1.0];
 
+/// The largest of `x`, -inf when it is empty; NaNs are passed over, as `f32::max` does (the
+/// same value as a fold of `f32::max`, up to the sign of a zero maximum), 16 lanes at a time.
+#[inline]
+pub fn max_f32(x: &[f32]) -> f32 {
+    struct Max<'a>(&'a [f32]);
+    impl WithSimd for Max<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn run<S: Simd>(self, s: S) -> f32 {
+            let (n, p) = (self.0.len(), self.0.as_ptr());
+            let mut acc = s.splat(f32::NEG_INFINITY);
+            let mut i = 0;
+            // SAFETY: every load reads 16 values below n.
+            unsafe {
+                while i + 16 <= n {
+                    let v = s.load(p.add(i));
+                    acc = s.select(s.gt(v, acc), v, acc);
+                    i += 16;
+                }
+            }
+            s.to_array(acc).into_iter().chain(self.0[i..].iter().copied()).fold(f32::NEG_INFINITY, f32::max)
+        }
+    }
+    run(Max(x))
+}
+
 /// In place: x <- exp_det(x - m); returns the sum of the results, accumulated in 16 running
 /// sums (element i into sum i mod 16) added in order at the end: the same bits on every
 /// machine. (A softmax's exponentials: libm's scalar expf was a fifth of the time of attention
@@ -245,6 +271,28 @@ mod tests {
             assert_eq!(runs[0].1, want);
         }
         assert!(runs.iter().any(|(i, _)| *i == Isa::Portable));
+    }
+
+    #[derive(Clone)]
+    struct Transpose(Vec<f32>);
+    impl WithSimd for Transpose {
+        type Output = Vec<u32>;
+        fn run<S: Simd>(self, s: S) -> Vec<u32> {
+            // SAFETY: 256 values, read 16 at a time.
+            let a: [S::F; 16] = std::array::from_fn(|i| unsafe { s.load(self.0.as_ptr().add(16 * i)) });
+            s.transpose16(&a).iter().flat_map(|v| s.to_array(*v)).map(f32::to_bits).collect()
+        }
+    }
+
+    /// `transpose16` is the transpose on every set (NaN payloads and signed zeros kept).
+    #[test]
+    fn transpose16_transposes_on_every_set() {
+        let mut x = mixed(256, 0.53);
+        (x[17], x[100], x[255]) = (f32::from_bits(0x7fc0_1234), -0.0, f32::NEG_INFINITY);
+        let want: Vec<u32> = (0..256).map(|n| x[(n % 16) * 16 + n / 16].to_bits()).collect();
+        for (isa, got) in on_each(Transpose(x)) {
+            assert_eq!(got, want, "{isa:?}");
+        }
     }
 
     #[derive(Clone)]
@@ -356,6 +404,28 @@ mod tests {
             assert_eq!(sum.to_bits(), acc.iter().fold(0.0f32, |s, &a| s + a).to_bits(), "n={n}");
             assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
         }
+    }
+
+    /// `max_f32` is the fold of `f32::max`, at every tail length, with NaNs and infinities.
+    #[test]
+    fn max_f32_is_the_fold_of_max() {
+        for n in [0, 1, 15, 16, 17, 31, 33, 100, 257] {
+            let mut x = mixed(n, 0.29);
+            for (i, v) in x.iter_mut().enumerate() {
+                match i % 13 {
+                    4 => *v = f32::NAN,
+                    9 => *v = f32::NEG_INFINITY,
+                    _ => {}
+                }
+            }
+            let want = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max_f32(&x).to_bits(), want.to_bits(), "n={n}");
+            if n > 20 {
+                x[n - 20] = f32::INFINITY;
+                assert_eq!(max_f32(&x), f32::INFINITY, "n={n}");
+            }
+        }
+        assert_eq!(max_f32(&[f32::NAN; 20]), f32::NEG_INFINITY);
     }
 
     #[test]

@@ -99,36 +99,29 @@ impl PagedAttention<'_> {
         let isa = self.isa;
         // Partial softmax states of `tile`'s rows (query values `qt`, `[rows, group, d]`) over
         // the positions `seg` of kv head `g`, into `part` (`[rows, group, d + 2]`).
-        let partial = |tile: &Tile, qt: &[f32], g: usize, seg: (usize, usize), part: &mut [f32]| {
-            let offs = tile.offsets(g, seg);
-            let spans: Vec<(usize, usize)> = tile
-                .spans
-                .iter()
-                .map(|&(lo, end)| {
-                    let (a, b) = (lo.max(seg.0), end.min(seg.1));
-                    if a < b {
-                        (a - seg.0, b - seg.0)
-                    } else {
-                        (0, 0)
-                    }
-                })
-                .collect();
-            if d % 16 != 0 {
-                return self.partial_portable(qt, &spans, &offs, k, v, part);
-            }
-            // Offsets are in bounds (block tables were checked against the cache, whose shape
-            // `cpu_fwd` checked); spans lie within the offsets.
-            let (scale, softcap, spans) = (self.scale, self.softcap, &spans[..]);
-            macro_rules! with_dv {
-                ($($dv:literal)*) => {
-                    match d / 16 {
-                        $($dv => isa.run(Partial::<T, $dv> { q: qt, spans, offs: &offs, k, v, d, scale, softcap, part }),)*
-                        _ => isa.run(Partial::<T, 0> { q: qt, spans, offs: &offs, k, v, d, scale, softcap, part }),
-                    }
-                };
-            }
-            with_dv!(4 5 6 8 16)
-        };
+        let partial =
+            |tile: &Tile, qt: &[f32], g: usize, seg: (usize, usize), scratch: &mut Scratch, part: &mut [f32]| {
+                let offs = tile.offsets(g, seg);
+                let spans: Vec<(usize, usize)> = tile
+                    .spans
+                    .iter()
+                    .map(|&(lo, end)| {
+                        let (a, b) = (lo.max(seg.0), end.min(seg.1));
+                        if a < b {
+                            (a - seg.0, b - seg.0)
+                        } else {
+                            (0, 0)
+                        }
+                    })
+                    .collect();
+                if d % 16 != 0 {
+                    return self.partial_portable(qt, &spans, &offs, k, v, part);
+                }
+                // Offsets are in bounds (block tables were checked against the cache, whose shape
+                // `cpu_fwd` checked); spans lie within the offsets.
+                let (scale, softcap, spans) = (self.scale, self.softcap, &spans[..]);
+                isa.run(Partial { q: qt, group, spans, offs: &offs, k, v, d, scale, softcap, scratch, part })
+            };
         // SAFETY (both loops): the item finishing (tile, g) is the only writer of its rows'
         // heads of group g, each written once.
         let finish = |tile: &Tile, g: usize, states: &[f32]| {
@@ -153,8 +146,9 @@ impl PagedAttention<'_> {
                 let qt = tile.queries(q, g);
                 let mut states = empty_states(tile.rows.len());
                 let mut part = vec![0f32; states.len()];
+                let mut scratch = Scratch::default();
                 for seg in tile.segments() {
-                    partial(tile, &qt, g, seg, &mut part);
+                    partial(tile, &qt, g, seg, &mut scratch, &mut part);
                     for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
                         fold(st, p);
                     }
@@ -164,7 +158,7 @@ impl PagedAttention<'_> {
             Job::Segment { tile, g, seg, part } => {
                 // SAFETY: each segment job owns its slot of `partials`.
                 let p = unsafe { std::slice::from_raw_parts_mut(pdst.at(part * part_len), part_len) };
-                partial(&tiles[tile], &tiles[tile].queries(q, g), g, seg, p);
+                partial(&tiles[tile], &tiles[tile].queries(q, g), g, seg, &mut Scratch::default(), p);
             }
         });
         team().for_each(merges.len(), |i| {
@@ -222,7 +216,7 @@ impl PagedAttention<'_> {
 }
 
 /// Rows of one sequence per work item of the CPU op (one tile of a prompt chunk).
-const TILE_ROWS: usize = 8;
+const TILE_ROWS: usize = 16;
 
 /// Positions per softmax segment (segments start at multiples of it).
 const SEGMENT: usize = 256;
@@ -249,21 +243,25 @@ pub(super) struct JobPlan {
 impl JobPlan {
     /// `tiles`: each tile's number of rows and its segments.
     pub fn new(tiles: impl Iterator<Item = (usize, Vec<(usize, usize)>)>, hkv: usize) -> Self {
+        // Each job with its cost (rows x positions).
         let (mut jobs, mut merges, mut parts) = (Vec::new(), Vec::new(), 0);
         for (ti, (rows, segs)) in tiles.enumerate() {
             for g in 0..hkv {
                 if rows > 1 {
-                    jobs.push(Job::Whole { tile: ti, g });
+                    jobs.push((rows * segs.iter().map(|s| s.1 - s.0).sum::<usize>(), Job::Whole { tile: ti, g }));
                     continue;
                 }
                 merges.push((ti, g, parts, segs.len()));
                 for &seg in &segs {
-                    jobs.push(Job::Segment { tile: ti, g, seg, part: parts });
+                    jobs.push((seg.1 - seg.0, Job::Segment { tile: ti, g, seg, part: parts }));
                     parts += 1;
                 }
             }
         }
-        JobPlan { jobs, merges, parts }
+        // The longest first, so that the threads finish together (a prompt's later tiles see
+        // more positions; the team hands out jobs in order).
+        jobs.sort_by_key(|j| std::cmp::Reverse(j.0));
+        JobPlan { jobs: jobs.into_iter().map(|j| j.1).collect(), merges, parts }
     }
 }
 
@@ -316,7 +314,11 @@ impl<'a> Tile<'a> {
     /// The query heads of group `g` for the tile's rows, `[rows, group, d]`.
     fn queries(&self, q: &[f32], g: usize) -> Vec<f32> {
         let (hq, d, group) = (self.hq, self.d, self.hq / self.hkv);
-        self.rows.clone().flat_map(|t| q[(t * hq + g * group) * d..][..group * d].iter().copied()).collect()
+        let mut out = Vec::with_capacity(self.rows.len() * group * d);
+        for t in self.rows.clone() {
+            out.extend_from_slice(&q[(t * hq + g * group) * d..][..group * d]);
+        }
+        out
     }
 }
 
@@ -333,7 +335,7 @@ impl PagedAttention<'_> {
 }
 
 mod kernel;
-use kernel::Partial;
+use kernel::{Partial, Scratch};
 
 impl CustomOp3 for PagedAttention<'_> {
     fn name(&self) -> &'static str {

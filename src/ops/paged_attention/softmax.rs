@@ -1,7 +1,7 @@
 //! The pieces of a softmax computed per segment of positions and merged in order (the online
 //! softmax of flash attention), on the CPU: the dense op's and the TurboQuant op's.
 
-use crate::simd::{axpy_f32, exp_sub_sum};
+use crate::simd::{axpy_f32, exp_sub_sum, max_f32};
 
 /// Folds a segment's partial (m, l, acc) into a running softmax state (M, L, total): the
 /// online softmax merge, segment after segment in position order.
@@ -25,6 +25,6 @@ pub fn fold(state: &mut [f32], part: &[f32]) {
 /// with the same bits on every machine.
 #[inline(always)]
 pub fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
-    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let m = max_f32(s);
     (m, exp_sub_sum(s, m))
 }

@@ -2,7 +2,8 @@ use super::*;
 use crate::batch::SeqSlice;
 use candle_core::{DType, Device};
 
-/// Attention computed directly from each sequence's keys and values by position, in f64.
+/// Attention computed directly from each sequence's keys and values by position, in f64
+/// (rows in one of the meta's bidirectional ranges read to its end).
 #[allow(clippy::too_many_arguments)]
 fn reference(
     q: &[f32],
@@ -22,17 +23,19 @@ fn reference(
         let seq = &meta.seqs[si];
         let pos = seq.first_position() + t - seq.q_start;
         let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let ranges = meta.bidirectional.as_ref().map_or(&[][..], |r| &r[si][..]);
+        let end = ranges.iter().find(|&&(a, b)| a <= pos && pos < b).map_or(pos + 1, |&(_, b)| b);
         for h in 0..hq {
             let g = h / (hq / hkv);
             let qh = &q[(t * hq + h) * d..(t * hq + h + 1) * d];
-            let s: Vec<f64> = (lo..=pos)
+            let s: Vec<f64> = (lo..end)
                 .map(|j| k_at(si, j, g).iter().zip(qh).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale)
                 .map(|x| softcap.map_or(x, |c| (x / c).tanh() * c))
                 .collect();
             let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
             let z: f64 = e.iter().sum();
-            for (jj, j) in (lo..=pos).enumerate() {
+            for (jj, j) in (lo..end).enumerate() {
                 let vj = v_at(si, j, g);
                 for c in 0..d {
                     out[(t * hq + h) * d + c] += (e[jj] / z * vj[c] as f64) as f32;
@@ -100,6 +103,75 @@ fn matches_direct_attention_for_every_head_dim() {
                 match &portable {
                     None => portable = Some(bits),
                     Some(p) => assert!(p == &bits, "d={d} {dtype:?}: {isa:?} differs from the portable kernel"),
+                }
+            }
+        }
+    }
+}
+
+/// The tiled kernel against the direct computation where its blocking has edges: GQA groups
+/// of 1, 3 and 7 query heads (blocks of heads that cut rows), head sizes 64 to 256, prompt
+/// chunks that leave a partial tile (37 rows: 16 + 16 + 5) over contexts that are multiples
+/// of neither the key block (64), the softmax segment (256) nor the cache block (16); causal
+/// edges, windows wider and narrower than a tile (a tile's rows then share no position), a
+/// softcap, an image range seen both ways across a tile border, and a lone decode row.
+#[test]
+fn tiles_match_direct_attention_at_their_edges() {
+    let dev = Device::Cpu;
+    let (bs, hkv) = (16, 2);
+    let cases = [1, 3, 7].into_iter().flat_map(|group| [64, 80, 128, 256].map(move |d| (group, d)));
+    for (group, d) in cases {
+        let hq = hkv * group;
+        for (window, softcap, bidi) in
+            [(None, None, false), (Some(50), None, false), (Some(5), Some(4.0), false), (None, None, true)]
+        {
+            let seqs = vec![
+                SeqSlice { q_start: 0, q_len: 37, context_len: 337, block_table: (0..22).rev().collect() },
+                SeqSlice { q_start: 37, q_len: 1, context_len: 299, block_table: (22..41).collect() },
+                SeqSlice { q_start: 38, q_len: 20, context_len: 20, block_table: (41..43).collect() },
+            ];
+            let mut meta = AttentionMeta::new(bs, seqs);
+            if bidi {
+                // Positions 310..330 of the first sequence (its rows 10..30: across the border
+                // of its first two tiles), and 3..9 of the third.
+                meta.set_bidirectional(vec![vec![(310, 330)], vec![], vec![(3, 9)]]).unwrap();
+            }
+            let slots = 43 * bs;
+            let kc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap();
+            let vc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap();
+            let q = Tensor::randn(0f32, 1.0, (meta.num_rows(), hq, d), &dev).unwrap();
+            let kv: Vec<f32> = kc.flatten_all().unwrap().to_vec1().unwrap();
+            let vv: Vec<f32> = vc.flatten_all().unwrap().to_vec1().unwrap();
+            let slot = |si: usize, j: usize| meta.seqs[si].block_table[j / bs] as usize * bs + j % bs;
+            let k_at = |si: usize, j: usize, g: usize| kv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
+            let v_at = |si: usize, j: usize, g: usize| vv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
+            let scale = 1.0 / (d as f64).sqrt();
+            let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
+            let want = reference(&qv, &k_at, &v_at, &meta, hq, hkv, d, scale, window, softcap);
+            let mut portable: Option<Vec<u32>> = None;
+            for isa in Isa::available().into_iter().rev() {
+                let op = PagedAttention {
+                    meta: &meta,
+                    num_heads: hq,
+                    num_kv_heads: hkv,
+                    head_dim: d,
+                    scale: scale as f32,
+                    window,
+                    softcap: softcap.map(|c| c as f32),
+                    isa,
+                    bidirectional: bidi,
+                };
+                let got: Vec<f32> = op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                let case = format!("group={group} d={d} window={window:?} softcap={softcap:?} bidi={bidi} {isa:?}");
+                // Outputs are averages of values of about unit size: the tolerance of the test
+                // above.
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!((a - b).abs() < 1e-5, "{case}: row {} head {}: {a} vs {b}", i / (hq * d), i / d % hq);
+                }
+                let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                match &portable {
+                    None => portable = Some(bits),
+                    Some(p) => assert!(p == &bits, "{case}: differs from the portable kernel"),
                 }
             }
         }
