@@ -25,13 +25,26 @@ use crate::simd::{Simd, WithSimd};
 /// Keys transposed at a time (a multiple of 16; the scores' rows are padded to a multiple).
 const KEY_BLOCK: usize = 64;
 
-/// Buffers a work item reuses from one run of keys to the next.
+/// Buffers reused from one run of keys to the next, and by every work item a thread runs (a
+/// decode row's softmax segments are items of their own: thousands a token at long contexts,
+/// each of which allocated and zeroed its own).
 #[derive(Default)]
 pub(super) struct Scratch {
     /// A block of keys transposed, `[d, KEY_BLOCK]`.
     kt: Vec<f32>,
     /// Scores, then softmax weights, `[rows * group, n rounded up to KEY_BLOCK]`.
     scores: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// `f` with this thread's scratch. Borrowed outside `Simd::run`: code inside it must stay in
+/// the instruction set's own functions (a closure there is compiled without its features, and
+/// the kernel inlined into it ran 20-30x slower).
+pub(super) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with_borrow_mut(f)
 }
 
 /// The partial softmax states (m, l, sum of exp(s - m) v) of `rows = spans.len()` query rows

@@ -99,29 +99,30 @@ impl PagedAttention<'_> {
         let isa = self.isa;
         // Partial softmax states of `tile`'s rows (query values `qt`, `[rows, group, d]`) over
         // the positions `seg` of kv head `g`, into `part` (`[rows, group, d + 2]`).
-        let partial =
-            |tile: &Tile, qt: &[f32], g: usize, seg: (usize, usize), scratch: &mut Scratch, part: &mut [f32]| {
-                let offs = tile.offsets(g, seg);
-                let spans: Vec<(usize, usize)> = tile
-                    .spans
-                    .iter()
-                    .map(|&(lo, end)| {
-                        let (a, b) = (lo.max(seg.0), end.min(seg.1));
-                        if a < b {
-                            (a - seg.0, b - seg.0)
-                        } else {
-                            (0, 0)
-                        }
-                    })
-                    .collect();
-                if d % 16 != 0 {
-                    return self.partial_portable(qt, &spans, &offs, k, v, part);
-                }
-                // Offsets are in bounds (block tables were checked against the cache, whose shape
-                // `cpu_fwd` checked); spans lie within the offsets.
-                let (scale, softcap, spans) = (self.scale, self.softcap, &spans[..]);
+        let partial = |tile: &Tile, qt: &[f32], g: usize, seg: (usize, usize), part: &mut [f32]| {
+            let offs = tile.offsets(g, seg);
+            let spans: Vec<(usize, usize)> = tile
+                .spans
+                .iter()
+                .map(|&(lo, end)| {
+                    let (a, b) = (lo.max(seg.0), end.min(seg.1));
+                    if a < b {
+                        (a - seg.0, b - seg.0)
+                    } else {
+                        (0, 0)
+                    }
+                })
+                .collect();
+            if d % 16 != 0 {
+                return self.partial_portable(qt, &spans, &offs, k, v, part);
+            }
+            // Offsets are in bounds (block tables were checked against the cache, whose shape
+            // `cpu_fwd` checked); spans lie within the offsets.
+            let (scale, softcap, spans) = (self.scale, self.softcap, &spans[..]);
+            with_scratch(|scratch| {
                 isa.run(Partial { q: qt, group, spans, offs: &offs, k, v, d, scale, softcap, scratch, part })
-            };
+            })
+        };
         // SAFETY (both loops): the item finishing (tile, g) is the only writer of its rows'
         // heads of group g, each written once.
         let finish = |tile: &Tile, g: usize, states: &[f32]| {
@@ -146,9 +147,8 @@ impl PagedAttention<'_> {
                 let qt = tile.queries(q, g);
                 let mut states = empty_states(tile.rows.len());
                 let mut part = vec![0f32; states.len()];
-                let mut scratch = Scratch::default();
                 for seg in tile.segments() {
-                    partial(tile, &qt, g, seg, &mut scratch, &mut part);
+                    partial(tile, &qt, g, seg, &mut part);
                     for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
                         fold(st, p);
                     }
@@ -158,7 +158,7 @@ impl PagedAttention<'_> {
             Job::Segment { tile, g, seg, part } => {
                 // SAFETY: each segment job owns its slot of `partials`.
                 let p = unsafe { std::slice::from_raw_parts_mut(pdst.at(part * part_len), part_len) };
-                partial(&tiles[tile], &tiles[tile].queries(q, g), g, seg, &mut Scratch::default(), p);
+                partial(&tiles[tile], &tiles[tile].queries(q, g), g, seg, p);
             }
         });
         team().for_each(merges.len(), |i| {
@@ -335,7 +335,7 @@ impl PagedAttention<'_> {
 }
 
 mod kernel;
-use kernel::{Partial, Scratch};
+use kernel::{with_scratch, Partial};
 
 impl CustomOp3 for PagedAttention<'_> {
     fn name(&self) -> &'static str {
