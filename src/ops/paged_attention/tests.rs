@@ -46,6 +46,50 @@ fn reference(
     out
 }
 
+/// The op on every instruction set this CPU has against `reference`: each output within 1e-5
+/// (outputs are averages of values of about unit size), all with the portable kernel's bits.
+fn assert_matches_reference(
+    meta: &AttentionMeta,
+    q: &Tensor,
+    (kc, vc): (&Tensor, &Tensor),
+    (hq, hkv, d): (usize, usize, usize),
+    (window, softcap, bidirectional): (Option<usize>, Option<f64>, bool),
+    case: &str,
+) {
+    let bs = meta.block_size;
+    let kv: Vec<f32> = kc.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let vv: Vec<f32> = vc.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let slot = |si: usize, j: usize| meta.seqs[si].block_table[j / bs] as usize * bs + j % bs;
+    let k_at = |si: usize, j: usize, g: usize| kv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
+    let v_at = |si: usize, j: usize, g: usize| vv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
+    let scale = 1.0 / (d as f64).sqrt();
+    let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
+    let want = reference(&qv, &k_at, &v_at, meta, hq, hkv, d, scale, window, softcap);
+    let mut portable: Option<Vec<u32>> = None;
+    for isa in Isa::available().into_iter().rev() {
+        let op = PagedAttention {
+            meta,
+            num_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+            scale: scale as f32,
+            window,
+            softcap: softcap.map(|c| c as f32),
+            isa,
+            bidirectional,
+        };
+        let got: Vec<f32> = op.forward(q, kc, vc).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() < 1e-5, "{case} {isa:?}: row {} head {}: {a} vs {b}", i / (hq * d), i / d % hq);
+        }
+        let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+        match &portable {
+            None => portable = Some(bits),
+            Some(p) => assert!(p == &bits, "{case}: {isa:?} differs from the portable kernel"),
+        }
+    }
+}
+
 /// Three sequences in one call: a 5-token chunk after a 30-token cached prefix, a decode
 /// at position 40, and a 21-token chunk after 39 (several tiles of rows, spans across
 /// 16-key groups); blocks deliberately out of order. Every head size the models use (and
@@ -73,38 +117,8 @@ fn matches_direct_attention_for_every_head_dim() {
             let kc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap().to_dtype(dtype).unwrap();
             let vc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap().to_dtype(dtype).unwrap();
             let q = Tensor::randn(0f32, 1.0, (meta.num_rows(), hq, d), &dev).unwrap();
-            let kv: Vec<f32> = kc.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-            let vv: Vec<f32> = vc.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-            let slot = |si: usize, j: usize| meta.seqs[si].block_table[j / bs] as usize * bs + j % bs;
-            let k_at = |si: usize, j: usize, g: usize| kv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
-            let v_at = |si: usize, j: usize, g: usize| vv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
-            let scale = 1.0 / (d as f64).sqrt();
-            let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
-            let want = reference(&qv, &k_at, &v_at, &meta, hq, hkv, d, scale, window, softcap);
-            // Every instruction set this CPU has: each within the tolerance, all with the same
-            // bits as the portable kernel.
-            let mut portable: Option<Vec<u32>> = None;
-            for isa in Isa::available().into_iter().rev() {
-                let op = PagedAttention {
-                    meta: &meta,
-                    num_heads: hq,
-                    num_kv_heads: hkv,
-                    head_dim: d,
-                    scale: scale as f32,
-                    window,
-                    softcap: softcap.map(|c| c as f32),
-                    isa,
-                    bidirectional: false,
-                };
-                let got: Vec<f32> = op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-                let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                assert!(err < 1e-5, "d={d} window={window:?} softcap={softcap:?} {dtype:?} {isa:?}: max error {err}");
-                let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-                match &portable {
-                    None => portable = Some(bits),
-                    Some(p) => assert!(p == &bits, "d={d} {dtype:?}: {isa:?} differs from the portable kernel"),
-                }
-            }
+            let case = format!("d={d} window={window:?} softcap={softcap:?} {dtype:?}");
+            assert_matches_reference(&meta, &q, (&kc, &vc), (hq, hkv, d), (window, softcap, false), &case);
         }
     }
 }
@@ -140,40 +154,8 @@ fn tiles_match_direct_attention_at_their_edges() {
             let kc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap();
             let vc = Tensor::randn(0f32, 1.0, (slots, hkv, d), &dev).unwrap();
             let q = Tensor::randn(0f32, 1.0, (meta.num_rows(), hq, d), &dev).unwrap();
-            let kv: Vec<f32> = kc.flatten_all().unwrap().to_vec1().unwrap();
-            let vv: Vec<f32> = vc.flatten_all().unwrap().to_vec1().unwrap();
-            let slot = |si: usize, j: usize| meta.seqs[si].block_table[j / bs] as usize * bs + j % bs;
-            let k_at = |si: usize, j: usize, g: usize| kv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
-            let v_at = |si: usize, j: usize, g: usize| vv[(slot(si, j) * hkv + g) * d..][..d].to_vec();
-            let scale = 1.0 / (d as f64).sqrt();
-            let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
-            let want = reference(&qv, &k_at, &v_at, &meta, hq, hkv, d, scale, window, softcap);
-            let mut portable: Option<Vec<u32>> = None;
-            for isa in Isa::available().into_iter().rev() {
-                let op = PagedAttention {
-                    meta: &meta,
-                    num_heads: hq,
-                    num_kv_heads: hkv,
-                    head_dim: d,
-                    scale: scale as f32,
-                    window,
-                    softcap: softcap.map(|c| c as f32),
-                    isa,
-                    bidirectional: bidi,
-                };
-                let got: Vec<f32> = op.forward(&q, &kc, &vc).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-                let case = format!("group={group} d={d} window={window:?} softcap={softcap:?} bidi={bidi} {isa:?}");
-                // Outputs are averages of values of about unit size: the tolerance of the test
-                // above.
-                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    assert!((a - b).abs() < 1e-5, "{case}: row {} head {}: {a} vs {b}", i / (hq * d), i / d % hq);
-                }
-                let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-                match &portable {
-                    None => portable = Some(bits),
-                    Some(p) => assert!(p == &bits, "{case}: differs from the portable kernel"),
-                }
-            }
+            let case = format!("group={group} d={d} window={window:?} softcap={softcap:?} bidi={bidi}");
+            assert_matches_reference(&meta, &q, (&kc, &vc), (hq, hkv, d), (window, softcap, bidi), &case);
         }
     }
 }
