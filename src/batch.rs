@@ -124,15 +124,21 @@ pub struct MetaLayout {
     pub num_tiles: usize,
     /// Units of partial states the prompt-chunk tiles' key splits need (`PrefillTile::part`).
     pub split_units: usize,
+    /// The most blocks a tile splits its keys over (1 without prompt chunks).
+    pub max_splits: usize,
     pub block_tables: usize,
 }
 
 impl MetaLayout {
-    pub fn new(rows: usize, seqs: usize, num_tiles: usize, split_units: usize) -> Self {
+    /// The layout of `rows` rows, `seqs` sequences and the prompt-chunk tiles `tiles`.
+    pub fn new(rows: usize, seqs: usize, tiles: &[PrefillTile]) -> Self {
+        let num_tiles = tiles.len();
+        let split_units = tiles.iter().filter(|t| t.splits > 1).map(|t| t.part + t.splits).max().unwrap_or(0);
+        let max_splits = tiles.iter().map(|t| t.splits).max().unwrap_or(1);
         let rings = 4 * rows + 4 * seqs;
         let state_slots = rings + seqs;
         let row_end = state_slots + seqs;
-        let tiles = row_end + rows;
+        let tiles_at = row_end + rows;
         MetaLayout {
             rows,
             row_seq: rows,
@@ -142,10 +148,11 @@ impl MetaLayout {
             rings,
             state_slots,
             row_end,
-            tiles,
+            tiles: tiles_at,
             num_tiles,
             split_units,
-            block_tables: tiles + 4 * num_tiles,
+            max_splits,
+            block_tables: tiles_at + 4 * num_tiles,
         }
     }
 
@@ -169,7 +176,7 @@ impl DeviceAttentionMeta {
         let data: Vec<u32> = slots.iter().copied().chain([NO_SLOT]).collect();
         Ok(DeviceAttentionMeta {
             data: Tensor::new(data.as_slice(), device)?,
-            layout: MetaLayout::new(slots.len(), 0, 0, 0),
+            layout: MetaLayout::new(slots.len(), 0, &[]),
         })
     }
 
@@ -274,9 +281,7 @@ impl AttentionMeta {
         if device.is_cpu() {
             return Ok(());
         }
-        let tiles = self.prefill_tiles();
-        let units = tiles.iter().filter(|t| t.splits > 1).map(|t| t.part + t.splits).max().unwrap_or(0);
-        let layout = MetaLayout::new(self.num_rows(), self.seqs.len(), tiles.len(), units);
+        let layout = MetaLayout::new(self.num_rows(), self.seqs.len(), &self.prefill_tiles());
         let data = Tensor::new(self.packed(&layout).as_slice(), device)?;
         self.device = Some(DeviceAttentionMeta { data, layout });
         Ok(())
@@ -617,9 +622,11 @@ mod tests {
             block_table: (0..context_len.div_ceil(16) as u32).collect(),
         };
         let m = AttentionMeta::new(16, vec![seq(0, 1, 900), seq(1, 130, 2000), seq(131, 40, 300), seq(171, 20, 4000)]);
-        let t: Vec<_> = m.prefill_tiles().iter().map(|t| (t.seq, t.row, t.splits, t.part)).collect();
+        let tiles = m.prefill_tiles();
+        let t: Vec<_> = tiles.iter().map(|t| (t.seq, t.row, t.splits, t.part)).collect();
         assert_eq!(t, [(1, 1, 6, 0), (1, 65, 6, 6), (1, 129, 6, 12), (2, 131, 1, 0), (3, 171, 8, 18)]);
-        let l = MetaLayout::new(m.num_rows(), 4, t.len(), 26);
+        let l = MetaLayout::new(m.num_rows(), 4, &tiles);
+        assert_eq!((l.num_tiles, l.split_units, l.max_splits), (5, 26, 8));
         let data = m.packed(&l);
         assert_eq!(&data[l.tiles + 16..l.tiles + 20], &[3, 171, 8, 18]);
     }
@@ -638,7 +645,7 @@ mod tests {
         // Positions 2..8 of the first sequence, 4..8 kept (ring 3 starts at row 12); position
         // 10 of the second (ring 1 starts at row 4; 10 % 4 = 2).
         assert_eq!(w.slots, vec![NO_SLOT, NO_SLOT, 12, 13, 14, 15, 6]);
-        let layout = MetaLayout::new(9, 3, 0, 0);
+        let layout = MetaLayout::new(9, 3, &[]);
         let data = meta.packed(&layout);
         assert_eq!(&data[layout.ring_slots..layout.ring_slots + 7], &w.slots[..]);
         assert_eq!(&data[layout.ring_slots + 7..layout.seq_info], &[NO_SLOT, NO_SLOT]);
@@ -668,7 +675,7 @@ mod tests {
         let mut meta = AttentionMeta::new(4, seqs);
         assert!(meta.set_bidirectional(vec![vec![(3, 9)], vec![]]).is_err(), "past the context");
         meta.set_bidirectional(vec![vec![(3, 6)], vec![(9, 11)]]).unwrap();
-        let layout = MetaLayout::new(8, 3, 0, 0);
+        let layout = MetaLayout::new(8, 3, &[]);
         let data = meta.packed(&layout);
         // Rows are positions 2..8 of the first sequence, then position 10 of the second.
         assert_eq!(&data[layout.row_end..layout.row_end + 7], &[0, 6, 6, 6, 0, 0, 11]);
@@ -710,7 +717,7 @@ mod tests {
             SeqSlice { q_start: 3, q_len: 3, context_len: 3, block_table: vec![2] },
         ];
         let meta = AttentionMeta::new(4, seqs);
-        let layout = MetaLayout::new(12, 4, 0, 0);
+        let layout = MetaLayout::new(12, 4, &[]);
         let data = meta.packed(&layout);
         assert_eq!(&data[..12], &[26, 27, 28, 8, 9, 10, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT]);
         assert_eq!(&data[layout.row_seq..layout.positions], &[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]);

@@ -196,7 +196,7 @@ impl DecodeGraphs {
         if !fits || matches!(self.graphs.get(&(bucket, r)), Some(None)) {
             return Ok(None);
         }
-        let layout = MetaLayout::new(bucket * r, bucket, 0, 0);
+        let layout = MetaLayout::new(bucket * r, bucket, &[]);
         if self.buffers.is_none() {
             self.buffers = Some(self.make_buffers(model)?);
         }
@@ -256,7 +256,7 @@ impl DecodeGraphs {
         let (dev, b, r) = (&self.device, self.max_bucket(), self.max_rows_per_seq);
         // The padding sequences' block table entries follow the real tables (`packed`), which
         // rows padded to `r` may lengthen by a block per row at most.
-        let meta_len = MetaLayout::new(b * r, b, 0, 0).block_tables + b * (self.max_blocks_per_seq + r) + r;
+        let meta_len = MetaLayout::new(b * r, b, &[]).block_tables + b * (self.max_blocks_per_seq + r) + r;
         Ok(Buffers {
             tokens: Tensor::zeros(b * r, DType::U32, dev)?,
             meta: Tensor::zeros(meta_len, DType::U32, dev)?,

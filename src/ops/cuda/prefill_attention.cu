@@ -236,8 +236,8 @@ struct PfKeys {
 
 // A split block's partial state of (row, head): its normalised output row, then its max (log2
 // units) and sum.
-template <int D>
-__device__ __forceinline__ float* pf_part(float* part, const PfTile& t, int z, int row, int head, int num_heads) {
+template <int D, typename F>
+__device__ __forceinline__ F* pf_part(F* part, const PfTile& t, int z, int row, int head, int num_heads) {
     return part + (((size_t)(t.part + z) * PF_ROWS + row) * num_heads + head) * (D + 2);
 }
 
@@ -342,11 +342,11 @@ __device__ void prefill_merge(T* __restrict__ out, const float* __restrict__ par
     const int h = blockIdx.y;
     for (int r = threadIdx.y; r < tl.n_rows; r += blockDim.y) {
         float mx = -INFINITY;
-        for (int z = 0; z < keys.splits; ++z) mx = fmaxf(mx, pf_part<D>(const_cast<float*>(part), tl, z, r, h, num_heads)[D]);
+        for (int z = 0; z < keys.splits; ++z) mx = fmaxf(mx, pf_part<D>(part, tl, z, r, h, num_heads)[D]);
         for (int c = threadIdx.x; c < D; c += blockDim.x) {
             float acc = 0.f, sum = 0.f;
             for (int z = 0; z < keys.splits; ++z) {
-                const float* p = pf_part<D>(const_cast<float*>(part), tl, z, r, h, num_heads);
+                const float* p = pf_part<D>(part, tl, z, r, h, num_heads);
                 const float w = p[D + 1] > 0.f ? p[D + 1] * exp2f(p[D] - mx) : 0.f;
                 acc += w * p[c];
                 sum += w;

@@ -463,11 +463,10 @@ impl CustomOp3 for PagedAttention<'_> {
         // Their tiles' keys split over up to `splits` blocks, merged by `prefill_merge`.
         let prefill =
             if l.num_tiles > 0 && !bidi && qt == ct && qt != "f32" && super::cuda::PREFILL_HEAD_DIMS.contains(&d) {
-                let splits = self.meta.prefill_tiles().iter().map(|t| t.splits).max().unwrap_or(1);
-                let (attend, cfg) =
-                    super::cuda::prefill_launch(&dev, "prefill_attention", qt, d, (l.num_tiles, hq, splits))?;
+                let grid = (l.num_tiles, hq, l.max_splits);
+                let (attend, cfg) = super::cuda::prefill_launch(&dev, "prefill_attention", qt, d, grid)?;
                 let merge = PREFILL_ATTENTION.func(&dev, &format!("prefill_merge_{qt}_{d}"))?;
-                Some(Prefill { attend, cfg, merge, units: l.split_units })
+                Some(Prefill { attend, cfg, merge, units: l.split_units, head_dim: d })
             } else {
                 None
             };
@@ -494,6 +493,7 @@ impl CustomOp3 for PagedAttention<'_> {
             merge: Kernel,
             /// Partial states of the split tiles, in units of PREFILL_TILE_ROWS rows.
             units: usize,
+            head_dim: usize,
         }
         /// How the lane-split kernel's position splits are merged.
         enum SplitMerge {
@@ -583,10 +583,10 @@ impl CustomOp3 for PagedAttention<'_> {
                 unsafe { b.launch(p.decode) }.w()?;
             }
             if let Some(pf) = prefill {
-                let d = n_out / (p.decode.grid_dim.0 as usize * hq as usize);
                 // SAFETY: the split blocks write every partial state the merge reads.
-                let part: CudaSlice<f32> =
-                    unsafe { dev.alloc::<f32>((pf.units * PREFILL_TILE_ROWS * hq as usize * (d + 2)).max(1))? };
+                let part: CudaSlice<f32> = unsafe {
+                    dev.alloc::<f32>((pf.units * PREFILL_TILE_ROWS * hq as usize * (pf.head_dim + 2)).max(1))?
+                };
                 let mut b = pf.attend.builder();
                 b.arg(&out).arg(&part).arg(&q).arg(&k).arg(&v).arg(&m.tiles).arg(&m.seq_info).arg(&m.block_tables);
                 b.arg(&hq).arg(&hkv).arg(&bs).arg(&p.scale).arg(&p.window).arg(&p.softcap);
