@@ -227,7 +227,8 @@ fn run_once(
     })
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The middle of `v` (the upper one of an even count); `v` must not be empty.
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
@@ -358,23 +359,25 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
 }
 
 /// The engine flags with prefix caching off unless `--enable-prefix-caching` was given: the
-/// batch table and the admission bench send the same prompt again and again (every sequence of
-/// a batch, every repeat, the warm-up), so with the cache on they would time its hits, not the
-/// prefill.
+/// batch table sends the same prompt again and again (every sequence of a batch, every repeat,
+/// the warm-up), so with the cache on it would time its hits, not the prefill; the admission
+/// bench cuts its prompts from one text, and its long prompt's admission is to be a prefill.
 fn uncached(flags: &EngineArgs) -> EngineArgs {
+    with_prefix_caching(flags, flags.enable_prefix_caching)
+}
+
+/// The engine flags with prefix caching on or off.
+fn with_prefix_caching(flags: &EngineArgs, on: bool) -> EngineArgs {
     let mut flags = flags.clone();
-    flags.no_enable_prefix_caching = !flags.enable_prefix_caching;
+    (flags.enable_prefix_caching, flags.no_enable_prefix_caching) = (on, !on);
     flags
 }
 
 /// `--conversation-turns`: the same flags with prefix caching on, then off.
 fn conversation(a: &BenchArgs, turns: usize) -> anyhow::Result<()> {
     use super::conversation_bench::{self as conv, Conversation};
-    let mut flags = a.engine.clone();
-    (flags.enable_prefix_caching, flags.no_enable_prefix_caching) = (true, false);
-    let (mut on, _) = open_engine(&flags)?;
-    (flags.enable_prefix_caching, flags.no_enable_prefix_caching) = (false, true);
-    let (mut off, _) = open_engine(&flags)?;
+    let (mut on, _) = open_engine(&with_prefix_caching(&a.engine, true))?;
+    let (mut off, _) = open_engine(&with_prefix_caching(&a.engine, false))?;
     let unit = on.tokenizer().encode(TEXT, false)?;
     // With an image: its one-turn prompt opens every conversation, another picture each
     // (variant r + 1; the warm-up's is variant 0).

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::bench::median;
 use crate::engine::{Engine, ImageInput, Request, SamplingParams};
 
 /// One turn's medians.
@@ -83,10 +84,6 @@ pub fn run(on: &mut Engine, off: &mut Engine, c: &Conversation, repeats: usize) 
             alone[t].push(turn(off, &fresh, Vec::new(), 1)?.1);
         }
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
     let [on_ms, off_ms] = ttft;
     Ok((0..c.turns)
         .zip(on_ms.into_iter().zip(off_ms).zip(alone))

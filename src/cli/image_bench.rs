@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::Context;
 use serde::Serialize;
 
+use super::bench::median;
 use crate::engine::{expand_image_tokens, Engine, ImageInput, Request, SamplingParams};
 use crate::media::{decode_image, DecodeLimits, PixelValues, RgbImage};
 use crate::models::VisionModel;
@@ -60,11 +61,6 @@ fn generated(width: usize, height: usize) -> RgbImage {
         }
     }
     RgbImage::new(width, height, data)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 /// The benchmark image.

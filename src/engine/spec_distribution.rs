@@ -177,8 +177,6 @@ fn speculation_keeps_the_sampled_distribution_through_the_engine() {
     assert!(stat > critical(dof), "temperature 0.4 against 0.5 went unnoticed: chi2 {stat:.1}");
 }
 
-/// The same through a hybrid model, whose recurrent state each rejected draft rolls back: a
-/// state left past a rejected row would shift every later token's distribution.
 /// Power: a residual that keeps the draft gives another distribution, which the comparison
 /// against `plain` must notice. The engine steps on a rayon worker, where the flag is set (it
 /// is per thread).
@@ -192,6 +190,8 @@ fn assert_wrong_residual_noticed(fixture: &str, drafts: Drafts, plain: &HashMap<
     assert!(stat > critical(dof), "{fixture}: a residual that keeps the draft went unnoticed: chi2 {stat:.1}");
 }
 
+/// The same through a hybrid model, whose recurrent state each rejected draft rolls back: a
+/// state left past a rejected row would shift every later token's distribution.
 #[test]
 fn speculation_keeps_the_sampled_distribution_hybrid() {
     check_same_distribution("tiny-qwen3.5", Drafts::Replay);
