@@ -11,6 +11,7 @@ use serde::Serialize;
 use super::args::EngineArgs;
 use super::image_bench::{self, ImageBench, ImageSource};
 use super::session::open_engine;
+use super::stats::median;
 use crate::engine::{
     Drafter, Engine, Grammar, GrammarCompiler, GrammarSpec, ImageInput, ReplayDrafter, Request, SamplingParams,
 };
@@ -225,12 +226,6 @@ fn run_once(
         accepted_by_position: speculating
             .then(|| spec.accepted_per_position.iter().map(|&a| a as f64 / spec.num_drafts.max(1) as f64).collect()),
     })
-}
-
-/// The middle of `v` (the upper one of an even count); `v` must not be empty.
-pub(super) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::bench::median;
+use super::stats::median;
 use crate::engine::{Engine, ImageInput, Request, SamplingParams};
 
 /// One turn's medians.

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::Context;
 use serde::Serialize;
 
-use super::bench::median;
+use super::stats::median;
 use crate::engine::{expand_image_tokens, Engine, ImageInput, Request, SamplingParams};
 use crate::media::{decode_image, DecodeLimits, PixelValues, RgbImage};
 use crate::models::VisionModel;

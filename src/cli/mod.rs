@@ -12,6 +12,7 @@ mod inspect;
 mod load_bench;
 mod serve;
 mod session;
+mod stats;
 
 use clap::{Parser, Subcommand};
 
