@@ -7,6 +7,7 @@
 #   .gpu/paths            the build's repo and binary paths, which the tests have compiled in
 #   .gpu/kv_decode.xz     the KV-cache decode bench (scripts/gpu-kv-bench.sh)
 #   .gpu/prefill_attention.xz  the prompt-chunk attention bench (`--cuda`, benches/prefill_attention.rs)
+#   .gpu/matmul.xz        the dense products: cuBLAS, GEMV and the batch-invariant kernels (benches/matmul.rs)
 # Uses $CARGO_TARGET_DIR (default target/). TESTS="cuda_ops model_parity": only those test
 # binaries, for a quick check of a change.
 set -euo pipefail
@@ -48,7 +49,7 @@ strip "$stage"/tests/*
 # One archive with a large window: the test binaries share most of their bytes (candle's kernels).
 tar -C "$stage" -cf - tests | xz -T1 --lzma2=preset=3,dict=512MiB > .gpu/tests.tar.xz
 xz -T2 -9 -c "$stage/iris" > .gpu/iris.xz
-for b in kv_decode prefill_attention; do
+for b in kv_decode prefill_attention matmul; do
   strip -o "$stage/$b" "$(bench $b)"
   xz -T2 -9 -c "$stage/$b" > .gpu/$b.xz
 done

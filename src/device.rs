@@ -12,6 +12,21 @@ pub enum DeviceError {
     Unavailable { spec: String, reason: String },
 }
 
+/// `--batch-invariant`: the CUDA kernels that would choose how to sum by the size of the batch
+/// take the choice that gives every row the same bits in any batch: dense 16-bit products go
+/// through `ops::invariant_matmul` at every row count, decode attention runs one query head a
+/// block and the TurboQuant decode attention a fixed split count. Process-wide (one engine a
+/// process serves), set when an engine is built; the CPU kernels are batch-invariant always.
+static BATCH_INVARIANT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn set_batch_invariant(on: bool) {
+    BATCH_INVARIANT.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub fn batch_invariant() -> bool {
+    BATCH_INVARIANT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Parses and opens a device. `auto` is the first CUDA GPU when this build has CUDA support and
 /// one is present, else the CPU.
 pub fn open(spec: &str) -> Result<Device, DeviceError> {

@@ -628,6 +628,67 @@ fn gemv_gated_equals_product_then_activation() {
     }
 }
 
+/// The batch-invariant tensor-core product: every row of y has the bits it has when computed
+/// alone, for row counts that take the streaming kernel (1 to 64, in tiles of 16) and the tiled
+/// one (65 and up), for K cut into 8, 4, 2 and 1 slots; within bf16/f16 rounding of the CPU's
+/// f32 sums; the gated form gives the bits of the product followed by the activation.
+#[test]
+fn invariant_matmul_rows_do_not_depend_on_the_batch() {
+    use iris::ops::gated_act::GatedAct;
+    use iris::ops::invariant_matmul::{slots, InvariantMatmul};
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(9);
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    // (N, K): 8 slots over a 7B's width and its MLP's, 4 slots, 2, 1; N not a multiple of a tile.
+    for (n, k) in [(3584, 3584), (200, 18944), (130, 64), (96, 1056), (32, 48), (1030, 896)] {
+        let all = random(&mut rng, &[300, k]);
+        let w = random(&mut rng, &[n, k]);
+        for (dt, tol) in [(DType::BF16, 1e-2), (DType::F16, 2e-3)] {
+            let (all, w) = (all.to_dtype(dt).unwrap(), w.to_dtype(dt).unwrap());
+            let (ag, wg) = (all.to_device(&dev).unwrap(), w.to_device(&dev).unwrap());
+            let solo: Vec<Tensor> = (0..300)
+                .map(|r| InvariantMatmul::forward(&ag.narrow(0, r, 1).unwrap(), &wg).unwrap())
+                .collect();
+            for m in [1, 2, 3, 7, 16, 17, 33, 64, 65, 128, 129, 300] {
+                let y = InvariantMatmul::forward(&ag.narrow(0, 0, m).unwrap(), &wg).unwrap();
+                if [1, 17, 65, 300].contains(&m) {
+                    let cpu = InvariantMatmul::forward(&f32(&all.narrow(0, 0, m).unwrap()), &f32(&w)).unwrap();
+                    let e = max_rel_err(&y, &cpu);
+                    assert!(e < tol, "{m}x{k} by {n}x{k} {dt:?} ({} slots): rel err {e}", slots(k));
+                }
+                for (r, s) in solo.iter().enumerate().take(m) {
+                    let row = y.narrow(0, r, 1).unwrap();
+                    assert_eq!(max_rel_err(&row, s), 0.0, "row {r} of {m} ({n}x{k} {dt:?}) differs from the row alone");
+                }
+            }
+            // The gated activation's kernel takes pairs in whole vectors (GatedAct::supports).
+            if n % 16 == 0 {
+                for m in [1, 5, 64, 65, 200] {
+                    let x = ag.narrow(0, 0, m).unwrap();
+                    for gelu in [false, true] {
+                        let fused = InvariantMatmul::forward_gated(&x, &wg, gelu).unwrap();
+                        let act = GatedAct { gelu, interleaved: true };
+                        let apart = act.forward(&InvariantMatmul::forward(&x, &wg).unwrap()).unwrap();
+                        assert_eq!(max_rel_err(&fused, &apart), 0.0, "gated {m}x{k} by {n}x{k} {dt:?} gelu={gelu}");
+                    }
+                }
+            }
+        }
+    }
+    // Without --batch-invariant (this binary never sets it): up to `default_rows()` rows; never
+    // f32, or K not a multiple of 16 (tests/cuda_batch_invariant.rs has the mode's side).
+    use iris::ops::invariant_matmul::default_rows;
+    let on_gpu = |t: Tensor, dt: DType| t.to_dtype(dt).unwrap().to_device(&dev).unwrap();
+    let (w, w40) = (random(&mut rng, &[8, 64]), random(&mut rng, &[8, 40]));
+    let (x, x40) = (random(&mut rng, &[1, 64]), random(&mut rng, &[1, 40]));
+    let many = random(&mut rng, &[default_rows() + 1, 64]);
+    let bf16 = |x: &Tensor, w: &Tensor| InvariantMatmul::applies(&on_gpu(x.clone(), DType::BF16), &on_gpu(w.clone(), DType::BF16));
+    assert_eq!(bf16(&x, &w), default_rows() >= 1);
+    assert!(!bf16(&many, &w));
+    assert!(!bf16(&x40, &w40));
+    assert!(!InvariantMatmul::applies(&on_gpu(x, DType::F32), &on_gpu(w, DType::F32)));
+}
+
 /// Quantized matrices kept quantized on the GPU: every GGUF block format with a packed form
 /// and every MLX affine width, decoded on the device to the CPU's weights bit for bit, and
 /// their products with f32 and bf16 rows (the GEMV kernel up to 8 rows, dequantize + cuBLAS

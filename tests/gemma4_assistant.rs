@@ -6,11 +6,21 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{device, fixture, reference, reference_json, rel_err};
+use common::{fixture, reference, reference_json, rel_err};
 use iris::batch::{AttentionMeta, Batch, Positions, SeqSlice};
 use iris::kv::{KvCache, KvCacheSpec, KvDtype};
 use iris::loader::LoadedModel;
 use iris::models::gemma4::{AssistantError, Gemma4Assistant};
+
+/// The assistant drafter runs on the CPU only so far (on CUDA the engine refuses it at start in
+/// one line: tests/cli `bad_flags`), so these tests run there on every test device.
+fn device() -> Device {
+    Device::Cpu
+}
+
+fn engine_with(path: &std::path::Path, opts: iris::engine::build::EngineOptions) -> iris::engine::Engine {
+    iris::engine::build::build_engine(path, &device(), &opts).expect("engine builds").0
+}
 
 const BS: usize = 4;
 
@@ -165,7 +175,7 @@ fn refuses_mismatched_targets_and_non_assistants() {
 
 // ---- The engine drafting with the assistant (`--speculative-config` method gemma4_mtp) ----
 
-use common::{engine_with, greedy, run_requests};
+use common::{greedy, run_requests};
 use iris::engine::build::{build_engine, EngineOptions};
 use iris::engine::speculative::DraftSource;
 use iris::engine::{SamplingParams, SpeculativeConfig};

@@ -20,6 +20,12 @@ use iris::engine::SpeculativeConfig;
 use iris::kv::{KvCache, KvCacheSpec, KvDtype, TqBits};
 use iris::loader::{load_model, MtpWeights};
 
+/// MTP drafting runs on the CPU only so far (on CUDA the engine refuses it at start in one
+/// line), so these engines are built there on every test device.
+fn engine_with(path: &Path, opts: EngineOptions) -> iris::engine::Engine {
+    build_engine(path, &Device::Cpu, &opts).expect("engine builds").0
+}
+
 const DENSE: &str = "tiny-qwen3.5-mtp";
 const MOE: &str = "tiny-qwen3.5-moe-mtp";
 /// GLM-4.5V-style, its NextN layer at `model.language_model.layers.3` in a shard of its own.

@@ -195,6 +195,13 @@ pub struct EngineArgs {
     /// its vision tower is not loaded at all. (video and audio: iris has none; 0 only.)
     #[arg(long)]
     pub limit_mm_per_prompt: Option<String>,
+    /// Every sequence's logits with the same bits whatever else is in the batch, as vLLM's
+    /// VLLM_BATCH_INVARIANT: on CUDA, dense products and decode attention take kernels whose
+    /// order of summation does not depend on the batch's size (slower: see docs/serving.md),
+    /// so greedy output does not change with load or with speculative decoding. Needs --dtype
+    /// bf16 or f16 there; the CPU's kernels are batch-invariant always.
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 impl EngineArgs {
@@ -252,6 +259,7 @@ impl EngineArgs {
                 Some(s) => crate::engine::mm_limit::parse(s)?,
                 None => None,
             },
+            batch_invariant: self.batch_invariant,
         })
     }
 }

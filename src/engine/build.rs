@@ -49,6 +49,9 @@ pub struct EngineOptions {
     /// Most images one request may carry (`--limit-mm-per-prompt`; None: no limit). At 0 a
     /// vision-language model's tower is not loaded: its language model serves text alone.
     pub image_limit: Option<usize>,
+    /// `--batch-invariant`: every row's bits independent of the batch on CUDA too
+    /// (`device::set_batch_invariant`), at a cost in speed.
+    pub batch_invariant: bool,
 }
 
 impl Default for EngineOptions {
@@ -71,6 +74,7 @@ impl Default for EngineOptions {
             enable_prefix_caching: None,
             tokenizer: None,
             image_limit: None,
+            batch_invariant: false,
         }
     }
 }
@@ -221,6 +225,15 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         Some(DraftSource::Mtp(m)) => Some(m),
         _ => None,
     };
+    if opts.batch_invariant && device.is_cuda() && !matches!(opts.dtype, DType::BF16 | DType::F16) {
+        return Err(BuildError::Setting(
+            "--batch-invariant on CUDA takes --dtype bf16 or f16 (its products are 16-bit tensor-core kernels)".into(),
+        ));
+    }
+    crate::device::set_batch_invariant(opts.batch_invariant);
+    if opts.batch_invariant && device.is_cpu() {
+        tracing::info!("--batch-invariant: the CPU kernels give every row the same bits in any batch already");
+    }
     let with_vision = opts.image_limit != Some(0);
     let loaded = loader::load_model_parts(path, opts.tokenizer.as_deref(), device, opts.dtype, mtp, with_vision)?;
     if !with_vision {

@@ -4,6 +4,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{Result, Tensor};
 
 use crate::ops::gemv::Gemv;
+use crate::ops::invariant_matmul::InvariantMatmul;
 use crate::ops::qmatmul::{CudaQMatrix, QMatrix};
 
 use crate::weights::{AffineMatrix, StoredTensor, Weights, WeightsError};
@@ -98,6 +99,7 @@ impl Linear {
     /// `x W^T`, the bias left for the caller to fuse into what follows.
     pub fn forward_unbiased(&self, x: &Tensor) -> Result<Tensor> {
         match &self.w {
+            Matrix::Dense(w) if InvariantMatmul::applies(x, w) => InvariantMatmul::forward(x, w),
             Matrix::Dense(w) if Gemv::applies(x, w) => Gemv::forward(x, w),
             Matrix::Dense(w) => x.matmul(&w.t()?),
             Matrix::Quantized(q) => q.forward(x)?.to_dtype(x.dtype()),
@@ -153,6 +155,9 @@ impl Linear {
     pub fn forward_gated(&self, x: &Tensor, gelu: bool) -> Option<Result<Tensor>> {
         let on = crate::switches::switched_on!("IRIS_CUDA_GATED_GEMV");
         match &self.w {
+            Matrix::Dense(w) if on && self.bias.is_none() && InvariantMatmul::applies_gated(x, w) => {
+                Some(InvariantMatmul::forward_gated(x, w, gelu))
+            }
             Matrix::Dense(w) if on && self.bias.is_none() && Gemv::applies_gated(x, w) => {
                 Some(Gemv::forward_gated(x, w, gelu))
             }

@@ -64,11 +64,15 @@ fn bad_flags() {
         &generate_args(m, &["--speculative-config", r#"{"method": "gemma4_mtp", "num_speculative_tokens": 2}"#]),
         &["--speculative-config", "gemma4_mtp", "model"],
     );
+    // The assistant runs on the CPU only so far (a GPU build refuses it before reading it).
     expect_error(
-        &generate_args(m, &["--speculative-config", &mtp("/nonexistent/dir")]),
+        &generate_args(m, &["--device", "cpu", "--speculative-config", &mtp("/nonexistent/dir")]),
         &["cannot read", "gemma4_assistant"],
     );
-    expect_error(&generate_args(m, &["--speculative-config", &mtp(assistant.to_str().unwrap())]), &["Gemma 4 target"]);
+    expect_error(
+        &generate_args(m, &["--device", "cpu", "--speculative-config", &mtp(assistant.to_str().unwrap())]),
+        &["Gemma 4 target"],
+    );
     expect_error(&["bench", "--model", m, "--all-accepted"], &["--speculative-config"]);
     expect_error(&["bench", "--model", m, "--repeats", "0"], &["--repeats"]);
     expect_error(&["bench", "--model", m, "--batch-sizes", "0"], &["--batch-sizes"]);
@@ -161,6 +165,19 @@ fn serve_logs_have_no_colour_codes_on_a_pipe() {
     let _ = child.wait();
     assert!(first.contains("listening on"), "{first}");
     assert!(!first.contains('\u{1b}'), "{first:?}");
+}
+
+/// `--batch-invariant` on the CPU, whose kernels are batch-invariant always: accepted, the
+/// same text (the CUDA side is tests/cuda_batch_invariant.rs).
+#[test]
+fn batch_invariant_changes_nothing_on_the_cpu() {
+    let m = fixture("tiny-llama");
+    let m = m.to_str().unwrap();
+    let plain = iris(&generate_args(m, &["--device", "cpu"]));
+    let invariant = iris(&generate_args(m, &["--device", "cpu", "--batch-invariant"]));
+    assert!(plain.status.success(), "{}", text(&plain.stderr));
+    assert!(invariant.status.success(), "{}", text(&invariant.stderr));
+    assert_eq!(text(&plain.stdout), text(&invariant.stdout));
 }
 
 #[test]

@@ -370,15 +370,28 @@ fn hub_errors_are_one_line() {
     assert!(out.contains("model:            test/tiny-llama"), "{out}");
 }
 
+/// The huggingface_hub version .ci/run installs.
+const PINNED_HUB: &str = "2.4.0";
+
 /// The interpreter with huggingface_hub, or `None` when the test is skipped (said why). Under
 /// CI=true a missing one fails, unless .ci/run said why (IRIS_SDK_SKIP_REASON).
 fn hub_python() -> Option<String> {
     let py = std::env::var("IRIS_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = Command::new(&py).args(["-c", "import huggingface_hub"]).output().is_ok_and(|o| o.status.success());
-    if has {
+    // The fake hub answers as the hub does for the version .ci/run pins; other versions ask
+    // other things of it (a GPU machine's python failed on a CDN reply without X-Repo-Commit).
+    let version = Command::new(&py)
+        .args(["-c", "import huggingface_hub; print(huggingface_hub.__version__)"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| text(&o.stdout).trim().to_string());
+    if version.as_deref() == Some(PINNED_HUB) {
         return Some(py);
     }
-    let msg = format!("{py} has no huggingface_hub: set IRIS_TEST_PYTHON to a python that has it (.ci/run does)");
+    let msg = match version {
+        Some(v) => format!("{py} has huggingface_hub {v}, not {PINNED_HUB} (.ci/run's): set IRIS_TEST_PYTHON"),
+        None => format!("{py} has no huggingface_hub: set IRIS_TEST_PYTHON to a python that has it (.ci/run does)"),
+    };
     if let Ok(reason) = std::env::var("IRIS_SDK_SKIP_REASON") {
         eprintln!("skipped: {reason}");
         return None;

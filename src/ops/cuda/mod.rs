@@ -69,6 +69,7 @@ pub const ADD_RMS_NORM: Module = Module { name: "iris_add_rms_norm", ptx: ptx::A
 pub const GATED_ACT: Module = Module { name: "iris_gated_act", ptx: ptx::GATED_ACT };
 pub const GATED_DELTA: Module = Module { name: "iris_gated_delta", ptx: ptx::GATED_DELTA };
 pub const GEMV: Module = Module { name: "iris_gemv", ptx: ptx::GEMV };
+pub const INVARIANT_MATMUL: Module = Module { name: "iris_invariant_matmul", ptx: ptx::INVARIANT_MATMUL };
 pub const KV_WRITE: Module = Module { name: "iris_kv_write", ptx: ptx::KV_WRITE };
 pub const MOE_EXPERTS: Module = Module { name: "iris_moe_experts", ptx: ptx::MOE_EXPERTS };
 pub const MOE_ROUTE: Module = Module { name: "iris_moe_route", ptx: ptx::MOE_ROUTE };

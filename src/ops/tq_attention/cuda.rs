@@ -77,6 +77,7 @@ pub(super) fn forward(
     // tq_attn_combine. Which kernel takes a row depends on its own sequence alone.
     let float_dtype = op.float.as_ref().map(|f| f.ring_k.dtype());
     let prefill = l.num_tiles > 0
+        && !crate::device::batch_invariant()
         && q.dtype() != DType::F32
         && float_dtype.is_none_or(|t| t == q.dtype())
         && PREFILL_HEAD_DIMS.contains(&d);
@@ -96,7 +97,10 @@ pub(super) fn forward(
         Some(acc.map_or((a, b), |(x, y)| (x.min(a), y.max(b))))
     });
     let (row0, span_rows) = span.map_or((0, 0), |(a, b)| (a, b - a));
+    // Splits by the batch's decode rows fill the GPU; with `--batch-invariant` a row's splits
+    // (and so its sum's order) must not depend on the other rows.
     let nsplit = match decode_rows * blocks_y {
+        _ if crate::device::batch_invariant() => 64,
         0..=64 => 64,
         n => 264usize.div_ceil(n).clamp(1, 64),
     };
