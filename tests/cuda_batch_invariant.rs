@@ -87,8 +87,10 @@ fn bf16_logits_do_not_depend_on_the_batch_or_on_speculation() {
         let path = fixture(name);
         let vocab = iris::loader::read_config(&path).unwrap().1.vocab_size as u32;
         let reqs = requests(vocab);
-        let alone: Run =
-            reqs.iter().map(|r| run(&mut engine_with(&path, options()), std::slice::from_ref(r), &[0]).remove(0)).collect();
+        let alone: Run = reqs
+            .iter()
+            .map(|r| run(&mut engine_with(&path, options()), std::slice::from_ref(r), &[0]).remove(0))
+            .collect();
         let arrivals: Vec<usize> = (0..reqs.len()).map(|i| i * 2).collect();
         let batched = run(&mut engine_with(&path, options()), &reqs, &arrivals);
         for (i, (a, b)) in alone.iter().zip(&batched).enumerate() {
@@ -98,8 +100,10 @@ fn bf16_logits_do_not_depend_on_the_batch_or_on_speculation() {
         // Drafts from each request's own output with every fifth token changed: accepted up to
         // the change, rejected there, so verify steps of every length run.
         for k in [1, 2, 4] {
-            let opts =
-                EngineOptions { speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 3, adaptive: false }), ..options() };
+            let opts = EngineOptions {
+                speculative: Some(SpeculativeConfig { num_tokens: k, lookup_min: 1, lookup_max: 3, adaptive: false }),
+                ..options()
+            };
             let mut e = engine_with(&path, opts);
             let recorded = reqs
                 .iter()

@@ -646,9 +646,8 @@ fn invariant_matmul_rows_do_not_depend_on_the_batch() {
         for (dt, tol) in [(DType::BF16, 1e-2), (DType::F16, 2e-3)] {
             let (all, w) = (all.to_dtype(dt).unwrap(), w.to_dtype(dt).unwrap());
             let (ag, wg) = (all.to_device(&dev).unwrap(), w.to_device(&dev).unwrap());
-            let solo: Vec<Tensor> = (0..300)
-                .map(|r| InvariantMatmul::forward(&ag.narrow(0, r, 1).unwrap(), &wg).unwrap())
-                .collect();
+            let solo: Vec<Tensor> =
+                (0..300).map(|r| InvariantMatmul::forward(&ag.narrow(0, r, 1).unwrap(), &wg).unwrap()).collect();
             for m in [1, 2, 3, 7, 16, 17, 33, 64, 65, 128, 129, 300] {
                 let y = InvariantMatmul::forward(&ag.narrow(0, 0, m).unwrap(), &wg).unwrap();
                 if [1, 17, 65, 300].contains(&m) {
@@ -682,7 +681,9 @@ fn invariant_matmul_rows_do_not_depend_on_the_batch() {
     let (w, w40) = (random(&mut rng, &[8, 64]), random(&mut rng, &[8, 40]));
     let (x, x40) = (random(&mut rng, &[1, 64]), random(&mut rng, &[1, 40]));
     let many = random(&mut rng, &[default_rows() + 1, 64]);
-    let bf16 = |x: &Tensor, w: &Tensor| InvariantMatmul::applies(&on_gpu(x.clone(), DType::BF16), &on_gpu(w.clone(), DType::BF16));
+    let bf16 = |x: &Tensor, w: &Tensor| {
+        InvariantMatmul::applies(&on_gpu(x.clone(), DType::BF16), &on_gpu(w.clone(), DType::BF16))
+    };
     assert_eq!(bf16(&x, &w), default_rows() >= 1);
     assert!(!bf16(&many, &w));
     assert!(!bf16(&x40, &w40));

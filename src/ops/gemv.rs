@@ -85,6 +85,30 @@ impl Gemv {
     }
 }
 
+/// The CPU reference of the decode-step products (this op and `invariant_matmul`): `x W^T` in
+/// f32 (x `[m, k]`, W `[n, k]`), or with `gated` (Some(gelu)) the activation of W's (gate, up)
+/// row pairs, `[m, n / 2]`.
+pub(crate) fn reference(
+    x: &[f32],
+    w: &[f32],
+    (m, n, k): (usize, usize, usize),
+    gated: Option<bool>,
+) -> (CpuStorage, Shape) {
+    let y: Vec<f32> = (0..m * n)
+        .map(|i| {
+            let (xr, wr) = (&x[(i / n) * k..][..k], &w[(i % n) * k..][..k]);
+            xr.iter().zip(wr).map(|(a, b)| a * b).sum()
+        })
+        .collect();
+    match gated {
+        None => (CpuStorage::F32(y), Shape::from((m, n))),
+        Some(gelu) => {
+            let y = y.chunks_exact(2).map(|p| super::gated_act::act(p[0], gelu) * p[1]).collect();
+            (CpuStorage::F32(y), Shape::from((m, n / 2)))
+        }
+    }
+}
+
 impl CustomOp2 for Gemv {
     fn name(&self) -> &'static str {
         "gemv"
@@ -95,20 +119,7 @@ impl CustomOp2 for Gemv {
         let (CpuStorage::F32(x), CpuStorage::F32(w)) = (sx, sw) else {
             candle_core::bail!("gemv: the CPU reference takes f32")
         };
-        let (x, w) = (&x[lx.start_offset()..], &w[lw.start_offset()..]);
-        let y: Vec<f32> = (0..m * n)
-            .map(|i| {
-                let (xr, wr) = (&x[(i / n) * k..][..k], &w[(i % n) * k..][..k]);
-                xr.iter().zip(wr).map(|(a, b)| a * b).sum()
-            })
-            .collect();
-        match self.gated {
-            None => Ok((CpuStorage::F32(y), Shape::from((m, n)))),
-            Some(gelu) => {
-                let y = y.chunks_exact(2).map(|p| super::gated_act::act(p[0], gelu) * p[1]).collect();
-                Ok((CpuStorage::F32(y), Shape::from((m, n / 2))))
-            }
-        }
+        Ok(reference(&x[lx.start_offset()..], &w[lw.start_offset()..], (m, n, k), self.gated))
     }
 
     #[cfg(feature = "cuda")]

@@ -9,8 +9,8 @@
 //! greedy near-tie can turn. Here each output's sum has one order fixed by K alone: K is cut
 //! into `slots(K)` slots; each slot's sum runs the m16n8k16 tensor-core products over its
 //! 16-wide steps in order from zero, and the slot sums are added in order. The CPU reference
-//! sums in f32 in plain order (close, not the same bits: the tensor core's internal order is
-//! its own).
+//! (`gemv::reference`) sums in f32 in plain order (close, not the same bits: the tensor core's
+//! internal order is its own).
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
@@ -92,20 +92,7 @@ impl CustomOp2 for InvariantMatmul {
         let (CpuStorage::F32(x), CpuStorage::F32(w)) = (sx, sw) else {
             candle_core::bail!("invariant matmul: the CPU reference takes f32")
         };
-        let (x, w) = (&x[lx.start_offset()..], &w[lw.start_offset()..]);
-        let y: Vec<f32> = (0..m * n)
-            .map(|i| {
-                let (xr, wr) = (&x[(i / n) * k..][..k], &w[(i % n) * k..][..k]);
-                xr.iter().zip(wr).map(|(a, b)| a * b).sum()
-            })
-            .collect();
-        match self.gated {
-            None => Ok((CpuStorage::F32(y), Shape::from((m, n)))),
-            Some(gelu) => {
-                let y = y.chunks_exact(2).map(|p| super::gated_act::act(p[0], gelu) * p[1]).collect();
-                Ok((CpuStorage::F32(y), Shape::from((m, n / 2))))
-            }
-        }
+        Ok(super::gemv::reference(&x[lx.start_offset()..], &w[lw.start_offset()..], (m, n, k), self.gated))
     }
 
     #[cfg(feature = "cuda")]

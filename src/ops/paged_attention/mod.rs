@@ -430,7 +430,11 @@ impl CustomOp3 for PagedAttention<'_> {
         // one when there are too few rows to fill the GPU's ~130 multiprocessors otherwise (a
         // decode step of a few sequences is bound by the latency of each block's loop).
         // With `--batch-invariant`, always one: the two kernels sum in different orders.
-        let hb = if rows * hkv < 128 || crate::device::batch_invariant() { 1 } else { (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1) };
+        let hb = if rows * hkv < 128 || crate::device::batch_invariant() {
+            1
+        } else {
+            (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1)
+        };
         let (qt, ct) = (dtype_name(q.dtype())?, dtype_name(k.dtype())?);
         // With one head per block, the kernel that splits each key over lanes and keeps a softmax
         // per lane group (`paged_decode`) instead of block-wide phases, over DECODE_SPLITS blocks
@@ -464,15 +468,20 @@ impl CustomOp3 for PagedAttention<'_> {
         // Their tiles' keys split over up to `splits` blocks, merged by `prefill_merge`. With
         // `--batch-invariant` every row comes here: which kernel takes a prompt row would depend
         // on how its prompt was cut into chunks, and so on the load.
-        let prefill =
-            if l.num_tiles > 0 && !crate::device::batch_invariant() && !bidi && qt == ct && qt != "f32" && super::cuda::PREFILL_HEAD_DIMS.contains(&d) {
-                let grid = (l.num_tiles, hq, l.max_splits);
-                let (attend, cfg) = super::cuda::prefill_launch(&dev, "prefill_attention", qt, d, grid)?;
-                let merge = PREFILL_ATTENTION.func(&dev, &format!("prefill_merge_{qt}_{d}"))?;
-                Some(Prefill { attend, cfg, merge, units: l.split_units, head_dim: d })
-            } else {
-                None
-            };
+        let prefill = if l.num_tiles > 0
+            && !crate::device::batch_invariant()
+            && !bidi
+            && qt == ct
+            && qt != "f32"
+            && super::cuda::PREFILL_HEAD_DIMS.contains(&d)
+        {
+            let grid = (l.num_tiles, hq, l.max_splits);
+            let (attend, cfg) = super::cuda::prefill_launch(&dev, "prefill_attention", qt, d, grid)?;
+            let merge = PREFILL_ATTENTION.func(&dev, &format!("prefill_merge_{qt}_{d}"))?;
+            Some(Prefill { attend, cfg, merge, units: l.split_units, head_dim: d })
+        } else {
+            None
+        };
         let p = Params {
             merge,
             decode: LaunchConfig {
