@@ -50,6 +50,9 @@ impl InvariantMatmul {
             && x.dtype() == w.dtype()
             && matches!(x.dtype(), DType::BF16 | DType::F16)
             && w.is_contiguous()
+            // The kernels read W in 16-byte vectors and x in pairs (a copy starts at 0).
+            && w.layout().start_offset() % 8 == 0
+            && (!x.is_contiguous() || x.layout().start_offset() % 2 == 0)
     }
 
     /// Where `applies`, and W has an even number of rows (pairs).
