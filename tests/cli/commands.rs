@@ -32,8 +32,11 @@ fn cpu_instruction_set_override() {
         line.split("this CPU has: ").nth(1).unwrap().trim_end_matches(')').split(", ").map(String::from).collect();
     assert!(line.contains(&format!("CPU kernels:      {} ", have[0])), "the best set by default: {line}");
 
+    // On the CPU whatever this build has: the instruction set picks CPU kernels only.
     let gen = [
         "generate",
+        "--device",
+        "cpu",
         "--model",
         m,
         "--prompt",
