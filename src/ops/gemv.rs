@@ -130,10 +130,8 @@ impl CustomOp2 for Gemv {
         sw: &candle_core::CudaStorage,
         lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use super::cuda::Kernel;
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
-        use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, CudaStorageSlice as S};
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 
         let (m, n, k) = Self::check(lx, lw)?;
         let dt = sx.dtype();
@@ -156,36 +154,12 @@ impl CustomOp2 for Gemv {
             candle_core::bail!("gemv: gated pairs need an even row count and at most 4 warps per row");
         }
         let out_n = if act >= 0 { n / 2 } else { n };
-        #[allow(clippy::too_many_arguments)]
-        fn launch<T: CudaDType + DeviceRepr>(
-            dev: &CudaDevice,
-            func: &Kernel,
-            cfg: LaunchConfig,
-            x: &CudaSlice<T>,
-            w: &CudaSlice<T>,
-            (ox, ow): (usize, usize),
-            (m, n, k, wpr, act, out_n): (usize, usize, usize, usize, i32, usize),
-        ) -> Result<CudaStorage> {
-            // SAFETY: the kernel writes every element of y.
-            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * out_n)? };
-            let (x, w) = (x.slice(ox..), w.slice(ow..));
-            let (n, k, wpr) = (n as i32, k as i32, wpr as i32);
-            let mut b = func.dependent();
-            b.mem(&y).mem(&x).mem(&w).scalar(&n).scalar(&k).scalar(&wpr).scalar(&act);
-            // SAFETY: the parameters are the kernel's (y, x, w, n, k, wpr, act) in order and
-            // type; shapes were checked; the kernel waits for the kernel before it (pdl_wait)
-            // before reading x or writing y.
-            unsafe { b.launch(cfg) }?;
-            Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
-        }
-        let offs = (lx.start_offset(), lw.start_offset());
-        let dims = (m, n, k, wpr, act, out_n);
-        let y = match (&sx.slice, &sw.slice) {
-            (S::F32(x), S::F32(w)) => launch(&dev, &func, cfg, x, w, offs, dims)?,
-            (S::BF16(x), S::BF16(w)) => launch(&dev, &func, cfg, x, w, offs, dims)?,
-            (S::F16(x), S::F16(w)) => launch(&dev, &func, cfg, x, w, offs, dims)?,
-            _ => candle_core::bail!("gemv: unsupported dtype {dt:?}"),
-        };
+        let ints = [n as i32, k as i32, wpr as i32, act];
+        // SAFETY: gemv_* takes (y, x, w, n, k, wpr, act) and writes all of y [m, out_n]; shapes
+        // were checked; it waits for the kernel before it (pdl_wait) before reading x or writing y.
+        let y = unsafe {
+            super::cuda::launch_product(&func, cfg, (sx, lx.start_offset()), (sw, lw.start_offset()), m * out_n, &ints)
+        }?;
         Ok((y, Shape::from((m, out_n))))
     }
 }

@@ -106,10 +106,8 @@ impl CustomOp2 for InvariantMatmul {
         sw: &candle_core::CudaStorage,
         lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use super::cuda::Kernel;
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
-        use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, CudaStorageSlice as S};
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 
         let (m, n, k) = Self::check(lx, lw, self.gated.is_some())?;
         let dt = sx.dtype();
@@ -140,35 +138,13 @@ impl CustomOp2 for InvariantMatmul {
         // -1: a plain product; else the pairs' activation (0 SiLU, 1 tanh-GELU).
         let act = self.gated.map_or(-1, |gelu| gelu as i32);
         let out_n = if act >= 0 { n / 2 } else { n };
-        #[allow(clippy::too_many_arguments)]
-        fn launch<T: CudaDType + DeviceRepr>(
-            dev: &CudaDevice,
-            func: &Kernel,
-            cfg: LaunchConfig,
-            x: &CudaSlice<T>,
-            w: &CudaSlice<T>,
-            (ox, ow): (usize, usize),
-            (m, n, k, s, act, out_n): (usize, usize, usize, usize, i32, usize),
-        ) -> Result<CudaStorage> {
-            // SAFETY: the kernel writes every element of y.
-            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * out_n)? };
-            let (x, w) = (x.slice(ox..), w.slice(ow..));
-            let (m, n, k, s) = (m as i32, n as i32, k as i32, s as i32);
-            let mut b = func.dependent();
-            b.mem(&y).mem(&x).mem(&w).scalar(&m).scalar(&n).scalar(&k).scalar(&s).scalar(&act);
-            // SAFETY: the parameters are the kernels' (y, x, w, m, n, k, slots, act) in order
-            // and type; shapes were checked; both kernels wait for the kernel before them
-            // (pdl_wait) before they read x or write y.
-            unsafe { b.launch(cfg) }?;
-            Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
-        }
-        let offs = (lx.start_offset(), lw.start_offset());
-        let dims = (m, n, k, s, act, out_n);
-        let y = match (&sx.slice, &sw.slice) {
-            (S::BF16(x), S::BF16(w)) => launch(&dev, &func, cfg, x, w, offs, dims)?,
-            (S::F16(x), S::F16(w)) => launch(&dev, &func, cfg, x, w, offs, dims)?,
-            _ => candle_core::bail!("invariant matmul: unsupported dtype {dt:?}"),
-        };
+        let ints = [m as i32, n as i32, k as i32, s as i32, act];
+        // SAFETY: both kernels take (y, x, w, m, n, k, slots, act) and write all of y [m, out_n];
+        // shapes were checked; both wait for the kernel before them (pdl_wait) before they read x
+        // or write y.
+        let y = unsafe {
+            super::cuda::launch_product(&func, cfg, (sx, lx.start_offset()), (sw, lw.start_offset()), m * out_n, &ints)
+        }?;
         Ok((y, Shape::from((m, out_n))))
     }
 }

@@ -59,6 +59,62 @@ pub fn prefill_launch(
     Ok((f, cfg))
 }
 
+/// Launches a product kernel of `(T* y, const T* x, const T* w, int...)` as a programmatic
+/// dependent, x and W starting at element offsets `ox` and `ow` of their storage, and returns y
+/// (`out_len` elements of their type): the GEMV and batch-invariant products.
+///
+/// # Safety
+/// `func` takes exactly those parameters (as many ints as `ints`), writes every element of y,
+/// reads no more of x and W than they hold under `cfg`, and calls `pdl_wait` before it reads x
+/// or writes y.
+pub unsafe fn launch_product(
+    func: &Kernel,
+    cfg: LaunchConfig,
+    (sx, ox): (&candle_core::CudaStorage, usize),
+    (sw, ow): (&candle_core::CudaStorage, usize),
+    out_len: usize,
+    ints: &[i32],
+) -> Result<candle_core::CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::{CudaDType, CudaStorageSlice as S};
+    unsafe fn go<T: CudaDType + DeviceRepr>(
+        func: &Kernel,
+        cfg: LaunchConfig,
+        dev: &CudaDevice,
+        (x, w): (&CudaSlice<T>, &CudaSlice<T>),
+        (ox, ow): (usize, usize),
+        out_len: usize,
+        ints: &[i32],
+    ) -> Result<candle_core::CudaStorage> {
+        // SAFETY (alloc): the kernel writes every element of y (the caller's promise).
+        let y: CudaSlice<T> = unsafe { dev.alloc::<T>(out_len)? };
+        let (x, w) = (x.slice(ox..), w.slice(ow..));
+        let mut b = func.dependent();
+        b.mem(&y).mem(&x).mem(&w);
+        for v in ints {
+            b.scalar(v);
+        }
+        // SAFETY: the parameters, in order and type, are the caller's promise.
+        unsafe { b.launch(cfg) }?;
+        Ok(candle_core::CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    }
+    let dev = sx.device();
+    let offs = (ox, ow);
+    // SAFETY: passed on from the caller.
+    unsafe {
+        match (&sx.slice, &sw.slice) {
+            (S::F32(x), S::F32(w)) => go(func, cfg, dev, (x, w), offs, out_len, ints),
+            (S::BF16(x), S::BF16(w)) => go(func, cfg, dev, (x, w), offs, out_len, ints),
+            (S::F16(x), S::F16(w)) => go(func, cfg, dev, (x, w), offs, out_len, ints),
+            _ => candle_core::bail!(
+                "product kernel: x and W of one float type, got {:?} and {:?}",
+                sx.dtype(),
+                sw.dtype()
+            ),
+        }
+    }
+}
+
 /// One compiled `.cu` file.
 pub struct Module {
     name: &'static str,
