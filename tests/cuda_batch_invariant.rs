@@ -42,23 +42,13 @@ fn run(engine: &mut Engine, reqs: &[(Vec<u32>, SamplingParams)], arrivals: &[usi
     out
 }
 
-/// Prompts of 3 to 45 tokens that repeat themselves, and greedy requests with logprobs.
+/// Greedy requests with logprobs for prompts of 3 to 45 tokens that repeat themselves.
 fn requests(vocab: u32) -> Vec<(Vec<u32>, SamplingParams)> {
-    let mut x: u64 = 0x2545f4914f6cdd1d;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % (vocab as u64 - 10)) as u32 + 5
-    };
-    [3, 17, 9, 45, 6, 30, 12, 24]
-        .iter()
+    let prompts = repeating_prompts(vocab, &[3, 17, 9, 45, 6, 30, 12, 24], 0x2545f4914f6cdd1d);
+    prompts
+        .into_iter()
         .enumerate()
-        .map(|(i, &n)| {
-            let unit: Vec<u32> = (0..(n / 3).max(2)).map(|_| next()).collect();
-            let prompt = unit.iter().copied().cycle().take(n).collect();
-            (prompt, SamplingParams { logprobs: Some(5), ..greedy(10 + i % 4 * 3) })
-        })
+        .map(|(i, p)| (p, SamplingParams { logprobs: Some(5), ..greedy(10 + i % 4 * 3) }))
         .collect()
 }
 

@@ -21,20 +21,7 @@ fn spec(k: usize) -> Option<SpeculativeConfig> {
 
 /// Prompts with repeats in them (so prompt lookup finds matches), lengths 3..=45.
 fn prompts(vocab: u32) -> Vec<Vec<u32>> {
-    let lens = [3, 17, 9, 45, 6, 30, 12, 24, 7, 38];
-    let mut x: u64 = 0x9e3779b97f4a7c15;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % (vocab as u64 - 10)) as u32 + 5
-    };
-    lens.iter()
-        .map(|&n| {
-            let unit: Vec<u32> = (0..(n / 3).max(2)).map(|_| next()).collect();
-            unit.iter().copied().cycle().take(n).collect()
-        })
-        .collect()
+    repeating_prompts(vocab, &[3, 17, 9, 45, 6, 30, 12, 24, 7, 38], 0x9e3779b97f4a7c15)
 }
 
 fn requests(vocab: u32) -> Vec<(Vec<u32>, SamplingParams)> {

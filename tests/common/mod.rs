@@ -70,6 +70,25 @@ pub fn engine_with(path: &Path, opts: EngineOptions) -> Engine {
     build_engine(path, &device(), &opts).expect("engine builds").0
 }
 
+/// Prompts of the given lengths that repeat themselves (a unit of about a third of the length,
+/// cycled), so prompt lookup finds matches; ids from a xorshift seeded with `seed`, in
+/// `5..vocab - 5`.
+pub fn repeating_prompts(vocab: u32, lens: &[usize], seed: u64) -> Vec<Vec<u32>> {
+    let mut x = seed;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % (vocab as u64 - 10)) as u32 + 5
+    };
+    lens.iter()
+        .map(|&n| {
+            let unit: Vec<u32> = (0..(n / 3).max(2)).map(|_| next()).collect();
+            unit.iter().copied().cycle().take(n).collect()
+        })
+        .collect()
+}
+
 pub fn greedy(max_tokens: usize) -> SamplingParams {
     SamplingParams { max_tokens, ignore_eos: true, ..SamplingParams::default() }
 }
