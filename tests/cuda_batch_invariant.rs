@@ -13,7 +13,7 @@ use common::*;
 use iris::engine::build::EngineOptions;
 use iris::engine::{Drafter, Engine, ReplayDrafter, Request, SamplingParams, SpeculativeConfig};
 
-/// Each request's tokens and the bits of their logprobs (and of the top 5's).
+/// Each request's tokens, and the bits of their logprobs with the top 5's ids and logprobs.
 type Run = Vec<(Vec<u32>, Vec<u32>)>;
 
 fn run(engine: &mut Engine, reqs: &[(Vec<u32>, SamplingParams)], arrivals: &[usize]) -> Run {
@@ -32,7 +32,7 @@ fn run(engine: &mut Engine, reqs: &[(Vec<u32>, SamplingParams)], arrivals: &[usi
             if let Some(t) = &u.token {
                 out[i].0.push(t.token);
                 out[i].1.push(t.logprob.to_bits());
-                out[i].1.extend(t.top_logprobs.iter().map(|(_, l)| l.to_bits()));
+                out[i].1.extend(t.top_logprobs.iter().flat_map(|&(id, l)| [id, l.to_bits()]));
             }
             done += u.finish.is_some() as usize;
         }
