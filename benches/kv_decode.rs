@@ -139,7 +139,7 @@ fn decode_step(model: &dyn TextModel, dev: &Device, float: KvDtype, cache: Cache
         }
         let t = Instant::now();
         let draws = (!dev.is_cpu()).then_some(&greedy[..]);
-        let _ = runner.run(model, &kv, batch, &[0], draws).unwrap();
+        let _ = runner.run(model, &kv, batch, &[0], draws, false).unwrap();
         times.push(t.elapsed().as_secs_f64());
     }
     // Warm-up: the first step (and on a GPU the graph's capture in the second).

@@ -277,6 +277,35 @@ fn argmax_matches_cpu_including_ties_and_non_finite_rows() {
     assert_eq!(gpu, cpu);
 }
 
+/// Grammar masks applied on the device equal the host's, bit for bit: masked rows, unmasked
+/// rows and a mask shorter than the vocabulary (whose missing words forbid their tokens), over a
+/// real vocabulary size.
+#[test]
+fn token_masks_match_cpu() {
+    use iris::ops::token_mask::TokenMasks;
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(5);
+    let (rows, vocab) = (6, 152_064);
+    let v: Vec<f32> = (0..rows * vocab).map(|_| rng.random_range(-8.0f32..8.0)).collect();
+    let mut masks = TokenMasks::new(vocab);
+    for r in 0..rows {
+        let bits: Vec<u32> = (0..masks.words()).map(|_| rng.random::<u32>() & rng.random::<u32>()).collect();
+        match r % 3 {
+            0 => masks.push(Some(&bits)),
+            1 => masks.push(None),
+            _ => masks.push(Some(&bits[..bits.len() / 2])),
+        }
+    }
+    let t = Tensor::from_vec(v, (rows, vocab), &Device::Cpu).unwrap();
+    let cpu: Vec<f32> = masks.apply(&t).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let gpu: Vec<f32> = masks.apply(&t.to_device(&dev).unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert!(cpu.iter().any(|l| l.is_infinite()) && cpu.iter().any(|l| l.is_finite()));
+    assert_eq!(
+        cpu.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+        gpu.iter().map(|l| l.to_bits()).collect::<Vec<_>>()
+    );
+}
+
 /// The device draw picks exactly the host reference's token (same u, same integer masses) for
 /// temperatures, top-k (with ties at the cut-off), top-p, min-p and their mixes, over a real
 /// vocabulary size and a small one, with coarse logits (many ties), masks and NaN.

@@ -1,7 +1,8 @@
 //! Structured outputs inside the engine: constrained and free sequences in one batch, with a
 //! KV pool small enough to force preemption (recomputed sequences resume their grammar), give
 //! each sequence the tokens it gives alone; with n-gram speculation, greedy constrained output
-//! is unchanged and drafts were verified.
+//! is unchanged and drafts were verified; the rows a GPU masks and draws itself give the
+//! tokens the host's sampler gives.
 
 mod common;
 
@@ -80,6 +81,7 @@ fn check_outputs(e: &Engine, reqs: &[(Vec<u32>, SamplingParams)], outs: &[Vec<u3
 
 #[test]
 fn constrained_and_free_sequences_share_batches_through_preemption() {
+    let _gpu = gpu_lock();
     for sampled in [true, false] {
         let path = fixture("tiny-llama");
         let mut solo_engine = engine_with(&path, EngineOptions { kv_memory: Some(1 << 22), ..Default::default() });
@@ -96,6 +98,7 @@ fn constrained_and_free_sequences_share_batches_through_preemption() {
 
 #[test]
 fn speculation_keeps_greedy_constrained_output() {
+    let _gpu = gpu_lock();
     let path = fixture("tiny-llama");
     let mut plain = engine_with(&path, EngineOptions { kv_memory: Some(1 << 22), ..Default::default() });
     let reqs = requests(&plain, false);
@@ -106,4 +109,37 @@ fn speculation_keeps_greedy_constrained_output() {
     let reqs = requests(&spec, false);
     assert_eq!(run_requests(&mut spec, &reqs, &[0; 10]), want);
     assert!(spec.stats.spec.num_draft_tokens > 0, "drafts were verified");
+}
+
+/// On a GPU, constrained rows are masked and drawn on the device (`ops::token_mask`); asking
+/// for logprobs brings the same rows' logits to the host instead, whose sampler masks and draws
+/// them. Both engines see the same batches, so the tokens must be equal: greedy and seeded
+/// sampling, without drafts and with drafts judged on the device (rows after a draft the
+/// grammar rejects included). On the CPU both sides are the host's sampler.
+#[test]
+fn device_masks_give_the_hosts_tokens() {
+    let _gpu = gpu_lock();
+    let path = fixture("tiny-llama");
+    let no_spec = None;
+    let spec = Some(SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3, adaptive: false });
+    for (sampled, speculative) in [(false, no_spec), (true, no_spec), (false, spec), (true, spec)] {
+        let opts = || EngineOptions { kv_memory: Some(1 << 22), speculative, ..Default::default() };
+        let mut device = engine_with(&path, opts());
+        let reqs = requests(&device, sampled);
+        let drawn = run_requests(&mut device, &reqs, &[0; 10]);
+        check_outputs(&device, &reqs, &drawn);
+        let mut host = engine_with(&path, opts());
+        let host_reqs: Vec<_> = requests(&host, sampled)
+            .into_iter()
+            .map(|(prompt, params)| (prompt, SamplingParams { logprobs: Some(0), ..params }))
+            .collect();
+        assert_eq!(
+            run_requests(&mut host, &host_reqs, &[0; 10]),
+            drawn,
+            "sampled {sampled}, speculative {speculative:?}"
+        );
+        if speculative.is_some() {
+            assert!(device.stats.spec.num_draft_tokens > 0, "drafts were verified");
+        }
+    }
 }

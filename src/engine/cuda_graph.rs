@@ -157,7 +157,8 @@ impl DecodeGraphs {
     }
 
     /// Runs a decode or verify step (R rows per sequence, every row sampled) through its
-    /// bucket's graph; None for any other step (or a bucket that cannot be captured).
+    /// bucket's graph; None for any other step (or a bucket that cannot be captured). `masked`:
+    /// some row has a grammar mask, so the draws wait for it (`StepOutput::Undrawn`).
     pub fn run(
         &mut self,
         model: &dyn TextModel,
@@ -165,6 +166,7 @@ impl DecodeGraphs {
         batch: &Batch,
         sample_rows: &[u32],
         draws: Option<&[Draw]>,
+        masked: bool,
     ) -> Result<Option<StepOutput>> {
         // Graphs replay text steps with 1-D positions (the rotary table's); others run op by op.
         if !matches!(batch.positions, Positions::Flat(_)) || batch.images.is_some() {
@@ -243,6 +245,7 @@ impl DecodeGraphs {
         };
         let logits = || bufs.logits.index_select(&Tensor::new(rows.as_slice(), &self.device)?, 0);
         Ok(Some(match draws {
+            Some(draws) if masked => StepOutput::Undrawn { logits: logits()?, draws: draws.to_vec() },
             Some(draws) if draws.iter().all(|d| d.inv_temperature == 0.0) => {
                 let ids: Vec<u32> = bufs.ids.to_vec1()?;
                 StepOutput::Tokens(rows.iter().map(|&r| ids[r as usize]).collect())

@@ -21,6 +21,8 @@ use llguidance::{Matcher, ParserFactory, TokenParser};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
+use crate::ops::token_mask::mask_row;
+
 /// What a request asks its output to match, before compiling.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GrammarSpec {
@@ -251,43 +253,42 @@ pub struct RowMasks {
 }
 
 impl RowMasks {
-    /// Sets every logit of sampled row `row` the grammar does not allow to -inf. The model's
-    /// other EOS ids follow the one llguidance knows: allowed (with their own logits) exactly
-    /// when it is.
+    /// Sets every logit of sampled row `row` the grammar does not allow to -inf.
     pub fn apply(&self, row: usize, logits: &mut [f32]) {
-        let Some(entry) = self.masks.get(row) else {
-            // Only a row after a rejected draft has no mask, and it is never judged; were it
-            // judged, it could only end the sequence.
-            debug_assert!(false, "row {row} of a constrained sequence has no mask");
-            for (t, l) in logits.iter_mut().enumerate() {
-                if !self.eos.contains(&(t as u32)) {
-                    *l = f32::NEG_INFINITY;
+        // Only a row after a rejected draft has no mask, and on the host it is never judged.
+        debug_assert!(row < self.masks.len(), "row {row} of a constrained sequence has no mask");
+        if let Some(bits) = self.allowed_bits(row, logits.len()) {
+            mask_row(&bits, logits);
+        }
+    }
+
+    /// The tokens sampled row `row` may take, as bits over a vocabulary of `vocab` tokens
+    /// (`ops::token_mask`); None: any token (the grammar has not begun at that row). The
+    /// model's other EOS ids follow the one llguidance knows: allowed exactly when it is. A row
+    /// past the masks (after a draft the grammar rejects) may only end the sequence; a device
+    /// computes such rows, which are never taken.
+    pub fn allowed_bits(&self, row: usize, vocab: usize) -> Option<Vec<u32>> {
+        let mut bits = vec![0u32; vocab.div_ceil(32)];
+        let mut allow = |t: u32| {
+            if let Some(w) = bits.get_mut(t as usize / 32) {
+                *w |= 1 << (t % 32);
+            }
+        };
+        match self.masks.get(row) {
+            Some(None) => return None,
+            None => self.eos.iter().for_each(|&e| allow(e)),
+            Some(Some(mask)) => {
+                if self.eos.first().is_some_and(|&e| mask.is_allowed(e)) {
+                    self.eos.iter().for_each(|&e| allow(e));
                 }
-            }
-            return;
-        };
-        let Some(mask) = entry else { return };
-        let eos_allowed = self.eos.first().is_some_and(|&e| mask.is_allowed(e));
-        let other_eos: Vec<(usize, f32)> = if eos_allowed {
-            self.eos.iter().skip(1).filter_map(|&e| logits.get(e as usize).map(|&l| (e as usize, l))).collect()
-        } else {
-            Vec::new()
-        };
-        let words = mask.as_slice();
-        for (w, chunk) in logits.chunks_mut(32).enumerate() {
-            let bits = words.get(w).copied().unwrap_or(0);
-            if bits == u32::MAX {
-                continue;
-            }
-            for (b, l) in chunk.iter_mut().enumerate() {
-                if bits & (1 << b) == 0 {
-                    *l = f32::NEG_INFINITY;
+                let words = mask.as_slice();
+                let n = words.len().min(bits.len());
+                for (b, w) in bits[..n].iter_mut().zip(words) {
+                    *b |= w;
                 }
             }
         }
-        for (e, l) in other_eos {
-            logits[e] = l;
-        }
+        Some(bits)
     }
 }
 

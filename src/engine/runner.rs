@@ -24,6 +24,7 @@ use crate::batch::{Batch, ImageRows, Positions, SeqSlice};
 use crate::kv::KvCache;
 use crate::models::{TextModel, VisionModel};
 use crate::ops::sample::{Draw, NO_TOKEN};
+use crate::ops::token_mask::TokenMasks;
 
 /// Default byte budget of the image-embedding cache.
 const EMBED_CACHE_BYTES: usize = 256 << 20;
@@ -166,6 +167,8 @@ impl ModelRunner {
         let keep = self.keep_hidden.then(|| counts.clone());
         let keep_all = self.keep_all_hidden;
         let beside = !self.device.is_cpu();
+        let masked =
+            plan.items.iter().zip(&counts).any(|(item, &n)| n > 0 && seqs.expect(item.id).constraint.is_some());
         let (out, masks) = masks_beside(seqs, plan, &counts, beside, |seqs| -> Result<StepOutput> {
             if needs_plain_forward(seqs, plan, &step.batch) {
                 let hidden = self.forward(model, kv, step.batch)?;
@@ -180,10 +183,11 @@ impl ModelRunner {
                     self.keep_rows(&hidden, &rows, keep, keep_all)?;
                     return self.logits(model, &hidden, &rows);
                 }
-                self.run(model, kv, step.batch, &rows, draws.as_deref())
+                self.run(model, kv, step.batch, &rows, draws.as_deref(), masked)
             }
         });
-        let mut tokens = verify(seqs, plan, &step.sampled, out?, masks);
+        let out = out?.drawn(|vocab| token_masks(&masks, &counts, vocab))?;
+        let mut tokens = verify(seqs, plan, &step.sampled, out, masks);
         if self.accept_all_drafts {
             for (item, t) in plan.items.iter().zip(&mut tokens) {
                 if let Some(last) = t.last().cloned().filter(|_| item.num_draft > 0) {
@@ -247,8 +251,9 @@ impl ModelRunner {
         Ok(())
     }
 
-    /// On a GPU, when every sampled row draws from its logits as they are, each row's draw, for
-    /// the device to pick the tokens (only their ids are copied back); None otherwise (the
+    /// On a GPU, when every sampled row draws from its logits as they are (but for a grammar's
+    /// mask, which the device applies), each row's draw, for the device to pick the tokens
+    /// (only their ids are copied back); None otherwise (the
     /// logits come to the host). Takes from each row's generator what host sampling would; a
     /// sequence with drafts has its drafts judged on the device (rejection sampling, see
     /// `SequenceSampler::verify_draws`) and its generator advanced once the outcome is known.
@@ -291,7 +296,8 @@ impl ModelRunner {
     }
 
     /// Runs `batch` (built on the host) and returns the next-token data of `sample_rows`;
-    /// `draws`, one per sampled row, let a GPU pick the tokens itself (None: logits to the host).
+    /// `draws`, one per sampled row, let a GPU pick the tokens itself (None: logits to the host),
+    /// once the grammar masks are known when some row is `masked` (`StepOutput::Undrawn`).
     pub fn run(
         &mut self,
         model: &dyn TextModel,
@@ -299,6 +305,7 @@ impl ModelRunner {
         batch: Batch,
         sample_rows: &[u32],
         draws: Option<&[Draw]>,
+        masked: bool,
     ) -> Result<StepOutput> {
         if self.device.is_cpu() {
             let hidden = model.forward(&batch, kv, None)?;
@@ -306,7 +313,7 @@ impl ModelRunner {
         }
         #[cfg(feature = "cuda")]
         if let Some(graphs) = self.graphs.as_mut() {
-            if let Some(out) = graphs.run(model, kv, &batch, sample_rows, draws)? {
+            if let Some(out) = graphs.run(model, kv, &batch, sample_rows, draws, masked)? {
                 return Ok(out);
             }
             graphs.ran_other_step();
@@ -321,6 +328,7 @@ impl ModelRunner {
             if all_rows { hidden } else { hidden.index_select(&Tensor::new(sample_rows, &self.device)?, 0)? };
         let logits = model.logits(&hidden)?;
         match draws {
+            Some(draws) if masked => Ok(StepOutput::Undrawn { logits, draws: draws.to_vec() }),
             Some(draws) => Ok(StepOutput::Tokens(draw_on_device(&logits, None, draws)?)),
             None => Ok(StepOutput::Logits(logits.to_vec2()?)),
         }
@@ -352,6 +360,18 @@ impl ModelRunner {
         let rows = Tensor::new(sample_rows, hidden.device())?;
         Ok(StepOutput::Logits(model.logits(&hidden.index_select(&rows, 0)?)?.to_vec2()?))
     }
+}
+
+/// The grammar masks of a step's sampled rows, in order, for the device (`counts`: each plan
+/// item's sampled rows).
+fn token_masks(masks: &[Option<RowMasks>], counts: &[usize], vocab: usize) -> TokenMasks {
+    let mut out = TokenMasks::new(vocab);
+    for (m, &n) in masks.iter().zip(counts) {
+        for row in 0..n {
+            out.push(m.as_ref().and_then(|m| m.allowed_bits(row, vocab)).as_deref());
+        }
+    }
+    out
 }
 
 /// Each sequence's tokens from its sampled rows: sampled, or its drafts verified.
@@ -389,6 +409,7 @@ fn verify(
         // The sequences side by side: each filters whole-vocabulary rows, which one after
         // another held up GPU steps of sampled sequences with drafts. Each samples with its own
         // RNG, so results depend neither on the batch nor on the threads.
+        StepOutput::Undrawn { .. } => unreachable!("the step's output is drawn (`StepOutput::drawn`) before verify"),
         StepOutput::Logits(mut logits) => {
             let mut rest = &mut logits[..];
             let mut rows_of = Vec::with_capacity(sampled.len());

@@ -444,12 +444,11 @@ fn p_less_q<'a>(kept: &'a Kept<'_>, q: &'a DraftDist) -> impl Iterator<Item = (u
 }
 
 /// Whether `sample` would draw from the model's logits as they are for a sequence with
-/// `n_output` tokens so far: no grammar masks them, no bias or penalty edits them, no
-/// logprobs. A device can then draw the token itself (`SequenceSampler::device_draw`) and copy
-/// back only its id.
+/// `n_output` tokens so far, but for its grammar's mask: no bias or penalty edits them, no
+/// logprobs. A device can then mask the row and draw the token itself
+/// (`SequenceSampler::device_draw`, `ops::token_mask`) and copy back only its id.
 pub fn draws_plainly(params: &SamplingParams, n_output: usize) -> bool {
-    params.grammar.is_none()
-        && params.logprobs.is_none()
+    params.logprobs.is_none()
         && params.logit_bias.is_empty()
         && params.repetition_penalty == 1.0
         && ((params.frequency_penalty == 0.0 && params.presence_penalty == 0.0) || n_output == 0)

@@ -25,6 +25,7 @@ pub mod qkv_rope;
 pub mod qmatmul;
 pub mod sample;
 pub mod team;
+pub mod token_mask;
 pub mod tq_attention;
 pub mod tq_write;
 pub mod turboquant;

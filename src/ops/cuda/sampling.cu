@@ -359,3 +359,20 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     const uint32_t id = find_in_id_order(row, MASS, 0, 0, 0, true, draw_u, nullptr, scratch);
     if (threadIdx.x == 0) out[blockIdx.x] = id == 0xffffffffu ? 0u : id;
 }
+
+// A grammar's masks over [rows, vocab] f32 logits (ops/token_mask.rs, the reference): table[r]
+// is row r's mask index (0xffffffff: any token), the masks follow the `rows` indices, `words`
+// u32s each, bit t % 32 of word t / 32 set when token t is allowed. Disallowed logits become
+// -inf. Grid: (blocks over the vocabulary, rows).
+extern "C" __global__ void mask_logits_f32(const float* __restrict__ x, const uint32_t* __restrict__ table,
+                                           float* __restrict__ y, int rows, int vocab, int words) {
+    const int r = blockIdx.y;
+    const uint32_t m = table[r];
+    const float* xr = x + (size_t)r * vocab;
+    float* yr = y + (size_t)r * vocab;
+    const uint32_t* bits = table + rows + (size_t)(m == 0xffffffffu ? 0 : m) * words;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < vocab; t += gridDim.x * blockDim.x) {
+        const float l = xr[t];
+        yr[t] = (m == 0xffffffffu || (bits[t >> 5] >> (t & 31)) & 1u) ? l : -INFINITY;
+    }
+}
