@@ -9,17 +9,19 @@
 #   .gpu/prefill_attention.xz  the prompt-chunk attention bench (`--cuda`, benches/prefill_attention.rs)
 #   .gpu/matmul.xz        the dense products: cuBLAS, GEMV and the batch-invariant kernels (benches/matmul.rs)
 # Uses $CARGO_TARGET_DIR (default target/). TESTS="cuda_ops model_parity": only those test
-# binaries, for a quick check of a change.
+# binaries, for a quick check of a change. FEATURES=nccl: with tensor parallelism over NCCL
+# (links libnccl.so.2; the GPU machine's PyTorch has one: scripts/gpu-tp.sh finds it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TGT=${CARGO_TARGET_DIR:-$PWD/target}
-cargo build --release --features cuda
+FEATURES=${FEATURES:-cuda}
+cargo build --release --features "$FEATURES"
 stage=$(mktemp -d)
 # At once: another build in the same target dir (a CPU one) would overwrite release/iris.
 strip -o "$stage/iris" "$TGT/release/iris"
 only=()
 for t in ${TESTS:-}; do only+=(--test "$t"); done
-cargo test --release --features cuda --no-run "${only[@]}" --message-format=json 2>/dev/null \
+cargo test --release --features "$FEATURES" --no-run "${only[@]}" --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -31,7 +33,7 @@ for line in sys.stdin:
 ' > /tmp/iris-gpu-tests.txt
 # A bench binary's path (built on the way).
 bench() {
-  cargo build --release --features cuda --bench "$1" --message-format=json 2>/dev/null | python3 -c '
+  cargo build --release --features "$FEATURES" --bench "$1" --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)

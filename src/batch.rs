@@ -586,6 +586,25 @@ impl Batch {
         self.attn.num_rows()
     }
 
+    /// A copy of this text batch on `device` (another rank's, under tensor parallelism).
+    pub fn text_on(&self, device: &Device) -> candle_core::Result<Batch> {
+        if self.images.is_some() {
+            candle_core::bail!("a batch with images is not copied to another device");
+        }
+        let mut attn = self.attn.clone();
+        attn.upload(device)?;
+        // Through the host: a device-to-device copy would run on the other device's stream,
+        // unordered with the work on this one's that wrote the ids.
+        let ids = self.token_ids.to_vec1::<u32>()?;
+        Ok(Batch {
+            token_ids: Tensor::new(ids, device)?,
+            positions: self.positions.clone(),
+            attn,
+            images: None,
+            output_rows: self.output_rows.clone(),
+        })
+    }
+
     /// Moves a batch built on the host to `device`: the token ids, any image rows and the
     /// attention metadata.
     pub fn to_device(&mut self, device: &Device) -> candle_core::Result<()> {

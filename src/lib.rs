@@ -19,6 +19,7 @@ pub mod loader;
 pub mod media;
 pub mod models;
 pub mod ops;
+pub mod parallel;
 pub mod server;
 pub mod simd;
 mod switches;

@@ -24,6 +24,9 @@ pub enum LoadError {
     /// MTP drafting was asked for and the checkpoint has no head, or its family none.
     #[error("--speculative-config method mtp: {0}")]
     Mtp(String),
+    /// The model cannot be divided among the ranks `--tensor-parallel-size` asks for.
+    #[error("--tensor-parallel-size {world}: {msg}")]
+    TensorParallel { world: usize, msg: String },
 }
 
 /// Where an MTP head's weights are, when drafting with one (`--speculative-config` method mtp).
@@ -170,6 +173,63 @@ pub fn load_model_parts(
     };
     let held = HeldBytes { text, vision: weights.held_bytes() - text };
     Ok(LoadedModel { model, vision, tokenizer: Arc::new(tokenizer), location: loc, held })
+}
+
+/// A safetensors checkpoint's text model divided among `devices` (tensor parallelism, one rank
+/// per device, rank 0 on the first): each rank loads its part of every divided tensor
+/// (`parallel::Shard::split_of`) and the layers a config of its share implies
+/// (`parallel::rank_config`). On the CPU the ranks meet through threads (`thread_group`), on
+/// CUDA devices through NCCL. The weight figure is one rank's.
+pub fn load_tensor_parallel(
+    path: &Path,
+    tokenizer: Option<&Path>,
+    devices: &[Device],
+    dtype: DType,
+) -> Result<LoadedModel, LoadError> {
+    let world = devices.len();
+    let refuse = |msg: String| LoadError::TensorParallel { world, msg };
+    let loc = ModelLocation::resolve(path)?;
+    let ModelLocation::HfDir(dir) = &loc else {
+        return Err(refuse("divides safetensors checkpoints only, not a GGUF file".into()));
+    };
+    let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
+    merge_generation_config(dir, &mut cfg);
+    if let Some(why) = crate::parallel::unsupported(&cfg, world) {
+        return Err(refuse(why));
+    }
+    let tokenizer = match tokenizer {
+        Some(t) => read_tokenizer(t)?,
+        None => TextTokenizer::from_dir(dir)?,
+    };
+    let comms = if devices.iter().all(Device::is_cpu) {
+        crate::parallel::thread_group(world)
+    } else {
+        #[cfg(feature = "nccl")]
+        {
+            for d in devices {
+                crate::ops::cuda::preload(d.as_cuda_device().map_err(|e| refuse(e.to_string()))?);
+            }
+            crate::parallel::nccl_group(devices).map_err(|e| refuse(e.to_string()))?
+        }
+        #[cfg(not(feature = "nccl"))]
+        return Err(refuse("GPU ranks meet through NCCL, which this build lacks (cargo build --features nccl)".into()));
+    };
+    let rank_cfg = crate::parallel::rank_config(&cfg, world);
+    let mlx = mlx_quantization(&dir.join("config.json"))?;
+    let mut ranks = Vec::with_capacity(world);
+    let mut text = 0;
+    for (device, comm) in devices.iter().zip(&comms) {
+        let shard = crate::parallel::Shard { comm: comm.clone() };
+        let w = Weights::from_safetensors(SafetensorsDir::open(dir)?, device.clone(), dtype)
+            .with_mlx_quantization(mlx.clone())
+            .with_shard(shard);
+        ranks.push((load_text_model(&w, &rank_cfg)?, device.clone()));
+        text = w.held_bytes();
+    }
+    let model = crate::models::tensor_parallel::TensorParallel::new(ranks, comms[0].clone())
+        .map_err(|e| refuse(e.to_string()))?;
+    let held = HeldBytes { text, vision: 0 };
+    Ok(LoadedModel { model: Box::new(model), vision: None, tokenizer: Arc::new(tokenizer), location: loc, held })
 }
 
 /// `weights` able to serve the MTP head `mtp` names, checked to hold one.

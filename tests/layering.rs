@@ -29,7 +29,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     // Parsed configs, SIMD helpers, environment switches, the device: they use nothing above.
     ("0", &["config", "simd", "switches", "device"]),
     // Tensor ops, and the flat batch (with its attention metadata) they read.
-    ("1", &["ops", "batch"]),
+    ("1", &["ops", "batch", "parallel"]),
     // A model's files and inputs: tensors, vocabulary, images.
     ("2", &["weights", "tokenizer", "media"]),
     ("3", &["kv"]),

@@ -202,6 +202,12 @@ pub struct EngineArgs {
     /// bf16 or f16 there; the CPU's kernels are batch-invariant always.
     #[arg(long)]
     pub batch_invariant: bool,
+    /// Ranks the model's layers are divided among (vLLM's flag): GPUs from --device's on
+    /// (cuda:0 and cuda:1 for 2), meeting through NCCL; on the CPU, threads. Each rank holds its
+    /// share of the heads, the MLP and the vocabulary, and its own KV cache. Float safetensors
+    /// checkpoints of llama, qwen2, qwen3 and gemma3 text models.
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
 }
 
 impl EngineArgs {
@@ -260,6 +266,7 @@ impl EngineArgs {
                 None => None,
             },
             batch_invariant: self.batch_invariant,
+            tensor_parallel_size: self.tensor_parallel_size,
         })
     }
 }

@@ -52,6 +52,8 @@ pub struct EngineOptions {
     /// `--batch-invariant`: every row's bits independent of the batch on CUDA too
     /// (`device::set_batch_invariant`), at a cost in speed.
     pub batch_invariant: bool,
+    /// `--tensor-parallel-size`: ranks the model is divided among (1: not divided).
+    pub tensor_parallel_size: usize,
 }
 
 impl Default for EngineOptions {
@@ -75,6 +77,7 @@ impl Default for EngineOptions {
             tokenizer: None,
             image_limit: None,
             batch_invariant: false,
+            tensor_parallel_size: 1,
         }
     }
 }
@@ -235,7 +238,23 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         tracing::info!("--batch-invariant: the CPU kernels give every row the same bits in any batch already");
     }
     let with_vision = opts.image_limit != Some(0);
-    let loaded = loader::load_model_parts(path, opts.tokenizer.as_deref(), device, opts.dtype, mtp, with_vision)?;
+    let loaded = match opts.tensor_parallel_size {
+        0 => return Err(BuildError::Setting("--tensor-parallel-size must be at least 1".into())),
+        1 => loader::load_model_parts(path, opts.tokenizer.as_deref(), device, opts.dtype, mtp, with_vision)?,
+        n => {
+            let refused = match (&opts.drafter, opts.kv_quant) {
+                (Some(_), _) => Some("MTP and assistant drafters"),
+                (_, Some(_)) => Some("a TurboQuant KV cache"),
+                _ => None,
+            };
+            if let Some(what) = refused {
+                return Err(BuildError::Setting(format!(
+                    "--tensor-parallel-size {n} does not run with {what} yet; n-gram speculation and float caches do"
+                )));
+            }
+            loader::load_tensor_parallel(path, opts.tokenizer.as_deref(), &rank_devices(device, n)?, opts.dtype)?
+        }
+    };
     if !with_vision {
         tracing::info!("--limit-mm-per-prompt image 0: no vision tower loaded; requests with images are refused");
     }
@@ -378,6 +397,27 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         None => {}
     }
     Ok((engine, report))
+}
+
+/// The devices of `n` tensor-parallel ranks: `device` and the GPUs after it, or `n` times the CPU.
+fn rank_devices(device: &Device, n: usize) -> Result<Vec<Device>, BuildError> {
+    let first = match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+        _ => return Ok(vec![device.clone(); n]),
+    };
+    (first..first + n)
+        .map(|i| {
+            if i == first {
+                return Ok(device.clone());
+            }
+            crate::device::open(&format!("cuda:{i}")).map_err(|e| {
+                BuildError::Setting(format!(
+                    "--tensor-parallel-size {n} needs GPUs cuda:{first} to cuda:{}: {e}",
+                    first + n - 1
+                ))
+            })
+        })
+        .collect()
 }
 
 /// The drafter model in `dir` for a target of config `cfg` (the Gemma 4 assistant is the one

@@ -77,7 +77,11 @@ impl Engine {
         let max_blocks = cfg.max_model_len.div_ceil(cfg.scheduler.block_size);
         let max_positions = model.config().max_position_embeddings.min(crate::layers::rotary::MAX_TABLE_POSITIONS);
         let max_drafts = cfg.speculative.map_or(0, |s| s.num_tokens);
-        let runner = ModelRunner::new(device, cfg.scheduler.max_num_seqs, max_blocks, max_positions, 1 + max_drafts);
+        let mut runner =
+            ModelRunner::new(device, cfg.scheduler.max_num_seqs, max_blocks, max_positions, 1 + max_drafts);
+        if !model.graph_capturable() {
+            runner.without_graphs();
+        }
         let drafter = cfg.speculative.map(|s| Drafter::Ngram(NgramDrafter::new(s)));
         let output = OutputProcessor::new(eos, cfg.max_model_len, drafter, max_drafts);
         Engine {

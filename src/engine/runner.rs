@@ -295,6 +295,14 @@ impl ModelRunner {
         Some(draws)
     }
 
+    /// Runs every step op by op (a model whose steps cannot be captured as CUDA graphs).
+    pub fn without_graphs(&mut self) {
+        #[cfg(feature = "cuda")]
+        {
+            self.graphs = None;
+        }
+    }
+
     /// Runs `batch` (built on the host) and returns the next-token data of `sample_rows`;
     /// `draws`, one per sampled row, let a GPU pick the tokens itself (None: logits to the host),
     /// once the grammar masks are known when some row is `masked` (`StepOutput::Undrawn`).

@@ -4,6 +4,7 @@ use candle_core::{DType, Result, Tensor};
 
 use super::linear::Linear;
 use crate::ops::qmatmul::QMatrix;
+use crate::parallel::{Collective, Communicator};
 use crate::weights::{StoredTensor, Weights, WeightsError};
 
 /// Token embedding table `[vocab, hidden]`, dense or kept quantized (rows dequantized on lookup).
@@ -11,17 +12,30 @@ pub enum Embedding {
     Dense(Tensor),
     /// Shared with the output head when the embeddings are tied.
     Quantized(Arc<QMatrix>),
+    /// Under tensor parallelism, this rank's rows of the table, from id `start` on: a lookup
+    /// gives zeros for ids outside them, and the ranks' lookups are added up.
+    Divided {
+        rows: Tensor,
+        start: u32,
+        comm: Arc<dyn Communicator>,
+    },
 }
 
 impl Embedding {
     pub fn load(w: &Weights, name: &str, vocab: usize, hidden: usize) -> std::result::Result<Self, WeightsError> {
+        if let Some(shard) = w.shard() {
+            let part = vocab / shard.world();
+            let rows = w.dense(name, &[part, hidden])?;
+            let start = (shard.rank() * part) as u32;
+            return Ok(Embedding::Divided { rows, start, comm: shard.comm.clone() });
+        }
         let e = match w.stored(name, &[vocab, hidden])? {
             StoredTensor::Dense(t) => Embedding::Dense(t.to_dtype(w.dtype())?),
             StoredTensor::Quantized(q) => Self::quantized(w, QMatrix::new(q)?)?,
             StoredTensor::Affine(a) => Self::quantized(w, QMatrix::from_affine(&a)?)?,
         };
         w.hold(match &e {
-            Embedding::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Embedding::Dense(t) | Embedding::Divided { rows: t, .. } => t.elem_count() * t.dtype().size_in_bytes(),
             Embedding::Quantized(q) => q.held_bytes(),
         });
         Ok(e)
@@ -45,11 +59,23 @@ impl Embedding {
                 let rows = q.dequantize_rows(&ids)?;
                 Tensor::from_vec(rows, (ids.len(), q.dims().1), &device)?.to_dtype(dtype)
             }
+            Embedding::Divided { rows, start, comm } => {
+                let n = rows.dim(0)? as u32;
+                let ids = ids.to_vec1::<u32>()?;
+                let local: Vec<u32> =
+                    ids.iter().map(|&t| if t.wrapping_sub(*start) < n { t - start } else { 0 }).collect();
+                let mine: Vec<f32> = ids.iter().map(|&t| f32::from(u8::from(t.wrapping_sub(*start) < n))).collect();
+                let dev = rows.device();
+                let looked_up = rows.index_select(&Tensor::new(local, dev)?, 0)?;
+                let mine = Tensor::from_vec(mine, (ids.len(), 1), dev)?.to_dtype(rows.dtype())?;
+                comm.all_reduce(&looked_up.broadcast_mul(&mine)?)
+            }
         }
     }
 
     /// The output projection: `lm_head.weight`, or this table when tied (or when the
-    /// checkpoint has no separate head).
+    /// checkpoint has no separate head). Under tensor parallelism each rank projects onto its
+    /// range of the vocabulary, and the ranks' logits are put side by side.
     pub fn output_head(
         &self,
         w: &Weights,
@@ -60,7 +86,7 @@ impl Embedding {
         if tied || !w.contains("lm_head.weight") {
             Ok(self.as_linear()?)
         } else {
-            Linear::load(w, "lm_head", hidden, vocab, false)
+            Linear::load(w, "lm_head", hidden, vocab / w.shard().map_or(1, |s| s.world()), false)
         }
     }
 
@@ -69,6 +95,9 @@ impl Embedding {
         match self {
             Embedding::Dense(t) => Ok(Linear::from_dense(t.clone())),
             Embedding::Quantized(q) => Ok(Linear::from_qmatrix(q.clone())),
+            Embedding::Divided { rows, comm, .. } => {
+                Ok(Linear::from_dense(rows.clone()).completed_by(Collective::Gather(comm.clone())))
+            }
         }
     }
 }

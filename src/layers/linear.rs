@@ -6,6 +6,7 @@ use candle_core::{Result, Tensor};
 use crate::ops::gemv::Gemv;
 use crate::ops::invariant_matmul::InvariantMatmul;
 use crate::ops::qmatmul::{CudaQMatrix, QMatrix};
+use crate::parallel::Collective;
 
 use crate::weights::{AffineMatrix, StoredTensor, Weights, WeightsError};
 
@@ -52,6 +53,9 @@ impl Matrix {
 pub struct Linear {
     w: Matrix,
     bias: Option<Tensor>,
+    /// Under tensor parallelism, what completes this rank's part of the product (before the
+    /// bias, which every rank holds whole).
+    collective: Option<Collective>,
 }
 
 impl Linear {
@@ -70,22 +74,34 @@ impl Linear {
         };
         w.hold(m.bytes());
         let bias = if bias { Some(w.dense(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
-        Ok(Linear { w: m, bias })
+        let collective = w.shard().and_then(|s| s.collective_after(&name));
+        Ok(Linear { w: m, bias, collective })
     }
 
     /// Shares an embedding table as an output projection (tied weights).
     pub fn from_dense(t: Tensor) -> Self {
-        Linear { w: Matrix::Dense(t), bias: None }
+        Self::plain(Matrix::Dense(t), None)
+    }
+
+    fn plain(w: Matrix, bias: Option<Tensor>) -> Self {
+        Linear { w, bias, collective: None }
+    }
+
+    /// The same product completed by `c` (a vocabulary-parallel output head shared with its
+    /// embedding table).
+    pub fn completed_by(mut self, c: Collective) -> Self {
+        self.collective = Some(c);
+        self
     }
 
     /// A dense `[out, in]` matrix and bias `[out]` (convolutions applied as matrix products).
     pub fn from_dense_with_bias(w: Tensor, bias: Tensor) -> Self {
-        Linear { w: Matrix::Dense(w), bias: Some(bias) }
+        Self::plain(Matrix::Dense(w), Some(bias))
     }
 
     /// Shares a quantized embedding table as an output projection (tied weights).
     pub fn from_qmatrix(q: Arc<QMatrix>) -> Self {
-        Linear { w: Matrix::Quantized(q), bias: None }
+        Self::plain(Matrix::Quantized(q), None)
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -98,6 +114,14 @@ impl Linear {
 
     /// `x W^T`, the bias left for the caller to fuse into what follows.
     pub fn forward_unbiased(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.product(x)?;
+        match &self.collective {
+            Some(c) => c.apply(&y),
+            None => Ok(y),
+        }
+    }
+
+    fn product(&self, x: &Tensor) -> Result<Tensor> {
         match &self.w {
             Matrix::Dense(w) if InvariantMatmul::applies(x, w) => InvariantMatmul::forward(x, w),
             Matrix::Dense(w) if Gemv::applies(x, w) => Gemv::forward(x, w),
@@ -121,8 +145,11 @@ impl Linear {
             }
             Matrix::DeviceQuantized(_) => return Ok(None),
         };
+        if self.collective.is_some() {
+            return Ok(None);
+        }
         let bias = self.bias.as_ref().map(|b| b.index_select(&Tensor::new(ids, b.device())?, 0)).transpose()?;
-        Ok(Some(Linear { w, bias }))
+        Ok(Some(Self::plain(w, bias)))
     }
 
     pub fn bias(&self) -> Option<&Tensor> {
@@ -146,7 +173,7 @@ impl Linear {
             t.reshape(halves)?.transpose(0, 1)?.contiguous()?.reshape(flat)
         };
         let bias = self.bias.as_ref().map(|b| pairs(b, &[])).transpose()?;
-        Ok(Some(Linear { w: Matrix::Dense(pairs(w, &[k])?), bias }))
+        Ok(Some(Linear { w: Matrix::Dense(pairs(w, &[k])?), bias, collective: self.collective.clone() }))
     }
 
     /// `act(x W_gate^T) * x W_up^T` in one streaming pass, for a projection made by
@@ -155,6 +182,7 @@ impl Linear {
     pub fn forward_gated(&self, x: &Tensor, gelu: bool) -> Option<Result<Tensor>> {
         let on = crate::switches::switched_on!("IRIS_CUDA_GATED_GEMV");
         match &self.w {
+            _ if self.collective.is_some() => None,
             Matrix::Dense(w) if on && self.bias.is_none() && InvariantMatmul::applies_gated(x, w) => {
                 Some(InvariantMatmul::forward_gated(x, w, gelu))
             }
@@ -231,7 +259,7 @@ impl StackedLinear {
                 } else {
                     None
                 };
-                StackedLinear::Merged { linear: Linear { w: m, bias: biases }, widths: out_dims.to_vec() }
+                StackedLinear::Merged { linear: Linear::plain(m, biases), widths: out_dims.to_vec() }
             }
             None => StackedLinear::Separate(
                 prefixes

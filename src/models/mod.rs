@@ -11,6 +11,7 @@ pub mod mrope;
 pub mod patch_vlm;
 pub mod qwen2_vl;
 pub mod qwen35;
+pub mod tensor_parallel;
 
 use std::path::Path;
 use std::sync::Arc;

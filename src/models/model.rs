@@ -49,6 +49,12 @@ pub trait TextModel: Send {
     fn input_embeddings(&self, _ids: &Tensor) -> Result<Tensor> {
         candle_core::bail!("{} has no drafter that reads its input embeddings", self.config().arch.name())
     }
+
+    /// Whether a decode step of this model can be captured as a CUDA graph on the engine's
+    /// device (not a model divided among devices, whose ranks run on threads of their own).
+    fn graph_capturable(&self) -> bool {
+        true
+    }
 }
 
 /// The image side of a vision-language model: preprocessing, the prompt's M-RoPE positions,

@@ -25,6 +25,7 @@ pub use safetensors::{SafetensorsDir, MTP_SIDECARS};
 pub use tensor::StoredTensor;
 
 use crate::config::Arch;
+use crate::parallel::{Shard, Split};
 
 enum Source {
     Safetensors(SafetensorsDir),
@@ -45,6 +46,8 @@ pub struct Weights {
     sidecar_pairs: Option<usize>,
     /// Bytes held by what was built from this store (it keeps nothing itself but memory maps).
     held: AtomicU64,
+    /// Under tensor parallelism, this rank's place: divided tensors are handed out as its part.
+    shard: Option<Shard>,
 }
 
 /// Whether `name` is an MTP head's tensor (`mtp.*`): quantized ones are dequantized at load,
@@ -63,7 +66,16 @@ impl Weights {
     }
 
     fn new(source: Source, device: Device, dtype: DType) -> Self {
-        Weights { source, device, dtype, mlx: None, mtp_sidecar: None, sidecar_pairs: None, held: AtomicU64::new(0) }
+        Weights {
+            source,
+            device,
+            dtype,
+            mlx: None,
+            mtp_sidecar: None,
+            sidecar_pairs: None,
+            held: AtomicU64::new(0),
+            shard: None,
+        }
     }
 
     /// The parameters an MLX conversion's config gives its quantized modules.
@@ -78,6 +90,17 @@ impl Weights {
         self.mtp_sidecar = Some(side);
         self.sidecar_pairs = pairs;
         self
+    }
+
+    /// Hands out this rank's part of every tensor `Shard::split_of` divides (asked for in the
+    /// shape of the part), for a rank of a tensor-parallel group.
+    pub fn with_shard(mut self, shard: Shard) -> Self {
+        self.shard = Some(shard);
+        self
+    }
+
+    pub fn shard(&self) -> Option<&Shard> {
+        self.shard.as_ref()
     }
 
     /// The sidecar that holds `name`, if it is an MTP tensor and there is one.
@@ -158,7 +181,61 @@ impl Weights {
     /// Not counted in `held_bytes`: the layer that keeps it in another form (converted,
     /// repacked, stacked, dequantized on a GPU) counts that form with `hold`.
     pub fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, WeightsError> {
-        let stored = match (&self.source, self.sidecar_for(name)) {
+        let stored = self.stored_whole(name, shape)?;
+        let stored = match (&self.shard, Shard::split_of(name)) {
+            (Some(shard), Some(split)) => self.part(shard, split, name, shape, stored)?,
+            _ => stored,
+        };
+        let actual = match &stored {
+            StoredTensor::Dense(t) => t.dims().to_vec(),
+            StoredTensor::Quantized(q) => q.shape().dims().to_vec(),
+            StoredTensor::Affine(a) => vec![a.rows, a.cols],
+        };
+        if actual != shape {
+            return Err(WeightsError::ShapeMismatch {
+                name: name.to_string(),
+                origin: self.origin_of(name).to_path_buf(),
+                expected: shape.to_vec(),
+                actual,
+            });
+        }
+        Ok(stored)
+    }
+
+    /// This rank's part of `stored`, divided by `split`, of the `shape` its layer asks for.
+    fn part(
+        &self,
+        shard: &Shard,
+        split: Split,
+        name: &str,
+        shape: &[usize],
+        stored: StoredTensor,
+    ) -> Result<StoredTensor, WeightsError> {
+        let bad = |msg: String| WeightsError::BadTensor {
+            name: name.to_string(),
+            origin: self.origin_of(name).to_path_buf(),
+            msg,
+        };
+        let StoredTensor::Dense(t) = stored else {
+            return Err(bad("is quantized; tensor parallelism divides float (bf16, f16, f32) checkpoints only".into()));
+        };
+        let len = match split {
+            Split::Rows => shape.first(),
+            Split::Columns => shape.last(),
+        };
+        match shard.part(&t, split, len.copied().unwrap_or(0))? {
+            Some(part) => Ok(StoredTensor::Dense(part)),
+            None => Err(bad(format!(
+                "of shape {:?} does not divide among {} ranks into parts of shape {shape:?}",
+                t.dims(),
+                shard.world()
+            ))),
+        }
+    }
+
+    /// A tensor as stored, whole.
+    fn stored_whole(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, WeightsError> {
+        Ok(match (&self.source, self.sidecar_for(name)) {
             (_, Some(s)) | (Source::Safetensors(s), None) => match name.strip_suffix(".weight") {
                 Some(module) if s.contains(&format!("{module}.scales")) => {
                     let a = self.affine(s, module, shape)?;
@@ -189,21 +266,7 @@ impl Weights {
                     other => other,
                 }
             }
-        };
-        let actual = match &stored {
-            StoredTensor::Dense(t) => t.dims().to_vec(),
-            StoredTensor::Quantized(q) => q.shape().dims().to_vec(),
-            StoredTensor::Affine(a) => vec![a.rows, a.cols],
-        };
-        if actual != shape {
-            return Err(WeightsError::ShapeMismatch {
-                name: name.to_string(),
-                origin: self.origin_of(name).to_path_buf(),
-                expected: shape.to_vec(),
-                actual,
-            });
-        }
-        Ok(stored)
+        })
     }
 
     /// A dense tensor in the model's dtype (quantized ones are dequantized).

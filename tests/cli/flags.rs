@@ -73,6 +73,15 @@ fn bad_flags() {
         &generate_args(m, &["--device", "cpu", "--speculative-config", &mtp(assistant.to_str().unwrap())]),
         &["Gemma 4 target"],
     );
+    // Tensor parallelism: ranks that do not divide the heads, and what is not divided yet.
+    expect_error(
+        &generate_args(m, &["--device", "cpu", "--tensor-parallel-size", "3"]),
+        &["--tensor-parallel-size 3", "heads"],
+    );
+    expect_error(
+        &generate_args(m, &["--device", "cpu", "--tensor-parallel-size", "2", "--kv-cache-dtype", "tq-k3v4"]),
+        &["--tensor-parallel-size 2", "TurboQuant"],
+    );
     expect_error(&["bench", "--model", m, "--all-accepted"], &["--speculative-config"]);
     expect_error(&["bench", "--model", m, "--repeats", "0"], &["--repeats"]);
     expect_error(&["bench", "--model", m, "--batch-sizes", "0"], &["--batch-sizes"]);

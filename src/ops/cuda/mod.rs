@@ -137,6 +137,40 @@ pub const SAMPLING: Module = Module { name: "iris_sampling", ptx: ptx::SAMPLING 
 pub const TQ_ATTENTION: Module = Module { name: "iris_tq_attention", ptx: ptx::TQ_ATTENTION };
 pub const TQ_WRITE: Module = Module { name: "iris_tq_write", ptx: ptx::TQ_WRITE };
 
+/// Every kernel module iris and candle use (but candle's quantized one), loaded into `dev` now
+/// rather than at first use. Tensor-parallel ranks need it: loading a module while an NCCL
+/// kernel waits on the device for a peer can stall the driver until the peer comes, and the
+/// peer may be stalled behind the same load (NCCL's documented hang with lazily loaded
+/// kernels), so no module may load once the ranks run.
+pub fn preload(dev: &CudaDevice) {
+    use candle_core::cuda_backend::kernels as k;
+    const OURS: [&Module; 15] = [
+        &ADD_RMS_NORM,
+        &GATED_ACT,
+        &GATED_DELTA,
+        &GEMV,
+        &INVARIANT_MATMUL,
+        &KV_WRITE,
+        &MOE_EXPERTS,
+        &MOE_ROUTE,
+        &PAGED_ATTENTION,
+        &PREFILL_ATTENTION,
+        &QGEMV,
+        &QKV_ROPE,
+        &SAMPLING,
+        &TQ_ATTENTION,
+        &TQ_WRITE,
+    ];
+    // A module is kept once loaded, before its function is looked up: a name it lacks loads
+    // it all the same (the lookup's error says only that the name is not there).
+    for m in OURS {
+        let _ = dev.get_or_load_custom_func("iris_preload", m.name, m.ptx);
+    }
+    for m in [k::AFFINE, k::BINARY, k::CAST, k::CONV, k::FILL, k::INDEXING, k::REDUCE, k::SORT, k::TERNARY, k::UNARY] {
+        let _ = dev.get_or_load_func("iris_preload", &m);
+    }
+}
+
 impl Module {
     /// Kernel `name` of this module, loaded into `dev` on first use.
     pub fn func(&self, dev: &CudaDevice, name: &str) -> Result<Kernel> {

@@ -1,0 +1,127 @@
+//! Tensor parallelism: a model divided among ranks gives the undivided model's output. On the
+//! CPU the ranks are threads meeting through `parallel::thread_group`, so CI checks the
+//! division itself (the weights' parts, the per-rank caches, the collectives); on a GPU machine
+//! (IRIS_TEST_DEVICE=cuda and enough GPUs) the same tests run over NCCL.
+//!
+//! Greedy tokens must be equal; each row's logprobs within 1e-4 (the ranks' partial sums add
+//! up in another order than one product's, so the last bits of f32 move).
+
+mod common;
+
+use common::*;
+use iris::engine::build::{build_engine, EngineOptions};
+use iris::engine::{Engine, Request, SamplingParams, SpeculativeConfig};
+
+/// (token, logprob, top-5) of every generated token of each request, all submitted at once.
+type Trace = Vec<Vec<(u32, f32, Vec<(u32, f32)>)>>;
+
+fn run(engine: &mut Engine, reqs: &[(Vec<u32>, SamplingParams)]) -> Trace {
+    let ids: Vec<_> = reqs
+        .iter()
+        .map(|(prompt, params)| {
+            engine.add_request(Request { prompt_tokens: prompt.clone(), params: params.clone() }).expect("admitted")
+        })
+        .collect();
+    let mut out: Trace = vec![Vec::new(); reqs.len()];
+    let mut done = 0;
+    while done < reqs.len() {
+        for u in engine.step().expect("step") {
+            let i = ids.iter().position(|&id| id == u.id).expect("a request of ours");
+            if let Some(t) = u.token {
+                out[i].push((t.token, t.logprob, t.top_logprobs));
+            }
+            done += usize::from(u.finish.is_some());
+        }
+    }
+    out
+}
+
+fn requests(vocab: u32) -> Vec<(Vec<u32>, SamplingParams)> {
+    repeating_prompts(vocab, &[5, 19, 40, 64, 7], 3)
+        .into_iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let params =
+                if i == 4 { SamplingParams { temperature: 1.0, seed: Some(9), ..greedy(12) } } else { greedy(12 + i) };
+            (prompt, SamplingParams { logprobs: Some(5), ..params })
+        })
+        .collect()
+}
+
+fn divided(ranks: usize, speculative: Option<SpeculativeConfig>) -> EngineOptions {
+    EngineOptions {
+        kv_memory: Some(1 << 22),
+        block_size: 4,
+        max_num_batched_tokens: 32,
+        tensor_parallel_size: ranks,
+        speculative,
+        ..Default::default()
+    }
+}
+
+fn assert_same(want: &Trace, got: &Trace, what: &str) {
+    for (r, (w, g)) in want.iter().zip(got).enumerate() {
+        let tokens = |t: &Vec<(u32, f32, Vec<(u32, f32)>)>| t.iter().map(|e| e.0).collect::<Vec<_>>();
+        assert_eq!(tokens(w), tokens(g), "{what}: request {r}'s tokens");
+        for (i, (a, b)) in w.iter().zip(g).enumerate() {
+            assert!((a.1 - b.1).abs() < 1e-4, "{what}: request {r} token {i}: logprob {} vs {}", a.1, b.1);
+            for ((ta, la), (tb, lb)) in a.2.iter().zip(&b.2) {
+                assert!((la - lb).abs() < 1e-4, "{what}: request {r} token {i}: top {ta}:{la} vs {tb}:{lb}");
+            }
+        }
+    }
+}
+
+/// Enough devices for `ranks` where the tests run (the CPU always; GPUs counted by opening them).
+fn have_devices(ranks: usize) -> bool {
+    !on_gpu() || (0..ranks).all(|i| iris::device::open(&format!("cuda:{i}")).is_ok())
+}
+
+#[test]
+fn divided_models_give_the_undivided_output() {
+    let _gpu = gpu_lock();
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"] {
+        let path = fixture(name);
+        let mut whole = engine_with(&path, divided(1, None));
+        let reqs = requests(whole.model().config().vocab_size as u32);
+        let want = run(&mut whole, &reqs);
+        // 4 ranks: the two KV heads are each replicated on two ranks.
+        for ranks in [2, 4].into_iter().filter(|&r| have_devices(r)) {
+            let mut parts = engine_with(&path, divided(ranks, None));
+            assert_same(&want, &run(&mut parts, &reqs), &format!("{name}, {ranks} ranks"));
+        }
+    }
+}
+
+#[test]
+fn divided_models_verify_drafts_and_keep_greedy_output() {
+    let _gpu = gpu_lock();
+    let path = fixture("tiny-qwen2");
+    let mut whole = engine_with(&path, divided(1, None));
+    // Greedy ones: a sampled request's tokens follow the same distribution with speculation,
+    // not the same draws.
+    let mut reqs = requests(whole.model().config().vocab_size as u32);
+    reqs.retain(|(_, p)| p.temperature == 0.0);
+    let want = run(&mut whole, &reqs);
+    let spec = Some(SpeculativeConfig { num_tokens: 3, lookup_min: 1, lookup_max: 3, adaptive: false });
+    let mut parts = engine_with(&path, divided(2, spec));
+    assert_same(&want, &run(&mut parts, &reqs), "2 ranks with n-gram speculation");
+    assert!(parts.stats.spec.num_draft_tokens > 0, "drafts were verified");
+}
+
+#[test]
+fn what_cannot_be_divided_is_refused_in_one_line() {
+    let cases = [
+        ("tiny-llama", 3, "--tensor-parallel-size 3: 3 ranks must divide the attention heads (4)"),
+        ("tiny-llama", 0, "--tensor-parallel-size must be at least 1"),
+        ("tiny-qwen3.5", 2, "--tensor-parallel-size 2: qwen3_5 is not divided across ranks yet"),
+        ("tiny-glm4v-moe", 2, "is not divided across ranks yet"),
+    ];
+    for (name, ranks, want) in cases {
+        let err = match build_engine(&fixture(name), &device(), &divided(ranks, None)) {
+            Ok(_) => panic!("{name} with {ranks} ranks was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(want) && !err.contains('\n'), "{name}, {ranks}: {err}");
+    }
+}
