@@ -194,6 +194,8 @@ pub fn load_tensor_parallel(
     };
     let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
     merge_generation_config(dir, &mut cfg);
+    // No MTP head is loaded (drafters are refused with tensor parallelism).
+    cfg.mtp_layers = 0;
     if let Some(why) = crate::parallel::unsupported(&cfg, world) {
         return Err(refuse(why));
     }

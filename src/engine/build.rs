@@ -252,6 +252,11 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
                     "--tensor-parallel-size {n} does not run with {what} yet; n-gram speculation and float caches do"
                 )));
             }
+            // What the model allows first: it does not depend on the GPUs at hand.
+            let cfg = loader::read_config(path)?.1;
+            if let Some(msg) = crate::parallel::unsupported(&cfg, n) {
+                return Err(LoadError::TensorParallel { world: n, msg }.into());
+            }
             loader::load_tensor_parallel(path, opts.tokenizer.as_deref(), &rank_devices(device, n)?, opts.dtype)?
         }
     };

@@ -125,8 +125,8 @@ pub fn unsupported(cfg: &TextConfig, world: usize) -> Option<String> {
     if !(divides(kv) || world.is_multiple_of(kv)) {
         return Some(format!("{world} ranks neither divide the {kv} KV heads nor are a multiple of them"));
     }
-    if cfg.mtp_layers > 0 || !cfg.layer_kv.is_empty() {
-        return Some("MTP layers and per-layer KV shapes are not divided across ranks yet".into());
+    if !cfg.layer_kv.is_empty() {
+        return Some("per-layer KV shapes are not divided across ranks yet".into());
     }
     None
 }
