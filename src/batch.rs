@@ -586,16 +586,16 @@ impl Batch {
         self.attn.num_rows()
     }
 
-    /// A copy of this text batch on `device` (another rank's, under tensor parallelism).
-    pub fn text_on(&self, device: &Device) -> candle_core::Result<Batch> {
+    /// A copy of this text batch on `device` (another rank's, under tensor parallelism), with
+    /// its token ids `ids` as read back to the host beforehand: read from the other rank's
+    /// thread, they could wait behind a collective queued on this batch's device that waits for
+    /// that very rank.
+    pub fn text_on(&self, device: &Device, ids: &[u32]) -> candle_core::Result<Batch> {
         if self.images.is_some() {
             candle_core::bail!("a batch with images is not copied to another device");
         }
         let mut attn = self.attn.clone();
         attn.upload(device)?;
-        // Through the host: a device-to-device copy would run on the other device's stream,
-        // unordered with the work on this one's that wrote the ids.
-        let ids = self.token_ids.to_vec1::<u32>()?;
         Ok(Batch {
             token_ids: Tensor::new(ids, device)?,
             positions: self.positions.clone(),

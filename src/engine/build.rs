@@ -247,6 +247,11 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
                 (_, Some(_)) => Some("a TurboQuant KV cache"),
                 _ => None,
             };
+            if opts.batch_invariant && n > 2 && device.is_cuda() {
+                return Err(BuildError::Setting(format!(
+                    "--batch-invariant with --tensor-parallel-size {n}: NCCL's order of adding the ranks' parts may depend on the message size past 2 ranks; use 1 or 2"
+                )));
+            }
             if let Some(what) = refused {
                 return Err(BuildError::Setting(format!(
                     "--tensor-parallel-size {n} does not run with {what} yet; n-gram speculation and float caches do"

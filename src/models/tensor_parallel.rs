@@ -58,8 +58,20 @@ impl TensorParallel {
         };
         let (each, fail) = (&each, &fail);
         std::thread::scope(|s| {
-            let handles: Vec<_> = self.rest.iter().map(|rank| s.spawn(move || fail(each(rank)))).collect();
-            let out = fail(first());
+            let handles: Vec<_> = self
+                .rest
+                .iter()
+                .map(|rank| {
+                    s.spawn(move || {
+                        let _abort = AbortOnPanic(comm.as_ref());
+                        fail(each(rank))
+                    })
+                })
+                .collect();
+            let out = {
+                let _abort = AbortOnPanic(comm.as_ref());
+                fail(first())
+            };
             let mut rest_failed = None;
             for h in handles {
                 match h.join() {
@@ -80,6 +92,18 @@ impl TensorParallel {
     }
 }
 
+/// Fails the group's collectives when a rank's thread unwinds from a panic, so the other
+/// ranks stop waiting for it.
+struct AbortOnPanic<'a>(&'a dyn Communicator);
+
+impl Drop for AbortOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.abort();
+        }
+    }
+}
+
 /// The rank's mutex, whatever a panicking holder left (the group is aborted then anyway).
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -94,6 +118,9 @@ impl TextModel for TensorParallel {
         if batch.images.is_some() {
             candle_core::bail!("tensor parallel runs text only");
         }
+        // On this thread, before rank 0 queues its first collective (see `Batch::text_on`).
+        let on_other_devices = self.rest.iter().any(|r| !r.device.same_device(batch.token_ids.device()));
+        let ids = if on_other_devices { batch.token_ids.to_vec1::<u32>()? } else { Vec::new() };
         self.together(
             || self.first.forward(batch, kv, taps),
             |rank| {
@@ -106,7 +133,7 @@ impl TextModel for TensorParallel {
                 if rank.device.same_device(batch.token_ids.device()) {
                     model.forward(batch, cache, None)
                 } else {
-                    model.forward(&batch.text_on(&rank.device)?, cache, None)
+                    model.forward(&batch.text_on(&rank.device, &ids)?, cache, None)
                 }
             },
         )

@@ -58,6 +58,12 @@ impl Shard {
         self.comm.world()
     }
 
+    /// Whether tensor `name` may be replicated where it has fewer parts than there are ranks
+    /// (the KV projections, when there are fewer KV heads than ranks).
+    pub fn replicable(name: &str) -> bool {
+        name.contains("k_proj.") || name.contains("v_proj.")
+    }
+
     /// How tensor `name` is divided; None: every rank holds it whole (norms, biases added
     /// after a sum).
     pub fn split_of(name: &str) -> Option<Split> {
@@ -84,9 +90,10 @@ impl Shard {
     }
 
     /// This rank's part of a stored tensor `t` divided by `split`, the part having `len` entries
-    /// along that axis: part `rank` of `world`, or, where the tensor has fewer parts than there
-    /// are ranks (KV heads), the part this rank's queries read. None when `t` does not divide so.
-    pub fn part(&self, t: &Tensor, split: Split, len: usize) -> Result<Option<Tensor>> {
+    /// along that axis: part `rank` of `world`, or, where `replicable` (KV heads) and the tensor
+    /// has fewer parts than there are ranks, the part this rank's queries read. None when `t`
+    /// does not divide so.
+    pub fn part(&self, t: &Tensor, split: Split, len: usize, replicable: bool) -> Result<Option<Tensor>> {
         let axis = match split {
             Split::Rows => 0,
             Split::Columns => t.rank().saturating_sub(1),
@@ -97,7 +104,7 @@ impl Shard {
             return Ok(None);
         }
         let parts = full / len;
-        if parts != world && !(parts < world && world % parts == 0) {
+        if parts != world && !(replicable && parts < world && world % parts == 0) {
             return Ok(None);
         }
         let index = self.rank() * parts / world;
@@ -165,12 +172,14 @@ mod tests {
         let t = Tensor::arange(0f32, 12.0, &candle_core::Device::Cpu).unwrap().reshape((6, 2)).unwrap();
         for (rank, want) in [(0, 0.0), (1, 0.0), (2, 6.0), (3, 6.0)] {
             let shard = Shard { comm: comms[rank].clone() };
-            let part = shard.part(&t, Split::Rows, 3).unwrap().unwrap();
+            let part = shard.part(&t, Split::Rows, 3, true).unwrap().unwrap();
             assert_eq!(part.dims(), &[3, 2]);
             assert_eq!(part.flatten_all().unwrap().to_vec1::<f32>().unwrap()[0], want, "rank {rank}");
         }
         let shard = Shard { comm: comms[1].clone() };
-        assert_eq!(shard.part(&t, Split::Columns, 1).unwrap().unwrap().dims(), &[6, 1]);
-        assert!(shard.part(&t, Split::Rows, 4).unwrap().is_none(), "6 rows do not divide into 4s");
+        assert_eq!(shard.part(&t, Split::Columns, 1, true).unwrap().unwrap().dims(), &[6, 1]);
+        assert!(shard.part(&t, Split::Rows, 4, true).unwrap().is_none(), "6 rows do not divide into 4s");
+        assert!(shard.part(&t, Split::Rows, 3, false).unwrap().is_none(), "only KV heads are replicated");
+        assert!(shard.part(&t, Split::Rows, 6, false).unwrap().is_none(), "a whole tensor is no part");
     }
 }

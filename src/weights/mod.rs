@@ -223,7 +223,7 @@ impl Weights {
             Split::Rows => shape.first(),
             Split::Columns => shape.last(),
         };
-        match shard.part(&t, split, len.copied().unwrap_or(0))? {
+        match shard.part(&t, split, len.copied().unwrap_or(0), Shard::replicable(name))? {
             Some(part) => Ok(StoredTensor::Dense(part)),
             None => Err(bad(format!(
                 "of shape {:?} does not divide among {} ranks into parts of shape {shape:?}",
