@@ -175,18 +175,19 @@ pub fn load_model_parts(
     Ok(LoadedModel { model, vision, tokenizer: Arc::new(tokenizer), location: loc, held })
 }
 
-/// A safetensors checkpoint's text model divided among `devices` (tensor parallelism, one rank
-/// per device, rank 0 on the first): each rank loads its part of every divided tensor
-/// (`parallel::Shard::split_of`) and the layers a config of its share implies
-/// (`parallel::rank_config`). On the CPU the ranks meet through threads (`thread_group`), on
-/// CUDA devices through NCCL. The weight figure is one rank's.
+/// A safetensors checkpoint's text model divided among `world` ranks (tensor parallelism):
+/// rank 0 on `first`, the others on the GPUs after it (or on the CPU too). Each rank loads its
+/// part of every divided tensor (`parallel::Shard::split_of`) and the layers a config of its
+/// share implies (`parallel::rank_config`). On the CPU the ranks meet through threads
+/// (`thread_group`), on CUDA devices through NCCL. What the model allows is checked before any
+/// GPU is opened. The weight figure is one rank's.
 pub fn load_tensor_parallel(
     path: &Path,
     tokenizer: Option<&Path>,
-    devices: &[Device],
+    first: &Device,
+    world: usize,
     dtype: DType,
 ) -> Result<LoadedModel, LoadError> {
-    let world = devices.len();
     let refuse = |msg: String| LoadError::TensorParallel { world, msg };
     let loc = ModelLocation::resolve(path)?;
     let ModelLocation::HfDir(dir) = &loc else {
@@ -203,15 +204,16 @@ pub fn load_tensor_parallel(
         Some(t) => read_tokenizer(t)?,
         None => TextTokenizer::from_dir(dir)?,
     };
+    let devices = rank_devices(first, world).map_err(refuse)?;
     let comms = if devices.iter().all(Device::is_cpu) {
         crate::parallel::thread_group(world)
     } else {
         #[cfg(feature = "nccl")]
         {
-            for d in devices {
+            for d in &devices {
                 crate::ops::cuda::preload(d.as_cuda_device().map_err(|e| refuse(e.to_string()))?);
             }
-            crate::parallel::nccl_group(devices).map_err(|e| refuse(e.to_string()))?
+            crate::parallel::nccl_group(&devices).map_err(|e| refuse(e.to_string()))?
         }
         #[cfg(not(feature = "nccl"))]
         return Err(refuse("GPU ranks meet through NCCL, which this build lacks (cargo build --features nccl)".into()));
@@ -232,6 +234,19 @@ pub fn load_tensor_parallel(
         .map_err(|e| refuse(e.to_string()))?;
     let held = HeldBytes { text, vision: 0 };
     Ok(LoadedModel { model: Box::new(model), vision: None, tokenizer: Arc::new(tokenizer), location: loc, held })
+}
+
+/// The devices of `n` ranks: `first` and the GPUs after it, or `n` times the CPU.
+fn rank_devices(first: &Device, n: usize) -> Result<Vec<Device>, String> {
+    let first_id = match first.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+        _ => return Ok(vec![first.clone(); n]),
+    };
+    let last = first_id + n - 1;
+    let others = (first_id + 1..=last).map(|i| {
+        crate::device::open(&format!("cuda:{i}")).map_err(|e| format!("needs GPUs cuda:{first_id} to cuda:{last}: {e}"))
+    });
+    std::iter::once(Ok(first.clone())).chain(others).collect()
 }
 
 /// `weights` able to serve the MTP head `mtp` names, checked to hold one.

@@ -257,12 +257,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
                     "--tensor-parallel-size {n} does not run with {what} yet; n-gram speculation and float caches do"
                 )));
             }
-            // What the model allows first: it does not depend on the GPUs at hand.
-            let cfg = loader::read_config(path)?.1;
-            if let Some(msg) = crate::parallel::unsupported(&cfg, n) {
-                return Err(LoadError::TensorParallel { world: n, msg }.into());
-            }
-            loader::load_tensor_parallel(path, opts.tokenizer.as_deref(), &rank_devices(device, n)?, opts.dtype)?
+            loader::load_tensor_parallel(path, opts.tokenizer.as_deref(), device, n, opts.dtype)?
         }
     };
     if !with_vision {
@@ -407,27 +402,6 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
         None => {}
     }
     Ok((engine, report))
-}
-
-/// The devices of `n` tensor-parallel ranks: `device` and the GPUs after it, or `n` times the CPU.
-fn rank_devices(device: &Device, n: usize) -> Result<Vec<Device>, BuildError> {
-    let first = match device.location() {
-        candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
-        _ => return Ok(vec![device.clone(); n]),
-    };
-    (first..first + n)
-        .map(|i| {
-            if i == first {
-                return Ok(device.clone());
-            }
-            crate::device::open(&format!("cuda:{i}")).map_err(|e| {
-                BuildError::Setting(format!(
-                    "--tensor-parallel-size {n} needs GPUs cuda:{first} to cuda:{}: {e}",
-                    first + n - 1
-                ))
-            })
-        })
-        .collect()
 }
 
 /// The drafter model in `dir` for a target of config `cfg` (the Gemma 4 assistant is the one
