@@ -14,7 +14,12 @@ fn cuda_kernels() {
     println!("cargo::rerun-if-changed=src/ops/cuda");
     let ptx = cudaforge::KernelBuilder::new()
         .source_dir("src/ops/cuda")
-        .watch(["src/ops/cuda/common.cuh", "src/ops/cuda/tq_common.cuh", "src/ops/cuda/mma.cuh"])
+        .watch([
+            "src/ops/cuda/common.cuh",
+            "src/ops/cuda/tq_common.cuh",
+            "src/ops/cuda/mma.cuh",
+            "src/ops/cuda/flash.cuh",
+        ])
         .arg("-std=c++17")
         .arg("-O3")
         .arg("--expt-relaxed-constexpr")

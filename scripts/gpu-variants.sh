@@ -6,7 +6,8 @@
 #   VARIANTS="base;IRIS_CUDA_FUSED_MERGE=0;IRIS_CUDA_GEMV_UNROLL=16" scripts/gpu-variants.sh [RESULTS_DIR]
 #
 # - VARIANTS: settings separated by ';', each "base" or space-separated VAR=VALUE pairs.
-# - MODEL (default qwen2.5-7b), BATCHES (default 1), GEN_LEN (default 64), ROUNDS (default 3).
+# - MODEL (default qwen2.5-7b), BATCHES (default 1), PROMPT_LEN (default 128), GEN_LEN (default 64),
+#   ROUNDS (default 3).
 # - iris: $IRIS_BIN, else .gpu/iris.xz unpacked (scripts/gpu-build.sh).
 # Each run also logs the decode graphs' GPU time per step against its wall time
 # (IRIS_CUDA_STEP_TIMING=1), in RESULTS_DIR/<round>-<variant>.err.
@@ -14,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=${1:-${OUT:-/tmp/iris-bench/variants}}
 DIR=${BENCH_DIR:-/tmp/iris-bench}
-MODEL=${MODEL:-qwen2.5-7b} BATCHES=${BATCHES:-1} GEN_LEN=${GEN_LEN:-64} ROUNDS=${ROUNDS:-3}
+MODEL=${MODEL:-qwen2.5-7b} BATCHES=${BATCHES:-1} PROMPT_LEN=${PROMPT_LEN:-128} GEN_LEN=${GEN_LEN:-64} ROUNDS=${ROUNDS:-3}
 mkdir -p "$RES" "$DIR"
 IRIS=${IRIS_BIN:-$DIR/iris}
 [ -x "$IRIS" ] || { xz -dc .gpu/iris.xz > "$IRIS" && chmod +x "$IRIS"; }
@@ -28,7 +29,7 @@ for r in $(seq 1 "$ROUNDS"); do
   for i in "${!VARS[@]}"; do
     v=${VARS[$i]}; envs=(); [ "$v" = base ] || read -ra envs <<< "$v"
     env IRIS_CUDA_STEP_TIMING=1 "${envs[@]}" "$IRIS" bench --model "$md" --device cuda --dtype bf16 --json \
-      --batch-sizes "$BATCHES" --prompt-len 128 --gen-len "$GEN_LEN" --repeats 1 \
+      --batch-sizes "$BATCHES" --prompt-len "$PROMPT_LEN" --gen-len "$GEN_LEN" --repeats 1 \
       > "$RES/$r-$i.json" 2> "$RES/$r-$i.err" || { echo "variant '$v' failed:"; tail -3 "$RES/$r-$i.err"; }
   done
 done

@@ -20,6 +20,9 @@
 //! | `IRIS_CUDA_FUSED_MERGE=0` | ops/paged_attention | the decode attention's merge as its own kernel |
 //! | `IRIS_CUDA_PAGED_DECODE=0` | ops/paged_attention | no lane-split decode attention kernel |
 //! | `IRIS_CUDA_DECODE_CHUNK=N` | ops/paged_attention | positions per decode attention chunk (64) |
+//! | `IRIS_CUDA_GQA_DECODE=0` | ops/paged_attention | 16-bit decode attention per query head, not per KV head on tensor cores |
+//! | `IRIS_CUDA_DECODE_SPLITS=N` | ops/paged_attention | most blocks a decode row's keys split over on tensor cores (32, at most 64) |
+//! | `IRIS_CUDA_DECODE_SPLIT_TILES=N` | ops/paged_attention | key tiles of 64 per such block, at least (2) |
 //! | `IRIS_CUDA_GATED_GEMV=0` | layers/linear.rs | the gated MLP's GEMV without the fused activation |
 //! | `IRIS_CUDA_GEMV=N` | ops/gemv.rs | most rows a step takes the GEMV path for |
 //! | `IRIS_CUDA_MMA_ROWS=N` | ops/invariant_matmul.rs | most rows a step takes the batch-invariant tensor-core products for without `--batch-invariant` (0) |

@@ -51,7 +51,8 @@ struct Case {
 /// fewer with a window), the others do not.
 const SEQS: [(usize, usize); 10] =
     [(1, 1), (17, 1), (256, 1), (257, 1), (700, 1), (40, 40), (300, 45), (33, 7), (2100, 40), (1200, 150)];
-/// Few rows (rows x kv heads < 128): one head per block, the lane-split kernel (`paged_decode`).
+/// Few rows (rows x kv heads < 128): with f32 queries or caches, one head per block, the
+/// lane-split kernel (`paged_decode`); 16-bit rows take `gqa_decode` at any row count.
 const FEW_ROWS: [(usize, usize); 7] = [(1, 1), (17, 1), (256, 1), (257, 1), (700, 1), (2000, 1), (33, 7)];
 
 fn check_attention(dev: &Device, c: &Case, q_dt: DType, cache_dt: DType, tol: f32) {
@@ -133,6 +134,8 @@ fn cases() -> Vec<Case> {
         c(28, 4, 128),
         c(32, 2, 256),
         c(9, 3, 64),
+        // A group of 20 query heads: two tiles of the tensor-core decode kernel's 16 rows.
+        c(40, 2, 64),
         c(4, 2, 16),
         Case { window: Some(7), softcap: Some(30.0), ..c(4, 1, 32) },
         Case { window: Some(300), ..c(14, 2, 64) },
@@ -177,11 +180,11 @@ fn paged_attention_at_long_contexts_matches_cpu() {
 }
 
 /// A decode row's attention does not depend on the rows beside it: alone it gives the same bits
-/// as within a few-row mix (the lane-split kernel's position split is fixed, not chosen by the
-/// batch), for contexts within one chunk of positions and past several. Alone, a row's 28 x 16
-/// blocks fit the GPU at once and its last block merges the splits (arrival counters); the mix
-/// (13 rows) has more blocks than an H200 holds, so the merge kernel does: equal bits here also
-/// mean the two merges agree.
+/// as within a few-row mix (`gqa_decode` splits a row's keys by its own key count, not by the
+/// batch), for contexts within one tile of keys and past several. Alone, a row's 4 x 32 blocks
+/// fit an H200 at once and its last block merges the splits (arrival counters); the mix (13
+/// rows) has more blocks than it holds, so the merge kernel does: equal bits here also mean the
+/// two merges agree.
 #[test]
 fn decode_attention_is_batch_invariant() {
     let Some(dev) = gpu() else { return };

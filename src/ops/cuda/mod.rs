@@ -59,6 +59,29 @@ pub fn prefill_launch(
     Ok((f, cfg))
 }
 
+/// `gqa_decode` of `decode_attention.cu` for `qt` (bf16 / f16) queries and `head_dim` (one of
+/// PREFILL_HEAD_DIMS), and its launch over `rows` x `kv_heads` x (head tiles of 16 per group)
+/// x `splits` blocks of 4 warps, with GdLayout::BYTES of dynamic shared memory; and the blocks
+/// of that size a multiprocessor holds at once.
+pub fn gqa_decode_launch(
+    dev: &CudaDevice,
+    qt: &str,
+    head_dim: usize,
+    (rows, kv_heads, group, splits): (usize, usize, usize, usize),
+) -> Result<(Kernel, LaunchConfig)> {
+    /// GD_STAGES in decode_attention.cu.
+    const STAGES: usize = 3;
+    let f = DECODE_ATTENTION.func(dev, &format!("gqa_decode_{qt}_{head_dim}"))?;
+    let smem = ((32 + 256 * STAGES) * (head_dim + 8)) as u32;
+    f.set_max_dynamic_shared(smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, (kv_heads * group.div_ceil(16)) as u32, splits as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    Ok((f, cfg))
+}
+
 /// Launches a product kernel of `(T* y, const T* x, const T* w, int...)` as a programmatic
 /// dependent, x and W starting at element offsets `ox` and `ow` of their storage, and returns y
 /// (`out_len` elements of their type): the GEMV and batch-invariant products.
@@ -123,6 +146,7 @@ pub struct Module {
 
 pub const ADD_RMS_NORM: Module = Module { name: "iris_add_rms_norm", ptx: ptx::ADD_RMS_NORM };
 pub const GATED_ACT: Module = Module { name: "iris_gated_act", ptx: ptx::GATED_ACT };
+pub const DECODE_ATTENTION: Module = Module { name: "iris_decode_attention", ptx: ptx::DECODE_ATTENTION };
 pub const GATED_DELTA: Module = Module { name: "iris_gated_delta", ptx: ptx::GATED_DELTA };
 pub const GEMV: Module = Module { name: "iris_gemv", ptx: ptx::GEMV };
 pub const INVARIANT_MATMUL: Module = Module { name: "iris_invariant_matmul", ptx: ptx::INVARIANT_MATMUL };
@@ -144,8 +168,9 @@ pub const TQ_WRITE: Module = Module { name: "iris_tq_write", ptx: ptx::TQ_WRITE 
 /// kernels), so no module may load once the ranks run.
 pub fn preload(dev: &CudaDevice) {
     use candle_core::cuda_backend::kernels as k;
-    const OURS: [&Module; 15] = [
+    const OURS: [&Module; 16] = [
         &ADD_RMS_NORM,
+        &DECODE_ATTENTION,
         &GATED_ACT,
         &GATED_DELTA,
         &GEMV,

@@ -213,6 +213,9 @@ __device__ void paged_decode(TQ* __restrict__ out, uint32_t* __restrict__ counte
     const int pos = ctx - q_len + (t - q_start);
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
     const int hi = bidi ? max(pos, (int)row_end[t] - 1) : pos;  // the last key the row sees
+    // The metadata above was copied in before the step's first kernel; q and the cache come from
+    // the kernels before this one.
+    pdl_wait();
 
     float qf[RPL][V], acc[RPL][V];
     const TQ* qh = q + ((size_t)t * num_heads + h) * D;

@@ -18,7 +18,7 @@
 // by prefill_merge. How many blocks a tile takes depends on its own sequence's rows and context
 // (batch.rs: prefill_splits) and on the window, never on the rest of the batch.
 #include "tq_common.cuh"
-#include "mma.cuh"
+#include "flash.cuh"
 
 #define PF_ROWS 64
 #define PF_KEYS 64
@@ -27,7 +27,7 @@
 #define PF_MIN_SPLIT_TILES 4
 
 template <int D> struct PfLayout {
-    static constexpr int LD = D + 8;  // 16-bit rows of Q, K, V: rows 16 bytes apart mod 128 (ldmatrix without conflicts)
+    static constexpr int LD = flash_ld(D);
     static constexpr size_t Q = 0;
     static constexpr size_t KV = Q + 2 * PF_ROWS * LD;        // then stages of (K tile, V tile)
     static constexpr size_t STAGE = 2 * 2 * PF_KEYS * LD;     // bytes of one stage
@@ -37,122 +37,6 @@ template <int D> struct PfLayout {
     static constexpr int LO = D + 4;
     static constexpr size_t X = KV + 4 * PF_ROWS * LO;
     static_assert(X + PF_WARPS * 2 * D * 4 <= BYTES, "the output rows and rotation scratch fit in the stages");
-};
-
-#define PF_LOG2E 1.4426950408889634f
-
-// A warp's 16 rows of a tile: their running max and sum, and their output rows, in registers.
-// Lane l holds rows l / 4 and l / 4 + 8 (`i` = 0, 1 below) of the warp's; of each row, output
-// columns 8 n + 2 (l % 4) and the next, for every n.
-template <typename T, int D> struct PfWarp {
-    using L = PfLayout<D>;
-    static constexpr int NT = D / 8;  // output column tiles of 8
-    const T* Q_w;                     // the warp's 16 query rows in shared memory
-    int lane;
-    float o[NT][4];
-    float m[2] = {-INFINITY, -INFINITY};  // in log2 units (scores times log2 e)
-    float l[2] = {0.f, 0.f};              // this lane's part of the sum; whole after finish()
-
-    __device__ __forceinline__ explicit PfWarp(const T* Q_s) {
-        lane = threadIdx.x % 32;
-        Q_w = Q_s + (threadIdx.x / 32) * 16 * L::LD;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    }
-    // The tile row of this lane's row i.
-    __device__ __forceinline__ int row(int i) const { return (threadIdx.x / 32) * 16 + lane / 4 + 8 * i; }
-
-    // The key tile at positions [k0, k0 + 64) (in K_s and V_s, 64 rows of LD) joins the
-    // softmax; row i reads positions [a[i], b[i]] of it (none when a[i] > b[i]).
-    __device__ __forceinline__ void attend(const T* K_s, const T* V_s, int k0, const int (&a)[2], const int (&b)[2],
-                                           float scale, float softcap) {
-        // S = Q K^T: 8 column tiles of 8 keys.
-        float s[8][4];
-#pragma unroll
-        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t qa[4];
-            ldsm_x4<false>(qa, Q_w + (lane & 15) * L::LD + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                uint32_t kb[4];  // keys np*16 + [0, 8) then [8, 16), each dims [0, 8) and [8, 16) of kk
-                ldsm_x4<false>(kb, K_s + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * L::LD + kk * 16 +
-                                       ((lane >> 3) & 1) * 8);
-                mma16816<T>(s[2 * np], qa, kb[0], kb[1]);
-                mma16816<T>(s[2 * np + 1], qa, kb[2], kb[3]);
-            }
-        }
-        // Online softmax: masked scores, each row's max over its quad of lanes.
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = e >> 1, j = k0 + 8 * n + 2 * (lane & 3) + (e & 1);
-                float v = s[n][e] * scale;
-                if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
-                v = j >= a[i] && j <= b[i] ? v * PF_LOG2E : -INFINITY;
-                s[n][e] = v;
-                mx[i] = fmaxf(mx[i], v);
-            }
-        }
-        float base[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            const float m_new = fmaxf(m[i], mx[i]);
-            base[i] = m_new == -INFINITY ? 0.f : m_new;
-            const float corr = exp2f(m[i] - base[i]);
-            m[i] = m_new;
-            l[i] *= corr;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) o[n][2 * i] *= corr, o[n][2 * i + 1] *= corr;
-        }
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] = exp2f(s[n][e] - base[e >> 1]);
-                l[e >> 1] += s[n][e];
-            }
-        }
-        // O += P V: the scores' accumulators, rounded to T, are P's operand fragments.
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                    pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                    pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                uint32_t vb[4];  // keys kk*16 + [0, 8) and [8, 16) of dims dp*16 + [0, 8), then of [8, 16)
-                ldsm_x4<true>(vb, V_s + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * L::LD + dp * 16 +
-                                      (lane >> 4) * 8);
-                mma16816<T>(o[2 * dp], pa, vb[0], vb[1]);
-                mma16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
-            }
-        }
-    }
-
-    // The rows' sums over their quads: l is then each row's whole sum.
-    __device__ __forceinline__ void finish() {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        }
-    }
-
-    // After finish(): put(i, column, value) for the normalised output of this lane's columns.
-    template <typename Put> __device__ __forceinline__ void each_output(Put put) const {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) put(i, 8 * n + 2 * (lane & 3), o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
-        }
-    }
 };
 
 // A tile's position bounds: its sequence's rows and this block's rows of it, and the most
@@ -241,7 +125,7 @@ __device__ void prefill_attention(T* __restrict__ out, float* __restrict__ part,
     load(t0, 0);
     cp_async_commit_group();
 
-    PfWarp<T, D> W(Q_s);
+    FlashWarp<T, D> W(Q_s + (tid / 32) * 16 * L::LD, (tid / 32) * 16);
     int a[2], b[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -260,7 +144,7 @@ __device__ void prefill_attention(T* __restrict__ out, float* __restrict__ part,
         }
         __syncthreads();
         const T* K_s = reinterpret_cast<const T*>(smem + L::KV + st * L::STAGE);
-        W.attend(K_s, K_s + PF_KEYS * L::LD, keys.lo + t * PF_KEYS, a, b, scale, softcap);
+        W.template attend<PF_KEYS>(K_s, K_s + PF_KEYS * L::LD, keys.lo + t * PF_KEYS, a, b, scale, softcap);
         __syncthreads();
     }
     W.finish();
@@ -520,7 +404,7 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
     }
     __syncthreads();
 
-    PfWarp<T, D> W(Q_s);
+    FlashWarp<T, D> W(Q_s + (tid / 32) * 16 * L::LD, (tid / 32) * 16);
     int lo[2], split[2], pos[2];
     bool live[2];
 #pragma unroll
@@ -552,7 +436,7 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
     for (int k0 = tq_lo_of(tl.pos0, window); k0 < code_end; k0 += PF_KEYS) {
         load(kcs, vcs, k0, code_end, code_off - g.code_lo);
         const int b[2] = {live[0] ? split[0] - 1 : -1, live[1] ? split[1] - 1 : -1};
-        W.attend(K_s, V_s, k0, lo, b, scale, softcap);
+        W.template attend<PF_KEYS>(K_s, V_s, k0, lo, b, scale, softcap);
         __syncthreads();
     }
     // The float window's positions, [split of the first row, the last row's position].
@@ -560,7 +444,7 @@ __device__ void tq_prefill_attention(T* __restrict__ out, const T* __restrict__ 
         for (int k0 = tq_split_of(tl.pos0, window, float_window); k0 <= hi; k0 += PF_KEYS) {
             load(kfs, vfs, k0, hi + 1, float_off - g.float_lo);
             const int b[2] = {live[0] ? pos[0] : -1, live[1] ? pos[1] : -1};
-            W.attend(K_s, V_s, k0, split, b, scale, softcap);
+            W.template attend<PF_KEYS>(K_s, V_s, k0, split, b, scale, softcap);
             __syncthreads();
         }
     }

@@ -436,28 +436,58 @@ impl CustomOp3 for PagedAttention<'_> {
             (1..=group.min(8)).rev().find(|h| group % h == 0).unwrap_or(1)
         };
         let (qt, ct) = (dtype_name(q.dtype())?, dtype_name(k.dtype())?);
-        // With one head per block, the kernel that splits each key over lanes and keeps a softmax
-        // per lane group (`paged_decode`) instead of block-wide phases, over DECODE_SPLITS blocks
-        // per (row, head) that each take every DECODE_SPLITS-th chunk of positions, then
-        // `paged_decode_merge`. `IRIS_CUDA_PAGED_DECODE=0` keeps the block-wide kernel, to compare.
-        let lane_split = hb == 1 && crate::switches::switched_on!("IRIS_CUDA_PAGED_DECODE");
-        let kernel = if lane_split { "paged_decode" } else { "paged_attention" };
-        let decode = PAGED_ATTENTION.func(&dev, &format!("{kernel}_{qt}_{ct}_{d}"))?;
+        // 16-bit rows go to the tensor-core kernel whose blocks take every query head of a KV
+        // head (`gqa_decode`), so each key is read once for the group. Its key splits depend on
+        // each row's own keys, so a row's bits do not depend on the batch.
+        let gqa = qt == ct
+            && qt != "f32"
+            && super::cuda::PREFILL_HEAD_DIMS.contains(&d)
+            && crate::switches::switched_on!("IRIS_CUDA_GQA_DECODE");
+        // Otherwise, with one head per block, the kernel that splits each key over lanes and
+        // keeps a softmax per lane group (`paged_decode`) instead of block-wide phases, over
+        // DECODE_SPLITS blocks per (row, head) that each take every DECODE_SPLITS-th chunk of
+        // positions. `IRIS_CUDA_PAGED_DECODE=0` keeps the block-wide kernel, to compare.
+        let lane_split = !gqa && hb == 1 && crate::switches::switched_on!("IRIS_CUDA_PAGED_DECODE");
         /// PD_SPLITS in paged_attention.cu.
         const DECODE_SPLITS: usize = 16;
-        // The split states are merged by the last block of each (row, head) to finish (counted
-        // on the device) when the blocks fit the GPU at once, or by a kernel of their own
-        // (`IRIS_CUDA_FUSED_MERGE=0`: always, to compare): the count costs each block a fence and
-        // an atomic, which only hides when all blocks run together.
-        let counters = match lane_split && crate::switches::switched_on!("IRIS_CUDA_FUSED_MERGE") {
-            true => super::cuda::arrival_counters(&dev, rows * hq, rows * hq * DECODE_SPLITS, 256)?,
-            false => None,
+        // Split states are merged by the last block of each to finish (counted on the device)
+        // when the blocks fit the GPU at once, or by a kernel of their own
+        // (`IRIS_CUDA_FUSED_MERGE=0`: always, to compare): the count costs each block a fence
+        // and an atomic, which only hides when all blocks run together.
+        let split_merge = |n: usize, blocks: usize, threads: usize, merge: (&super::cuda::Module, String)| {
+            let counters = match crate::switches::switched_on!("IRIS_CUDA_FUSED_MERGE") {
+                true => super::cuda::arrival_counters(&dev, n, blocks, threads)?,
+                false => None,
+            };
+            Ok::<_, candle_core::Error>(match counters {
+                Some(c) => SplitMerge::Counters(c),
+                None => SplitMerge::Kernel(merge.0.func(&dev, &merge.1)?),
+            })
         };
-        let merge = match (lane_split, counters) {
-            (false, _) => None,
-            (true, Some(c)) => Some(SplitMerge::Counters(c)),
-            (true, None) => {
-                Some(SplitMerge::Kernel(PAGED_ATTENTION.func(&dev, &format!("paged_decode_merge_{qt}_{d}"))?))
+        let (rows_kernel, decode_cfg) = if gqa {
+            let max_splits = crate::switches::tuned!("IRIS_CUDA_DECODE_SPLITS", i32, 32).clamp(1, 64);
+            let min_tiles = crate::switches::tuned!("IRIS_CUDA_DECODE_SPLIT_TILES", i32, 2).max(1);
+            let (kernel, cfg) = super::cuda::gqa_decode_launch(&dev, qt, d, (rows, hkv, group, max_splits as usize))?;
+            let (y, z) = (cfg.grid_dim.1 as usize, max_splits as usize);
+            // Counted as threads of a multiprocessor: its shared memory holds two such blocks.
+            let merge = (&super::cuda::DECODE_ATTENTION, format!("gqa_decode_merge_{qt}_{d}"));
+            let merge = split_merge(rows * y, rows * y * z, 1024, merge)?;
+            (RowsKernel::Gqa { kernel, merge, max_splits, min_tiles }, cfg)
+        } else {
+            let kernel = if lane_split { "paged_decode" } else { "paged_attention" };
+            let kernel = PAGED_ATTENTION.func(&dev, &format!("{kernel}_{qt}_{ct}_{d}"))?;
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, (hkv * group / hb) as u32, if lane_split { DECODE_SPLITS as u32 } else { 1 }),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            match lane_split {
+                true => {
+                    let merge = (&PAGED_ATTENTION, format!("paged_decode_merge_{qt}_{d}"));
+                    let merge = split_merge(rows * hq, rows * hq * DECODE_SPLITS, 256, merge)?;
+                    (RowsKernel::LaneSplit { kernel, merge }, cfg)
+                }
+                false => (RowsKernel::BlockWide(kernel), cfg),
             }
         };
         let l = dm.layout;
@@ -483,12 +513,7 @@ impl CustomOp3 for PagedAttention<'_> {
             None
         };
         let p = Params {
-            merge,
-            decode: LaunchConfig {
-                grid_dim: (rows as u32, (hkv * group / hb) as u32, if lane_split { DECODE_SPLITS as u32 } else { 1 }),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            },
+            decode: decode_cfg,
             ints: [hq as i32, hkv as i32, hb as i32, self.meta.block_size as i32],
             bidi: bidi as i32,
             scale: self.scale,
@@ -507,7 +532,16 @@ impl CustomOp3 for PagedAttention<'_> {
             units: usize,
             head_dim: usize,
         }
-        /// How the lane-split kernel's position splits are merged.
+        /// The kernel of the rows the prompt kernel does not take.
+        enum RowsKernel {
+            /// `paged_attention`: hb query heads a block, block-wide phases.
+            BlockWide(Kernel),
+            /// `paged_decode`: a query head a block, its position splits merged as given.
+            LaneSplit { kernel: Kernel, merge: SplitMerge },
+            /// `gqa_decode`: up to 16 query heads of a KV head a block, on tensor cores.
+            Gqa { kernel: Kernel, merge: SplitMerge, max_splits: i32, min_tiles: i32 },
+        }
+        /// How a kernel's key splits are merged.
         enum SplitMerge {
             /// By the last block to finish, counting arrivals in these (left at zero).
             Counters(&'static CudaSlice<u32>),
@@ -515,8 +549,6 @@ impl CustomOp3 for PagedAttention<'_> {
             Kernel(Kernel),
         }
         struct Params {
-            /// Lane-split kernel only: how its splits are merged.
-            merge: Option<SplitMerge>,
             decode: LaunchConfig,
             ints: [i32; 4],
             /// 1: rows read to their meta's row_end.
@@ -538,7 +570,7 @@ impl CustomOp3 for PagedAttention<'_> {
         #[allow(clippy::too_many_arguments)]
         fn launch<Q: CudaDType + DeviceRepr, C: DeviceRepr>(
             dev: &candle_core::cuda_backend::CudaDevice,
-            decode: &Kernel,
+            decode: &RowsKernel,
             prefill: &Option<Prefill>,
             p: &Params,
             n_out: usize,
@@ -548,51 +580,85 @@ impl CustomOp3 for PagedAttention<'_> {
             // SAFETY: the kernels together write every element of the output.
             let out: CudaSlice<Q> = unsafe { dev.alloc::<Q>(n_out)? };
             let [hq, hkv, hb, bs] = p.ints;
-            if let Some(merge) = &p.merge {
-                let (rows, splits) = (p.decode.grid_dim.0 as usize, p.decode.grid_dim.2 as usize);
-                let d = n_out / (rows * hq as usize);
-                // SAFETY: each decode block writes its whole state; the merge reads only rows the
-                // decode blocks wrote (both skip the same prompt chunks).
-                let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows * hq as usize * splits * (d + 2))? };
-                let mut b = decode.dependent();
-                b.mem(&out);
-                match merge {
-                    SplitMerge::Counters(c) => b.mem(*c),
-                    SplitMerge::Kernel(_) => b.null(),
-                };
-                b.mem(&part).mem(&q).mem(&k).mem(&v).mem(&m.row_seq).mem(&m.seq_info).mem(&m.block_tables);
-                b.mem(&m.row_end).scalar(&p.bidi).scalar(&hq).scalar(&hkv).scalar(&hb).scalar(&bs);
-                b.scalar(&p.scale).scalar(&p.window).scalar(&p.softcap).scalar(&p.skip).scalar(&p.chunk);
-                // SAFETY: argument types and counts match the kernel's signature; block tables were
-                // checked; the counters hold rows x heads entries (arrival_counters); the kernel
-                // waits (pdl_wait) before it reads or writes.
-                unsafe { b.launch(p.decode) }?;
-                if let SplitMerge::Kernel(merge) = merge {
-                    let cfg = LaunchConfig {
-                        grid_dim: (rows as u32, hq as u32, 1),
-                        block_dim: (d.min(256) as u32, 1, 1),
-                        shared_mem_bytes: 0,
+            let (rows, splits) = (p.decode.grid_dim.0 as usize, p.decode.grid_dim.2 as usize);
+            let d = n_out / (rows * hq as usize);
+            match decode {
+                RowsKernel::Gqa { kernel, merge, max_splits, min_tiles } => {
+                    // SAFETY: each split block writes its rows' whole states; the merge reads only
+                    // the splits of rows the blocks wrote (both skip the same rows).
+                    let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows * hq as usize * splits * (d + 2))? };
+                    let mut b = kernel.dependent();
+                    b.mem(&out);
+                    match merge {
+                        SplitMerge::Counters(c) => b.mem(*c),
+                        SplitMerge::Kernel(_) => b.null(),
                     };
-                    let mut b = merge.dependent();
-                    b.mem(&out).mem(&part).mem(&m.row_seq).mem(&m.seq_info).scalar(&hq).scalar(&p.skip);
-                    // SAFETY: as above.
-                    unsafe { b.launch(cfg) }?;
+                    b.mem(&part).mem(&q).mem(&k).mem(&v).mem(&m.row_seq).mem(&m.seq_info).mem(&m.block_tables);
+                    b.mem(&m.row_end).scalar(&p.bidi).scalar(&hq).scalar(&hkv).scalar(&bs).scalar(&p.scale);
+                    b.scalar(&p.window).scalar(&p.softcap).scalar(&p.skip).scalar(max_splits).scalar(min_tiles);
+                    // SAFETY: argument types and counts match the kernel's signature; block tables
+                    // were checked; the counters hold an entry per (row, block of heads)
+                    // (arrival_counters); the kernel waits (pdl_wait) before it reads or writes.
+                    unsafe { b.launch(p.decode) }?;
+                    if let SplitMerge::Kernel(merge) = merge {
+                        let cfg = LaunchConfig {
+                            grid_dim: (rows as u32, p.decode.grid_dim.1, 1),
+                            block_dim: (128, 1, 1),
+                            shared_mem_bytes: 0,
+                        };
+                        let mut b = merge.dependent();
+                        b.mem(&out).mem(&part).mem(&m.row_seq).mem(&m.seq_info).mem(&m.row_end).scalar(&p.bidi);
+                        b.scalar(&hq).scalar(&hkv).scalar(&p.window).scalar(&p.skip).scalar(max_splits);
+                        b.scalar(min_tiles);
+                        // SAFETY: as above.
+                        unsafe { b.launch(cfg) }?;
+                    }
                 }
-            } else {
-                let mut b = decode.builder();
-                b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.row_seq).arg(&m.seq_info).arg(&m.block_tables);
-                b.arg(&m.row_end)
-                    .arg(&p.bidi)
-                    .arg(&hq)
-                    .arg(&hkv)
-                    .arg(&hb)
-                    .arg(&bs)
-                    .arg(&p.scale)
-                    .arg(&p.window)
-                    .arg(&p.softcap)
-                    .arg(&p.skip);
-                // SAFETY: argument types and counts match the kernel's signature; block tables were checked.
-                unsafe { b.launch(p.decode) }.w()?;
+                RowsKernel::LaneSplit { kernel, merge } => {
+                    // SAFETY: each decode block writes its whole state; the merge reads only rows the
+                    // decode blocks wrote (both skip the same prompt chunks).
+                    let part: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows * hq as usize * splits * (d + 2))? };
+                    let mut b = kernel.dependent();
+                    b.mem(&out);
+                    match merge {
+                        SplitMerge::Counters(c) => b.mem(*c),
+                        SplitMerge::Kernel(_) => b.null(),
+                    };
+                    b.mem(&part).mem(&q).mem(&k).mem(&v).mem(&m.row_seq).mem(&m.seq_info).mem(&m.block_tables);
+                    b.mem(&m.row_end).scalar(&p.bidi).scalar(&hq).scalar(&hkv).scalar(&hb).scalar(&bs);
+                    b.scalar(&p.scale).scalar(&p.window).scalar(&p.softcap).scalar(&p.skip).scalar(&p.chunk);
+                    // SAFETY: argument types and counts match the kernel's signature; block tables were
+                    // checked; the counters hold rows x heads entries (arrival_counters); the kernel
+                    // waits (pdl_wait) before it reads or writes.
+                    unsafe { b.launch(p.decode) }?;
+                    if let SplitMerge::Kernel(merge) = merge {
+                        let cfg = LaunchConfig {
+                            grid_dim: (rows as u32, hq as u32, 1),
+                            block_dim: (d.min(256) as u32, 1, 1),
+                            shared_mem_bytes: 0,
+                        };
+                        let mut b = merge.dependent();
+                        b.mem(&out).mem(&part).mem(&m.row_seq).mem(&m.seq_info).scalar(&hq).scalar(&p.skip);
+                        // SAFETY: as above.
+                        unsafe { b.launch(cfg) }?;
+                    }
+                }
+                RowsKernel::BlockWide(kernel) => {
+                    let mut b = kernel.builder();
+                    b.arg(&out).arg(&q).arg(&k).arg(&v).arg(&m.row_seq).arg(&m.seq_info).arg(&m.block_tables);
+                    b.arg(&m.row_end)
+                        .arg(&p.bidi)
+                        .arg(&hq)
+                        .arg(&hkv)
+                        .arg(&hb)
+                        .arg(&bs)
+                        .arg(&p.scale)
+                        .arg(&p.window)
+                        .arg(&p.softcap)
+                        .arg(&p.skip);
+                    // SAFETY: argument types and counts match the kernel's signature; block tables were checked.
+                    unsafe { b.launch(p.decode) }.w()?;
+                }
             }
             if let Some(pf) = prefill {
                 // SAFETY: the split blocks write every partial state the merge reads.
@@ -630,19 +696,19 @@ impl CustomOp3 for PagedAttention<'_> {
             let n = rows * hq * d;
             match (&q.slice, &k.slice, &v.slice) {
                 (S::F32(q), S::F32(k), S::F32(v)) => {
-                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
+                    launch(&dev, &rows_kernel, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
                 (S::F32(q), S::BF16(k), S::BF16(v)) => {
-                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
+                    launch(&dev, &rows_kernel, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
                 (S::F32(q), S::F16(k), S::F16(v)) => {
-                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
+                    launch(&dev, &rows_kernel, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
                 (S::BF16(q), S::BF16(k), S::BF16(v)) => {
-                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
+                    launch(&dev, &rows_kernel, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
                 (S::F16(q), S::F16(k), S::F16(v)) => {
-                    launch(&dev, &decode, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
+                    launch(&dev, &rows_kernel, &prefill, &p, n, (q.slice(qa..qb), k.slice(ko..), v.slice(vo..)), &m)
                 }
                 _ => candle_core::bail!("paged-attention: {qt} queries over a {ct} cache are not supported"),
             }
