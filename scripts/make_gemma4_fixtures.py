@@ -11,6 +11,11 @@
     tests/fixtures/tiny-gemma4-moe/  Gemma4ForCausalLM (`gemma4_text`), 26B-A4B-like: an MoE block
                                      (8 experts, top 2) beside the dense MLP in every layer,
                                      K-eq-V on the full layers with their own KV-head count, no PLE
+    tests/fixtures/tiny-gemma4-unified-vlm/  Gemma4UnifiedForConditionalGeneration (`gemma4_unified`):
+                                     tiny-gemma4-unified's text under the VLM layout and the
+                                     encoder-free vision embedder (no tower: merged pixel patches
+                                     through layer norms, a dense layer and a factorized position
+                                     table, patch 4 merged 2 x 2), with the image cases below
     tests/fixtures/tiny-gemma4-unified/  Gemma4UnifiedForCausalLM (`gemma4_unified_text`, the 12B
                                      family's language model): no PLE fields at all (none used),
                                      Gemma 2-style sandwich norms with `layer_scalar`, the last 2 of
@@ -69,6 +74,7 @@ E2B = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=mf.MODEL_VO
 A4B = dict(hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
            enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
 UNIFIED = dict(num_kv_shared_layers=2, attention_k_eq_v=True, num_global_key_value_heads=1)
+UNIFIED_VISION = dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=32, mm_posemb_size=64, output_proj_dims=32)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
               position_embedding_size=64)
@@ -100,6 +106,11 @@ def build(kind):
     top = mf.MODEL_VOCAB
     media = dict(boi_token_id=top - 7, eoi_token_id=top - 6, image_token_id=top - 5, video_token_id=top - 4,
                  boa_token_id=top - 3, eoa_token_index=top - 2, audio_token_id=top - 1)
+    if kind == "unified_vlm":
+        from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
+        cfg = Gemma4UnifiedConfig(text_config=TEXT | UNIFIED | special, vision_config=UNIFIED_VISION,
+                                  audio_config=None, tie_word_embeddings=True, **media, **special)
+        return cfg, tok, Gemma4UnifiedForConditionalGeneration
     cfg = Gemma4Config(text_config=TEXT | E2B | special, vision_config=VISION, audio_config=None,
                        tie_word_embeddings=True, **media, **special)
     return cfg, tok, Gemma4ForConditionalGeneration
@@ -123,12 +134,13 @@ class TextView(torch.nn.Module):
 
 
 def make(kind, seed):
-    name = {"e2b": "tiny-gemma4", "moe": "tiny-gemma4-moe", "unified": "tiny-gemma4-unified"}[kind]
+    name = {"e2b": "tiny-gemma4", "moe": "tiny-gemma4-moe", "unified": "tiny-gemma4-unified",
+            "unified_vlm": "tiny-gemma4-unified-vlm"}[kind]
     torch.manual_seed(seed)
     cfg, tok, cls = build(kind)
     model = cls._from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     perturb_(model, torch.Generator().manual_seed(seed + 1))
-    if kind in ("moe", "unified"):  # as for tiny-gemma3: the sqrt(H) embedding scale drowns the layers otherwise
+    if kind in ("moe", "unified", "unified_vlm"):  # as for tiny-gemma3: the sqrt(H) embedding scale drowns the layers otherwise
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(0.25)
     model.eval()
@@ -199,8 +211,8 @@ def make(kind, seed):
         "keys": {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in sorted(tensors.items())},
         "checks": checks,
     }
-    if kind == "e2b":
-        add_vision(out_dir, tensors, info)
+    if kind in ("e2b", "unified_vlm"):
+        add_vision(out_dir, tensors, info, cls, unified=kind == "unified_vlm")
         info["keys"] = {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in sorted(tensors.items())}
     save_file(tensors, os.path.join(out_dir, "reference.safetensors"),
               metadata={"generator": f"scripts/make_gemma4_fixtures.py transformers={transformers.__version__}"})
@@ -271,10 +283,11 @@ def test_image(width, height, seed):
     return Image.fromarray(img, "RGB")
 
 
-def add_vision(out_dir, tensors, info):
-    """Makes tiny-gemma4 a processor-complete VLM fixture and adds the image cases."""
+def add_vision(out_dir, tensors, info, cls, unified=False):
+    """Makes a Gemma 4 VLM fixture processor-complete and adds the image cases."""
     from PIL import Image
-    from transformers import AutoImageProcessor, AutoProcessor, Gemma4ForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoProcessor
+    fam = "Gemma4Unified" if unified else "Gemma4"
 
     tj = json.load(open(os.path.join(out_dir, "tokenizer.json")))
     for i, s in MM_TOKENS.items():
@@ -286,20 +299,20 @@ def add_vision(out_dir, tensors, info):
     tc = json.load(open(os.path.join(out_dir, "tokenizer_config.json")))
     tc.update({"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
                "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
-               "extra_special_tokens": ["<|video|>"], "processor_class": "Gemma4Processor"})
+               "extra_special_tokens": ["<|video|>"], "processor_class": f"{fam}Processor"})
     json.dump(tc, open(os.path.join(out_dir, "tokenizer_config.json"), "w"), indent=2)
     with open(os.path.join(out_dir, "chat_template.jinja"), "w") as fh:
         fh.write(VISION_TEMPLATE)
     p, k = VISION["patch_size"], VISION["pooling_kernel_size"]
     json.dump({
-        "processor_class": "Gemma4Processor", "image_seq_length": 70,
-        "image_processor": {"image_processor_type": "Gemma4ImageProcessor", "patch_size": p,
+        "processor_class": f"{fam}Processor", "image_seq_length": 70,
+        "image_processor": {"image_processor_type": f"{fam}ImageProcessor", "patch_size": p,
                             "pooling_kernel_size": k, "max_soft_tokens": 70, "do_convert_rgb": True,
                             "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
                             "do_normalize": False, "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0]},
-        "video_processor": {"video_processor_type": "Gemma4VideoProcessor", "patch_size": p,
+        "video_processor": {"video_processor_type": f"{fam}VideoProcessor", "patch_size": p,
                             "pooling_kernel_size": k, "max_soft_tokens": 70},
-        "feature_extractor": {"feature_extractor_type": "Gemma4AudioFeatureExtractor"},
+        "feature_extractor": {"feature_extractor_type": f"{fam}AudioFeatureExtractor"},
     }, open(os.path.join(out_dir, "processor_config.json"), "w"), indent=2)
     for name, (w, h, seed) in {"image_square.png": (32, 32, 1), "image_wide.png": (50, 37, 2),
                                "image_tall.png": (18, 70, 3)}.items():
@@ -309,8 +322,7 @@ def add_vision(out_dir, tensors, info):
     # The PIL backend: iris's resize is Pillow's bicubic, bit for bit (torchvision's differs by
     # 1/255 in about 1% of the values).
     proc.image_processor = AutoImageProcessor.from_pretrained(out_dir, backend="pil")
-    model = Gemma4ForConditionalGeneration.from_pretrained(out_dir, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+    model = cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
     lm = model.model.language_model
     text_cfgs = [model.config.text_config, lm.config]
     info["cases"] = {}
@@ -330,7 +342,19 @@ def add_vision(out_dir, tensors, info):
                 lambda mod, a, out, i=i: captured.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].clone()))
                 for i, layer in enumerate(lm.layers)]
             with torch.no_grad():
-                out = model(**inputs)
+                if unified and mode == "bidir":
+                    # transformers 5.24's Gemma4UnifiedModel.forward, given no masks, builds
+                    # Gemma 3's (image tokens both ways on every layer), while its generate()
+                    # builds Gemma 4's (sliding layers only; create_masks_for_generate), which
+                    # Gemma 4's own forward also does: the logits are taken with generate()'s.
+                    emb = model.get_input_embeddings()(inputs["input_ids"])
+                    pos = torch.arange(emb.shape[1])[None]
+                    masks = cls.create_masks_for_generate(
+                        config=model.config, inputs_embeds=emb, attention_mask=inputs["attention_mask"], cache=None,
+                        position_ids=pos, mm_token_type_ids=inputs["mm_token_type_ids"], is_first_iteration=True)
+                    out = model(**{k: v for k, v in inputs.items() if k != "attention_mask"}, attention_mask=masks)
+                else:
+                    out = model(**inputs)
             for h in hooks:
                 h.remove()
             tensors[f"{key}.logits"] = out.logits[0].float().contiguous()
@@ -347,11 +371,31 @@ def add_vision(out_dir, tensors, info):
             with torch.no_grad():
                 gen = model.generate(**inputs, do_sample=False, max_new_tokens=VISION_NEW_TOKENS,
                                      min_new_tokens=VISION_NEW_TOKENS)[0, ids.shape[0]:]
+            if unified and mode == "bidir":
+                # Its generate() over the cache parts from its own forward over the whole sequence
+                # after a few tokens (single: at the 4th, multi: at the 2nd; transformers 5.24):
+                # the reference is the argmax loop over whole-sequence forwards, generate()'s
+                # tokens are kept beside it.
+                info["cases"][case]["generated_ids_bidir_generate"] = gen.tolist()
+                seq, types = inputs["input_ids"], inputs["mm_token_type_ids"]
+                for _ in range(VISION_NEW_TOKENS):
+                    emb = model.get_input_embeddings()(seq)
+                    masks = cls.create_masks_for_generate(
+                        config=model.config, inputs_embeds=emb, attention_mask=torch.ones_like(seq), cache=None,
+                        position_ids=torch.arange(seq.shape[1])[None], mm_token_type_ids=types,
+                        is_first_iteration=True)
+                    with torch.no_grad():
+                        logits = model(input_ids=seq, pixel_values=inputs["pixel_values"],
+                                       image_position_ids=inputs["image_position_ids"], mm_token_type_ids=types,
+                                       attention_mask=masks).logits[0, -1]
+                    seq = torch.cat([seq, logits.argmax().view(1, 1)], 1)
+                    types = torch.cat([types, torch.zeros(1, 1, dtype=types.dtype)], 1)
+                gen = seq[0, ids.shape[0]:]
             tensors[f"{key}.generated_ids"] = gen.to(torch.int64).contiguous()
             if mode == "causal":
                 info["cases"][case] = {"messages": messages, "prompt": prompt, "images": files,
                                        "input_ids": ids.tolist(), "generated_ids": gen.tolist(),
-                                       "num_soft_tokens": [int(n) for n in (valid.sum(-1) // (k * k)).tolist()]}
+                                       "num_soft_tokens": [int(n) for n in (valid.sum(-1) // (1 if unified else k * k)).tolist()]}
             else:
                 info["cases"][case]["generated_ids_bidir"] = gen.tolist()
                 info["cases"][case]["bidir_vs_causal_logits_max_abs_diff"] = float(
@@ -363,7 +407,7 @@ def add_vision(out_dir, tensors, info):
 if __name__ == "__main__":
     torch.set_num_threads(2)
     # `make_gemma4_fixtures.py unified`: that fixture alone.
-    kinds = sys.argv[1:] or ["e2b", "moe", "unified"]
-    for kind, seed in [("e2b", 400), ("moe", 401), ("unified", 402)]:
+    kinds = sys.argv[1:] or ["e2b", "moe", "unified", "unified_vlm"]
+    for kind, seed in [("e2b", 400), ("moe", 401), ("unified", 402), ("unified_vlm", 403)]:
         if kind in kinds:
             make(kind, seed)

@@ -1,11 +1,59 @@
-//! The vision half of a Gemma 4 `config.json` (`vision_config` and the image token ids).
+//! The vision half of a Gemma 4 `config.json` (`vision_config` and the image token ids): a
+//! tower's (`gemma4`) or the unified family's embedder's (`gemma4_unified`).
 
 use std::path::Path;
 
 use serde_json::Value;
 
+use super::unified_vision::UnifiedVisionConfig;
 use crate::config::Activation;
 use crate::weights::WeightsError;
+
+/// The tokens of an image in a prompt: `<|image>`, as many `<|image|>` as it has cells, `<image|>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageTokens {
+    pub image: u32,
+    pub boi: u32,
+    pub eoi: u32,
+}
+
+/// What turns an image into its tokens' embeddings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Vision {
+    Tower(VisionConfig),
+    Unified(UnifiedVisionConfig),
+}
+
+impl Vision {
+    /// None when the checkpoint has no vision half (`gemma4_text`, or `vision_config` null).
+    pub fn from_hf_file(path: &Path) -> Result<Option<(ImageTokens, Self)>, WeightsError> {
+        let text = std::fs::read_to_string(path).map_err(|e| WeightsError::io(path, e))?;
+        let json: Value = serde_json::from_str(&text)
+            .map_err(|e| WeightsError::Config { path: path.to_path_buf(), msg: format!("not valid JSON: {e}") })?;
+        Self::from_hf_json(&json).map_err(|msg| WeightsError::Config { path: path.to_path_buf(), msg })
+    }
+
+    /// Token id defaults are transformers 5.24's `Gemma4Config`'s (and `Gemma4UnifiedConfig`'s).
+    pub fn from_hf_json(root: &Value) -> Result<Option<(ImageTokens, Self)>, String> {
+        let Some(v) = root.get("vision_config").filter(|v| v.is_object()) else { return Ok(None) };
+        let id = |key: &str, default: u32| -> Result<u32, String> {
+            match root.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => x.as_u64().map(|n| n as u32).ok_or_else(|| format!("`{key}` must be a token id")),
+            }
+        };
+        let tokens = ImageTokens {
+            image: id("image_token_id", 258_880)?,
+            boi: id("boi_token_id", 255_999)?,
+            eoi: id("eoi_token_id", 258_882)?,
+        };
+        let vision = match root.get("model_type").and_then(Value::as_str) {
+            Some("gemma4_unified") => Vision::Unified(UnifiedVisionConfig::from_hf_json(v)?),
+            _ => Vision::Tower(VisionConfig::from_vision_json(v)?),
+        };
+        Ok(Some((tokens, vision)))
+    }
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct VisionConfig {
@@ -27,10 +75,6 @@ pub struct VisionConfig {
     pub use_clipped_linears: bool,
     /// The pooled output is standardized by stored `std_bias` / `std_scale` (26B, 31B).
     pub standardize: bool,
-    pub image_token_id: u32,
-    /// `<|image>` and `<image|>`, around each image's tokens in a prompt.
-    pub boi_token_id: u32,
-    pub eoi_token_id: u32,
 }
 
 impl VisionConfig {
@@ -39,22 +83,8 @@ impl VisionConfig {
         3 * self.patch_size * self.patch_size
     }
 
-    /// None when the checkpoint has no vision tower (`gemma4_text`, or `vision_config` null).
-    pub fn from_hf_file(path: &Path) -> Result<Option<Self>, WeightsError> {
-        let text = std::fs::read_to_string(path).map_err(|e| WeightsError::io(path, e))?;
-        let json: Value = serde_json::from_str(&text)
-            .map_err(|e| WeightsError::Config { path: path.to_path_buf(), msg: format!("not valid JSON: {e}") })?;
-        Self::from_hf_json(&json).map_err(|msg| WeightsError::Config { path: path.to_path_buf(), msg })
-    }
-
-    /// Defaults are transformers 5.24's `Gemma4VisionConfig`'s and `Gemma4Config`'s.
-    pub fn from_hf_json(root: &Value) -> Result<Option<Self>, String> {
-        let Some(v) = root.get("vision_config").filter(|v| v.is_object()) else { return Ok(None) };
-        if root.get("model_type").and_then(Value::as_str) == Some("gemma4_unified") {
-            // Its vision embedder is not Gemma 4's tower.
-            tracing::warn!("the vision embedder of gemma4_unified checkpoints is not supported yet: iris serves the text, and requests with images are refused");
-            return Ok(None);
-        }
+    /// Defaults are transformers 5.24's `Gemma4VisionConfig`'s.
+    fn from_vision_json(v: &Value) -> Result<Self, String> {
         let int = |key: &str, default: usize| -> Result<usize, String> {
             match v.get(key) {
                 None | Some(Value::Null) => Ok(default),
@@ -63,12 +93,6 @@ impl VisionConfig {
                     .filter(|&n| n > 0)
                     .map(|n| n as usize)
                     .ok_or_else(|| format!("`vision_config.{key}` must be a positive integer")),
-            }
-        };
-        let id = |key: &str, default: u32| -> Result<u32, String> {
-            match root.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x.as_u64().map(|n| n as u32).ok_or_else(|| format!("`{key}` must be a token id")),
             }
         };
         let act_name = v.get("hidden_activation").and_then(Value::as_str).unwrap_or("gelu_pytorch_tanh");
@@ -95,9 +119,6 @@ impl VisionConfig {
             rope_theta: rope.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).unwrap_or(100.0),
             use_clipped_linears: v.get("use_clipped_linears").and_then(Value::as_bool).unwrap_or(false),
             standardize: v.get("standardize").and_then(Value::as_bool).unwrap_or(false),
-            image_token_id: id("image_token_id", 258_880)?,
-            boi_token_id: id("boi_token_id", 255_999)?,
-            eoi_token_id: id("eoi_token_id", 258_882)?,
         };
         // The 2-D rotary turns each half of a head by one axis, in pairs.
         if cfg.head_dim % 4 != 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
@@ -109,7 +130,7 @@ impl VisionConfig {
         if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
             return Err("`vision_config.attention_bias` is not supported (Gemma 4's projections have no bias)".into());
         }
-        Ok(Some(cfg))
+        Ok(cfg)
     }
 }
 
@@ -117,14 +138,22 @@ impl VisionConfig {
 mod tests {
     use super::*;
 
-    /// A gemma4_unified checkpoint's vision embedder is not Gemma 4's tower: it has no vision
-    /// half (its text is served); the same config as `gemma4` does.
+    /// A gemma4_unified config names the encoder-free embedder, the same `vision_config` under
+    /// `gemma4` a tower; both take the image ids from the top level.
     #[test]
-    fn unified_checkpoints_have_no_vision_half_yet() {
-        let cfg = serde_json::json!({ "model_type": "gemma4_unified", "vision_config": { "hidden_size": 32 } });
-        assert!(matches!(VisionConfig::from_hf_json(&cfg), Ok(None)));
+    fn unified_checkpoints_name_the_embedder() {
+        let cfg = serde_json::json!({
+            "model_type": "gemma4_unified", "image_token_id": 9, "boi_token_id": 7, "eoi_token_id": 8,
+            "vision_config": { "patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": 32, "output_proj_dims": 32 }
+        });
+        let (tokens, vision) = Vision::from_hf_json(&cfg).unwrap().unwrap();
+        assert_eq!(tokens, ImageTokens { image: 9, boi: 7, eoi: 8 });
+        assert!(matches!(vision, Vision::Unified(UnifiedVisionConfig { patch_size: 4, mm_embed_dim: 32, .. })));
+        let mut bad = cfg.clone();
+        bad["vision_config"]["output_proj_dims"] = 16.into();
+        assert!(Vision::from_hf_json(&bad).unwrap_err().contains("output_proj_dims"));
         let mut g4 = cfg.clone();
         g4["model_type"] = "gemma4".into();
-        assert!(!matches!(VisionConfig::from_hf_json(&g4), Ok(None)));
+        assert!(matches!(Vision::from_hf_json(&g4), Ok(Some((_, Vision::Tower(_))))));
     }
 }
