@@ -108,7 +108,7 @@ impl KvCache {
                 }
                 let KvShape { num_kv_heads: h, head_dim: d } = cfg.kv_shape(layer);
                 let floats = |rows: usize| -> candle_core::Result<(Tensor, Tensor)> {
-                    Ok((Tensor::zeros((rows, h, d), float, device)?, Tensor::zeros((rows, h, d), float, device)?))
+                    Ok((zeros((rows, h, d), float, device)?, zeros((rows, h, d), float, device)?))
                 };
                 let tq = tq.filter(|t| t.quantizes(layer) && !cfg.is_mtp_layer(layer));
                 let (tq, (kb, vb)) = match tq {
@@ -145,8 +145,8 @@ impl KvCache {
                     None
                 };
                 Ok(LayerCache::TurboQuant(Box::new(TqLayerCache {
-                    k: Tensor::zeros((slots, h, codecs.key.row_bytes()), DType::U8, device)?,
-                    v: Tensor::zeros((slots, h, codecs.value.row_bytes()), DType::U8, device)?,
+                    k: zeros((slots, h, codecs.key.row_bytes()), DType::U8, device)?,
+                    v: zeros((slots, h, codecs.value.row_bytes()), DType::U8, device)?,
                     device: if device.is_cpu() { None } else { Some(codecs.upload(device)?) },
                     codecs,
                     window,
@@ -336,5 +336,19 @@ impl LayerCache {
                 all
             }
         }
+    }
+}
+
+/// A zeroed cache tensor; on the host, on huge pages (`ops::host_memory`: the cache is what a
+/// decode at long contexts streams through).
+fn zeros(shape: (usize, usize, usize), dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    use crate::ops::host_memory::zeroed;
+    let n = shape.0 * shape.1 * shape.2;
+    match (device.is_cpu(), dtype) {
+        (true, DType::F32) => Tensor::from_vec(zeroed::<f32>(n), shape, device),
+        (true, DType::BF16) => Tensor::from_vec(zeroed::<half::bf16>(n), shape, device),
+        (true, DType::F16) => Tensor::from_vec(zeroed::<half::f16>(n), shape, device),
+        (true, DType::U8) => Tensor::from_vec(zeroed::<u8>(n), shape, device),
+        _ => Tensor::zeros(shape, dtype, device),
     }
 }

@@ -14,6 +14,7 @@ pub mod gated_delta;
 #[cfg(feature = "cuda")]
 pub mod gated_delta_cuda;
 pub mod gemv;
+pub mod host_memory;
 pub mod invariant_matmul;
 pub mod kv_elem;
 pub mod kv_write;

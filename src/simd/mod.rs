@@ -20,6 +20,19 @@ mod portable;
 pub use isa::{run, Isa, IsaError, WithSimd};
 pub use lanes::Simd;
 
+/// Asks for the cache line holding `p` to be brought in (into every level): only a hint, so
+/// any address is allowed. Kernels that stream from DRAM call it well ahead of their loads.
+#[inline(always)]
+pub fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is only a hint; any address is allowed.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Dot product of two equal-length f32 slices: two 16-lane accumulators over 32 values at a
 /// time, one more 16, their sum reduced, then the tail one product at a time.
 #[inline]

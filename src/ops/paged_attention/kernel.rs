@@ -20,10 +20,28 @@
 
 use super::softmax::exp_shifted;
 use crate::ops::kv_elem::KvElem;
-use crate::simd::{Simd, WithSimd};
+use crate::simd::{prefetch, Simd, WithSimd};
 
 /// Keys transposed at a time (a multiple of 16; the scores' rows are padded to a multiple).
 const KEY_BLOCK: usize = 64;
+
+/// Positions ahead whose values the values pass asks for. At long contexts the cache streams
+/// from DRAM and a position's vectors lie apart from the next one's (the other kv heads sit
+/// between them), while a position's work is a few cycles. Measured together with the work
+/// items per segment (`JobPlan`): see there. 96 measured no better than 32.
+const VALUES_AHEAD: usize = 32;
+
+/// Asks for the `d` values at each of `offs` in `x` (one position's key or value vector each).
+#[inline(always)]
+unsafe fn prefetch_vectors<T>(x: *const T, offs: &[usize], d: usize) {
+    let bytes = d * std::mem::size_of::<T>();
+    for &off in offs {
+        let p = x.wrapping_add(off) as *const u8;
+        for b in (0..bytes).step_by(64) {
+            prefetch(p.wrapping_add(b));
+        }
+    }
+}
 
 /// Buffers reused from one run of keys to the next, and by every work item a thread runs (a
 /// decode row's softmax segments are items of their own: thousands a token at long contexts,
@@ -102,6 +120,12 @@ unsafe fn partial<S: Simd, T: KvElem>(s: S, a: Partial<'_, T>) {
         else {
             continue;
         };
+        // The next block's keys while this one is transposed and scored; after the last, the
+        // first values.
+        match offs.get(b1..(b1 + KEY_BLOCK).min(n)) {
+            Some(next) if !next.is_empty() => prefetch_vectors(k.as_ptr(), next, d),
+            _ => prefetch_vectors(v.as_ptr(), &offs[..n.min(VALUES_AHEAD)], d),
+        }
         transpose_keys(s, k, &offs[b0..b1], (w0, w1), d, kt);
         for (r0, r1) in runs {
             let (mut q0, q1) = (r0 * group, r1 * group);
@@ -383,6 +407,9 @@ unsafe fn values_rc<S: Simd, T: KvElem, const R: usize, const C: usize>(
         std::array::from_fn(|i| std::array::from_fn(|c| s.load(out.add(i * out_stride + 16 * c))));
     let pr: [*const f32; R] = std::array::from_fn(|i| p.add(i * stride));
     for j in a..b {
+        if let Some(&ahead) = offs.get(j + VALUES_AHEAD) {
+            prefetch_vectors(v.add(c0), &[ahead], 16 * C);
+        }
         let vj = v.add(*offs.get_unchecked(j) + c0);
         let vc: [S::F; C] = std::array::from_fn(|c| T::load16(s, vj.add(16 * c)));
         for (i, x) in acc.iter_mut().enumerate() {

@@ -6,7 +6,7 @@
 //! batch's rows. The decoding costs about as much as streaming the bytes from memory does
 //! (~4 cycles per block from L2 with AVX-512), hence the table lookups (`Simd::lut16`).
 
-use crate::simd::{Simd, WithSimd};
+use crate::simd::{prefetch, Simd, WithSimd};
 
 pub use super::packed::BlockFormat;
 
@@ -14,17 +14,6 @@ pub use super::packed::BlockFormat;
 /// next rows of the same task). Weights that come from DRAM need it far ahead: on a
 /// 70 MB matrix, 2 KiB ahead decoded ~20% faster than 512 B (4 KiB and 8 KiB: no better).
 const PREFETCH_AHEAD: usize = 2048;
-
-#[inline(always)]
-fn prefetch(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is only a hint; any address is allowed.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
 
 /// A packed row (see `packed.rs`): `nb` blocks, `F::FORMAT.words()` arrays of per-block 32-bit
 /// words, then the codes.

@@ -241,7 +241,7 @@ impl PackedRows {
         let nb = cols / 32;
         let row_bytes = nb * format.packed_bytes();
         let src_row = cols / dt.block_size() * dt.type_size();
-        let mut packed = PackedRows { format, row_bytes, data: vec![0u8; rows * row_bytes] };
+        let mut packed = PackedRows { format, row_bytes, data: crate::ops::host_memory::zeroed(rows * row_bytes) };
         for (r, src) in ggml.chunks_exact(src_row).enumerate() {
             let mut b = 0;
             for blk in src.chunks_exact(dt.type_size()) {
@@ -265,7 +265,7 @@ impl PackedRows {
         };
         let nb = m.cols / 32;
         let row_bytes = nb * format.packed_bytes();
-        let mut packed = PackedRows { format, row_bytes, data: vec![0u8; m.rows * row_bytes] };
+        let mut packed = PackedRows { format, row_bytes, data: crate::ops::host_memory::zeroed(m.rows * row_bytes) };
         for r in 0..m.rows {
             let codes = m.row_codes(r);
             for b in 0..nb {

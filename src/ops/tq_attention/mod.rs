@@ -141,10 +141,12 @@ impl TqAttention<'_> {
         };
         team().for_each(jobs.len(), |i| match jobs[i] {
             Job::Whole { tile, g } => with_kernel(Work::Whole, &tiles[tile], g),
-            Job::Segment { tile, g, seg, part } => {
-                // SAFETY: each segment job owns its slot of `partials`.
-                let p = unsafe { std::slice::from_raw_parts_mut(pdst.at(part * part_len), part_len) };
-                with_kernel(Work::Segment(seg, p), &tiles[tile], g)
+            Job::Segment { tile, heads, seg, part, stride } => {
+                for (g, slot) in Job::segment_heads(heads, part, stride) {
+                    // SAFETY: each (segment, head) owns its slot of `partials`.
+                    let p = unsafe { std::slice::from_raw_parts_mut(pdst.at(slot * part_len), part_len) };
+                    with_kernel(Work::Segment(seg, p), &tiles[tile], g)
+                }
             }
         });
         team().for_each(merges.len(), |i| {
