@@ -266,9 +266,9 @@ impl JobPlan {
             // the heads' vectors lie side by side in the cache, so the item reads the
             // segment's memory as one stream. With the kernel's prefetches, 8,192 positions
             // of SmolLM2 streamed from DRAM in 0.96 ms a layer against 1.31 with an item per
-            // head (medians of 5 alternated runs of `cargo bench --bench prefill_attention --
-            // --rows 1 --contexts 8192 --layers 30`). Which heads share an item changes no
-            // result.
+            // head, and 0.86 against 1.00 in a quieter run (medians of 5 alternated runs of
+            // `cargo bench --bench prefill_attention -- --rows 1 --contexts 8192 --layers
+            // 30`). Which heads share an item changes no result.
             let n = segs.len();
             let per_item = (n * hkv / (4 * threads)).clamp(1, hkv);
             merges.extend((0..hkv).map(|g| (ti, g, parts + g * n, n)));
