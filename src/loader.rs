@@ -277,6 +277,10 @@ fn with_mtp_weights(
         (_, MtpWeights::File(p), _) => Some(p.clone()),
         (_, MtpWeights::Checkpoint, ModelLocation::Gguf(file)) => Some(file.with_extension("mtp.safetensors")),
     };
+    if layout == MtpLayout::NextN {
+        // Its quantized matrices (an MLX conversion's) become floats, as `mtp.*` heads' do.
+        weights = weights.with_mtp_layer(format!("model.layers.{}.", cfg.num_layers));
+    }
     if let Some(side) = side {
         let store = if side.is_dir() {
             SafetensorsDir::open(&side)?

@@ -43,8 +43,8 @@ fn mtp_opts(k: usize, base: EngineOptions) -> EngineOptions {
 
 /// The head over the reference's pairs (hidden[p], tokens[p + 1]) at positions p: the first
 /// `split` in one pass, the rest one row at a time (each reading the cache the earlier ones
-/// wrote). Its hidden rows and logits equal the reference's within 1e-4 relative.
-fn check_head(model_dir: &Path, reference: &Path, split: usize) {
+/// wrote). Returns its hidden rows, their logits, and the reference.
+fn head_outputs(model_dir: &Path, reference: &Path, split: usize) -> (Tensor, Tensor, HashMap<String, Tensor>) {
     let dev = Device::Cpu;
     let loaded = load_model(model_dir, None, &dev, DType::F32, Some(&MtpWeights::Checkpoint)).unwrap();
     let cfg = loaded.config().clone();
@@ -67,7 +67,14 @@ fn check_head(model_dir: &Path, reference: &Path, split: usize) {
         start = end;
     }
     let m = Tensor::cat(&rows, 0).unwrap();
-    let (eh, el) = (rel_err(&m, &r["mtp_hidden"]), rel_err(&loaded.model.logits(&m).unwrap(), &r["mtp_logits"]));
+    let logits = loaded.model.logits(&m).unwrap();
+    (m, logits, r)
+}
+
+/// `head_outputs` equal the reference's within 1e-4 relative.
+fn check_head(model_dir: &Path, reference: &Path, split: usize) {
+    let (m, logits, r) = head_outputs(model_dir, reference, split);
+    let (eh, el) = (rel_err(&m, &r["mtp_hidden"]), rel_err(&logits, &r["mtp_logits"]));
     eprintln!("{}: MTP hidden rel err {eh:.2e}, logits {el:.2e}", model_dir.display());
     assert!(eh <= 1e-4 && el <= 1e-4, "{}: hidden {eh:.2e}, logits {el:.2e}", model_dir.display());
 }
@@ -95,6 +102,89 @@ fn head_matches_the_reference_glm_nextn() {
 fn head_matches_the_reference_mlx_quantized_sidecar() {
     let dir = fixture("mlx/qwen3.5-mtp-4bit");
     check_head(&dir, &dir.join("reference_mtp.safetensors"), 3);
+}
+
+/// `t` (`[rows, cols]`) as an MLX conversion stores it quantized to 8 bits in groups of 32
+/// (codes four to a little-endian u32, f32 scale and bias per group), and the floats that
+/// dequantizes to (scale * code + bias, as MLX computes it).
+fn mlx_8bit(t: &Tensor) -> [Tensor; 4] {
+    let w: Vec<Vec<f32>> = t.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    let (rows, cols) = (w.len(), w[0].len());
+    let (mut codes, mut scales, mut biases, mut floats) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for row in &w {
+        let mut q = Vec::with_capacity(cols);
+        for g in row.chunks(32) {
+            let (lo, hi) = g.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+            let s = ((hi - lo) / 255.0).max(1e-8);
+            scales.push(s);
+            biases.push(lo);
+            for &x in g {
+                let c = ((x - lo) / s).round().clamp(0.0, 255.0) as u32;
+                q.push(c);
+                floats.push(s * c as f32 + lo);
+            }
+        }
+        codes.extend(q.chunks(4).map(|c| c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24));
+    }
+    let dev = Device::Cpu;
+    [
+        Tensor::from_vec(codes, (rows, cols / 4), &dev).unwrap(),
+        Tensor::from_vec(scales, (rows, cols / 32), &dev).unwrap(),
+        Tensor::from_vec(biases, (rows, cols / 32), &dev).unwrap(),
+        Tensor::from_vec(floats, (rows, cols), &dev).unwrap(),
+    ]
+}
+
+/// A NextN layer whose matrices an MLX conversion quantized is dequantized at load, as an
+/// `mtp.*` head is (a 4-bit head drafts almost nothing right): the head's outputs have the
+/// very bits of the same checkpoint with those matrices stored as the floats they dequantize
+/// to. (Kept quantized, its products would run on the quantized kernels, which sum in
+/// another order.)
+#[test]
+fn quantized_nextn_layer_is_dequantized() {
+    let src = fixture(GLM);
+    let shard = "model-00002-of-00002.safetensors";
+    let dev = Device::Cpu;
+    let (mut quantized, mut floats) = (HashMap::new(), HashMap::new());
+    for (k, t) in candle_core::safetensors::load(src.join(shard), &dev).unwrap() {
+        match k.strip_suffix("_proj.weight").filter(|_| t.rank() == 2) {
+            Some(m) => {
+                let [codes, scales, biases, deq] = mlx_8bit(&t);
+                quantized.insert(format!("{m}_proj.scales"), scales);
+                quantized.insert(format!("{m}_proj.biases"), biases);
+                quantized.insert(k.clone(), codes);
+                floats.insert(k, deq);
+            }
+            None => {
+                quantized.insert(k.clone(), t.clone());
+                floats.insert(k, t);
+            }
+        }
+    }
+    assert!(quantized.len() > floats.len() + 20, "the NextN shard's matrices were found");
+    let q = copy_with_config(&src, "nextn-mlx-8bit", |c| {
+        c["quantization"] = serde_json::json!({ "group_size": 32, "bits": 8 });
+    });
+    let f = copy_with_config(&src, "nextn-dequantized", |_| {});
+    candle_core::safetensors::save(&quantized, q.path().join(shard)).unwrap();
+    candle_core::safetensors::save(&floats, f.path().join(shard)).unwrap();
+    // The index lists the quantized shard's new keys too.
+    let index_path = q.path().join("model.safetensors.index.json");
+    let mut index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    for k in quantized.keys() {
+        index["weight_map"][k] = shard.into();
+    }
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    let reference = src.join("reference_mtp.safetensors");
+    let (qm, ql, _) = head_outputs(q.path(), &reference, 9);
+    let (fm, fl, _) = head_outputs(f.path(), &reference, 9);
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    };
+    assert!(
+        bits(&qm) == bits(&fm) && bits(&ql) == bits(&fl),
+        "the quantized NextN layer was not computed on its dequantized floats"
+    );
 }
 
 /// The head's tensors under each prefix and file checkpoints use: `model.mtp.*` in an MLX

@@ -41,6 +41,9 @@ pub struct Weights {
     mlx: Option<MlxQuantization>,
     /// Safetensors holding an MTP head (`mtp.*`) apart from the checkpoint (beside a GGUF).
     mtp_sidecar: Option<SafetensorsDir>,
+    /// A NextN layer's tensor prefix (`model.layers.{N}.`), when drafting with one: its
+    /// quantized matrices are dequantized at load, as an `mtp.*` head's are.
+    mtp_layer: Option<String>,
     /// With a sidecar for a model whose q/k rows are in adjacent-pair order (a GGUF llama):
     /// the head dim by which the sidecar's HF-order q/k rows are put in that order too.
     sidecar_pairs: Option<usize>,
@@ -72,6 +75,7 @@ impl Weights {
             dtype,
             mlx: None,
             mtp_sidecar: None,
+            mtp_layer: None,
             sidecar_pairs: None,
             held: AtomicU64::new(0),
             shard: None,
@@ -90,6 +94,18 @@ impl Weights {
         self.mtp_sidecar = Some(side);
         self.sidecar_pairs = pairs;
         self
+    }
+
+    /// Treats the tensors under `prefix` (a NextN layer's, `model.layers.{N}.`) as an MTP
+    /// head's: quantized ones are dequantized at load.
+    pub fn with_mtp_layer(mut self, prefix: String) -> Self {
+        self.mtp_layer = Some(prefix);
+        self
+    }
+
+    /// Whether `name` belongs to the MTP head: `mtp.*`, or the NextN layer's prefix.
+    fn in_mtp_head(&self, name: &str) -> bool {
+        is_mtp(name) || self.mtp_layer.as_deref().is_some_and(|p| name.starts_with(p))
     }
 
     /// Hands out this rank's part of every tensor `Shard::split_of` divides (asked for in the
@@ -239,7 +255,7 @@ impl Weights {
             (_, Some(s)) | (Source::Safetensors(s), None) => match name.strip_suffix(".weight") {
                 Some(module) if s.contains(&format!("{module}.scales")) => {
                     let a = self.affine(s, module, shape)?;
-                    if is_mtp(name) {
+                    if self.in_mtp_head(name) {
                         StoredTensor::Dense(a.dequantize(&self.device)?.reshape(shape)?.to_dtype(self.dtype)?)
                     } else {
                         StoredTensor::Affine(a)
