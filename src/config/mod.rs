@@ -7,11 +7,13 @@ mod error;
 mod gemma4;
 mod gguf;
 mod hf;
+mod json;
 mod text;
 mod validate;
 
 pub use error::ConfigError;
 pub use gguf::gguf_arch;
+pub use json::positive_int;
 pub use text::{
     Activation, Arch, Gemma4Layers, KvShape, LayerKind, LinearAttnConfig, MoeConfig, MoeScoring, PerLayerInput,
     RopeConfig, RopeLayout, RopeScaling, TextConfig,

@@ -13,6 +13,7 @@ use serde_json::Value;
 use super::decode::ImageError;
 use super::pixels::{PixelValues, RgbImage};
 use super::resize::resize_bicubic;
+use crate::config::positive_int;
 use crate::weights::WeightsError;
 
 /// The budgets transformers accepts for `max_soft_tokens`.
@@ -75,16 +76,7 @@ impl Gemma4ImageProcessor {
 
     pub fn from_json(j: &Value) -> Result<Self, String> {
         let d = Self::default();
-        let uint = |name: &str, default: usize| -> Result<usize, String> {
-            match j.get(name) {
-                None | Some(Value::Null) => Ok(default),
-                Some(v) => v
-                    .as_u64()
-                    .filter(|&n| n > 0)
-                    .map(|n| n as usize)
-                    .ok_or_else(|| format!("`{name}` must be a positive integer")),
-            }
-        };
+        let uint = |name: &str, default| positive_int(j.get(name), default, name);
         let flag = |name: &str, default: bool| j.get(name).and_then(Value::as_bool).unwrap_or(default);
         let triple = |name: &str, default: [f32; 3]| -> Result<[f32; 3], String> {
             match j.get(name) {

@@ -12,6 +12,7 @@ use serde_json::Value;
 use super::decode::ImageError;
 use super::pixels::{PixelValues, RgbImage};
 use super::resize::resize_bicubic;
+use crate::config::positive_int;
 use crate::weights::WeightsError;
 
 const CLIP_MEAN: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];
@@ -102,16 +103,7 @@ impl ImageProcessor {
 
     pub fn from_json(j: &Value, rule: ResizeRule) -> Result<Self, String> {
         let d = Self::defaults(rule);
-        let uint = |v: Option<&Value>, name: &str, default: usize| -> Result<usize, String> {
-            match v {
-                None | Some(Value::Null) => Ok(default),
-                Some(v) => v
-                    .as_u64()
-                    .filter(|&n| n > 0)
-                    .map(|n| n as usize)
-                    .ok_or_else(|| format!("`{name}` must be a positive integer")),
-            }
-        };
+        let uint = |v: Option<&Value>, name: &str, default| positive_int(v, default, name);
         let flag = |name: &str, default: bool| j.get(name).and_then(Value::as_bool).unwrap_or(default);
         let triple = |name: &str, default: [f32; 3]| -> Result<[f32; 3], String> {
             match j.get(name) {

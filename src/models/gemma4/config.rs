@@ -6,7 +6,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::unified_vision::UnifiedVisionConfig;
-use crate::config::Activation;
+use crate::config::{positive_int, Activation};
 use crate::weights::WeightsError;
 
 /// The tokens of an image in a prompt: `<|image>`, as many `<|image|>` as it has cells, `<image|>`.
@@ -85,16 +85,7 @@ impl VisionConfig {
 
     /// Defaults are transformers 5.24's `Gemma4VisionConfig`'s.
     fn from_vision_json(v: &Value) -> Result<Self, String> {
-        let int = |key: &str, default: usize| -> Result<usize, String> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_u64()
-                    .filter(|&n| n > 0)
-                    .map(|n| n as usize)
-                    .ok_or_else(|| format!("`vision_config.{key}` must be a positive integer")),
-            }
-        };
+        let int = |key: &str, default| positive_int(v.get(key), default, format_args!("vision_config.{key}"));
         let act_name = v.get("hidden_activation").and_then(Value::as_str).unwrap_or("gelu_pytorch_tanh");
         let activation =
             Activation::from_hf(act_name).ok_or_else(|| format!("unsupported vision activation `{act_name}`"))?;

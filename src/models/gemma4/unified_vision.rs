@@ -8,6 +8,7 @@
 use candle_core::{Result, Tensor};
 use serde_json::Value;
 
+use crate::config::positive_int;
 use crate::layers::linear::Linear;
 use crate::layers::norm::{LayerNorm, RmsNorm};
 use crate::media::PixelValues;
@@ -27,16 +28,7 @@ pub struct UnifiedVisionConfig {
 
 impl UnifiedVisionConfig {
     pub fn from_hf_json(v: &Value) -> std::result::Result<Self, String> {
-        let int = |key: &str, default: usize| -> std::result::Result<usize, String> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_u64()
-                    .filter(|&n| n > 0)
-                    .map(|n| n as usize)
-                    .ok_or_else(|| format!("`vision_config.{key}` must be a positive integer")),
-            }
-        };
+        let int = |key: &str, default| positive_int(v.get(key), default, format_args!("vision_config.{key}"));
         let cfg = UnifiedVisionConfig {
             patch_size: int("patch_size", 16)?,
             pooling_kernel_size: int("pooling_kernel_size", 3)?,

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::config::Activation;
+use crate::config::{positive_int, Activation};
 use crate::weights::WeightsError;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -57,16 +57,7 @@ impl VisionConfig {
     /// Defaults are transformers' `Glm4vVisionConfig`'s.
     pub fn from_hf_json(root: &Value) -> Result<Self, String> {
         let v = root.get("vision_config").filter(|v| v.is_object()).ok_or("missing object `vision_config`")?;
-        let int = |key: &str, default: usize| -> Result<usize, String> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_u64()
-                    .filter(|&n| n > 0)
-                    .map(|n| n as usize)
-                    .ok_or_else(|| format!("`vision_config.{key}` must be a positive integer")),
-            }
-        };
+        let int = |key: &str, default| positive_int(v.get(key), default, format_args!("vision_config.{key}"));
         let act_name = v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
         let activation =
             Activation::from_hf(act_name).ok_or_else(|| format!("unsupported vision activation `{act_name}`"))?;
