@@ -97,11 +97,11 @@ impl PagedAttention<'_> {
         let mut out = vec![0f32; q.len()];
         let dst = OutPtr(out.as_mut_ptr());
         let isa = self.isa;
-        // Partial softmax states of `tile`'s rows (query values `qt`, `[rows, group, d]`) over
-        // the positions `seg` of kv head `g`, into `part` (`[rows, group, d + 2]`).
-        let partial = |tile: &Tile, qt: &[f32], g: usize, seg: (usize, usize), part: &mut [f32]| {
-            let offs = tile.offsets(g, seg);
-            let spans: Vec<(usize, usize)> = tile
+        // The positions `seg` of `tile`: kv head 0's vector offsets (head g's are g * d further:
+        // its k and v are read from there) and each row's span among them. The same for every
+        // kv head, so a work item of several heads computes them once.
+        let window = |tile: &Tile, seg: (usize, usize)| -> (Vec<usize>, Vec<(usize, usize)>) {
+            let spans = tile
                 .spans
                 .iter()
                 .map(|&(lo, end)| {
@@ -113,14 +113,20 @@ impl PagedAttention<'_> {
                     }
                 })
                 .collect();
+            (tile.offsets(seg), spans)
+        };
+        // Partial softmax states of a tile's rows (query values `qt`, `[rows, group, d]`) over
+        // the positions of `window` for kv head `g`, into `part` (`[rows, group, d + 2]`).
+        let partial = |qt: &[f32], g: usize, (offs, spans): &(Vec<usize>, Vec<(usize, usize)>), part: &mut [f32]| {
+            let (k, v) = (&k[g * d..], &v[g * d..]);
             if d % 16 != 0 {
-                return self.partial_portable(qt, &spans, &offs, k, v, part);
+                return self.partial_portable(qt, spans, offs, k, v, part);
             }
             // Offsets are in bounds (block tables were checked against the cache, whose shape
             // `cpu_fwd` checked); spans lie within the offsets.
-            let (scale, softcap, spans) = (self.scale, self.softcap, &spans[..]);
+            let (scale, softcap) = (self.scale, self.softcap);
             with_scratch(|scratch| {
-                isa.run(Partial { q: qt, group, spans, offs: &offs, k, v, d, scale, softcap, scratch, part })
+                isa.run(Partial { q: qt, group, spans, offs, k, v, d, scale, softcap, scratch, part })
             })
         };
         // SAFETY (both loops): the item finishing (tile, g) is the only writer of its rows'
@@ -148,7 +154,7 @@ impl PagedAttention<'_> {
                 let mut states = empty_states(tile.rows.len());
                 let mut part = vec![0f32; states.len()];
                 for seg in tile.segments() {
-                    partial(tile, &qt, g, seg, &mut part);
+                    partial(&qt, g, &window(tile, seg), &mut part);
                     for (st, p) in states.chunks_exact_mut(d + 2).zip(part.chunks_exact(d + 2)) {
                         fold(st, p);
                     }
@@ -156,10 +162,11 @@ impl PagedAttention<'_> {
                 finish(tile, g, &states);
             }
             Job::Segment { tile, heads, seg, part, stride } => {
+                let (tile, positions) = (&tiles[tile], window(&tiles[tile], seg));
                 for (g, slot) in Job::segment_heads(heads, part, stride) {
                     // SAFETY: each (segment, head) owns its slot of `partials`.
                     let p = unsafe { std::slice::from_raw_parts_mut(pdst.at(slot * part_len), part_len) };
-                    partial(&tiles[tile], &tiles[tile].queries(q, g), g, seg, p);
+                    partial(&tile.queries(q, g), g, &positions, p);
                 }
             }
         });
@@ -321,15 +328,15 @@ impl<'a> Tile<'a> {
         (lo / SEGMENT..=(hi - 1) / SEGMENT).map(|k| ((k * SEGMENT).max(lo), ((k + 1) * SEGMENT).min(hi))).collect()
     }
 
-    /// Offsets of kv head `g`'s vectors for positions `seg`, block by block (no division per
+    /// Offsets of kv head 0's vectors for positions `seg`, block by block (no division per
     /// position).
-    fn offsets(&self, g: usize, (lo, hi): (usize, usize)) -> Vec<usize> {
+    fn offsets(&self, (lo, hi): (usize, usize)) -> Vec<usize> {
         let (bs, hkv, d) = (self.bs, self.hkv, self.d);
         let mut offs = Vec::with_capacity(hi - lo);
         for b in lo / bs..=(hi - 1) / bs {
             let base = self.seq.block_table[b] as usize * bs;
             let (j0, j1) = ((b * bs).max(lo), ((b + 1) * bs).min(hi));
-            offs.extend((j0..j1).map(|j| ((base + j % bs) * hkv + g) * d));
+            offs.extend((j0..j1).map(|j| (base + j % bs) * hkv * d));
         }
         offs
     }
