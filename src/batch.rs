@@ -471,6 +471,7 @@ impl Positions {
 }
 
 /// Rows whose input is an image embedding instead of their token's embedding.
+#[derive(Clone)]
 pub struct ImageRows {
     /// `[T]` u32: row i of the model input is row `source[i]` of `[token embeddings; embeds]`.
     source: Tensor,
@@ -586,21 +587,30 @@ impl Batch {
         self.attn.num_rows()
     }
 
-    /// A copy of this text batch on `device` (another rank's, under tensor parallelism), with
-    /// its token ids `ids` as read back to the host beforehand: read from the other rank's
-    /// thread, they could wait behind a collective queued on this batch's device that waits for
-    /// that very rank.
-    pub fn text_on(&self, device: &Device, ids: &[u32]) -> candle_core::Result<Batch> {
-        if self.images.is_some() {
-            candle_core::bail!("a batch with images is not copied to another device");
-        }
+    /// What a copy of this batch on another device (`copy_on`) needs read to the host
+    /// beforehand, on the batch's own thread: its token ids and image rows. Read from another
+    /// rank's thread (tensor parallelism), they could wait behind a collective queued on this
+    /// batch's device that waits for that very rank.
+    pub fn host_parts(&self) -> candle_core::Result<(Vec<u32>, Option<ImageRows>)> {
+        let images = self.images.clone().map(|mut img| img.to_device(&Device::Cpu).map(|()| img)).transpose()?;
+        Ok((self.token_ids.to_vec1::<u32>()?, images))
+    }
+
+    /// A copy of this batch on `device` (another rank's, under tensor parallelism), from its
+    /// `host_parts`.
+    pub fn copy_on(
+        &self,
+        device: &Device,
+        (ids, images): &(Vec<u32>, Option<ImageRows>),
+    ) -> candle_core::Result<Batch> {
         let mut attn = self.attn.clone();
         attn.upload(device)?;
+        let images = images.clone().map(|mut img| img.to_device(device).map(|()| img)).transpose()?;
         Ok(Batch {
-            token_ids: Tensor::new(ids, device)?,
+            token_ids: Tensor::new(ids.as_slice(), device)?,
             positions: self.positions.clone(),
             attn,
-            images: None,
+            images,
             output_rows: self.output_rows.clone(),
         })
     }
@@ -619,6 +629,7 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::DType;
 
     /// A prompt chunk longer than the window and a decode: the chunk's first rows leave the
     /// window within the step (no ring row), the rest go to `ring * len + position % len`;
@@ -626,6 +637,24 @@ mod tests {
     /// padding rows and sequences writing nothing and reading ring 0.
     /// Few rows over a long context split the most; a chunk of many tiles, or one over a short
     /// context, not at all; the split tiles' partial states follow each other.
+    /// What another rank's copy of a batch is made of: its token ids and image rows, read to
+    /// the host, then placed on the rank's device; its input embeddings are the original's.
+    #[test]
+    fn a_copy_from_host_parts_keeps_the_image_rows() {
+        let dev = Device::Cpu;
+        let seq = SeqSlice { q_start: 0, q_len: 4, context_len: 4, block_table: vec![0] };
+        let embeds = Tensor::new(&[[7f32, 7.0], [8.0, 8.0]], &dev).unwrap();
+        let images = ImageRows::new(&[1, 2], embeds, 4).unwrap();
+        let positions = Positions::Flat(vec![0, 1, 2, 3]);
+        let batch = Batch::new(&dev, 4, vec![seq], &[5, 0, 0, 6], positions, Some(images)).unwrap();
+        let copy = batch.copy_on(&dev, &batch.host_parts().unwrap()).unwrap();
+        let tokens =
+            |b: &Batch| b.token_ids.to_dtype(DType::F32).unwrap().unsqueeze(1).unwrap().repeat((1, 2)).unwrap();
+        let rows = |b: &Batch| b.input_embeds(tokens(b)).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(rows(&copy), [[5.0, 5.0], [7.0, 7.0], [8.0, 8.0], [6.0, 6.0]]);
+        assert_eq!(rows(&copy), rows(&batch));
+    }
+
     #[test]
     fn prompt_chunk_tiles_split_by_their_own_rows_and_context() {
         assert_eq!(prefill_splits(16, 30_000), 8);

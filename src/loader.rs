@@ -180,13 +180,15 @@ pub fn load_model_parts(
 /// part of every divided tensor (`parallel::Shard::split_of`) and the layers a config of its
 /// share implies (`parallel::rank_config`). On the CPU the ranks meet through threads
 /// (`thread_group`), on CUDA devices through NCCL. What the model allows is checked before any
-/// GPU is opened. The weight figure is one rank's.
+/// GPU is opened. With `vision`, a vision-language checkpoint's tower is loaded whole on rank
+/// 0's device (its image rows go to every rank with the step). The weight figure is rank 0's.
 pub fn load_tensor_parallel(
     path: &Path,
     tokenizer: Option<&Path>,
     first: &Device,
     world: usize,
     dtype: DType,
+    vision: bool,
 ) -> Result<LoadedModel, LoadError> {
     let refuse = |msg: String| LoadError::TensorParallel { world, msg };
     let loc = ModelLocation::resolve(path)?;
@@ -232,8 +234,11 @@ pub fn load_tensor_parallel(
     }
     let model = crate::models::tensor_parallel::TensorParallel::new(ranks, comms[0].clone())
         .map_err(|e| refuse(e.to_string()))?;
-    let held = HeldBytes { text, vision: 0 };
-    Ok(LoadedModel { model: Box::new(model), vision: None, tokenizer: Arc::new(tokenizer), location: loc, held })
+    // The tower from a store of its own, which divides nothing.
+    let towers = Weights::from_safetensors(SafetensorsDir::open(dir)?, first.clone(), dtype).with_mlx_quantization(mlx);
+    let vision = if vision { load_vision_model(&towers, dir, &cfg)? } else { None };
+    let held = HeldBytes { text, vision: towers.held_bytes() };
+    Ok(LoadedModel { model: Box::new(model), vision, tokenizer: Arc::new(tokenizer), location: loc, held })
 }
 
 /// The devices of `n` ranks: `first` and the GPUs after it, or `n` times the CPU.

@@ -10,16 +10,22 @@ mod common;
 
 use common::*;
 use iris::engine::build::{build_engine, EngineOptions};
-use iris::engine::{Engine, Request, SamplingParams, SpeculativeConfig};
+use iris::engine::{Engine, ImageInput, Request, SamplingParams, SpeculativeConfig};
 
 /// (token, logprob, top-5) of every generated token of each request, all submitted at once.
 type Trace = Vec<Vec<(u32, f32, Vec<(u32, f32)>)>>;
 
 fn run(engine: &mut Engine, reqs: &[(Vec<u32>, SamplingParams)]) -> Trace {
+    let with_images: Vec<_> = reqs.iter().map(|(p, s)| (p.clone(), vec![], s.clone())).collect();
+    run_with_images(engine, &with_images)
+}
+
+fn run_with_images(engine: &mut Engine, reqs: &[(Vec<u32>, Vec<ImageInput>, SamplingParams)]) -> Trace {
     let ids: Vec<_> = reqs
         .iter()
-        .map(|(prompt, params)| {
-            engine.add_request(Request { prompt_tokens: prompt.clone(), params: params.clone() }).expect("admitted")
+        .map(|(prompt, images, params)| {
+            let req = Request { prompt_tokens: prompt.clone(), params: params.clone() };
+            engine.add_request_with_images(req, images.clone()).expect("admitted")
         })
         .collect();
     let mut out: Trace = vec![Vec::new(); reqs.len()];
@@ -80,7 +86,7 @@ fn have_devices(ranks: usize) -> bool {
 #[test]
 fn divided_models_give_the_undivided_output() {
     let _gpu = gpu_lock();
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"] {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-glm4v", "tiny-glm4v-moe"] {
         let path = fixture(name);
         let mut whole = engine_with(&path, divided(1, None));
         let reqs = requests(whole.model().config().vocab_size as u32);
@@ -90,6 +96,49 @@ fn divided_models_give_the_undivided_output() {
             let mut parts = engine_with(&path, divided(ranks, None));
             assert_same(&want, &run(&mut parts, &reqs), &format!("{name}, {ranks} ranks"));
         }
+    }
+}
+
+/// GLM-4.1V (dense, a fused gate/up projection) and GLM-4.5V (MoE: each rank holds half the
+/// routed experts whole and half the shared expert's width) with the fixtures' image requests
+/// among text ones, prefilled in chunks that cut through image-token runs: the vision tower runs
+/// on rank 0 and its rows reach every rank.
+#[test]
+fn divided_vision_language_models_give_the_undivided_output_with_images() {
+    use iris::media::{decode_image, DecodeLimits};
+    let _gpu = gpu_lock();
+    if !have_devices(2) {
+        return;
+    }
+    for name in ["tiny-glm4v", "tiny-glm4v-moe"] {
+        let (path, r, j) = (fixture(name), reference(name), reference_json(name));
+        let mut whole = engine_with(&path, divided(1, None));
+        let vision = whole.vision().expect("a vision tower").clone();
+        let case = |c: &str, max_tokens: usize| {
+            let images = j["cases"][c]["images"]
+                .as_array()
+                .expect("the case's images")
+                .iter()
+                .map(|f| {
+                    let bytes = std::fs::read(path.join(f.as_str().expect("a file name"))).expect("the image");
+                    let image = decode_image(&bytes, &DecodeLimits::default()).expect("decoded");
+                    ImageInput::new(vision.preprocess(&image).expect("preprocessed"))
+                })
+                .collect();
+            (ids(&r[&format!("{c}.input_ids")]), images, SamplingParams { logprobs: Some(5), ..greedy(max_tokens) })
+        };
+        let mut reqs: Vec<_> = requests(whole.model().config().vocab_size as u32)
+            .into_iter()
+            .filter(|(_, p)| p.temperature == 0.0)
+            .map(|(p, s)| (p, vec![], s))
+            .collect();
+        reqs.insert(1, case("multi", 8));
+        reqs.insert(3, case("single", 10));
+        reqs.insert(5, case("nonsquare", 6));
+        let want = run_with_images(&mut whole, &reqs);
+        let mut parts = engine_with(&path, divided(2, None));
+        assert!(parts.vision().is_some(), "{name}: the divided engine has its vision tower");
+        assert_same(&want, &run_with_images(&mut parts, &reqs), &format!("{name} with images, 2 ranks"));
     }
 }
 
@@ -118,7 +167,7 @@ fn what_cannot_be_divided_is_refused_in_one_line() {
         ("tiny-llama", 3, "--tensor-parallel-size 3: 3 ranks must divide the attention heads (4)"),
         ("tiny-llama", 0, "--tensor-parallel-size must be at least 1"),
         ("tiny-qwen3.5", 2, "--tensor-parallel-size 2: qwen3_5 is not divided across ranks yet"),
-        ("tiny-glm4v-moe", 2, "is not divided across ranks yet"),
+        ("tiny-glm4v-moe", 3, "3 ranks must divide the attention heads (4)"),
     ];
     for (name, ranks, want) in cases {
         let err = match build_engine(&fixture(name), &device(), &divided(ranks, None)) {
@@ -127,4 +176,11 @@ fn what_cannot_be_divided_is_refused_in_one_line() {
         };
         assert!(err.contains(want) && !err.contains('\n'), "{name}, {ranks}: {err}");
     }
+    // Six routed experts do not share out evenly among 4 ranks.
+    let six = copy_with_config(&fixture("tiny-glm4v-moe"), "tp-six-experts", |c| {
+        let t = &mut c["text_config"];
+        (t["n_routed_experts"], t["n_group"], t["topk_group"]) = (6.into(), 1.into(), 1.into());
+    });
+    let err = build_engine(six.path(), &device(), &divided(4, None)).err().expect("refused").to_string();
+    assert!(err.contains("4 ranks must divide the routed experts (6)") && !err.contains('\n'), "{err}");
 }

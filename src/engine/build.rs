@@ -257,7 +257,7 @@ pub fn build_engine(path: &Path, device: &Device, opts: &EngineOptions) -> Resul
                     "--tensor-parallel-size {n} does not run with {what} yet; n-gram speculation and float caches do"
                 )));
             }
-            loader::load_tensor_parallel(path, opts.tokenizer.as_deref(), device, n, opts.dtype)?
+            loader::load_tensor_parallel(path, opts.tokenizer.as_deref(), device, n, opts.dtype, with_vision)?
         }
     };
     if !with_vision {

@@ -94,6 +94,12 @@ impl Linear {
         self
     }
 
+    /// Takes the collective that completes this product, leaving its output partial: for a
+    /// layer that adds other partial sums to it before one collective of its own.
+    pub fn take_collective(&mut self) -> Option<Collective> {
+        self.collective.take()
+    }
+
     /// A dense `[out, in]` matrix and bias `[out]` (convolutions applied as matrix products).
     pub fn from_dense_with_bias(w: Tensor, bias: Tensor) -> Self {
         Self::plain(Matrix::Dense(w), Some(bias))

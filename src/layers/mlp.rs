@@ -73,6 +73,12 @@ impl GatedMlp {
         })
     }
 
+    /// Takes the collective that completes the down projection (a row-parallel MLP's), leaving
+    /// its output partial (see `Linear::take_collective`).
+    pub fn take_collective(&mut self) -> Option<crate::parallel::Collective> {
+        self.down.take_collective()
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gate_up = match &self.gate_up {
             GateUp::Pairs { linear, act } => {

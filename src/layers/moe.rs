@@ -14,6 +14,11 @@
 //! `ops::moe_experts` (grouping, projections and the weighted sum on the device, no host round
 //! trip, so decode steps can be graph-captured); larger steps (prompts) group on the host as the
 //! CPU does, with one matmul per active expert over slices of the stacked weights.
+//!
+//! Under tensor parallelism each rank holds an even share of the routed experts, whole
+//! (`parallel::Shard::experts`), and its share of the shared expert's width; every rank routes
+//! every row, runs its own experts over the rows sent to them, and one all-reduce adds the
+//! ranks' partial sums (routed and shared together).
 
 use candle_core::{DType, Result, Tensor};
 
@@ -23,13 +28,14 @@ use crate::config::{Activation, MoeConfig, MoeScoring};
 use crate::ops::gated_act::GatedAct;
 use crate::ops::moe_route::RouteConfig;
 pub use crate::ops::moe_route::Routing;
+use crate::parallel::Collective;
 use crate::weights::{Weights, WeightsError};
 
 /// Most rows the device kernel takes in one step: the default largest decode-graph bucket.
 /// Larger steps group their rows by expert on the host, where matmuls beat row-by-row dots.
 pub const DEVICE_ROWS: usize = 256;
 
-/// The routed experts' weights.
+/// The routed experts' weights (this rank's, under tensor parallelism: `Moe::held`).
 enum Experts {
     /// One MLP per expert (the CPU, where GGUF experts stay quantized).
     Separate(Vec<GatedMlp>),
@@ -46,6 +52,11 @@ pub struct Moe {
     scoring: MoeScoring,
     experts: Experts,
     num_experts: usize,
+    /// The routed experts `experts` holds: all of them, or a tensor-parallel rank's share.
+    held: std::ops::Range<usize>,
+    /// What adds up the ranks' partial outputs (tensor parallelism), once for routed and
+    /// shared experts together.
+    reduce: Option<Collective>,
     shared: Option<GatedMlp>,
     /// `[1, hidden]`: the shared MLP's output is scaled by `sigmoid(x w^T)` (Qwen).
     shared_gate: Option<Tensor>,
@@ -115,22 +126,28 @@ impl Moe {
         } else {
             Tensor::zeros(e, DType::F32, w.device())?
         };
+        let held = w.shard().map_or(0..e, |s| s.experts(e));
         let experts = if w.device().is_cuda() {
-            Self::load_stacked(w, prefix, hidden, e, inter)?
+            Self::load_stacked(w, prefix, hidden, held.clone(), inter)?
         } else {
             Experts::Separate(
-                (0..e)
+                held.clone()
                     .map(|i| GatedMlp::load(w, &format!("{prefix}.experts.{i}"), hidden, inter, act))
                     .collect::<std::result::Result<Vec<_>, _>>()?,
             )
         };
         let shared_name = if cfg.shared_expert_gate { "shared_expert" } else { "shared_experts" };
-        let shared = (cfg.n_shared_experts > 0)
+        let mut shared = (cfg.n_shared_experts > 0)
             .then(|| {
                 let width = cfg.shared_intermediate_size;
                 GatedMlp::load(w, &format!("{prefix}.{shared_name}"), hidden, width, act)
             })
             .transpose()?;
+        // A rank's shared-expert output is partial too: one sum for both (the shared
+        // expert's own, taken from its down projection, or a new one).
+        let reduce = w
+            .shard()
+            .map(|s| shared.as_mut().and_then(GatedMlp::take_collective).unwrap_or(Collective::Sum(s.comm.clone())));
         let shared_gate = cfg
             .shared_expert_gate
             .then(|| w.dense(&format!("{prefix}.shared_expert_gate.weight"), &[1, hidden]))
@@ -145,6 +162,8 @@ impl Moe {
             scoring: cfg.scoring,
             experts,
             num_experts: e,
+            held,
+            reduce,
             shared,
             shared_gate,
             inter,
@@ -153,20 +172,21 @@ impl Moe {
         })
     }
 
-    /// The experts' matrices stacked into one tensor each, written expert by expert into
-    /// tensors made once (each expert's own copy is dropped once written, so a layer's experts
-    /// are in memory once, plus one expert).
+    /// The matrices of experts `held` stacked into one tensor each (expert `held.start` at
+    /// index 0), written expert by expert into tensors made once (each expert's own copy is
+    /// dropped once written, so a layer's experts are in memory once, plus one expert).
     fn load_stacked(
         w: &Weights,
         prefix: &str,
         hidden: usize,
-        e: usize,
+        held: std::ops::Range<usize>,
         inter: usize,
     ) -> std::result::Result<Experts, WeightsError> {
+        let e = held.len();
         let gate_up = Tensor::zeros((e, 2 * inter, hidden), w.dtype(), w.device())?;
         let down = Tensor::zeros((e, hidden, inter), w.dtype(), w.device())?;
-        for i in 0..e {
-            let p = format!("{prefix}.experts.{i}");
+        for (i, expert) in held.enumerate() {
+            let p = format!("{prefix}.experts.{expert}");
             let fused = format!("{p}.gate_up_proj.weight");
             let gu = if w.contains(&fused) {
                 w.dense(&fused, &[2 * inter, hidden])?
@@ -217,17 +237,25 @@ impl Moe {
             )?,
             _ => self.grouped(x, routing)?,
         };
-        match (&self.shared, &self.shared_gate) {
+        let y = match (&self.shared, &self.shared_gate) {
             (Some(s), Some(g)) => {
-                routed + s.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&x.matmul(&g.t()?)?)?)?
+                (routed + s.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&x.matmul(&g.t()?)?)?)?)?
             }
-            (Some(s), None) => routed + s.forward(x)?,
-            (None, _) => Ok(routed),
+            (Some(s), None) => (routed + s.forward(x)?)?,
+            (None, _) => routed,
+        };
+        match &self.reduce {
+            Some(c) => c.apply(&y),
+            None => Ok(y),
         }
     }
 
-    /// The stacked weights and activation when the device kernel computes these rows.
+    /// The stacked weights and activation when the device kernel computes these rows (which
+    /// takes every expert: not a tensor-parallel rank's share).
     fn on_device(&self, x: &Tensor) -> Option<(&Tensor, &Tensor, bool)> {
+        if self.held.len() != self.num_experts {
+            return None;
+        }
         let gelu = GatedAct::for_activation(self.act)?.gelu;
         match &self.experts {
             Experts::Stacked { gate_up, down } if x.device().is_cuda() && x.dim(0).is_ok_and(|t| t <= DEVICE_ROWS) => {
@@ -237,7 +265,8 @@ impl Moe {
         }
     }
 
-    /// The routed experts with rows grouped by expert on the host (one matmul per active expert).
+    /// The routed experts with rows grouped by expert on the host (one matmul per active
+    /// expert); a choice of an expert another rank holds adds zeros here.
     fn grouped(&self, x: &Tensor, routing: &Routing) -> Result<Tensor> {
         let (t, k) = (x.dim(0)?, routing.top_k()?);
         let (experts, weights) = routing.to_host()?;
@@ -251,10 +280,14 @@ impl Moe {
                 .push(entry);
         }
         let device = x.device();
-        let mut row_of_entry = vec![0u32; t * k];
         let mut outputs = Vec::new();
+        // Entries for experts held elsewhere read a row of zeros after the table's others.
+        let elsewhere = self.held.len() != self.num_experts;
+        let zero_row = elsewhere.then(|| by_expert[self.held.clone()].iter().map(Vec::len).sum::<usize>() as u32);
+        let mut row_of_entry = vec![zero_row.unwrap_or(0); t * k];
         let mut next_row = 0u32;
-        for (e, entries) in by_expert.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
+        let held = by_expert.iter().enumerate().filter(|(e, v)| self.held.contains(e) && !v.is_empty());
+        for (e, entries) in held {
             let tokens: Vec<u32> = entries.iter().map(|&i| (i / k) as u32).collect();
             let w: Vec<f32> = entries.iter().map(|&i| weights[i]).collect();
             let xs = x.index_select(&Tensor::new(tokens.as_slice(), device)?, 0)?;
@@ -265,14 +298,18 @@ impl Moe {
                 next_row += 1;
             }
         }
+        if zero_row.is_some() {
+            outputs.push(Tensor::zeros((1, x.dim(1)?), x.dtype(), device)?);
+        }
         let table = Tensor::cat(&outputs, 0)?;
         // Token t's k outputs, in ascending expert order, summed in that order (as transformers
         // adds them expert by expert).
         table.index_select(&Tensor::new(row_of_entry.as_slice(), device)?, 0)?.reshape((t, k, x.dim(1)?))?.sum(1)
     }
 
-    /// Expert `e`'s MLP over rows `xs`.
+    /// Expert `e`'s MLP over rows `xs` (`e` among those held).
     fn expert(&self, e: usize, xs: &Tensor) -> Result<Tensor> {
+        let e = e - self.held.start;
         match &self.experts {
             Experts::Separate(mlps) => mlps[e].forward(xs),
             Experts::Stacked { gate_up, down } => {
@@ -295,7 +332,7 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-glm4v-moe");
         let w = Weights::from_safetensors(SafetensorsDir::open(&dir).unwrap(), Device::Cpu, DType::F32);
         let (hidden, e, inter, p) = (64, 8, 32, "model.layers.1.mlp");
-        let Experts::Stacked { gate_up, down } = Moe::load_stacked(&w, p, hidden, e, inter).unwrap() else {
+        let Experts::Stacked { gate_up, down } = Moe::load_stacked(&w, p, hidden, 0..e, inter).unwrap() else {
             panic!("load_stacked gives stacks")
         };
         for i in 0..e {

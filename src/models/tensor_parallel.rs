@@ -115,12 +115,11 @@ impl TextModel for TensorParallel {
     }
 
     fn forward(&self, batch: &Batch, kv: &KvCache, taps: Option<&mut Taps>) -> Result<Tensor> {
-        if batch.images.is_some() {
-            candle_core::bail!("tensor parallel runs text only");
-        }
-        // On this thread, before rank 0 queues its first collective (see `Batch::text_on`).
+        // On this thread, before rank 0 queues its first collective (see `Batch::host_parts`).
+        // Image rows come from the vision tower on rank 0's device; every rank merges them
+        // into its (all-reduced, so equal) token embeddings.
         let on_other_devices = self.rest.iter().any(|r| !r.device.same_device(batch.token_ids.device()));
-        let ids = if on_other_devices { batch.token_ids.to_vec1::<u32>()? } else { Vec::new() };
+        let host = if on_other_devices { Some(batch.host_parts()?) } else { None };
         self.together(
             || self.first.forward(batch, kv, taps),
             |rank| {
@@ -130,10 +129,11 @@ impl TextModel for TensorParallel {
                     *cache = Some(KvCache::new(model.config(), *kv.spec(), &rank.device)?);
                 }
                 let cache = cache.as_ref().expect("made above");
-                if rank.device.same_device(batch.token_ids.device()) {
-                    model.forward(batch, cache, None)
-                } else {
-                    model.forward(&batch.text_on(&rank.device, &ids)?, cache, None)
+                match &host {
+                    Some(parts) if !rank.device.same_device(batch.token_ids.device()) => {
+                        model.forward(&batch.copy_on(&rank.device, parts)?, cache, None)
+                    }
+                    _ => model.forward(batch, cache, None),
                 }
             },
         )

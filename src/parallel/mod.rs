@@ -47,6 +47,9 @@ pub enum Split {
     Rows,
     /// By the last axis: input columns of a product (row-parallel), whose outputs are partial.
     Columns,
+    /// By the first axis within each of two stacked halves (a fused gate/up projection: gate
+    /// rows, then up rows): a rank holds its part of the gate rows, then of the up rows.
+    RowHalves,
 }
 
 impl Shard {
@@ -65,19 +68,34 @@ impl Shard {
     }
 
     /// How tensor `name` is divided; None: every rank holds it whole (norms, biases added
-    /// after a sum).
+    /// after a sum, a router) or, for a routed expert's, holds it or not at all (`experts`).
     pub fn split_of(name: &str) -> Option<Split> {
         const ROWS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"];
         const COLUMNS: [&str; 2] = ["o_proj", "down_proj"];
         let (module, param) = name.rsplit_once('.')?;
+        if module.contains(".experts.") {
+            return None;
+        }
         let last = module.rsplit('.').next().unwrap_or(module);
-        if ROWS.contains(&last) && (param == "weight" || param == "bias") {
+        let (weight, bias) = (param == "weight", param == "bias");
+        if ROWS.contains(&last) && (weight || bias) {
             Some(Split::Rows)
-        } else if COLUMNS.contains(&last) && param == "weight" {
+        } else if last == "gate_up_proj" && (weight || bias) {
+            Some(Split::RowHalves)
+        } else if COLUMNS.contains(&last) && weight {
             Some(Split::Columns)
         } else {
             None
         }
+    }
+
+    /// The routed experts this rank holds and runs, whole, over the rows sent to them (expert
+    /// parallelism, as vLLM's `--enable-expert-parallel`): an even share of the `num_experts`,
+    /// in order. The router is on every rank, so each rank sees every row's choice; the experts'
+    /// outputs are partial sums over the ranks, added up with the shared expert's part.
+    pub fn experts(&self, num_experts: usize) -> std::ops::Range<usize> {
+        let (rank, world) = (self.rank(), self.world());
+        rank * num_experts / world..(rank + 1) * num_experts / world
     }
 
     /// The collective that completes the product whose weight is `name`.
@@ -85,7 +103,7 @@ impl Shard {
         match Self::split_of(name)? {
             Split::Columns => Some(Collective::Sum(self.comm.clone())),
             Split::Rows if name.starts_with("lm_head.") => Some(Collective::Gather(self.comm.clone())),
-            Split::Rows => None,
+            Split::Rows | Split::RowHalves => None,
         }
     }
 
@@ -94,8 +112,19 @@ impl Shard {
     /// has fewer parts than there are ranks, the part this rank's queries read. None when `t`
     /// does not divide so.
     pub fn part(&self, t: &Tensor, split: Split, len: usize, replicable: bool) -> Result<Option<Tensor>> {
+        if split == Split::RowHalves {
+            if !len.is_multiple_of(2) || !t.dim(0)?.is_multiple_of(2) {
+                return Ok(None);
+            }
+            let half = t.dim(0)? / 2;
+            let parts = [t.narrow(0, 0, half)?, t.narrow(0, half, half)?]
+                .iter()
+                .map(|h| self.part(h, Split::Rows, len / 2, false))
+                .collect::<Result<Option<Vec<_>>>>()?;
+            return parts.map(|p| Tensor::cat(&p, 0)).transpose();
+        }
         let axis = match split {
-            Split::Rows => 0,
+            Split::Rows | Split::RowHalves => 0,
             Split::Columns => t.rank().saturating_sub(1),
         };
         let full = t.dim(axis)?;
@@ -115,9 +144,9 @@ impl Shard {
 /// Why a model cannot be divided among `world` ranks; None when it can.
 pub fn unsupported(cfg: &TextConfig, world: usize) -> Option<String> {
     let arch = cfg.arch;
-    if !matches!(arch, Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3) {
+    if !matches!(arch, Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Glm4v | Arch::Glm4vMoe) {
         return Some(format!(
-            "{} is not divided across ranks yet (llama, qwen2, qwen3 and gemma3 text models are)",
+            "{} is not divided across ranks yet (llama, qwen2, qwen3, gemma3, glm4v and glm4v_moe are)",
             arch.name()
         ));
     }
@@ -129,6 +158,14 @@ pub fn unsupported(cfg: &TextConfig, world: usize) -> Option<String> {
             cfg.num_heads, cfg.intermediate_size, cfg.vocab_size
         ));
     }
+    if let Some(m) = &cfg.moe {
+        if !divides(m.num_experts) || !divides(m.shared_intermediate_size) {
+            return Some(format!(
+                "{world} ranks must divide the routed experts ({}) and the shared expert's width ({})",
+                m.num_experts, m.shared_intermediate_size
+            ));
+        }
+    }
     if !(divides(kv) || world.is_multiple_of(kv)) {
         return Some(format!("{world} ranks neither divide the {kv} KV heads nor are a multiple of them"));
     }
@@ -138,13 +175,18 @@ pub fn unsupported(cfg: &TextConfig, world: usize) -> Option<String> {
     None
 }
 
-/// The config of one rank's layers: its share of the heads (at least one KV head) and of the
-/// MLP's width; the vocabulary stays whole (the output head's logits are gathered).
+/// The config of one rank's layers: its share of the heads (at least one KV head), of the
+/// MLP's width and of the shared expert's; the vocabulary stays whole (the output head's
+/// logits are gathered), and so do the routed experts (a rank holds some of them whole) and
+/// their number (every rank routes over all of them).
 pub fn rank_config(cfg: &TextConfig, world: usize) -> TextConfig {
     let mut c = cfg.clone();
     c.num_heads /= world;
     c.num_kv_heads = (cfg.num_kv_heads / world).max(1);
     c.intermediate_size /= world;
+    if let Some(m) = &mut c.moe {
+        m.shared_intermediate_size /= world;
+    }
     c
 }
 
@@ -163,6 +205,23 @@ mod tests {
         assert_eq!(split("model.embed_tokens.weight"), Some(Split::Rows));
         assert_eq!(split("model.layers.3.self_attn.q_norm.weight"), None);
         assert_eq!(split("model.norm.weight"), None);
+        assert_eq!(split("model.layers.0.mlp.gate_up_proj.weight"), Some(Split::RowHalves));
+        assert_eq!(split("model.layers.3.mlp.experts.5.gate_proj.weight"), None, "held whole or not at all");
+        assert_eq!(split("model.layers.3.mlp.experts.5.down_proj.weight"), None);
+        assert_eq!(split("model.layers.3.mlp.shared_experts.down_proj.weight"), Some(Split::Columns));
+        assert_eq!(split("model.layers.3.mlp.gate.weight"), None, "the router is on every rank");
+    }
+
+    #[test]
+    fn experts_and_fused_halves_are_shared_out_in_order() {
+        let comms = thread_group(2);
+        let shards: Vec<_> = comms.iter().map(|c| Shard { comm: c.clone() }).collect();
+        assert_eq!((shards[0].experts(8), shards[1].experts(8)), (0..4, 4..8));
+        // Gate rows 0..4, up rows 4..8: rank 1 holds gate rows 2, 3 and up rows 6, 7.
+        let t = Tensor::arange(0f32, 8.0, &candle_core::Device::Cpu).unwrap().reshape((8, 1)).unwrap();
+        let part = shards[1].part(&t, Split::RowHalves, 4, false).unwrap().unwrap();
+        assert_eq!(part.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [2.0, 3.0, 6.0, 7.0]);
+        assert!(shards[1].part(&t, Split::RowHalves, 3, false).unwrap().is_none());
     }
 
     #[test]

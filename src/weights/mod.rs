@@ -236,7 +236,7 @@ impl Weights {
             return Err(bad("is quantized; tensor parallelism divides float (bf16, f16, f32) checkpoints only".into()));
         };
         let len = match split {
-            Split::Rows => shape.first(),
+            Split::Rows | Split::RowHalves => shape.first(),
             Split::Columns => shape.last(),
         };
         match shard.part(&t, split, len.copied().unwrap_or(0), Shard::replicable(name))? {
