@@ -516,7 +516,8 @@ impl ImageRows {
     }
 }
 
-/// A step's model input.
+/// A step's model input. A clone shares its tensors.
+#[derive(Clone)]
 pub struct Batch {
     /// Token ids, `[T]` u32.
     pub token_ids: Tensor,

@@ -232,8 +232,8 @@ pub fn load_tensor_parallel(
         ranks.push((load_text_model(&w, &rank_cfg)?, device.clone()));
         text = w.held_bytes();
     }
-    let model = crate::models::tensor_parallel::TensorParallel::new(ranks, comms[0].clone())
-        .map_err(|e| refuse(e.to_string()))?;
+    let model =
+        crate::models::tensor_parallel::TensorParallel::new(ranks, &comms).map_err(|e| refuse(e.to_string()))?;
     // The tower from a store of its own, which divides nothing.
     let towers = Weights::from_safetensors(SafetensorsDir::open(dir)?, first.clone(), dtype).with_mlx_quantization(mlx);
     let vision = if vision { load_vision_model(&towers, dir, &cfg)? } else { None };
