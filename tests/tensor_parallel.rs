@@ -184,3 +184,26 @@ fn what_cannot_be_divided_is_refused_in_one_line() {
     let err = build_engine(six.path(), &device(), &divided(4, None)).err().expect("refused").to_string();
     assert!(err.contains("4 ranks must divide the routed experts (6)") && !err.contains('\n'), "{err}");
 }
+
+/// MLX affine checkpoints: a rank holds whole rows of the column-parallel products and whole
+/// quantization groups of the row-parallel ones (3-bit codes cross u32 words, but a group of 32
+/// fills whole words). Products whose parts would cut a group are refused in one line.
+#[test]
+fn divided_mlx_checkpoints_give_the_undivided_output() {
+    let _gpu = gpu_lock();
+    if !have_devices(2) {
+        return;
+    }
+    for name in ["mlx/llama-4bit-g32", "mlx/llama-3bit-g32"] {
+        let path = fixture(name);
+        let mut whole = engine_with(&path, divided(1, None));
+        let reqs = requests(whole.model().config().vocab_size as u32);
+        let want = run(&mut whole, &reqs);
+        let mut parts = engine_with(&path, divided(2, None));
+        assert_same(&want, &run(&mut parts, &reqs), &format!("{name}, 2 ranks"));
+    }
+    // Groups of 64 over o_proj's 64 inputs: half of them would be half a group.
+    let err = build_engine(&fixture("mlx/llama-8bit-g64"), &device(), &divided(2, None)).err().expect("refused");
+    let err = err.to_string();
+    assert!(err.contains("groups of 64") && err.contains("o_proj") && !err.contains('\n'), "{err}");
+}

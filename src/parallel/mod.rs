@@ -127,17 +127,24 @@ impl Shard {
             Split::Rows | Split::RowHalves => 0,
             Split::Columns => t.rank().saturating_sub(1),
         };
-        let full = t.dim(axis)?;
+        match self.start(t.dim(axis)?, len, replicable) {
+            Some(start) => Ok(Some(t.narrow(axis, start, len)?.contiguous()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Where this rank's part of `len` entries starts along an axis of `full` (see `part`);
+    /// None when the axis does not divide so.
+    pub fn start(&self, full: usize, len: usize, replicable: bool) -> Option<usize> {
         let world = self.world();
         if len == 0 || full % len != 0 {
-            return Ok(None);
+            return None;
         }
         let parts = full / len;
-        if parts != world && !(replicable && parts < world && world % parts == 0) {
-            return Ok(None);
+        if parts != world && !(replicable && parts < world && world.is_multiple_of(parts)) {
+            return None;
         }
-        let index = self.rank() * parts / world;
-        Ok(Some(t.narrow(axis, index * len, len)?.contiguous()?))
+        Some(self.rank() * parts / world * len)
     }
 }
 

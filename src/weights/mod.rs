@@ -197,10 +197,23 @@ impl Weights {
     /// Not counted in `held_bytes`: the layer that keeps it in another form (converted,
     /// repacked, stacked, dequantized on a GPU) counts that form with `hold`.
     pub fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, WeightsError> {
-        let stored = self.stored_whole(name, shape)?;
         let stored = match (&self.shard, Shard::split_of(name)) {
-            (Some(shard), Some(split)) => self.part(shard, split, name, shape, stored)?,
-            _ => stored,
+            (Some(shard), Some(split)) => {
+                // The whole tensor's shape (what an MLX-quantized one is read as): its stored
+                // rows, or a row-parallel part's columns times the ranks.
+                let mut whole = shape.to_vec();
+                match (split, whole.last_mut()) {
+                    (Split::Columns, Some(cols)) => *cols *= shard.world(),
+                    _ => {
+                        if let (Some(rows), Some(stored)) = (whole.first_mut(), self.shape_of(name)) {
+                            *rows = stored.first().copied().unwrap_or(*rows);
+                        }
+                    }
+                }
+                let stored = self.stored_whole(name, &whole)?;
+                self.part(shard, split, name, shape, stored)?
+            }
+            _ => self.stored_whole(name, shape)?,
         };
         let actual = match &stored {
             StoredTensor::Dense(t) => t.dims().to_vec(),
@@ -232,20 +245,56 @@ impl Weights {
             origin: self.origin_of(name).to_path_buf(),
             msg,
         };
-        let StoredTensor::Dense(t) = stored else {
-            return Err(bad("is quantized; tensor parallelism divides float (bf16, f16, f32) checkpoints only".into()));
-        };
         let len = match split {
             Split::Rows | Split::RowHalves => shape.first(),
             Split::Columns => shape.last(),
-        };
-        match shard.part(&t, split, len.copied().unwrap_or(0), Shard::replicable(name))? {
-            Some(part) => Ok(StoredTensor::Dense(part)),
-            None => Err(bad(format!(
-                "of shape {:?} does not divide among {} ranks into parts of shape {shape:?}",
-                t.dims(),
+        }
+        .copied()
+        .unwrap_or(0);
+        let replicable = Shard::replicable(name);
+        let undivided = |dims: &[usize]| {
+            bad(format!(
+                "of shape {dims:?} does not divide among {} ranks into parts of shape {shape:?}",
                 shard.world()
-            ))),
+            ))
+        };
+        match stored {
+            StoredTensor::Dense(t) => match shard.part(&t, split, len, replicable)? {
+                Some(part) => Ok(StoredTensor::Dense(part)),
+                None => Err(undivided(t.dims())),
+            },
+            // MLX affine: rows whole, or columns on the quantization groups' boundaries.
+            StoredTensor::Affine(a) => {
+                let rows = |full: usize, at: usize, len: usize| {
+                    shard.start(full, len, replicable).map(|s| a.rows(at + s, at + s + len))
+                };
+                let part = match split {
+                    Split::Rows => rows(a.rows, 0, len),
+                    Split::RowHalves => {
+                        let half = a.rows / 2;
+                        match (rows(half, 0, len / 2), rows(half, half, len / 2)) {
+                            (Some(g), Some(u)) if a.rows % 2 == 0 && len % 2 == 0 => {
+                                AffineMatrix::concat_rows(&[&g, &u])
+                            }
+                            _ => None,
+                        }
+                    }
+                    Split::Columns => shard.start(a.cols, len, false).and_then(|s| a.columns(s, s + len)),
+                };
+                part.map(StoredTensor::Affine).ok_or_else(|| {
+                    bad(format!(
+                        "is MLX-quantized in groups of {} and its {} x {} do not divide among {} ranks into parts of shape {shape:?} on group boundaries",
+                        a.params.group,
+                        a.rows,
+                        a.cols,
+                        shard.world()
+                    ))
+                })
+            }
+            StoredTensor::Quantized(_) => Err(bad(
+                "is GGUF-quantized; tensor parallelism divides float (bf16, f16, f32) and MLX affine checkpoints"
+                    .into(),
+            )),
         }
     }
 

@@ -113,6 +113,27 @@ impl AffineMatrix {
         }
     }
 
+    /// Columns `c0..c1` of every row as a matrix of their own (a row-parallel rank's part), when
+    /// both lie on group boundaries (a group's codes then fill whole words: groups are at least
+    /// 32 weights).
+    pub fn columns(&self, c0: usize, c1: usize) -> Option<AffineMatrix> {
+        let group = self.params.group;
+        if c0 % group != 0 || c1 % group != 0 || c0 >= c1 || c1 > self.cols {
+            return None;
+        }
+        let (w, g) = (self.words_per_row(), self.groups_per_row());
+        let (w0, w1) = (self.params.packed_words(c0), self.params.packed_words(c1));
+        let (g0, g1) = (c0 / group, c1 / group);
+        let (codes, scales, biases) = (Vec::new(), Vec::new(), Vec::new());
+        let mut m = AffineMatrix { rows: self.rows, cols: c1 - c0, params: self.params, codes, scales, biases };
+        for r in 0..self.rows {
+            m.codes.extend_from_slice(&self.codes[r * w + w0..r * w + w1]);
+            m.scales.extend_from_slice(&self.scales[r * g + g0..r * g + g1]);
+            m.biases.extend_from_slice(&self.biases[r * g + g0..r * g + g1]);
+        }
+        Some(m)
+    }
+
     /// The rows of `parts` one after another, when all have the same width and parameters.
     pub fn concat_rows(parts: &[&AffineMatrix]) -> Option<AffineMatrix> {
         let first = parts.first()?;
@@ -179,6 +200,31 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A run of whole groups taken out of every row dequantizes to the same columns of the
+    /// whole matrix, for every width (3-, 5- and 6-bit groups end on word boundaries too);
+    /// cuts inside a group are refused.
+    #[test]
+    fn columns_on_group_boundaries_are_the_matrix_columns() {
+        for bits in AffineParams::BITS {
+            let (rows, cols) = (3, 128);
+            let codes: Vec<u8> = (0..rows * cols).map(|i| ((i * 5 + i / 7) % (1 << bits)) as u8).collect();
+            let groups = rows * cols / 32;
+            let m = AffineMatrix {
+                rows,
+                cols,
+                params: AffineParams { bits, group: 32 },
+                codes: pack(&codes, bits),
+                scales: (0..groups).map(|g| 0.5 + g as f32).collect(),
+                biases: (0..groups).map(|g| -(g as f32)).collect(),
+            };
+            let whole = m.dequantize(&Device::Cpu).unwrap();
+            let part = m.columns(32, 96).unwrap().dequantize(&Device::Cpu).unwrap();
+            let want = whole.narrow(1, 32, 64).unwrap();
+            assert_eq!(part.to_vec2::<f32>().unwrap(), want.to_vec2::<f32>().unwrap(), "bits {bits}");
+            assert!(m.columns(16, 80).is_none() && m.columns(32, 80).is_none() && m.columns(64, 160).is_none());
         }
     }
 
