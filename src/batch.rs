@@ -632,12 +632,6 @@ mod tests {
     use super::*;
     use candle_core::DType;
 
-    /// A prompt chunk longer than the window and a decode: the chunk's first rows leave the
-    /// window within the step (no ring row), the rest go to `ring * len + position % len`;
-    /// the device copy holds them, and each sequence's ring, where its layout says, with
-    /// padding rows and sequences writing nothing and reading ring 0.
-    /// Few rows over a long context split the most; a chunk of many tiles, or one over a short
-    /// context, not at all; the split tiles' partial states follow each other.
     /// What another rank's copy of a batch is made of: its token ids and image rows, read to
     /// the host, then placed on the rank's device; its input embeddings are the original's.
     #[test]
@@ -656,6 +650,12 @@ mod tests {
         assert_eq!(rows(&copy), rows(&batch));
     }
 
+    /// A prompt chunk longer than the window and a decode: the chunk's first rows leave the
+    /// window within the step (no ring row), the rest go to `ring * len + position % len`;
+    /// the device copy holds them, and each sequence's ring, where its layout says, with
+    /// padding rows and sequences writing nothing and reading ring 0.
+    /// Few rows over a long context split the most; a chunk of many tiles, or one over a short
+    /// context, not at all; the split tiles' partial states follow each other.
     #[test]
     fn prompt_chunk_tiles_split_by_their_own_rows_and_context() {
         assert_eq!(prefill_splits(16, 30_000), 8);

@@ -230,7 +230,9 @@ pub fn load_tensor_parallel(
             .with_mlx_quantization(mlx.clone())
             .with_shard(shard);
         ranks.push((load_text_model(&w, &rank_cfg)?, device.clone()));
-        text = w.held_bytes();
+        if ranks.len() == 1 {
+            text = w.held_bytes();
+        }
     }
     let model =
         crate::models::tensor_parallel::TensorParallel::new(ranks, &comms).map_err(|e| refuse(e.to_string()))?;

@@ -59,6 +59,11 @@ impl Rank {
         Ok(Rank { device, jobs: Some(jobs), done, thread: Some(thread) })
     }
 
+    /// Whether the rank's thread still runs (a panic ends it).
+    fn alive(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
     /// Sends `job`; false when the rank's thread is gone (it panicked).
     fn send(&self, job: Job) -> bool {
         self.jobs.as_ref().is_some_and(|j| j.send(job).is_ok())
@@ -111,6 +116,12 @@ impl TensorParallel {
     /// collectives, so no rank waits for it.
     fn together<T>(&self, first: impl FnOnce() -> Result<T>, each: impl Fn(&Rank) -> Job) -> Result<T> {
         let gone = candle_core::Error::Msg("tensor parallel: a rank's thread is gone (it panicked)".into());
+        // Nothing is started while a rank is gone: the others' collectives would wait for it
+        // (an NCCL group cannot be aborted).
+        if !self.rest.iter().all(Rank::alive) {
+            self.comm.abort();
+            return Err(gone);
+        }
         let mut sent = Vec::with_capacity(self.rest.len());
         for rank in &self.rest {
             let ok = rank.send(each(rank));

@@ -281,9 +281,11 @@ impl Weights {
                     }
                     Split::Columns => shard.start(a.cols, len, false).and_then(|s| a.columns(s, s + len)),
                 };
+                // A column part must also start and end on a group's boundary.
+                let within = if split == Split::Columns { " on group boundaries" } else { "" };
                 part.map(StoredTensor::Affine).ok_or_else(|| {
                     bad(format!(
-                        "is MLX-quantized in groups of {} and its {} x {} do not divide among {} ranks into parts of shape {shape:?} on group boundaries",
+                        "is MLX-quantized in groups of {} and its {} x {} do not divide among {} ranks into parts of shape {shape:?}{within}",
                         a.params.group,
                         a.rows,
                         a.cols,
