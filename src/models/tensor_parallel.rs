@@ -131,11 +131,13 @@ impl TensorParallel {
                 break;
             }
         }
-        let out = {
+        // A panic in rank 0's part is held until every rank has answered, so that no answer
+        // is left queued for the next pass to take as its own.
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let _abort = AbortOnPanic(self.comm.as_ref());
             first()
-        };
-        if out.is_err() {
+        }));
+        if !matches!(out, Ok(Ok(_))) {
             self.comm.abort();
         }
         let mut rest_failed = None;
@@ -149,6 +151,7 @@ impl TensorParallel {
         if sent.len() < self.rest.len() || sent.contains(&false) {
             rest_failed = rest_failed.or(Some(gone));
         }
+        let out = out.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         // Which failed first is not known (the others' errors may be the abort's): both said.
         match (out, rest_failed) {
             (Ok(_), Some(e)) => Err(e),
@@ -264,6 +267,15 @@ mod tests {
     }
 
     fn group(fail_at: Option<usize>, panic_at: Option<usize>) -> (TensorParallel, Arc<Mutex<Vec<ThreadId>>>) {
+        group_failing(1, fail_at, panic_at)
+    }
+
+    /// Two ranks, `failing` of which fails or panics at the given passes.
+    fn group_failing(
+        failing: usize,
+        fail_at: Option<usize>,
+        panic_at: Option<usize>,
+    ) -> (TensorParallel, Arc<Mutex<Vec<ThreadId>>>) {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama/config.json");
         let cfg = TextConfig::from_hf_file(&dir).unwrap();
         let comms = thread_group(2);
@@ -277,8 +289,8 @@ mod tests {
                     comm: comm.clone(),
                     passes: AtomicUsize::new(0),
                     threads: if r == 1 { threads.clone() } else { Arc::default() },
-                    fail_at: fail_at.filter(|_| r == 1),
-                    panic_at: panic_at.filter(|_| r == 1),
+                    fail_at: fail_at.filter(|_| r == failing),
+                    panic_at: panic_at.filter(|_| r == failing),
                 };
                 (Box::new(fake) as Box<dyn TextModel>, Device::Cpu)
             })
@@ -313,5 +325,16 @@ mod tests {
         assert!(err.contains("panicked"), "{err}");
         let err = tp.logits(&x).unwrap_err().to_string();
         assert!(err.contains("gone"), "{err}");
+    }
+
+    /// A panic in rank 0's part reaches the caller only after the other rank has answered the
+    /// pass, so no answer is left for the next pass to take as its own.
+    #[test]
+    fn a_panic_on_rank_0_leaves_no_answer_queued() {
+        let x = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+        let (tp, _) = group_failing(0, None, Some(0));
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tp.logits(&x)));
+        assert!(caught.is_err(), "rank 0's panic reaches the caller");
+        assert!(tp.rest[0].done.try_recv().is_err(), "rank 1's answer was left queued");
     }
 }
