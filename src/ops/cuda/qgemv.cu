@@ -1,14 +1,20 @@
-// Quantized matrices on the GPU (see ops/qmatmul/cuda.rs): the CPU's packed 32-weight blocks
-// (ops/qmatmul/packed.rs) split into two arrays, `words` [W][N][NB] f32 (each block's scales
-// and other 32-bit words, word-major so a warp's loads of one word are contiguous) and
-// `codes` [N][NB][C] bytes (16-byte aligned). Each block decodes exactly as the CPU kernels
-// decode it (`q * d`, then `+ m`, two roundings), so a weight is the CPU's weight bit for bit.
+// Quantized matrices on the GPU (see ops/qmatmul/cuda.rs), two forms of the CPU's packed
+// 32-weight blocks (ops/qmatmul/packed.rs), each decoding to the CPU's weights bit for bit:
+// - blocks (qgemv, qdequant): codes `[N][NB][C]` bytes (16-byte aligned) and one plane per
+//   32-bit word of a block (its scales, minimum, high bits), each f32, or bf16 or f16 where
+//   every word of the matrix is exactly one, with one entry for 2^shift consecutive blocks of a
+//   row where they all carry the same word (an MLX group of 64 or 128 weights): `[N][ceil(NB /
+//   2^shift)]`, row-major, so a warp's loads of one plane are contiguous;
+// - tiles (qtile, qtile_dequant), for 4-bit codes: see below.
+// So the bytes streamed are the checkpoint's (MLX 4-bit, group 64: 4.5 bits a weight, not 6).
 //
 // qgemv: y = x W^T for the few rows of a decode step, one pass over the quantized bytes. A
-// warp (or wpr warps) per output row, each lane a block at a time (its codes in one or two
-// 16-byte loads), the decoded weights used for all M rows of x; f32 sums in an order that does
-// not depend on M. qdequant: W to a dense [N, K] matrix of T, for prompts (a GEMM follows).
+// warp (or wpr warps) per R output rows, each lane a block at a time (its codes in one or two
+// 16-byte loads), each decoded weight used for all M rows of x and each x value for R rows;
+// f32 sums in an order that does not depend on M. qdequant: W to a dense [N, K] matrix of T,
+// for prompts (a GEMM follows).
 #include "common.cuh"
+#include "mma.cuh"
 
 #define QGEMV_THREADS 256
 
@@ -39,13 +45,44 @@ template <int F> struct Raw {
     uint4 c[Fmt<F>::C / 16 > 0 ? Fmt<F>::C / 16 : 1];
 };
 
+// The word planes of a matrix: plane i's start, its entries per row, and its form from
+// `layout` (4 bits a plane: bits 0-1 the dtype, 0 f32, 1 bf16, 2 f16; bits 2-3 the shift).
+// Each plane starts 16-byte aligned; qmatmul/cuda.rs lays them out the same way.
+#define QW_F32 0
+#define QW_BF16 1
+#define QW_F16 2
+template <int F> struct Words {
+    const uint8_t* at[Fmt<F>::W];
+    int per_row[Fmt<F>::W];
+    uint32_t layout;
+    __device__ __forceinline__ Words(const uint8_t* base, uint32_t layout, int n, int nb) : layout(layout) {
+        size_t off = 0;
+#pragma unroll
+        for (int i = 0; i < Fmt<F>::W; ++i) {
+            const uint32_t form = (layout >> (4 * i)) & 15u, shift = form >> 2;
+            per_row[i] = (nb + (1 << shift) - 1) >> shift;
+            at[i] = base + off;
+            off += ((size_t)n * per_row[i] * ((form & 3u) == QW_F32 ? 4 : 2) + 15) & ~(size_t)15;
+        }
+    }
+    // Word i of block b of `row`, as the f32 (or the bits) the CPU holds.
+    __device__ __forceinline__ float get(int i, size_t row, int b) const {
+        const uint32_t form = (layout >> (4 * i)) & 15u;
+        const size_t e = row * per_row[i] + (b >> (form >> 2));
+        if ((form & 3u) == QW_F32) return __ldcs(reinterpret_cast<const float*>(at[i]) + e);
+        const unsigned short h = __ldcs(reinterpret_cast<const unsigned short*>(at[i]) + e);
+        return (form & 3u) == QW_BF16 ? __uint_as_float((uint32_t)h << 16) : __half2float(__ushort_as_half(h));
+    }
+};
+
 template <int F>
-__device__ __forceinline__ void load_block(Raw<F>& r, const float* __restrict__ words, const uint8_t* __restrict__ codes,
-                                           size_t plane, size_t blk) {
+__device__ __forceinline__ void load_block(Raw<F>& r, const Words<F>& words, const uint8_t* __restrict__ codes,
+                                           size_t row, int b, int nb) {
 #pragma unroll
-    for (int i = 0; i < Fmt<F>::W; ++i) r.w[i] = __ldcs(words + i * plane + blk);
+    for (int i = 0; i < Fmt<F>::W; ++i) r.w[i] = words.get(i, row, b);
 #pragma unroll
-    for (int i = 0; i < Fmt<F>::C / 16; ++i) r.c[i] = __ldcs(reinterpret_cast<const uint4*>(codes + blk * Fmt<F>::C) + i);
+    for (int i = 0; i < Fmt<F>::C / 16; ++i)
+        r.c[i] = __ldcs(reinterpret_cast<const uint4*>(codes + (row * nb + b) * Fmt<F>::C) + i);
 }
 
 __device__ __forceinline__ uint32_t byte_of(const uint4& v, int i) {
@@ -53,145 +90,496 @@ __device__ __forceinline__ uint32_t byte_of(const uint4& v, int i) {
     return (u >> (8 * (i & 3))) & 0xffu;
 }
 
-// The 32 weights of a block. Nibble codes: byte i holds weight i (low) and 16 + i (high).
-template <int F> __device__ __forceinline__ void decode(const Raw<F>& r, float* out) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        float lo, hi;
-        if constexpr (F == F_Q8_0 || F == F_A8) {
-            const uint32_t a = byte_of(r.c[0], i), b = byte_of(r.c[1], i);
-            lo = F == F_Q8_0 ? (float)(int8_t)a : (float)a;
-            hi = F == F_Q8_0 ? (float)(int8_t)b : (float)b;
-            // Q8_0 and A8: byte i is weight i (the second vector holds weights 16..32).
-            out[i] = F == F_Q8_0 ? __fmul_rn(lo, r.w[0]) : __fadd_rn(__fmul_rn(lo, r.w[0]), r.w[1]);
-            out[16 + i] = F == F_Q8_0 ? __fmul_rn(hi, r.w[0]) : __fadd_rn(__fmul_rn(hi, r.w[0]), r.w[1]);
-            continue;
-        } else if constexpr (F == F_Q3) {
-            const uint32_t l0 = (__float_as_uint(r.w[2]) >> (2 * i)) & 3u, l1 = (__float_as_uint(r.w[3]) >> (2 * i)) & 3u;
-            const uint32_t h = __float_as_uint(r.w[4]);
-            lo = (float)((int)(l0 | ((h >> i) & 1u) << 2) - 4) * r.w[0];
-            hi = (float)((int)(l1 | ((h >> (16 + i)) & 1u) << 2) - 4) * r.w[1];
-        } else {
-            const uint32_t byte = byte_of(r.c[0], i);
-            uint32_t ql = byte & 15u, qh = byte >> 4;
-            if constexpr (F == F_Q4_0) {
-                lo = ((float)ql - 8.f) * r.w[0];
-                hi = ((float)qh - 8.f) * r.w[0];
-            } else if constexpr (F == F_Q4_1) {
-                lo = __fadd_rn(__fmul_rn((float)ql, r.w[0]), r.w[1]);
-                hi = __fadd_rn(__fmul_rn((float)qh, r.w[0]), r.w[1]);
-            } else if constexpr (F == F_Q5_0 || F == F_Q5_1) {
-                const uint32_t bits = __float_as_uint(r.w[F == F_Q5_0 ? 1 : 2]);
-                ql |= ((bits >> i) & 1u) << 4;
-                qh |= ((bits >> (16 + i)) & 1u) << 4;
-                if constexpr (F == F_Q5_0) {
-                    lo = ((float)ql - 16.f) * r.w[0];
-                    hi = ((float)qh - 16.f) * r.w[0];
-                } else {
-                    lo = __fadd_rn(__fmul_rn((float)ql, r.w[0]), r.w[1]);
-                    hi = __fadd_rn(__fmul_rn((float)qh, r.w[0]), r.w[1]);
-                }
-            } else {  // F_Q6: the two high bits of weights 0..16 in word 2, of 16..32 in word 3
-                ql |= ((__float_as_uint(r.w[2]) >> (2 * i)) & 3u) << 4;
-                qh |= ((__float_as_uint(r.w[3]) >> (2 * i)) & 3u) << 4;
-                lo = (float)((int)ql - 32) * r.w[0];
-                hi = (float)((int)qh - 32) * r.w[1];
-            }
-        }
-        out[i] = lo;
-        out[16 + i] = hi;
+// How a block's weight j comes from its code q_j: w_j = (q_j - OFF) * scale, with scale word
+// 0 for weights 0..16 and word TWO for 16..32 (1 where a block has two scales), then + word 1
+// where the format has a minimum (MIN).
+template <int F> struct Dec;
+template <> struct Dec<F_Q4_0> { static constexpr int OFF = 8, TWO = 0; static constexpr bool MIN = false; };
+template <> struct Dec<F_Q4_1> { static constexpr int OFF = 0, TWO = 0; static constexpr bool MIN = true; };
+template <> struct Dec<F_Q5_0> { static constexpr int OFF = 16, TWO = 0; static constexpr bool MIN = false; };
+template <> struct Dec<F_Q5_1> { static constexpr int OFF = 0, TWO = 0; static constexpr bool MIN = true; };
+template <> struct Dec<F_Q8_0> { static constexpr int OFF = 128, TWO = 0; static constexpr bool MIN = false; };
+template <> struct Dec<F_Q6> { static constexpr int OFF = 32, TWO = 1; static constexpr bool MIN = false; };
+template <> struct Dec<F_Q3> { static constexpr int OFF = 4, TWO = 1; static constexpr bool MIN = false; };
+template <> struct Dec<F_A8> { static constexpr int OFF = 0, TWO = 0; static constexpr bool MIN = true; };
+
+// Bits 0..4 of s to bit 0 of bytes 0..4 (the four shifted copies of s do not overlap).
+__device__ __forceinline__ uint32_t spread1(uint32_t s) { return (s * 0x00204081u) & 0x01010101u; }
+// The 2-bit fields 0..4 of s (8 bits) to bits 0..2 of bytes 0..4: even and odd fields apart,
+// so that the shifted copies do not overlap.
+__device__ __forceinline__ uint32_t spread2(uint32_t s) {
+    return (((s & 0x33u) * 0x00001001u) & 0x00030003u) | (((s & 0xCCu) * 0x00040040u) & 0x03000300u);
+}
+
+// The codes of weights 16 h + 4 t + e (e = 0..4) in the bytes e of one word. Nibble codes:
+// byte i holds weight i (low) and 16 + i (high); Q8_0 and A8: byte i of vector h is weight
+// 16 h + i (Q8_0's int8 made unsigned, + 128).
+template <int F> __device__ __forceinline__ uint32_t quad(const Raw<F>& r, int t, int h) {
+    if constexpr (F == F_Q8_0 || F == F_A8) {
+        const uint4& v = r.c[h];
+        const uint32_t u = t == 0 ? v.x : t == 1 ? v.y : t == 2 ? v.z : v.w;
+        return F == F_Q8_0 ? u ^ 0x80808080u : u;
+    } else if constexpr (F == F_Q3) {
+        const uint32_t l = spread2((__float_as_uint(r.w[2 + h]) >> (8 * t)) & 0xffu);
+        return l | spread1((__float_as_uint(r.w[4]) >> (16 * h + 4 * t)) & 15u) << 2;
+    } else {
+        const uint4& v = r.c[0];
+        const uint32_t u = t == 0 ? v.x : t == 1 ? v.y : t == 2 ? v.z : v.w;
+        uint32_t q = (h ? u >> 4 : u) & 0x0F0F0F0Fu;
+        if constexpr (F == F_Q5_0 || F == F_Q5_1)
+            q |= spread1((__float_as_uint(r.w[F == F_Q5_0 ? 1 : 2]) >> (16 * h + 4 * t)) & 15u) << 4;
+        if constexpr (F == F_Q6) q |= spread2((__float_as_uint(r.w[2 + h]) >> (8 * t)) & 0xffu) << 4;
+        return q;
     }
 }
 
-// Blocks each lane loads before decoding any (memory-level parallelism).
-#define QGEMV_UNROLL 4
+// q_j - OFF as a float, exactly: the byte under the exponent of 2^23 (a byte permute), then
+// 2^23 + OFF taken away. An int-to-float conversion runs at an eighth of the FP32 rate on
+// sm_90; this is one integer op and one add.
+template <int F> __device__ __forceinline__ float value(const Raw<F>& r, int j) {
+    const uint32_t bits = __byte_perm(quad<F>(r, (j & 15) >> 2, j >> 4), 0x4B000000u, 0x7440u | (j & 3));
+    return __fsub_rn(__uint_as_float(bits), (float)(8388608 + Dec<F>::OFF));
+}
 
-template <int F, typename T, int M>
-__device__ void qgemv(T* __restrict__ y, const T* __restrict__ x, const float* __restrict__ words,
+// Weight j of a block as the CPU decodes it (two roundings where there is a minimum).
+template <int F> __device__ __forceinline__ float weight(const Raw<F>& r, int j) {
+    const float v = value<F>(r, j);
+    if constexpr (Dec<F>::MIN) return __fadd_rn(__fmul_rn(v, r.w[0]), r.w[1]);
+    else return __fmul_rn(v, r.w[Dec<F>::TWO * (j >> 4)]);
+}
+
+// Blocks each lane loads before decoding any, over its R rows. One: on an H100 (2026-12-05,
+// Qwen2.5-7B's shapes in one graph) two were 5-10% slower than one for every format and R
+// (ptxas schedules each block's loads next to their uses either way).
+#define QGEMV_UNROLL 1
+
+// Rows of W a warp takes at once, by rows of x: each x value a lane loads then serves R rows,
+// so that the loads of x (from L1) do not outgrow the weights' from memory as M grows.
+// launch::rows_per_warp in qmatmul/cuda.rs mirrors it.
+template <int M> struct RowsPerWarp { static constexpr int R = M == 1 ? 1 : M <= 3 ? 2 : 4; };
+
+// The products are taken on the codes and scaled once a block (a half block where it has two
+// scales): y += scale * sum_j (q_j - OFF) x_j (+ min * sum_j x_j), not as sum_j w_j x_j, so a
+// weight costs a byte permute, an add and one FMA per row of x. That is the CPU's result up
+// to f32 rounding (not bit for bit), and a row's sums still do not depend on M.
+template <int F, typename T, int M, int R, int U>
+__device__ void qgemv(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ wbase, uint32_t layout,
                       const uint8_t* __restrict__ codes, int n, int nb, int wpr) {
     constexpr int WARPS = QGEMV_THREADS / 32;
     constexpr int V = Vec16<T>::N;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int part = warp % wpr;
-    const int row = blockIdx.x * (WARPS / wpr) + warp / wpr;
+    const int row0 = (blockIdx.x * (WARPS / wpr) + warp / wpr) * R;
     const int k = nb * 32, stride = 32 * wpr;
-    const size_t plane = (size_t)n * nb;
-    __shared__ float partial[WARPS][M];
-    float acc[M];
+    const Words<F> words(wbase, layout, n, nb);
+    __shared__ float partial[WARPS][R][M];
+    float acc[R][M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
-    if (row < n) {
-        const size_t row0 = (size_t)row * nb;
-        for (int base = part * 32 + lane; base < nb; base += stride * QGEMV_UNROLL) {
-            Raw<F> raw[QGEMV_UNROLL];
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int u = 0; u < QGEMV_UNROLL; ++u) {
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    if (row0 < n) {
+        // A lane takes blocks part * 32 + lane + j * stride in order of j, whatever R and U.
+        // Rows past n read row n - 1 and are not written.
+        for (int base = part * 32 + lane; base < nb; base += stride * U) {
+            Raw<F> raw[U][R];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
                 const int b = base + stride * u;
-                if (b < nb) load_block<F>(raw[u], words, codes, plane, row0 + b);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (b < nb) load_block<F>(raw[u][r], words, codes, (size_t)min(row0 + r, n - 1), b, nb);
             }
 #pragma unroll
-            for (int u = 0; u < QGEMV_UNROLL; ++u) {
+            for (int u = 0; u < U; ++u) {
                 const int b = base + stride * u;
                 if (b >= nb) break;
-                float wf[32];
-                decode<F>(raw[u], wf);
+                float s[R][M], xs[M];
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
-                    const T* xb = x + (size_t)m * k + (size_t)b * 32;
+                    xs[m] = 0.f;
 #pragma unroll
-                    for (int v = 0; v < 32 / V; ++v) {
-                        float xf[V];
-                        load16<T>(xb + v * V, xf);
-#pragma unroll
-                        for (int e = 0; e < V; ++e) acc[m] = fmaf(wf[v * V + e], xf[e], acc[m]);
-                    }
+                    for (int r = 0; r < R; ++r) s[r][m] = 0.f;
                 }
+#pragma unroll
+                for (int c = 0; c < 32 / V; ++c) {
+                    // This chunk's weights, decoded once for all rows of x.
+                    float v[R][V];
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+#pragma unroll
+                        for (int e = 0; e < V; ++e) v[r][e] = value<F>(raw[u][r], c * V + e);
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        float xv[V];
+                        load16<T>(x + (size_t)m * k + (size_t)b * 32 + c * V, xv);
+#pragma unroll
+                        for (int e = 0; e < V; ++e) {
+                            if constexpr (Dec<F>::MIN) xs[m] += xv[e];
+#pragma unroll
+                            for (int r = 0; r < R; ++r) s[r][m] = fmaf(v[r][e], xv[e], s[r][m]);
+                        }
+                    }
+                    // A block with two scales: its first half is scaled when done.
+                    if (Dec<F>::TWO && (c + 1) * V == 16)
+#pragma unroll
+                        for (int r = 0; r < R; ++r)
+#pragma unroll
+                            for (int m = 0; m < M; ++m) {
+                                acc[r][m] = fmaf(raw[u][r].w[0], s[r][m], acc[r][m]);
+                                s[r][m] = 0.f;
+                            }
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        acc[r][m] = fmaf(raw[u][r].w[Dec<F>::TWO], s[r][m], acc[r][m]);
+                        if constexpr (Dec<F>::MIN) acc[r][m] = fmaf(raw[u][r].w[1], xs[m], acc[r][m]);
+                    }
             }
         }
     }
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
     if (lane == 0) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) partial[warp][m] = acc[m];
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m) partial[warp][r][m] = acc[r][m];
     }
     __syncthreads();
-    if (lane == 0 && part == 0 && row < n) {
+    if (lane == 0 && part == 0) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float s = 0.f;
-            for (int p = 0; p < wpr; ++p) s += partial[warp + p][m];
-            y[(size_t)m * n + row] = from_f<T>(s);
+        for (int r = 0; r < R; ++r) {
+            if (row0 + r >= n) break;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float s = 0.f;
+                for (int p = 0; p < wpr; ++p) s += partial[warp + p][r][m];
+                y[(size_t)m * n + row0 + r] = from_f<T>(s);
+            }
         }
     }
 }
 
 // One thread per block of the matrix: its 32 weights as T into out [N, K].
 template <int F, typename T>
-__device__ void qdequant(T* __restrict__ out, const float* __restrict__ words, const uint8_t* __restrict__ codes, int n,
-                         int nb) {
+__device__ void qdequant(T* __restrict__ out, const uint8_t* __restrict__ wbase, uint32_t layout,
+                         const uint8_t* __restrict__ codes, int n, int nb) {
     const size_t blk = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const size_t plane = (size_t)n * nb;
-    if (blk >= plane) return;
+    if (blk >= (size_t)n * nb) return;
+    const Words<F> words(wbase, layout, n, nb);
     Raw<F> raw;
-    load_block<F>(raw, words, codes, plane, blk);
+    load_block<F>(raw, words, codes, blk / nb, (int)(blk % nb), nb);
     float wf[32];
-    decode<F>(raw, wf);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) wf[j] = weight<F>(raw, j);
     constexpr int V = Vec16<T>::N;
 #pragma unroll
     for (int v = 0; v < 32 / V; ++v) store16<T>(out + blk * 32 + v * V, wf + v * V);
 }
 
+// ---- 4-bit codes on tensor cores (Q4_0, Q4_1: GGUF Q4_0/Q4_1/Q4_K, MLX 2-4 bits) ----
+//
+// The layout (ops/qmatmul/cuda.rs, `tile_codes`) is made for m16n8k16's A fragment: rows in
+// tiles of 16 (the last padded with zero codes and words), codes `[tiles][nb][32 lanes][2]`
+// u32. Lane l = 4 g + t of a warp holds, for k-step h (weights 16 h .. 16 h + 16 of a block),
+// u32 h, whose nibbles s and 4 + s are register s's two elements: register s is row
+// g + 8 (s & 1), columns 2 t + 8 (s >> 1) + {0, 1} of the 16x16 A. So a tile's block is 256
+// contiguous bytes, 8 for each lane, and a register is a shift, a mask and one subtraction
+// away: (128 + q) is a bf16 (1024 + q an f16) whose bits are q under a fixed exponent. The
+// words are in `TileWords`' order, a lane's two rows side by side.
+//
+// qtile: y = x W^T for up to 8 NT rows of x, each n8 slice of x one MMA per k-step with the
+// same decoded A. Per block: c = sum (q - OFF) x on the tensor cores (exact products, f32
+// sums), then y += scale c (+ min sum x, the sum also an MMA, with A all ones). f32 x is cut
+// into three bf16 parts (hi + mid + lo = x exactly), one MMA each. A column's sums do not
+// depend on the other columns nor on M.
+template <int F> __device__ __forceinline__ constexpr bool tile_format() { return F == F_Q4_0 || F == F_Q4_1; }
+
+// Register s of a k-step's A from its u32: q - OFF as two 16-bit values of type T.
+template <typename T, int OFF> __device__ __forceinline__ uint32_t tile_a(uint32_t u, int s) {
+    const uint32_t q = (u >> (4 * s)) & 0x000F000Fu;
+    if constexpr (std::is_same<T, __half>::value) {
+        const uint32_t v = q | 0x64006400u;
+        const __half2 d = __hsub2(*reinterpret_cast<const __half2*>(&v), __half2half2(__ushort_as_half((unsigned short)(0x6400u + OFF))));
+        return *reinterpret_cast<const uint32_t*>(&d);
+    } else {
+        const uint32_t v = q | 0x43004300u;
+        const __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                         __bfloat162bfloat162(__ushort_as_bfloat16((unsigned short)(0x4300u + OFF))));
+        return *reinterpret_cast<const uint32_t*>(&d);
+    }
+}
+
+// The MMA input type for activations T (f32 is cut into bf16 parts).
+template <typename T> struct TileIn { using type = __nv_bfloat16; static constexpr int PARTS = 1; };
+template <> struct TileIn<__half> { using type = __half; static constexpr int PARTS = 1; };
+template <> struct TileIn<float> { using type = __nv_bfloat16; static constexpr int PARTS = 3; };
+
+// The B fragment registers of x row `col` at columns k, k + 1 (k even): PARTS registers.
+template <typename T> __device__ __forceinline__ void tile_b(uint32_t (&b)[TileIn<T>::PARTS], const T* p, bool valid) {
+    if constexpr (TileIn<T>::PARTS == 1) {
+        b[0] = valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
+    } else {
+        const float2 v = valid ? __ldg(reinterpret_cast<const float2*>(p)) : make_float2(0.f, 0.f);
+        // hi: the top 16 bits; mid: those of what is left; lo: the rest, which fits a bf16.
+        uint32_t u0 = __float_as_uint(v.x), u1 = __float_as_uint(v.y);
+        const uint32_t h0 = u0 & 0xffff0000u, h1 = u1 & 0xffff0000u;
+        const float r0 = v.x - __uint_as_float(h0), r1 = v.y - __uint_as_float(h1);
+        const uint32_t m0 = __float_as_uint(r0) & 0xffff0000u, m1 = __float_as_uint(r1) & 0xffff0000u;
+        const float l0 = r0 - __uint_as_float(m0), l1 = r1 - __uint_as_float(m1);
+        b[0] = __byte_perm(h0, h1, 0x7632);
+        b[1] = __byte_perm(m0, m1, 0x7632);
+        b[2] = __byte_perm(__float_as_uint(l0), __float_as_uint(l1), 0x7632);
+    }
+}
+
+// 4, 8 or 16 bytes from global to shared memory, asynchronously (cp.async.ca: L1-cached).
+// The "memory" clobbers keep the compiler from moving a lane's reads of its shared slots
+// across the copies and the waits (no barrier in the loop does it).
+template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+// 16 bytes, past L1 (cp.async.cg): the streamed weights must not evict x, which every tile
+// reads again.
+__device__ __forceinline__ void cp_async_cg16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// A tile matrix's words, `[tiles][ceil(nb / 2^shift)][8][W][2]` of WT (float, __nv_bfloat16
+// or __half, one type for all words, so that no load branches): for a tile's group of blocks,
+// lane group g's words side by side (word i of rows g and g + 8), one load for all of them.
+template <int F, typename WT> struct TileWords {
+    static constexpr int W = Fmt<F>::W, N = 2 * W, BYTES = N * (int)sizeof(WT);
+    const WT* base;
+    int per_row, shift;
+    __device__ __forceinline__ TileWords(const uint8_t* base, int shift, int nb)
+        : base(reinterpret_cast<const WT*>(base)), per_row((nb + (1 << shift) - 1) >> shift), shift(shift) {}
+    // The first words of lane group g of tile `tile`.
+    __device__ __forceinline__ const WT* lane_base(size_t tile, int g) const { return base + (tile * per_row * 8 + g) * N; }
+    // Block b's words, from the lane's `lane_base`.
+    __device__ __forceinline__ const WT* at(const WT* lb, int b) const { return lb + (uint32_t)(b >> shift) * (8 * N); }
+    // w[i][r]: word i of row g + 8 r, from the BYTES at `at`.
+    __device__ __forceinline__ static void decode(float (&w)[W][2], const uint32_t* raw) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+            float v;
+            if constexpr (std::is_same<WT, float>::value) v = __uint_as_float(raw[e]);
+            else {
+                const unsigned short h = (unsigned short)(raw[e / 2] >> (16 * (e & 1)));
+                if constexpr (std::is_same<WT, __half>::value) v = __half2float(__ushort_as_half(h));
+                else v = __uint_as_float((uint32_t)h << 16);
+            }
+            w[e / 2][e & 1] = v;
+        }
+    }
+};
+
+
+template <int F, typename T, typename WT, int NT>
+__device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ wbase, int shift,
+                      const uint2* __restrict__ codes, int n, int m, int nb, int wpr) {
+    static_assert(tile_format<F>(), "4-bit codes only");
+    using In = typename TileIn<T>::type;
+    constexpr int P = TileIn<T>::PARTS, WARPS = QGEMV_THREADS / 32;
+    constexpr bool MIN = Dec<F>::MIN;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int part = warp % wpr, tiles = (n + 15) >> 4;
+    const int tile = blockIdx.x * (WARPS / wpr) + warp / wpr;
+    const int k = nb * 32;
+    const TileWords<F, WT> words(wbase, shift, nb);
+    // All-ones A: its product with x is x's sum over the k-step, in every row.
+    uint32_t ones[4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) ones[s] = std::is_same<In, __half>::value ? 0x3C003C00u : 0x3F803F80u;
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+    // Each lane's codes and words of STAGES blocks in flight, through shared memory
+    // (cp.async): loads into registers would be scheduled next to their uses, one block
+    // in flight per warp, far too few bytes to cover the memory's latency.
+    constexpr int WB = TileWords<F, WT>::BYTES, SLOT = 8 + WB, STAGES = WB > 8 ? 4 : 8;
+    constexpr int RING = WARPS * STAGES * 32 * SLOT, RED = WARPS * NT * 4 * 32 * 4;
+    __shared__ __align__(16) uint8_t smem[RING > RED ? RING : RED];
+    // Stage i of a warp: the block's codes (8 bytes a lane, 256), then its words (WB for each
+    // lane group g, 8 WB), copied 16 bytes a lane by the first lanes; each lane then reads its
+    // own part.
+    uint8_t* ring = smem + warp * STAGES * 32 * SLOT;
+    constexpr int WLANES = 8 * WB / 16;
+    if (tile < tiles) {
+        const uint8_t* tile_codes = reinterpret_cast<const uint8_t*>(codes + (size_t)tile * nb * 32);
+        const WT* tile_words = words.lane_base(tile, 0);
+        // Warp `part` of a tile takes blocks part, part + wpr, ...: `count` of them.
+        const int count = (nb - part + wpr - 1) / wpr;
+        // Lane g's rows of x (columns past m read row m - 1 and are not used).
+        const T* xl[NT];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) xl[j] = x + (size_t)min(8 * j + g, m - 1) * k + 2 * t;
+        auto fetch = [&](int i) {
+            if (i < count) {
+                const int b = part + wpr * i;
+                uint8_t* stage = ring + (i & (STAGES - 1)) * 32 * SLOT;
+                if (lane < 16) cp_async_cg16(stage + 16 * lane, tile_codes + (size_t)b * 256 + 16 * lane);
+                else if (lane - 16 < WLANES)
+                    cp_async_cg16(stage + 256 + 16 * (lane - 16),
+                                  reinterpret_cast<const uint8_t*>(words.at(tile_words, b)) + 16 * (lane - 16));
+            }
+            cp_async_commit();  // empty past the end, so the count of groups stays right
+        };
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) fetch(i);
+        for (int i = 0; i < count; ++i) {
+            __syncwarp();  // every lane is done with the stage the next copies refill
+            fetch(i + STAGES - 1);
+            cp_async_wait<STAGES - 1>();
+            __syncwarp();  // the stage's bytes came through other lanes' copies
+            const uint8_t* stage = ring + (i & (STAGES - 1)) * 32 * SLOT;
+            const uint2 code = *reinterpret_cast<const uint2*>(stage + 8 * lane);
+            float wd[Fmt<F>::W][2];
+            {
+                uint32_t raw[WB / 4];
+#pragma unroll
+                for (int e = 0; e < WB / 4; ++e) raw[e] = reinterpret_cast<const uint32_t*>(stage + 256 + WB * g)[e];
+                TileWords<F, WT>::decode(wd, raw);
+            }
+            const int b = part + wpr * i;
+            float c[NT][4], xs[NT][4];
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) c[j][e] = xs[j][e] = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t w = h ? code.y : code.x;
+                uint32_t a[4];
+#pragma unroll
+                for (int s = 0; s < 4; ++s) a[s] = tile_a<In, Dec<F>::OFF>(w, s);
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const bool col = 8 * j + g < m;
+                    const T* xp = xl[j] + b * 32 + 16 * h;
+                    uint32_t b0[P], b1[P];
+                    tile_b<T>(b0, xp, col);
+                    tile_b<T>(b1, xp + 8, col);
+#pragma unroll
+                    for (int p = 0; p < P; ++p) {
+                        mma16816<In>(c[j], a, b0[p], b1[p]);
+                        if constexpr (MIN) mma16816<In>(xs[j], ones, b0[p], b1[p]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[j][e] = fmaf(wd[0][e >> 1], c[j][e], acc[j][e]);
+                    if constexpr (MIN) acc[j][e] = fmaf(wd[1][e >> 1], xs[j][e], acc[j][e]);
+                }
+        }
+        cp_async_wait<0>();
+    }
+    // The tile's parts summed in a fixed order; lane (g, t) holds rows g, g + 8 and columns
+    // 8 j + 2 t + {0, 1}.
+    if (wpr > 1) {
+        // The ring's memory, now free (every lane's copies have landed).
+        __syncthreads();
+        auto& partial = *reinterpret_cast<float (*)[WARPS][NT][4][32]>(smem);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) partial[warp][j][e][lane] = acc[j][e];
+        __syncthreads();
+        if (part != 0) return;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float s = 0.f;
+                for (int p = 0; p < wpr; ++p) s += partial[warp + p][j][e][lane];
+                acc[j][e] = s;
+            }
+    }
+    if (tile >= tiles) return;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = tile * 16 + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+            if (row < n && col < m) y[(size_t)col * n + row] = from_f<T>(acc[j][e]);
+        }
+}
+
+// One thread per (row, block): its 32 weights as T into out [N, K], as the CPU decodes them.
+template <int F, typename T, typename WT>
+__device__ void qtile_dequant(T* __restrict__ out, const uint8_t* __restrict__ wbase, int shift,
+                              const uint32_t* __restrict__ codes, int n, int nb) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * nb) return;
+    const int row = (int)(i / nb), b = (int)(i % nb), tile = row >> 4, r = row & 15;
+    const TileWords<F, WT> words(wbase, shift, nb);
+    float wd[Fmt<F>::W][2];
+    uint32_t raw[TileWords<F, WT>::BYTES / 4];
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(words.at(words.lane_base(tile, r & 7), b));
+#pragma unroll
+    for (int e = 0; e < TileWords<F, WT>::BYTES / 4; ++e) raw[e] = p[e];
+    TileWords<F, WT>::decode(wd, raw);
+    const float d = wd[0][r >> 3], mn = Dec<F>::MIN ? wd[Fmt<F>::W - 1][r >> 3] : 0.f;
+    float wf[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        const int h = j >> 4, c = j & 15, s = (r >> 3) + 2 * (c >> 3);
+        const int lane = 4 * (r & 7) + ((c & 7) >> 1);
+        const uint32_t u = codes[(((size_t)tile * nb + b) * 32 + lane) * 2 + h];
+        const float v = (float)(((u >> (4 * s + 16 * (c & 1))) & 15u)) - (float)Dec<F>::OFF;
+        wf[j] = Dec<F>::MIN ? __fadd_rn(__fmul_rn(v, d), mn) : __fmul_rn(v, d);
+    }
+    constexpr int V = Vec16<T>::N;
+#pragma unroll
+    for (int v = 0; v < 32 / V; ++v) store16<T>(out + i * 32 + v * V, wf + v * V);
+}
+
+// Kernels qtile_{format}_{x type}_w{word type}_{NT}, NT in 1, 2, 4, 8 (M up to 8 NT).
+#define QTILE(FN, F, TN, T, WN, WT, NT)                                                                         \
+    extern "C" __global__ void __launch_bounds__(QGEMV_THREADS)                                                 \
+        qtile_##FN##_##TN##_w##WN##_##NT(T* y, const T* x, const uint8_t* words, int shift, const uint2* codes, \
+                                         int n, int m, int nb, int wpr) {                                       \
+        qtile<F, T, WT, NT>(y, x, words, shift, codes, n, m, nb, wpr);                                          \
+    }
+#define QTILE_DEQUANT(FN, F, TN, T, WN, WT)                                                                     \
+    extern "C" __global__ void qtile_dequant_##FN##_##TN##_w##WN(T* out, const uint8_t* words, int shift,       \
+                                                                 const uint32_t* codes, int n, int nb) {        \
+        qtile_dequant<F, T, WT>(out, words, shift, codes, n, nb);                                               \
+    }
+#define QTILE_COLS(FN, F, TN, T, WN, WT)                                                                        \
+    QTILE(FN, F, TN, T, WN, WT, 1) QTILE(FN, F, TN, T, WN, WT, 2) QTILE(FN, F, TN, T, WN, WT, 4)                \
+    QTILE(FN, F, TN, T, WN, WT, 8) QTILE_DEQUANT(FN, F, TN, T, WN, WT)
+#define QTILE_WORDS(FN, F, TN, T)                                                                               \
+    QTILE_COLS(FN, F, TN, T, f32, float) QTILE_COLS(FN, F, TN, T, bf16, __nv_bfloat16)                          \
+    QTILE_COLS(FN, F, TN, T, f16, __half)
+#define QTILE_TYPES(FN, F)                                                                                      \
+    QTILE_WORDS(FN, F, f32, float) QTILE_WORDS(FN, F, bf16, __nv_bfloat16) QTILE_WORDS(FN, F, f16, __half)
+
+QTILE_TYPES(q4_0, F_Q4_0)
+QTILE_TYPES(q4_1, F_Q4_1)
+
 #define QGEMV(FN, F, TN, T, M)                                                                                  \
     extern "C" __global__ void __launch_bounds__(QGEMV_THREADS)                                                 \
-        qgemv_##FN##_##TN##_##M(T* y, const T* x, const float* words, const uint8_t* codes, int n, int nb,      \
-                                int wpr) {                                                                      \
-        qgemv<F, T, M>(y, x, words, codes, n, nb, wpr);                                                         \
+        qgemv_##FN##_##TN##_##M(T* y, const T* x, const uint8_t* words, uint32_t layout,                   \
+                                const uint8_t* codes, int n, int nb, int wpr) {                                 \
+        qgemv<F, T, M, RowsPerWarp<M>::R, QGEMV_UNROLL>(y, x, words, layout, codes, n, nb, wpr);                \
     }
 #define QDEQUANT(FN, F, TN, T)                                                                                  \
-    extern "C" __global__ void qdequant_##FN##_##TN(T* out, const float* words, const uint8_t* codes, int n,    \
-                                                    int nb) {                                                   \
-        qdequant<F, T>(out, words, codes, n, nb);                                                               \
+    extern "C" __global__ void qdequant_##FN##_##TN(T* out, const uint8_t* words, uint32_t layout,           \
+                                                    const uint8_t* codes, int n, int nb) {                      \
+        qdequant<F, T>(out, words, layout, codes, n, nb);                                                               \
     }
 #define QGEMV_ROWS(FN, F, TN, T)                                                                                \
     QGEMV(FN, F, TN, T, 1) QGEMV(FN, F, TN, T, 2) QGEMV(FN, F, TN, T, 3) QGEMV(FN, F, TN, T, 4)                 \
@@ -200,8 +588,7 @@ __device__ void qdequant(T* __restrict__ out, const float* __restrict__ words, c
 #define QGEMV_TYPES(FN, F)                                                                                      \
     QGEMV_ROWS(FN, F, f32, float) QGEMV_ROWS(FN, F, bf16, __nv_bfloat16) QGEMV_ROWS(FN, F, f16, __half)
 
-QGEMV_TYPES(q4_0, F_Q4_0)
-QGEMV_TYPES(q4_1, F_Q4_1)
+// 4-bit codes (q4_0, q4_1) are held in tiles and take qtile.
 QGEMV_TYPES(q5_0, F_Q5_0)
 QGEMV_TYPES(q5_1, F_Q5_1)
 QGEMV_TYPES(q8_0, F_Q8_0)

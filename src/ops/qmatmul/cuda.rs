@@ -1,25 +1,211 @@
-//! Quantized matrices on CUDA, kept quantized: the packed rows (`packed.rs`) uploaded as two
-//! arrays, each block's 32-bit words word-major (`[W][N][NB]` f32, so a warp's loads of one
-//! word are contiguous) and its codes (`[N][NB][C]` bytes, 16-byte aligned), and decoded by
-//! `cuda/qgemv.cu` exactly as the CPU kernels decode them. A decode step's few rows (at most
-//! `gemv::MAX_ROWS`) take `qgemv`, one pass over the quantized bytes; longer inputs have the
-//! matrix dequantized into the activations' dtype (`qdequant`) and multiplied by cuBLAS.
+//! Quantized matrices on CUDA, kept quantized: the packed rows (`packed.rs`) uploaded as their
+//! codes (`[N][NB][C]` bytes, 16-byte aligned) and one plane per 32-bit word of a block, each
+//! plane as narrow as its words allow without a bit changing ([`WordPlane`]): bf16 or f16 where
+//! every word is one, one entry per group of 2 or 4 blocks where a row's group shares it. So an
+//! MLX checkpoint or a GGUF Q4_0..Q8_0 streams the file's bytes (MLX 4-bit group 64: 4.5 bits a
+//! weight, where f32 words per 32-weight block would make 6). `cuda/qgemv.cu` decodes them
+//! exactly as the CPU kernels do. A decode step's few rows (at most `MAX_GEMV_ROWS`) take
+//! `qgemv`, one pass over the quantized bytes; longer inputs have the matrix dequantized into
+//! the activations' dtype (`qdequant`) and multiplied by cuBLAS.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
 
 use super::packed::{BlockFormat, PackedRows};
 
-/// Rows of x that take the GEMV kernel.
+/// Rows of x that take the GEMV kernel (`qgemv`).
 pub const MAX_GEMV_ROWS: usize = 8;
+/// Rows of x that take the tensor-core kernel (`qtile`, 4-bit codes).
+pub const MAX_TILE_ROWS: usize = 64;
 
 pub struct CudaQMatrix {
     format: BlockFormat,
     rows: usize,
     cols: usize,
-    /// `[W * N * NB]` f32.
+    /// The words, in the order `form` says.
     words: Tensor,
-    /// `[N * NB * C]` u8 (one unused byte for Q3, which has no code bytes).
+    form: Form,
+    /// The codes, in the order `form` says (one unused byte for Q3, which has no code bytes).
     codes: Tensor,
+}
+
+/// How the device holds a matrix's blocks.
+#[derive(Debug, Clone, Copy)]
+enum Form {
+    /// Codes `[N][NB][C]` bytes; a plane per word, each in its own form (`layout`: 4 bits a
+    /// plane, `WordPlane::code`), one after another, 16-byte aligned (`qgemv`).
+    Blocks { layout: u32 },
+    /// 4-bit codes in tensor-core tiles of 16 rows (`tile_codes`) and the words of a tile's
+    /// rows side by side in one form (`tile_words`) (`qtile`).
+    Tiles(WordPlane),
+}
+
+/// How one plane of block words is stored: the narrowest dtype that gives every word back bit
+/// for bit, and one entry per `2^shift` blocks of a row where such groups all hold one word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WordPlane {
+    pub dtype: WordType,
+    pub shift: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WordType {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl WordPlane {
+    /// The narrowest form of `words` (`[rows][nb]`, the f32 bits), groups of at most 4 blocks.
+    pub fn narrowest(words: &[u32], nb: usize) -> Self {
+        let shift = (0..=2u32)
+            .rev()
+            .find(|&s| {
+                words.chunks_exact(nb.max(1)).all(|row| row.chunks(1 << s).all(|g| g.iter().all(|&w| w == g[0])))
+            })
+            .unwrap_or(0);
+        // bf16 is the top half of the bits; f16 only for finite values that come back whole
+        // (a NaN's payload would not).
+        let dtype = if words.iter().all(|&w| w & 0xffff == 0) {
+            WordType::Bf16
+        } else if words.iter().all(|&w| {
+            let f = f32::from_bits(w);
+            f.is_finite() && half::f16::from_f32(f).to_f32().to_bits() == w
+        }) {
+            WordType::F16
+        } else {
+            WordType::F32
+        };
+        WordPlane { dtype, shift }
+    }
+
+    /// Entries per row of `nb` blocks.
+    pub fn per_row(self, nb: usize) -> usize {
+        nb.div_ceil(1 << self.shift)
+    }
+
+    fn width(self) -> usize {
+        if self.dtype == WordType::F32 {
+            4
+        } else {
+            2
+        }
+    }
+
+    /// The plane's bytes for `rows` rows, padded to 16 (`Words` in qgemv.cu).
+    fn padded_bytes(self, rows: usize, nb: usize) -> usize {
+        (rows * self.per_row(nb) * self.width()).next_multiple_of(16)
+    }
+
+    /// The 4 bits `Words` in qgemv.cu reads: dtype (0 f32, 1 bf16, 2 f16), then the shift.
+    fn code(self) -> u32 {
+        let t = match self.dtype {
+            WordType::F32 => 0,
+            WordType::Bf16 => 1,
+            WordType::F16 => 2,
+        };
+        t | self.shift << 2
+    }
+
+    /// `words` (`[rows][nb]`) in this form, appended to `out`, padded to 16 bytes.
+    fn store(self, words: &[u32], nb: usize, out: &mut Vec<u8>) {
+        let start = out.len();
+        for row in words.chunks_exact(nb.max(1)) {
+            for g in row.chunks(1 << self.shift) {
+                self.push(g[0], out);
+            }
+        }
+        out.resize(start + self.padded_bytes(words.len() / nb.max(1), nb), 0);
+    }
+
+    /// One word (the f32's bits) in this form's dtype.
+    fn push(self, w: u32, out: &mut Vec<u8>) {
+        match self.dtype {
+            WordType::F32 => out.extend_from_slice(&w.to_le_bytes()),
+            WordType::Bf16 => out.extend_from_slice(&((w >> 16) as u16).to_le_bytes()),
+            WordType::F16 => out.extend_from_slice(&half::f16::from_f32(f32::from_bits(w)).to_le_bytes()),
+        }
+    }
+
+    /// One form for several planes: the common dtype (else f32), the smallest shift.
+    fn common(forms: impl IntoIterator<Item = Self>) -> Self {
+        forms
+            .into_iter()
+            .reduce(|a, b| WordPlane {
+                dtype: if a.dtype == b.dtype { a.dtype } else { WordType::F32 },
+                shift: a.shift.min(b.shift),
+            })
+            .unwrap_or(WordPlane { dtype: WordType::F32, shift: 0 })
+    }
+
+    /// The kernels' name for the dtype.
+    fn dtype_name(self) -> &'static str {
+        match self.dtype {
+            WordType::F32 => "f32",
+            WordType::Bf16 => "bf16",
+            WordType::F16 => "f16",
+        }
+    }
+}
+
+/// Rows of a tensor-core tile.
+const TILE: usize = 16;
+
+/// The code of weight `j` (0..32) of a packed 4-bit block (`Block::nibbles`).
+fn nibble(codes: &[u8], j: usize) -> u32 {
+    u32::from(if j < 16 { codes[j] & 15 } else { codes[j - 16] >> 4 })
+}
+
+/// 4-bit codes (`code(row, k)`, 0 past the last row) in `qtile`'s order: `[tiles][nb][32
+/// lanes][2]` u32, lane 4 g + t's u32 h of a block holding, at nibbles s and 4 + s, the two
+/// elements of m16n8k16's A register s: row g + 8 (s & 1), columns 16 h + 2 t + 8 (s >> 1) +
+/// {0, 1} of the block.
+fn tile_codes(rows: usize, nb: usize, code: impl Fn(usize, usize) -> u32) -> Vec<u32> {
+    let tiles = rows.div_ceil(TILE);
+    let mut out = vec![0u32; tiles * nb * 64];
+    for tile in 0..tiles {
+        for b in 0..nb {
+            for lane in 0..32 {
+                let (g, t) = (lane / 4, lane % 4);
+                for h in 0..2 {
+                    let mut u = 0u32;
+                    for s in 0..4 {
+                        let row = tile * TILE + g + 8 * (s & 1);
+                        if row >= rows {
+                            continue;
+                        }
+                        for e in 0..2 {
+                            let k = 32 * b + 16 * h + 2 * t + 8 * (s >> 1) + e;
+                            u |= code(row, k) << (4 * s + 16 * e);
+                        }
+                    }
+                    out[((tile * nb + b) * 32 + lane) * 2 + h] = u;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Word planes (`[rows][nb]` each) in `qtile`'s order, all in `form`: `[tiles][ceil(nb /
+/// 2^shift)][8][W][2]`, lane group g's words of rows g and g + 8 side by side (0 past the last
+/// row).
+fn tile_words(planes: &[Vec<u32>], rows: usize, nb: usize, form: WordPlane) -> Vec<u8> {
+    let per_row = form.per_row(nb);
+    let mut out = Vec::with_capacity(rows.div_ceil(TILE) * per_row * 16 * planes.len() * form.width());
+    for tile in 0..rows.div_ceil(TILE) {
+        for grp in 0..per_row {
+            for g in 0..8 {
+                for plane in planes {
+                    for r in 0..2 {
+                        let row = tile * TILE + g + 8 * r;
+                        let w = if row < rows { plane[row * nb + (grp << form.shift)] } else { 0 };
+                        form.push(w, &mut out);
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The kernels' name for a block format.
@@ -37,24 +223,50 @@ fn format_name(f: BlockFormat) -> &'static str {
 }
 
 impl CudaQMatrix {
-    /// `p` (`rows` x `cols`) split into its word and code arrays on `dev`.
+    /// `p` (`rows` x `cols`) split into its word planes and codes on `dev`.
     pub fn upload(p: &PackedRows, rows: usize, cols: usize, dev: &Device) -> Result<Self> {
         let (f, nb) = (p.format, cols / 32);
         let (w, c) = (f.words(), f.code_bytes());
-        let mut words = vec![0f32; w * rows * nb];
+        // planes[i] = word i of every block, [rows][nb].
+        let mut planes = vec![vec![0u32; rows * nb]; w];
         let mut codes = vec![0u8; (rows * nb * c).max(1)];
         for (r, row) in p.data().chunks_exact(p.row_bytes).enumerate() {
             let (heads, code) = row.split_at(4 * w * nb);
             for (i, word) in heads.chunks_exact(4).enumerate() {
-                let (wi, b) = (i / nb, i % nb);
-                words[(wi * rows + r) * nb + b] = f32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+                planes[i / nb][r * nb + i % nb] = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
             }
             codes[r * nb * c..(r + 1) * nb * c].copy_from_slice(&code[..nb * c]);
         }
-        let words = Tensor::from_vec(words, w * rows * nb, dev)?;
+        let (mut words, form) = if matches!(f, BlockFormat::Q4_0 | BlockFormat::Q4_1) {
+            // 4-bit codes: tensor-core tiles.
+            let form = WordPlane::common(planes.iter().map(|p| WordPlane::narrowest(p, nb)));
+            let tiled = tile_codes(rows, nb, |r, k| nibble(&codes[(r * nb + k / 32) * c..], k % 32));
+            codes = tiled.iter().flat_map(|u| u.to_le_bytes()).collect();
+            (tile_words(&planes, rows, nb, form), Form::Tiles(form))
+        } else {
+            let (mut words, mut layout) = (Vec::new(), 0u32);
+            for (i, plane) in planes.iter().enumerate() {
+                let form = WordPlane::narrowest(plane, nb);
+                form.store(plane, nb, &mut words);
+                layout |= form.code() << (4 * i);
+            }
+            (words, Form::Blocks { layout })
+        };
+        let len = words.len().max(1);
+        words.resize(len, 0);
+        let words = Tensor::from_vec(words, len, dev)?;
+        codes.resize(codes.len().max(1), 0);
         let len = codes.len();
         let codes = Tensor::from_vec(codes, len, dev)?;
-        Ok(CudaQMatrix { format: f, rows, cols, words, codes })
+        Ok(CudaQMatrix { format: f, rows, cols, words, form, codes })
+    }
+
+    /// The most rows of x one pass over the quantized bytes takes (more: dequantize, GEMM).
+    pub fn max_gemv_rows(&self) -> usize {
+        match self.form {
+            Form::Blocks { .. } => MAX_GEMV_ROWS,
+            Form::Tiles(_) => MAX_TILE_ROWS,
+        }
     }
 
     /// `x` `[.., cols]` (f32, bf16 or f16 on the matrix's device) -> `[.., rows]` of x's dtype.
@@ -63,7 +275,7 @@ impl CudaQMatrix {
         let mut dims = x.dims().to_vec();
         let m = x.elem_count() / self.cols.max(1);
         let x2 = x.reshape((m, self.cols))?;
-        let y = if m <= MAX_GEMV_ROWS {
+        let y = if m <= self.max_gemv_rows() {
             x2.apply_op1_no_bwd(&QGemv { q: self })?
         } else {
             let w = self.dequantize(x.dtype())?;
@@ -82,7 +294,7 @@ impl CudaQMatrix {
 
     /// Bytes on the device.
     pub fn bytes(&self) -> usize {
-        4 * self.words.elem_count() + self.codes.elem_count()
+        self.words.elem_count() + self.codes.elem_count()
     }
 }
 
@@ -106,7 +318,7 @@ impl CustomOp1 for QGemv<'_> {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let (m, k) = l.shape().dims2()?;
-        if k != self.q.cols || !(1..=MAX_GEMV_ROWS).contains(&m) {
+        if k != self.q.cols || !(1..=self.q.max_gemv_rows()).contains(&m) {
             candle_core::bail!("qgemv: x is {:?}, the matrix {}x{}", l.shape(), self.q.rows, self.q.cols);
         }
         launch::gemv(self.q, s, l, m).map(|y| (y, Shape::from((m, self.q.rows))))
@@ -135,17 +347,36 @@ mod launch {
     use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
     use candle_core::{Layout, Result, WithDType};
 
-    use super::{format_name, CudaQMatrix};
+    use super::{format_name, CudaQMatrix, Form, TILE};
     use crate::ops::cuda::{cuda_slice, dtype_name, QGEMV};
 
     const THREADS: usize = 256; // QGEMV_THREADS in qgemv.cu
     const WARPS: usize = THREADS / 32;
+
+    /// Output rows a warp takes at once for `m` rows of x (`RowsPerWarp` in qgemv.cu).
+    fn rows_per_warp(m: usize) -> usize {
+        match m {
+            1 => 1,
+            2 | 3 => 2,
+            _ => 4,
+        }
+    }
 
     /// Warps per output row: more where the matrix has few rows, so that the grid fills the
     /// GPU, while each warp keeps at least two passes of 32 blocks.
     fn warps_per_row(n: usize, nb: usize) -> usize {
         let mut wpr = 1;
         while wpr < 8 && n * wpr / WARPS < 2048 && nb / (wpr * 2) >= 64 {
+            wpr *= 2;
+        }
+        wpr
+    }
+
+    /// Warps per tile of 16 rows: more where the matrix has few tiles (up to about 4096 warps,
+    /// enough to keep every SM's loads in flight), while each warp keeps 8 blocks or more.
+    fn warps_per_tile(tiles: usize, nb: usize) -> usize {
+        let mut wpr = 1;
+        while wpr < WARPS && tiles * wpr < 4096 && nb / (wpr * 2) >= 8 {
             wpr *= 2;
         }
         wpr
@@ -160,27 +391,56 @@ mod launch {
             m: usize,
         ) -> Result<CudaStorage> {
             let dev = s.device().clone();
-            let name = format!("qgemv_{}_{}_{m}", format_name(q.format), dtype_name(T::DTYPE)?);
-            let func = QGEMV.func(&dev, &name)?;
             let (ws, _) = q.words.storage_and_layout();
             let (cs, _) = q.codes.storage_and_layout();
-            let (words, codes) = (cuda_slice::<f32>(&ws, "qgemv words")?, cuda_slice::<u8>(&cs, "qgemv codes")?);
+            let (words, codes) = (cuda_slice::<u8>(&ws, "qgemv words")?, cuda_slice::<u8>(&cs, "qgemv codes")?);
             let (n, nb) = (q.rows, q.cols / 32);
-            let wpr = warps_per_row(n, nb);
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(WARPS / wpr) as u32, 1, 1),
-                block_dim: (THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
             // SAFETY: the kernel writes every element of y.
             let y = unsafe { dev.alloc::<T>(m * n)? };
             let x = x.slice(l.start_offset()..);
-            let (n, nb, wpr) = (n as i32, nb as i32, wpr as i32);
-            let mut b = func.builder();
-            b.arg(&y).arg(&x).arg(words).arg(codes).arg(&n).arg(&nb).arg(&wpr);
-            // SAFETY: (y, x, words, codes, n, nb, wpr) are the kernel's parameters in order and
-            // type; x is [m, nb * 32] (checked by the op), the arrays are the matrix's.
-            unsafe { b.launch(cfg) }.w()?;
+            match q.form {
+                Form::Blocks { layout } => {
+                    let name = format!("qgemv_{}_{}_{m}", format_name(q.format), dtype_name(T::DTYPE)?);
+                    let func = QGEMV.func(&dev, &name)?;
+                    let wpr = warps_per_row(n, nb);
+                    let cfg = LaunchConfig {
+                        grid_dim: (n.div_ceil(WARPS / wpr * rows_per_warp(m)) as u32, 1, 1),
+                        block_dim: (THREADS as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let (n, nb, wpr) = (n as i32, nb as i32, wpr as i32);
+                    let mut b = func.builder();
+                    b.arg(&y).arg(&x).arg(words).arg(&layout).arg(codes).arg(&n).arg(&nb).arg(&wpr);
+                    // SAFETY: (y, x, words, layout, codes, n, nb, wpr) are the kernel's
+                    // parameters in order and type; x is [m, nb * 32] (checked by the op), the
+                    // arrays are the matrix's.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+                Form::Tiles(form) => {
+                    let nt = m.div_ceil(8).next_power_of_two();
+                    let name = format!(
+                        "qtile_{}_{}_w{}_{nt}",
+                        format_name(q.format),
+                        dtype_name(T::DTYPE)?,
+                        form.dtype_name()
+                    );
+                    let func = QGEMV.func(&dev, &name)?;
+                    let tiles = n.div_ceil(TILE);
+                    let wpr = warps_per_tile(tiles, nb);
+                    let cfg = LaunchConfig {
+                        grid_dim: (tiles.div_ceil(WARPS / wpr) as u32, 1, 1),
+                        block_dim: (THREADS as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let (n, m, nb, wpr, shift) = (n as i32, m as i32, nb as i32, wpr as i32, form.shift as i32);
+                    let mut b = func.builder();
+                    b.arg(&y).arg(&x).arg(words).arg(&shift).arg(codes).arg(&n).arg(&m).arg(&nb).arg(&wpr);
+                    // SAFETY: (y, x, words, shift, codes, n, m, nb, wpr) are the kernel's
+                    // parameters in order and type; x is [m, nb * 32], m <= 8 nt (checked by
+                    // the op), the arrays are the matrix's, in tiles.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+            }
             Ok(CudaStorage::wrap_cuda_slice(y, dev))
         }
         match &s.slice {
@@ -194,11 +454,9 @@ mod launch {
     pub fn dequant(q: &CudaQMatrix, s: &CudaStorage) -> Result<CudaStorage> {
         fn run<T: CudaDType + DeviceRepr + WithDType>(q: &CudaQMatrix, s: &CudaStorage) -> Result<CudaStorage> {
             let dev = s.device().clone();
-            let name = format!("qdequant_{}_{}", format_name(q.format), dtype_name(T::DTYPE)?);
-            let func = QGEMV.func(&dev, &name)?;
             let (ws, _) = q.words.storage_and_layout();
             let (cs, _) = q.codes.storage_and_layout();
-            let (words, codes) = (cuda_slice::<f32>(&ws, "qdequant words")?, cuda_slice::<u8>(&cs, "qdequant codes")?);
+            let (words, codes) = (cuda_slice::<u8>(&ws, "qgemv words")?, cuda_slice::<u8>(&cs, "qgemv codes")?);
             let (n, nb) = (q.rows, q.cols / 32);
             let blocks = n * nb;
             let cfg = LaunchConfig {
@@ -209,9 +467,18 @@ mod launch {
             // SAFETY: the kernel writes all 32 weights of every block.
             let out = unsafe { dev.alloc::<T>(n * q.cols)? };
             let (n, nb) = (n as i32, nb as i32);
+            let (name, form) = match q.form {
+                Form::Blocks { layout } => (format!("qdequant_{}_{}", format_name(q.format), dtype_name(T::DTYPE)?), layout as i32),
+                Form::Tiles(form) => (
+                    format!("qtile_dequant_{}_{}_w{}", format_name(q.format), dtype_name(T::DTYPE)?, form.dtype_name()),
+                    form.shift as i32,
+                ),
+            };
+            let func = QGEMV.func(&dev, &name)?;
             let mut b = func.builder();
-            b.arg(&out).arg(words).arg(codes).arg(&n).arg(&nb);
-            // SAFETY: (out, words, codes, n, nb) are the kernel's parameters in order and type.
+            b.arg(&out).arg(words).arg(&form).arg(codes).arg(&n).arg(&nb);
+            // SAFETY: (out, words, layout or shift, codes, n, nb) are the kernel's parameters
+            // in order and type (a 32-bit layout or shift); words and codes are the matrix's.
             unsafe { b.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
@@ -221,5 +488,101 @@ mod launch {
             S::F16(_) => run::<half::f16>(q, s),
             _ => candle_core::bail!("qdequant: f32, bf16 or f16 only"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{tile_codes, tile_words, WordPlane, WordType, TILE};
+
+    /// Every code lands where m16n8k16's A fragment wants it, and where `qtile_dequant` reads
+    /// it back: lane 4 g + t, register s = (row / 8) + 2 (k / 8 % 2) of k-step k / 16.
+    #[test]
+    fn tile_codes_follow_the_mma_fragment_layout() {
+        let (rows, nb) = (37, 3); // a last tile cut short
+        let code = |r: usize, k: usize| ((r * 7 + k * 3) % 16) as u32;
+        let t = tile_codes(rows, nb, code);
+        assert_eq!(t.len(), rows.div_ceil(TILE) * nb * 64);
+        for row in 0..rows.div_ceil(TILE) * TILE {
+            for k in 0..nb * 32 {
+                let (tile, r, b, j) = (row / TILE, row % TILE, k / 32, k % 32);
+                let (h, c) = (j / 16, j % 16);
+                let s = r / 8 + 2 * (c / 8);
+                let lane = 4 * (r % 8) + (c % 8) / 2;
+                let u = t[((tile * nb + b) * 32 + lane) * 2 + h];
+                let got = (u >> (4 * s + 16 * (c % 2))) & 15;
+                assert_eq!(got, if row < rows { code(row, k) } else { 0 }, "row {row} k {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn tile_words_put_a_lane_groups_rows_side_by_side() {
+        let (rows, nb) = (20, 5);
+        let planes: Vec<Vec<u32>> =
+            (0..2).map(|p| (0..rows * nb).map(|i| half::bf16::from_f32((p * 1000 + i / 2) as f32).to_f32().to_bits()).collect()).collect();
+        let form = WordPlane { dtype: WordType::Bf16, shift: 0 };
+        let out = tile_words(&planes, rows, nb, form);
+        assert_eq!(out.len(), 2 * nb * 8 * 2 * 2 * 2);
+        for row in 0..32 {
+            for b in 0..nb {
+                for (p, plane) in planes.iter().enumerate() {
+                    let (tile, g, r) = (row / TILE, row % 8, row % TILE / 8);
+                    let e = (((tile * nb + b) * 8 + g) * 2 + p) * 2 + r;
+                    let got = u32::from(u16::from_le_bytes([out[2 * e], out[2 * e + 1]])) << 16;
+                    assert_eq!(got, if row < rows { plane[row * nb + b] } else { 0 }, "row {row} block {b} plane {p}");
+                }
+            }
+        }
+    }
+
+    /// Word `b` of `row` read back from a stored plane, as `Words::get` in qgemv.cu reads it.
+    fn read(form: WordPlane, bytes: &[u8], nb: usize, row: usize, b: usize) -> u32 {
+        let e = row * form.per_row(nb) + (b >> form.shift);
+        match form.dtype {
+            WordType::F32 => u32::from_le_bytes(bytes[4 * e..4 * e + 4].try_into().unwrap()),
+            WordType::Bf16 => u32::from(u16::from_le_bytes([bytes[2 * e], bytes[2 * e + 1]])) << 16,
+            WordType::F16 => half::f16::from_le_bytes([bytes[2 * e], bytes[2 * e + 1]]).to_f32().to_bits(),
+        }
+    }
+
+    fn check(words: &[u32], nb: usize, want: WordPlane) {
+        let form = WordPlane::narrowest(words, nb);
+        assert_eq!(form, want);
+        let mut bytes = vec![7u8; 3]; // a plane after another's
+        form.store(words, nb, &mut bytes);
+        assert_eq!((bytes.len() - 3) % 16, 0, "a plane is padded to 16 bytes");
+        for (i, &w) in words.iter().enumerate() {
+            assert_eq!(read(form, &bytes[3..], nb, i / nb, i % nb), w, "word {i} of {form:?}");
+        }
+    }
+
+    #[test]
+    fn a_plane_is_stored_as_narrow_as_its_words_allow_and_read_back_bit_for_bit() {
+        let (rows, nb) = (5, 6);
+        let f = |i: usize| (i as f32 * 0.37 - 3.1).sin() * 0.05;
+        // MLX: bf16 scales, a group of 64 weights = 2 blocks.
+        let bf = |i: usize| half::bf16::from_f32(f(i)).to_f32().to_bits();
+        let mlx: Vec<u32> = (0..rows * nb).map(|i| bf(i / 2)).collect();
+        check(&mlx, nb, WordPlane { dtype: WordType::Bf16, shift: 1 });
+        // Groups of 128 = 4 blocks, the last group of a row cut short (6 blocks).
+        let g4: Vec<u32> = (0..rows * nb).map(|i| bf(i / nb * 2 + i % nb / 4)).collect();
+        check(&g4, nb, WordPlane { dtype: WordType::Bf16, shift: 2 });
+        // GGUF Q4_0..Q8_0: f16 scales, one per block.
+        let h: Vec<u32> = (0..rows * nb).map(|i| half::f16::from_f32(f(i)).to_f32().to_bits()).collect();
+        check(&h, nb, WordPlane { dtype: WordType::F16, shift: 0 });
+        // k-quants' d * sc: f32.
+        let w: Vec<u32> = (0..rows * nb).map(|i| f(i).to_bits()).collect();
+        check(&w, nb, WordPlane { dtype: WordType::F32, shift: 0 });
+        // Groups are per row: equal neighbours across a row's end do not make a group.
+        let across: Vec<u32> = (0..rows * 3).map(|i| f((i + 1) / 2).to_bits()).collect();
+        check(&across, 3, WordPlane { dtype: WordType::F32, shift: 0 });
+        // Bit fields (Q5's fifth bits): a NaN's pattern is never narrowed to f16.
+        let nan: Vec<u32> = (0..rows * nb).map(|i| if i == 7 { 0x7fc0_0001 } else { h[i] }).collect();
+        check(&nan, nb, WordPlane { dtype: WordType::F32, shift: 0 });
+        let low: Vec<u32> = (0..rows * nb).map(|i| (i as u32 * 0x9e37) & 0xffff).collect();
+        let form = WordPlane::narrowest(&low, nb);
+        assert_ne!(form.dtype, WordType::Bf16);
+        check(&low, nb, form);
     }
 }
