@@ -293,11 +293,11 @@ __device__ void qdequant(T* __restrict__ out, const uint8_t* __restrict__ wbase,
 // away: (128 + q) is a bf16 (1024 + q an f16) whose bits are q under a fixed exponent. The
 // words are in `TileWords`' order, a lane's two rows side by side.
 //
-// qtile: y = x W^T for up to 8 NT rows of x, each n8 slice of x one MMA per k-step with the
-// same decoded A. Per block: c = sum (q - OFF) x on the tensor cores (exact products, f32
-// sums), then y += scale c (+ min sum x, the sum also an MMA, with A all ones). f32 x is cut
-// into three bf16 parts (hi + mid + lo = x exactly), one MMA each. A column's sums do not
-// depend on the other columns nor on M.
+// qtile: y = x W^T for up to 8 NT rows of x (NT <= 4), each n8 slice of x one MMA per
+// k-step with the same decoded A. Per block: c = sum (q - OFF) x on the tensor cores (exact
+// products, f32 sums), then y += scale c (+ min sum x, the sum also an MMA, with A all ones).
+// f32 x is cut into three bf16 parts (hi + mid + lo = x exactly), one MMA each. A column's
+// sums do not depend on the other columns nor on M.
 template <int F> __device__ __forceinline__ constexpr bool tile_format() { return F == F_Q4_0 || F == F_Q4_1; }
 
 // Register s of a k-step's A from its u32: q - OFF as two 16-bit values of type T.
@@ -546,7 +546,8 @@ __device__ void qtile_dequant(T* __restrict__ out, const uint8_t* __restrict__ w
     for (int v = 0; v < 32 / V; ++v) store16<T>(out + i * 32 + v * V, wf + v * V);
 }
 
-// Kernels qtile_{format}_{x type}_w{word type}_{NT}, NT in 1, 2, 4, 8 (M up to 8 NT).
+// Kernels qtile_{format}_{x type}_w{word type}_{NT}, NT in 1, 2, 4 (M up to 8 NT; MAX_TILE_ROWS
+// in qmatmul/cuda.rs).
 #define QTILE(FN, F, TN, T, WN, WT, NT)                                                                         \
     extern "C" __global__ void __launch_bounds__(QGEMV_THREADS)                                                 \
         qtile_##FN##_##TN##_w##WN##_##NT(T* y, const T* x, const uint8_t* words, int shift, const uint2* codes, \
@@ -560,7 +561,7 @@ __device__ void qtile_dequant(T* __restrict__ out, const uint8_t* __restrict__ w
     }
 #define QTILE_COLS(FN, F, TN, T, WN, WT)                                                                        \
     QTILE(FN, F, TN, T, WN, WT, 1) QTILE(FN, F, TN, T, WN, WT, 2) QTILE(FN, F, TN, T, WN, WT, 4)                \
-    QTILE(FN, F, TN, T, WN, WT, 8) QTILE_DEQUANT(FN, F, TN, T, WN, WT)
+    QTILE_DEQUANT(FN, F, TN, T, WN, WT)
 #define QTILE_WORDS(FN, F, TN, T)                                                                               \
     QTILE_COLS(FN, F, TN, T, f32, float) QTILE_COLS(FN, F, TN, T, bf16, __nv_bfloat16)                          \
     QTILE_COLS(FN, F, TN, T, f16, __half)
