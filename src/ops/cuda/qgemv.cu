@@ -338,20 +338,6 @@ template <typename T> __device__ __forceinline__ void tile_b(uint32_t (&b)[TileI
     }
 }
 
-// 4, 8 or 16 bytes from global to shared memory, asynchronously (cp.async.ca: L1-cached).
-// The "memory" clobbers keep the compiler from moving a lane's reads of its shared slots
-// across the copies and the waits (no barrier in the loop does it).
-template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-// 16 bytes, past L1 (cp.async.cg): the streamed weights must not evict x, which every tile
-// reads again.
-__device__ __forceinline__ void cp_async_cg16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
 // A tile matrix's words, `[tiles][ceil(nb / 2^shift)][8][W][2]` of WT (float, __nv_bfloat16
 // or __half, one type for all words, so that no load branches): for a tile's group of blocks,
 // lane group g's words side by side (word i of rows g and g + 8), one load for all of them.
@@ -427,19 +413,21 @@ __device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
             if (i < count) {
                 const int b = part + wpr * i;
                 uint8_t* stage = ring + (i & (STAGES - 1)) * 32 * SLOT;
-                if (lane < 16) cp_async_cg16(stage + 16 * lane, tile_codes + (size_t)b * 256 + 16 * lane);
+                // Past L1 (cp.async.cg): the streamed weights must not evict x, which every tile
+                // reads again.
+                if (lane < 16) cp_async16(stage + 16 * lane, tile_codes + (size_t)b * 256 + 16 * lane, true);
                 else if (lane - 16 < WLANES)
-                    cp_async_cg16(stage + 256 + 16 * (lane - 16),
-                                  reinterpret_cast<const uint8_t*>(words.at(tile_words, b)) + 16 * (lane - 16));
+                    cp_async16(stage + 256 + 16 * (lane - 16),
+                               reinterpret_cast<const uint8_t*>(words.at(tile_words, b)) + 16 * (lane - 16), true);
             }
-            cp_async_commit();  // empty past the end, so the count of groups stays right
+            cp_async_commit_group();  // empty past the end, so the count of groups stays right
         };
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) fetch(i);
         for (int i = 0; i < count; ++i) {
             __syncwarp();  // every lane is done with the stage the next copies refill
             fetch(i + STAGES - 1);
-            cp_async_wait<STAGES - 1>();
+            cp_async_wait_group<STAGES - 1>();
             __syncwarp();  // the stage's bytes came through other lanes' copies
             const uint8_t* stage = ring + (i & (STAGES - 1)) * 32 * SLOT;
             const uint2 code = *reinterpret_cast<const uint2*>(stage + 8 * lane);
@@ -484,7 +472,7 @@ __device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
                     if constexpr (MIN) acc[j][e] = fmaf(wd[1][e >> 1], xs[j][e], acc[j][e]);
                 }
         }
-        cp_async_wait<0>();
+        cp_async_wait_group<0>();
     }
     // The tile's parts summed in a fixed order; lane (g, t) holds rows g, g + 8 and columns
     // 8 j + 2 t + {0, 1}.
