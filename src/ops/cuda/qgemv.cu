@@ -148,11 +148,6 @@ template <int F> __device__ __forceinline__ float weight(const Raw<F>& r, int j)
     else return __fmul_rn(v, r.w[Dec<F>::TWO * (j >> 4)]);
 }
 
-// Blocks each lane loads before decoding any, over its R rows. One: on an H100 (2026-12-05,
-// Qwen2.5-7B's shapes in one graph) two were 5-10% slower than one for every format and R
-// (ptxas schedules each block's loads next to their uses either way).
-#define QGEMV_UNROLL 1
-
 // Rows of W a warp takes at once, by rows of x: each x value a lane loads then serves R rows,
 // so that the loads of x (from L1) do not outgrow the weights' from memory as M grows.
 // launch::rows_per_warp in qmatmul/cuda.rs mirrors it.
@@ -162,7 +157,12 @@ template <int M> struct RowsPerWarp { static constexpr int R = M == 1 ? 1 : M <=
 // scales): y += scale * sum_j (q_j - OFF) x_j (+ min * sum_j x_j), not as sum_j w_j x_j, so a
 // weight costs a byte permute, an add and one FMA per row of x. That is the CPU's result up
 // to f32 rounding (not bit for bit), and a row's sums still do not depend on M.
-template <int F, typename T, int M, int R, int U>
+//
+// A lane takes one block at a time (its R rows' loads, then their products): on an H100
+// (2026-12-05, Qwen2.5-7B's shapes in one graph) loading two or four blocks ahead was 5-10%
+// slower for every format and R (ptxas schedules each block's loads next to their uses
+// either way).
+template <int F, typename T, int M, int R>
 __device__ void qgemv(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ wbase, uint32_t layout,
                       const uint8_t* __restrict__ codes, int n, int nb, int wpr) {
     constexpr int WARPS = QGEMV_THREADS / 32;
@@ -179,21 +179,13 @@ __device__ void qgemv(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
     if (row0 < n) {
-        // A lane takes blocks part * 32 + lane + j * stride in order of j, whatever R and U.
-        // Rows past n read row n - 1 and are not written.
-        for (int base = part * 32 + lane; base < nb; base += stride * U) {
-            Raw<F> raw[U][R];
+        // A lane takes blocks part * 32 + lane + j * stride in order of j, whatever R. Rows
+        // past n read row n - 1 and are not written.
+        for (int b = part * 32 + lane; b < nb; b += stride) {
+            Raw<F> raw[R];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int b = base + stride * u;
-#pragma unroll
-                for (int r = 0; r < R; ++r)
-                    if (b < nb) load_block<F>(raw[u][r], words, codes, (size_t)min(row0 + r, n - 1), b, nb);
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int b = base + stride * u;
-                if (b >= nb) break;
+            for (int r = 0; r < R; ++r) load_block<F>(raw[r], words, codes, (size_t)min(row0 + r, n - 1), b, nb);
+            {
                 float s[R][M], xs[M];
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
@@ -208,7 +200,7 @@ __device__ void qgemv(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
 #pragma unroll
                     for (int r = 0; r < R; ++r)
 #pragma unroll
-                        for (int e = 0; e < V; ++e) v[r][e] = value<F>(raw[u][r], c * V + e);
+                        for (int e = 0; e < V; ++e) v[r][e] = value<F>(raw[r], c * V + e);
 #pragma unroll
                     for (int m = 0; m < M; ++m) {
                         float xv[V];
@@ -226,7 +218,7 @@ __device__ void qgemv(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
                         for (int r = 0; r < R; ++r)
 #pragma unroll
                             for (int m = 0; m < M; ++m) {
-                                acc[r][m] = fmaf(raw[u][r].w[0], s[r][m], acc[r][m]);
+                                acc[r][m] = fmaf(raw[r].w[0], s[r][m], acc[r][m]);
                                 s[r][m] = 0.f;
                             }
                 }
@@ -234,8 +226,8 @@ __device__ void qgemv(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
                 for (int r = 0; r < R; ++r)
 #pragma unroll
                     for (int m = 0; m < M; ++m) {
-                        acc[r][m] = fmaf(raw[u][r].w[Dec<F>::TWO], s[r][m], acc[r][m]);
-                        if constexpr (Dec<F>::MIN) acc[r][m] = fmaf(raw[u][r].w[1], xs[m], acc[r][m]);
+                        acc[r][m] = fmaf(raw[r].w[Dec<F>::TWO], s[r][m], acc[r][m]);
+                        if constexpr (Dec<F>::MIN) acc[r][m] = fmaf(raw[r].w[1], xs[m], acc[r][m]);
                     }
             }
         }
@@ -563,7 +555,7 @@ QTILE_TYPES(q4_1, F_Q4_1)
     extern "C" __global__ void __launch_bounds__(QGEMV_THREADS)                                                 \
         qgemv_##FN##_##TN##_##M(T* y, const T* x, const uint8_t* words, uint32_t layout,                   \
                                 const uint8_t* codes, int n, int nb, int wpr) {                                 \
-        qgemv<F, T, M, RowsPerWarp<M>::R, QGEMV_UNROLL>(y, x, words, layout, codes, n, nb, wpr);                \
+        qgemv<F, T, M, RowsPerWarp<M>::R>(y, x, words, layout, codes, n, nb, wpr);                              \
     }
 #define QDEQUANT(FN, F, TN, T)                                                                                  \
     extern "C" __global__ void qdequant_##FN##_##TN(T* out, const uint8_t* words, uint32_t layout,           \
