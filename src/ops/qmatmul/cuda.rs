@@ -4,9 +4,10 @@
 //! every word is one, one entry per group of 2 or 4 blocks where a row's group shares it. So an
 //! MLX checkpoint or a GGUF Q4_0..Q8_0 streams the file's bytes (MLX 4-bit group 64: 4.5 bits a
 //! weight, where f32 words per 32-weight block would make 6). `cuda/qgemv.cu` decodes them
-//! exactly as the CPU kernels do. A decode step's few rows (at most `MAX_GEMV_ROWS`) take
-//! `qgemv`, one pass over the quantized bytes; longer inputs have the matrix dequantized into
-//! the activations' dtype (`qdequant`) and multiplied by cuBLAS.
+//! exactly as the CPU kernels do. 4-bit codes are held in tensor-core tiles and up to
+//! `MAX_TILE_ROWS` rows of x take `qtile`; other formats' decode steps (at most
+//! `MAX_GEMV_ROWS` rows) take `qgemv`; both are one pass over the quantized bytes. Longer inputs
+//! have the matrix dequantized into the activations' dtype and multiplied by cuBLAS.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
 
@@ -46,21 +47,32 @@ enum Form {
 /// How one plane of block words is stored: the narrowest dtype that gives every word back bit
 /// for bit, and one entry per `2^shift` blocks of a row where such groups all hold one word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WordPlane {
-    pub dtype: WordType,
-    pub shift: u32,
+struct WordPlane {
+    dtype: WordType,
+    shift: u32,
 }
 
+/// The dtypes a word can take (a subset of candle's, so that no other can be asked for).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WordType {
+enum WordType {
     F32,
     Bf16,
     F16,
 }
 
+impl WordType {
+    fn dtype(self) -> DType {
+        match self {
+            WordType::F32 => DType::F32,
+            WordType::Bf16 => DType::BF16,
+            WordType::F16 => DType::F16,
+        }
+    }
+}
+
 impl WordPlane {
     /// The narrowest form of `words` (`[rows][nb]`, the f32 bits), groups of at most 4 blocks.
-    pub fn narrowest(words: &[u32], nb: usize) -> Self {
+    fn narrowest(words: &[u32], nb: usize) -> Self {
         let shift = (0..=2u32)
             .rev()
             .find(|&s| {
@@ -83,16 +95,12 @@ impl WordPlane {
     }
 
     /// Entries per row of `nb` blocks.
-    pub fn per_row(self, nb: usize) -> usize {
+    fn per_row(self, nb: usize) -> usize {
         nb.div_ceil(1 << self.shift)
     }
 
     fn width(self) -> usize {
-        if self.dtype == WordType::F32 {
-            4
-        } else {
-            2
-        }
+        self.dtype.dtype().size_in_bytes()
     }
 
     /// The plane's bytes for `rows` rows, padded to 16 (`Words` in qgemv.cu).
@@ -139,15 +147,6 @@ impl WordPlane {
                 shift: a.shift.min(b.shift),
             })
             .unwrap_or(WordPlane { dtype: WordType::F32, shift: 0 })
-    }
-
-    /// The kernels' name for the dtype.
-    fn dtype_name(self) -> &'static str {
-        match self.dtype {
-            WordType::F32 => "f32",
-            WordType::Bf16 => "bf16",
-            WordType::F16 => "f16",
-        }
     }
 }
 
@@ -426,7 +425,7 @@ mod launch {
                         "qtile_{}_{}_w{}_{nt}",
                         format_name(q.format),
                         dtype_name(T::DTYPE)?,
-                        form.dtype_name()
+                        dtype_name(form.dtype.dtype())?
                     );
                     let func = QGEMV.func(&dev, &name)?;
                     let tiles = n.div_ceil(TILE);
@@ -472,9 +471,16 @@ mod launch {
             let out = unsafe { dev.alloc::<T>(n * q.cols)? };
             let (n, nb) = (n as i32, nb as i32);
             let (name, form) = match q.form {
-                Form::Blocks { layout } => (format!("qdequant_{}_{}", format_name(q.format), dtype_name(T::DTYPE)?), layout as i32),
+                Form::Blocks { layout } => {
+                    (format!("qdequant_{}_{}", format_name(q.format), dtype_name(T::DTYPE)?), layout as i32)
+                }
                 Form::Tiles(form) => (
-                    format!("qtile_dequant_{}_{}_w{}", format_name(q.format), dtype_name(T::DTYPE)?, form.dtype_name()),
+                    format!(
+                        "qtile_dequant_{}_{}_w{}",
+                        format_name(q.format),
+                        dtype_name(T::DTYPE)?,
+                        dtype_name(form.dtype.dtype())?
+                    ),
                     form.shift as i32,
                 ),
             };
@@ -523,8 +529,11 @@ mod tests {
     #[test]
     fn tile_words_put_a_lane_groups_rows_side_by_side() {
         let (rows, nb) = (20, 5);
-        let planes: Vec<Vec<u32>> =
-            (0..2).map(|p| (0..rows * nb).map(|i| half::bf16::from_f32((p * 1000 + i / 2) as f32).to_f32().to_bits()).collect()).collect();
+        let planes: Vec<Vec<u32>> = (0..2)
+            .map(|p| {
+                (0..rows * nb).map(|i| half::bf16::from_f32((p * 1000 + i / 2) as f32).to_f32().to_bits()).collect()
+            })
+            .collect();
         let form = WordPlane { dtype: WordType::Bf16, shift: 0 };
         let out = tile_words(&planes, rows, nb, form);
         assert_eq!(out.len(), 2 * nb * 8 * 2 * 2 * 2);
