@@ -85,11 +85,6 @@ __device__ __forceinline__ void load_block(Raw<F>& r, const Words<F>& words, con
         r.c[i] = __ldcs(reinterpret_cast<const uint4*>(codes + (row * nb + b) * Fmt<F>::C) + i);
 }
 
-__device__ __forceinline__ uint32_t byte_of(const uint4& v, int i) {
-    const uint32_t u = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
-    return (u >> (8 * (i & 3))) & 0xffu;
-}
-
 // How a block's weight j comes from its code q_j: w_j = (q_j - OFF) * scale, with scale word
 // 0 for weights 0..16 and word TWO for 16..32 (1 where a block has two scales), then + word 1
 // where the format has a minimum (MIN).
