@@ -5,7 +5,9 @@
 # by both binaries, alternated, ROUNDS times (default 2), at BS (default 1,8,32,64).
 # Needs .gpu/ from scripts/gpu-build.sh (iris.xz, tests.tar.xz, paths) and the base's binary as
 # .gpu/iris-base.xz (the iris.xz of a build of the base). Carry: .gpu/iris.xz,
-# .gpu/iris-base.xz, .gpu/tests.tar.xz, .gpu/paths. Results under $OUT.
+# .gpu/iris-base.xz, .gpu/tests.tar.xz, .gpu/paths. Results under $OUT. KERNEL_TIMES=1: then
+# GPU time per kernel of a batch-1 decode by each binary (scripts/gpu-kernel-times.sh), under
+# $OUT/kernels-{base,new}.md, per kernel and grid (so per matrix shape).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/iris-quant-ab}; mkdir -p "$OUT"
@@ -27,4 +29,11 @@ for r in $(seq "${ROUNDS:-2}"); do
     row "$OUT/$v-$r.json" "$v round $r:"
   done
 done
+if [ -n "${KERNEL_TIMES:-}" ]; then
+  for v in base new; do
+    KERNEL_TIMES_GRID=1 IRIS_CUDA_QUANT=1 timeout 200 scripts/gpu-kernel-times.sh "$OUT/kernels-$v.md" "$B/$v" bench --model "$M" --device cuda \
+      --dtype bf16 --batch-sizes 1 --prompt-len 128 --gen-len 64 --repeats 1 > "$OUT/kernels-$v.log" 2>&1
+    echo "$v kernels:"; head -14 "$OUT/kernels-$v.md"
+  done
+fi
 date -u

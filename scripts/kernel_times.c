@@ -1,7 +1,8 @@
 // Per-kernel GPU time of a process, for finding where a decode step's time goes on a machine
 // without Nsight: an LD_PRELOAD library that records every kernel (graph launches included)
 // through CUPTI's activity API and prints, at exit, time per kernel name (total, count, mean),
-// largest first. Built and used by scripts/gpu-kernel-times.sh.
+// largest first. KERNEL_TIMES_GRID=1: per kernel name and grid size (a matrix's shape, for a
+// kernel whose grid follows it). Built and used by scripts/gpu-kernel-times.sh.
 #include <cupti.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -48,7 +49,15 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t* b
     while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
         if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || rec->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
             const KREC* k = (const KREC*)rec;
-            add(k->name ? k->name : "?", k->end - k->start);
+            const char* name = k->name ? k->name : "?";
+            static int by_grid = -1;
+            if (by_grid < 0) by_grid = getenv("KERNEL_TIMES_GRID") != NULL;
+            if (by_grid) {
+                char key[160];
+                snprintf(key, sizeof key, "%.120s grid %dx%dx%d", name, k->gridX, k->gridY, k->gridZ);
+                add(key, k->end - k->start);
+            } else
+                add(name, k->end - k->start);
         }
     }
     free(buffer);

@@ -46,10 +46,10 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) 
 // 16 bytes from global to shared memory without passing through registers (nor L1); zeros
 // when !valid. The "memory" clobbers keep the compiler from moving shared-memory reads across
 // the copies and the waits, which a kernel without a barrier between them relies on (qtile).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) { cp_async16(smem_addr(dst), src, valid); }
 __device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");

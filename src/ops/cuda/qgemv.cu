@@ -271,34 +271,59 @@ __device__ void qdequant(T* __restrict__ out, const uint8_t* __restrict__ wbase,
 
 // ---- 4-bit codes on tensor cores (Q4_0, Q4_1: GGUF Q4_0/Q4_1/Q4_K, MLX 2-4 bits) ----
 //
-// The layout (ops/qmatmul/cuda.rs, `tile_codes`) is made for m16n8k16's A fragment: rows in
-// tiles of 16 (the last padded with zero codes and words), codes `[tiles][nb][32 lanes][2]`
-// u32. Lane l = 4 g + t of a warp holds, for k-step h (weights 16 h .. 16 h + 16 of a block),
-// u32 h, whose nibbles s and 4 + s are register s's two elements: register s is row
-// g + 8 (s & 1), columns 2 t + 8 (s >> 1) + {0, 1} of the 16x16 A. So a tile's block is 256
-// contiguous bytes, 8 for each lane, and a register is a shift, a mask and one subtraction
-// away: (128 + q) is a bf16 (1024 + q an f16) whose bits are q under a fixed exponent. The
-// words are in `TileWords`' order, a lane's two rows side by side.
+// The layout (ops/qmatmul/cuda.rs, `tile_stream`): rows in tiles of 16 (the last padded with
+// zero codes and words), each tile one stream of chunks of TILE_G blocks (128 weights of a row;
+// the last chunk padded with zero blocks), a chunk its codes and then its words, so that one
+// run of 16-byte copies brings a chunk in:
+// - codes, 1024 bytes: `[2 pairs][32 lanes][2 blocks][2 k-steps]` u32, made for m16n8k16's A
+//   fragment. Lane l = 4 g + t holds, for block b's k-step h, a u32 whose nibbles s and 4 + s
+//   are register s's two elements: row g + 8 (s & 1), weights 8 t + 4 h + 2 (s >> 1) + {0, 1}
+//   of the block. (The weights of a block are permuted so that lane t's B fragments are x's
+//   8 t .. 8 t + 8, one 16-byte load; A follows the same order, so the products are the same.)
+//   So a lane's codes for two blocks are 16 contiguous bytes, and a register is a shift, one
+//   LOP3 and one bf16 or f16 subtraction away: (128 + q) is a bf16 (1024 + q an f16) whose
+//   bits are q under a fixed exponent.
+// - words: `[TILE_G >> shift groups][8][W][2]` of WT, a group's words (one per 2^shift blocks)
+//   for lane group g's rows g and g + 8 side by side, one load for all of them.
 //
 // qtile: y = x W^T for up to 8 NT rows of x (NT <= 4), each n8 slice of x one MMA per
-// k-step with the same decoded A. Per block: c = sum (q - OFF) x on the tensor cores (exact
-// products, f32 sums), then y += scale c (+ min sum x, the sum also an MMA, with A all ones).
-// f32 x is cut into three bf16 parts (hi + mid + lo = x exactly), one MMA each. A column's
-// sums do not depend on the other columns nor on M.
+// k-step with the same decoded A. Per group of blocks sharing their words: c = sum (q - OFF) x
+// on the tensor cores (exact products, f32 sums), then y += scale c (+ min sum x, the sum also
+// an MMA, with A all ones). f32 x is cut into three bf16 parts (hi + mid + lo = x exactly), one
+// MMA each. A column's sums do not depend on the other columns nor on M.
+#define TILE_G 4
 template <int F> __device__ __forceinline__ constexpr bool tile_format() { return F == F_Q4_0 || F == F_Q4_1; }
 
-// Register s of a k-step's A from its u32: q - OFF as two 16-bit values of type T.
-template <typename T, int OFF> __device__ __forceinline__ uint32_t tile_a(uint32_t u, int s) {
-    const uint32_t q = (u >> (4 * s)) & 0x000F000Fu;
+// (a & B) | C in one instruction (the compiler emits two for the shift-mask-or of a register).
+template <uint32_t B, uint32_t C> __device__ __forceinline__ uint32_t and_or(uint32_t a) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "n"(B), "n"(C));
+    return d;
+}
+
+// The four A registers of a k-step from its u32: q - OFF as two 16-bit values of type T each.
+template <typename T, int OFF> __device__ __forceinline__ void tile_a(uint32_t (&a)[4], uint32_t u) {
     if constexpr (std::is_same<T, __half>::value) {
-        const uint32_t v = q | 0x64006400u;
-        const __half2 d = __hsub2(*reinterpret_cast<const __half2*>(&v), __half2half2(__ushort_as_half((unsigned short)(0x6400u + OFF))));
-        return *reinterpret_cast<const uint32_t*>(&d);
+        // Nibbles 0 and 1 need no shift: 1024 + q and 1024 + 16 q are both f16s.
+        const __half2 lo = __half2half2(__ushort_as_half((unsigned short)(0x6400u + OFF)));
+        const __half2 sc = __half2half2(__float2half(1.f / 16.f)), hi = __half2half2(__float2half(-64.f - OFF));
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const uint32_t v = p ? u >> 8 : u;
+            uint32_t r0 = and_or<0x000F000Fu, 0x64006400u>(v), r1 = and_or<0x00F000F0u, 0x64006400u>(v);
+            const __half2 d0 = __hsub2(*reinterpret_cast<const __half2*>(&r0), lo);
+            const __half2 d1 = __hfma2(*reinterpret_cast<const __half2*>(&r1), sc, hi);
+            a[2 * p] = *reinterpret_cast<const uint32_t*>(&d0);
+            a[2 * p + 1] = *reinterpret_cast<const uint32_t*>(&d1);
+        }
     } else {
-        const uint32_t v = q | 0x43004300u;
-        const __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
-                                         __bfloat162bfloat162(__ushort_as_bfloat16((unsigned short)(0x4300u + OFF))));
-        return *reinterpret_cast<const uint32_t*>(&d);
+        const __nv_bfloat162 off = __bfloat162bfloat162(__ushort_as_bfloat16((unsigned short)(0x4300u + OFF)));
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const uint32_t r = and_or<0x000F000Fu, 0x43004300u>(u >> (4 * s));
+            const __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&r), off);
+            a[s] = *reinterpret_cast<const uint32_t*>(&d);
+        }
     }
 }
 
@@ -307,39 +332,47 @@ template <typename T> struct TileIn { using type = __nv_bfloat16; static constex
 template <> struct TileIn<__half> { using type = __half; static constexpr int PARTS = 1; };
 template <> struct TileIn<float> { using type = __nv_bfloat16; static constexpr int PARTS = 3; };
 
-// The B fragment registers of x row `col` at columns k, k + 1 (k even): PARTS registers.
-template <typename T> __device__ __forceinline__ void tile_b(uint32_t (&b)[TileIn<T>::PARTS], const T* p, bool valid) {
-    if constexpr (TileIn<T>::PARTS == 1) {
-        b[0] = valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
-    } else {
-        const float2 v = valid ? __ldg(reinterpret_cast<const float2*>(p)) : make_float2(0.f, 0.f);
-        // hi: the top 16 bits; mid: those of what is left; lo: the rest, which fits a bf16.
-        uint32_t u0 = __float_as_uint(v.x), u1 = __float_as_uint(v.y);
-        const uint32_t h0 = u0 & 0xffff0000u, h1 = u1 & 0xffff0000u;
-        const float r0 = v.x - __uint_as_float(h0), r1 = v.y - __uint_as_float(h1);
-        const uint32_t m0 = __float_as_uint(r0) & 0xffff0000u, m1 = __float_as_uint(r1) & 0xffff0000u;
-        const float l0 = r0 - __uint_as_float(m0), l1 = r1 - __uint_as_float(m1);
-        b[0] = __byte_perm(h0, h1, 0x7632);
-        b[1] = __byte_perm(m0, m1, 0x7632);
-        b[2] = __byte_perm(__float_as_uint(l0), __float_as_uint(l1), 0x7632);
-    }
+// One bf16 register from two f32: hi (the top 16 bits), mid (those of what is left), lo (the
+// rest, which fits a bf16), so that hi + mid + lo is the pair exactly.
+__device__ __forceinline__ void split3(uint32_t (&b)[3], float x0, float x1) {
+    const uint32_t h0 = __float_as_uint(x0) & 0xffff0000u, h1 = __float_as_uint(x1) & 0xffff0000u;
+    const float r0 = x0 - __uint_as_float(h0), r1 = x1 - __uint_as_float(h1);
+    const uint32_t m0 = __float_as_uint(r0) & 0xffff0000u, m1 = __float_as_uint(r1) & 0xffff0000u;
+    const float l0 = r0 - __uint_as_float(m0), l1 = r1 - __uint_as_float(m1);
+    b[0] = __byte_perm(h0, h1, 0x7632);
+    b[1] = __byte_perm(m0, m1, 0x7632);
+    b[2] = __byte_perm(__float_as_uint(l0), __float_as_uint(l1), 0x7632);
 }
 
-// A tile matrix's words, `[tiles][ceil(nb / 2^shift)][8][W][2]` of WT (float, __nv_bfloat16
-// or __half, one type for all words, so that no load branches): for a tile's group of blocks,
-// lane group g's words side by side (word i of rows g and g + 8), one load for all of them.
+// Lane t's B fragments of one block for one row of x: x's weights 8 t .. 8 t + 8 of the block
+// (`p`, 16-byte aligned), b[h][r][part] for k-step h, register r; zeros where !valid.
+template <typename T> struct TileX {
+    uint32_t b[2][2][TileIn<T>::PARTS];
+    __device__ __forceinline__ void load(const T* p, bool valid) {
+        if constexpr (TileIn<T>::PARTS == 1) {
+            const uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+            b[0][0][0] = v.x, b[0][1][0] = v.y, b[1][0][0] = v.z, b[1][1][0] = v.w;
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float4 v = valid ? __ldg(reinterpret_cast<const float4*>(p) + h) : make_float4(0.f, 0.f, 0.f, 0.f);
+                split3(b[h][0], v.x, v.y);
+                split3(b[h][1], v.z, v.w);
+            }
+        }
+    }
+};
+
+// A chunk's words: a lane group's words of one group (rows g and g + 8), BYTES of them.
 template <int F, typename WT> struct TileWords {
     static constexpr int W = Fmt<F>::W, N = 2 * W, BYTES = N * (int)sizeof(WT);
-    const WT* base;
-    int per_row, shift;
-    __device__ __forceinline__ TileWords(const uint8_t* base, int shift, int nb)
-        : base(reinterpret_cast<const WT*>(base)), per_row((nb + (1 << shift) - 1) >> shift), shift(shift) {}
-    // The first words of lane group g of tile `tile`.
-    __device__ __forceinline__ const WT* lane_base(size_t tile, int g) const { return base + (tile * per_row * 8 + g) * N; }
-    // Block b's words, from the lane's `lane_base`.
-    __device__ __forceinline__ const WT* at(const WT* lb, int b) const { return lb + (uint32_t)(b >> shift) * (8 * N); }
-    // w[i][r]: word i of row g + 8 r, from the BYTES at `at`.
-    __device__ __forceinline__ static void decode(float (&w)[W][2], const uint32_t* raw) {
+    // Bytes of a chunk with TILE_G >> shift groups.
+    __device__ __forceinline__ static int chunk_bytes(int shift) { return 1024 + (TILE_G >> shift) * 8 * BYTES; }
+    // w[i][r]: word i of row g + 8 r, from the BYTES at `p` (4-byte aligned).
+    __device__ __forceinline__ static void load(float (&w)[W][2], const uint8_t* p) {
+        uint32_t raw[BYTES / 4];
+#pragma unroll
+        for (int e = 0; e < BYTES / 4; ++e) raw[e] = reinterpret_cast<const uint32_t*>(p)[e];
 #pragma unroll
         for (int e = 0; e < N; ++e) {
             float v;
@@ -354,19 +387,20 @@ template <int F, typename WT> struct TileWords {
     }
 };
 
-
 template <int F, typename T, typename WT, int NT>
-__device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ wbase, int shift,
-                      const uint2* __restrict__ codes, int n, int m, int nb, int wpr) {
+__device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ tiles, int shift,
+                      int n, int m, int nb, int wpr) {
     static_assert(tile_format<F>(), "4-bit codes only");
     using In = typename TileIn<T>::type;
+    using Words = TileWords<F, WT>;
     constexpr int P = TileIn<T>::PARTS, WARPS = QGEMV_THREADS / 32;
     constexpr bool MIN = Dec<F>::MIN;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int part = warp % wpr, tiles = (n + 15) >> 4;
+    const int part = warp % wpr, ntiles = (n + 15) >> 4;
     const int tile = blockIdx.x * (WARPS / wpr) + warp / wpr;
-    const int k = nb * 32;
-    const TileWords<F, WT> words(wbase, shift, nb);
+    const int k = nb * 32, chunks = (nb + TILE_G - 1) / TILE_G, cb = Words::chunk_bytes(shift);
+    // The blocks of a group, less one: a group's last block is b with (b + 1) & gm == 0.
+    const int gm = (1 << shift) - 1;
     // All-ones A: its product with x is x's sum over the k-step, in every row.
     uint32_t ones[4];
 #pragma unroll
@@ -376,88 +410,100 @@ __device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
     for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-    // Each lane's codes and words of STAGES blocks in flight, through shared memory
-    // (cp.async): loads into registers would be scheduled next to their uses, one block
-    // in flight per warp, far too few bytes to cover the memory's latency.
-    constexpr int WB = TileWords<F, WT>::BYTES, SLOT = 8 + WB, STAGES = WB > 8 ? 4 : 8;
-    constexpr int RING = WARPS * STAGES * 32 * SLOT, RED = WARPS * NT * 4 * 32 * 4;
+    // Each warp's next chunks in flight, through shared memory (cp.async): loads into
+    // registers would be scheduled next to their uses, far too few bytes in flight to cover
+    // the memory's latency.
+    constexpr int MAXCB = 1024 + TILE_G * 8 * Words::BYTES, STAGES = 4, COPIES = (MAXCB + 511) / 512;
+    constexpr int RING = WARPS * STAGES * MAXCB, RED = WARPS * NT * 4 * 32 * 4;
     __shared__ __align__(16) uint8_t smem[RING > RED ? RING : RED];
-    // Stage i of a warp: the block's codes (8 bytes a lane, 256), then its words (WB for each
-    // lane group g, 8 WB), copied 16 bytes a lane by the first lanes; each lane then reads its
-    // own part.
-    uint8_t* ring = smem + warp * STAGES * 32 * SLOT;
-    constexpr int WLANES = 8 * WB / 16;
-    if (tile < tiles) {
-        const uint8_t* tile_codes = reinterpret_cast<const uint8_t*>(codes + (size_t)tile * nb * 32);
-        const WT* tile_words = words.lane_base(tile, 0);
-        // Warp `part` of a tile takes blocks part, part + wpr, ...: `count` of them.
-        const int count = (nb - part + wpr - 1) / wpr;
-        // Lane g's rows of x (columns past m read row m - 1 and are not used).
-        const T* xl[NT];
+    uint8_t* ring = smem + warp * STAGES * MAXCB;
+    if (tile < ntiles) {
+        // Warp `part` of a tile takes chunks part, part + wpr, ...: `count` of them. Each lane
+        // copies the 16 bytes at 16 lane + 512 j of a chunk, for j < COPIES where the chunk has
+        // them.
+        const int count = (chunks - part + wpr - 1) / wpr;
+        const uint8_t* src = tiles + ((size_t)tile * chunks + part) * cb + 16 * lane;
+        const size_t src_step = (size_t)wpr * cb;
+        const uint32_t dst = smem_addr(ring) + 16 * lane;
+        bool has[COPIES];
 #pragma unroll
-        for (int j = 0; j < NT; ++j) xl[j] = x + (size_t)min(8 * j + g, m - 1) * k + 2 * t;
+        for (int j = 0; j < COPIES; ++j) has[j] = 16 * lane + 512 * j < cb;
         auto fetch = [&](int i) {
             if (i < count) {
-                const int b = part + wpr * i;
-                uint8_t* stage = ring + (i & (STAGES - 1)) * 32 * SLOT;
-                // Past L1 (cp.async.cg): the streamed weights must not evict x, which every tile
-                // reads again.
-                if (lane < 16) cp_async16(stage + 16 * lane, tile_codes + (size_t)b * 256 + 16 * lane, true);
-                else if (lane - 16 < WLANES)
-                    cp_async16(stage + 256 + 16 * (lane - 16),
-                               reinterpret_cast<const uint8_t*>(words.at(tile_words, b)) + 16 * (lane - 16), true);
+                // Past L1 (cp.async.cg): the streamed weights must not evict x, which every
+                // tile reads again.
+#pragma unroll
+                for (int j = 0; j < COPIES; ++j)
+                    if (has[j]) cp_async16(dst + (i & (STAGES - 1)) * MAXCB + 512 * j, src + 512 * j, true);
+                src += src_step;
             }
             cp_async_commit_group();  // empty past the end, so the count of groups stays right
         };
+        // Lane g's rows of x at the warp's next chunk (columns past m read row m - 1 and are not
+        // used).
+        const T* xl[NT];
+        bool col[NT];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            xl[j] = x + (size_t)min(8 * j + g, m - 1) * k + 8 * t + part * TILE_G * 32;
+            col[j] = 8 * j + g < m;
+        }
+        const int x_step = wpr * TILE_G * 32;
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) fetch(i);
         for (int i = 0; i < count; ++i) {
             __syncwarp();  // every lane is done with the stage the next copies refill
             fetch(i + STAGES - 1);
+            // Blocks of this chunk within the row (the last chunk may be cut short).
+            const int left = nb - (part + wpr * i) * TILE_G;
+            TileX<T> xv[TILE_G][NT];
+#pragma unroll
+            for (int blk = 0; blk < TILE_G; ++blk)
+#pragma unroll
+                for (int j = 0; j < NT; ++j) xv[blk][j].load(xl[j] + blk * 32, blk < left && col[j]);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) xl[j] += x_step;
             cp_async_wait_group<STAGES - 1>();
             __syncwarp();  // the stage's bytes came through other lanes' copies
-            const uint8_t* stage = ring + (i & (STAGES - 1)) * 32 * SLOT;
-            const uint2 code = *reinterpret_cast<const uint2*>(stage + 8 * lane);
-            float wd[Fmt<F>::W][2];
-            {
-                uint32_t raw[WB / 4];
-#pragma unroll
-                for (int e = 0; e < WB / 4; ++e) raw[e] = reinterpret_cast<const uint32_t*>(stage + 256 + WB * g)[e];
-                TileWords<F, WT>::decode(wd, raw);
-            }
-            const int b = part + wpr * i;
+            const uint8_t* stage = ring + (i & (STAGES - 1)) * MAXCB;
             float c[NT][4], xs[NT][4];
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) c[j][e] = xs[j][e] = 0.f;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint32_t w = h ? code.y : code.x;
-                uint32_t a[4];
+            for (int pair = 0; pair < TILE_G / 2; ++pair) {
+                const uint4 code = *reinterpret_cast<const uint4*>(stage + 512 * pair + 16 * lane);
 #pragma unroll
-                for (int s = 0; s < 4; ++s) a[s] = tile_a<In, Dec<F>::OFF>(w, s);
+                for (int bi = 0; bi < 2; ++bi) {
+                    const int blk = 2 * pair + bi;
 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    const bool col = 8 * j + g < m;
-                    const T* xp = xl[j] + b * 32 + 16 * h;
-                    uint32_t b0[P], b1[P];
-                    tile_b<T>(b0, xp, col);
-                    tile_b<T>(b1, xp + 8, col);
+                    for (int h = 0; h < 2; ++h) {
+                        uint32_t a[4];
+                        tile_a<In, Dec<F>::OFF>(a, bi ? (h ? code.w : code.z) : (h ? code.y : code.x));
 #pragma unroll
-                    for (int p = 0; p < P; ++p) {
-                        mma16816<In>(c[j], a, b0[p], b1[p]);
-                        if constexpr (MIN) mma16816<In>(xs[j], ones, b0[p], b1[p]);
+                        for (int j = 0; j < NT; ++j)
+#pragma unroll
+                            for (int p = 0; p < P; ++p) {
+                                mma16816<In>(c[j], a, xv[blk][j].b[h][0][p], xv[blk][j].b[h][1][p]);
+                                if constexpr (MIN) mma16816<In>(xs[j], ones, xv[blk][j].b[h][0][p], xv[blk][j].b[h][1][p]);
+                            }
+                    }
+                    if (((blk + 1) & gm) == 0) {
+                        // The group's last block: its words scale the group's sums.
+                        float wd[Fmt<F>::W][2];
+                        Words::load(wd, stage + 1024 + ((blk >> shift) * 8 + g) * Words::BYTES);
+#pragma unroll
+                        for (int j = 0; j < NT; ++j)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                acc[j][e] = fmaf(wd[0][e >> 1], c[j][e], acc[j][e]);
+                                if constexpr (MIN) acc[j][e] = fmaf(wd[1][e >> 1], xs[j][e], acc[j][e]);
+                                c[j][e] = xs[j][e] = 0.f;
+                            }
                     }
                 }
             }
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    acc[j][e] = fmaf(wd[0][e >> 1], c[j][e], acc[j][e]);
-                    if constexpr (MIN) acc[j][e] = fmaf(wd[1][e >> 1], xs[j][e], acc[j][e]);
-                }
         }
         cp_async_wait_group<0>();
     }
@@ -482,7 +528,7 @@ __device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
                 acc[j][e] = s;
             }
     }
-    if (tile >= tiles) return;
+    if (tile >= ntiles) return;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -494,26 +540,24 @@ __device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
 
 // One thread per (row, block): its 32 weights as T into out [N, K], as the CPU decodes them.
 template <int F, typename T, typename WT>
-__device__ void qtile_dequant(T* __restrict__ out, const uint8_t* __restrict__ wbase, int shift,
-                              const uint32_t* __restrict__ codes, int n, int nb) {
+__device__ void qtile_dequant(T* __restrict__ out, const uint8_t* __restrict__ tiles, int shift, int n, int nb) {
+    using Words = TileWords<F, WT>;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * nb) return;
     const int row = (int)(i / nb), b = (int)(i % nb), tile = row >> 4, r = row & 15;
-    const TileWords<F, WT> words(wbase, shift, nb);
+    const int chunks = (nb + TILE_G - 1) / TILE_G, blk = b % TILE_G, cb = Words::chunk_bytes(shift);
+    const uint8_t* chunk = tiles + ((size_t)tile * chunks + b / TILE_G) * cb;
     float wd[Fmt<F>::W][2];
-    uint32_t raw[TileWords<F, WT>::BYTES / 4];
-    const uint32_t* p = reinterpret_cast<const uint32_t*>(words.at(words.lane_base(tile, r & 7), b));
-#pragma unroll
-    for (int e = 0; e < TileWords<F, WT>::BYTES / 4; ++e) raw[e] = p[e];
-    TileWords<F, WT>::decode(wd, raw);
+    Words::load(wd, chunk + 1024 + ((blk >> shift) * 8 + (r & 7)) * Words::BYTES);
     const float d = wd[0][r >> 3], mn = Dec<F>::MIN ? wd[Fmt<F>::W - 1][r >> 3] : 0.f;
+    const uint32_t* codes = reinterpret_cast<const uint32_t*>(chunk + 512 * (blk >> 1)) + 2 * (blk & 1);
     float wf[32];
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-        const int h = j >> 4, c = j & 15, s = (r >> 3) + 2 * (c >> 3);
-        const int lane = 4 * (r & 7) + ((c & 7) >> 1);
-        const uint32_t u = codes[(((size_t)tile * nb + b) * 32 + lane) * 2 + h];
-        const float v = (float)(((u >> (4 * s + 16 * (c & 1))) & 15u)) - (float)Dec<F>::OFF;
+        // Weight j is lane 4 (r % 8) + j / 8's, k-step (j / 4) % 2, register r / 8 + 2 ((j / 2) % 2).
+        const int s = (r >> 3) + 2 * ((j >> 1) & 1), lane = 4 * (r & 7) + (j >> 3);
+        const uint32_t u = codes[4 * lane + ((j >> 2) & 1)];
+        const float v = (float)(((u >> (4 * s + 16 * (j & 1))) & 15u)) - (float)Dec<F>::OFF;
         wf[j] = Dec<F>::MIN ? __fadd_rn(__fmul_rn(v, d), mn) : __fmul_rn(v, d);
     }
     constexpr int V = Vec16<T>::N;
@@ -525,14 +569,14 @@ __device__ void qtile_dequant(T* __restrict__ out, const uint8_t* __restrict__ w
 // in qmatmul/cuda.rs).
 #define QTILE(FN, F, TN, T, WN, WT, NT)                                                                         \
     extern "C" __global__ void __launch_bounds__(QGEMV_THREADS)                                                 \
-        qtile_##FN##_##TN##_w##WN##_##NT(T* y, const T* x, const uint8_t* words, int shift, const uint2* codes, \
-                                         int n, int m, int nb, int wpr) {                                       \
-        qtile<F, T, WT, NT>(y, x, words, shift, codes, n, m, nb, wpr);                                          \
+        qtile_##FN##_##TN##_w##WN##_##NT(T* y, const T* x, const uint8_t* tiles, int shift, int n, int m,     \
+                                         int nb, int wpr) {                                                     \
+        qtile<F, T, WT, NT>(y, x, tiles, shift, n, m, nb, wpr);                                                 \
     }
 #define QTILE_DEQUANT(FN, F, TN, T, WN, WT)                                                                     \
-    extern "C" __global__ void qtile_dequant_##FN##_##TN##_w##WN(T* out, const uint8_t* words, int shift,       \
-                                                                 const uint32_t* codes, int n, int nb) {        \
-        qtile_dequant<F, T, WT>(out, words, shift, codes, n, nb);                                               \
+    extern "C" __global__ void qtile_dequant_##FN##_##TN##_w##WN(T* out, const uint8_t* tiles, int shift, int n, \
+                                                                 int nb) {                                      \
+        qtile_dequant<F, T, WT>(out, tiles, shift, n, nb);                                                      \
     }
 #define QTILE_COLS(FN, F, TN, T, WN, WT)                                                                        \
     QTILE(FN, F, TN, T, WN, WT, 1) QTILE(FN, F, TN, T, WN, WT, 2) QTILE(FN, F, TN, T, WN, WT, 4)                \

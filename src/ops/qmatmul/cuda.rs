@@ -26,21 +26,20 @@ pub struct CudaQMatrix {
     format: BlockFormat,
     rows: usize,
     cols: usize,
-    /// The words, in the order `form` says.
-    words: Tensor,
     form: Form,
-    /// The codes, in the order `form` says (one unused byte for Q3, which has no code bytes).
-    codes: Tensor,
+    /// The words and codes, in the order `form` says.
+    data: Tensor,
 }
 
 /// How the device holds a matrix's blocks.
 #[derive(Debug, Clone, Copy)]
 enum Form {
-    /// Codes `[N][NB][C]` bytes; a plane per word, each in its own form (`layout`: 4 bits a
-    /// plane, `WordPlane::code`), one after another, 16-byte aligned (`qgemv`).
-    Blocks { layout: u32 },
-    /// 4-bit codes in tensor-core tiles of 16 rows (`tile_codes`) and the words of a tile's
-    /// rows side by side in one form (`tile_words`) (`qtile`).
+    /// A plane per word, each in its own form (`layout`: 4 bits a plane, `WordPlane::code`),
+    /// one after another, 16-byte aligned, then from byte `codes_at` the codes `[N][NB][C]`
+    /// (`qgemv`).
+    Blocks { layout: u32, codes_at: usize },
+    /// 4-bit codes and their words in tensor-core tiles of 16 rows, the words in one form
+    /// (`tile_stream`, `qtile`).
     Tiles(WordPlane),
 }
 
@@ -158,51 +157,54 @@ fn nibble(codes: &[u8], j: usize) -> u32 {
     u32::from(if j < 16 { codes[j] & 15 } else { codes[j - 16] >> 4 })
 }
 
-/// 4-bit codes (`code(row, k)`, 0 past the last row) in `qtile`'s order: `[tiles][nb][32
-/// lanes][2]` u32, lane 4 g + t's u32 h of a block holding, at nibbles s and 4 + s, the two
-/// elements of m16n8k16's A register s: row g + 8 (s & 1), columns 16 h + 2 t + 8 (s >> 1) +
-/// {0, 1} of the block.
-fn tile_codes(rows: usize, nb: usize, code: impl Fn(usize, usize) -> u32) -> Vec<u32> {
-    let tiles = rows.div_ceil(TILE);
-    let mut out = vec![0u32; tiles * nb * 64];
+/// Blocks a chunk of a tile's stream (`TILE_G` in qgemv.cu).
+const TILE_G: usize = 4;
+
+/// 4-bit codes (`code(row, k)`) and word planes (`[rows][nb]` each, all in `form`) in `qtile`'s
+/// order: per tile of 16 rows, `ceil(nb / TILE_G)` chunks of `TILE_G` blocks (zeros past the
+/// last row and block), each
+/// - its codes, `[2 pairs][32 lanes][2 blocks][2 k-steps]` u32: lane 4 g + t's u32 of block b,
+///   k-step h holds, at nibbles s and 4 + s, the two elements of m16n8k16's A register s: row
+///   g + 8 (s & 1), weights 8 t + 4 h + 2 (s >> 1) + {0, 1} of the block (lane t's B fragments
+///   are then x's 8 t .. 8 t + 8);
+/// - then its words, `[TILE_G >> shift groups][8][W][2]`: lane group g's words of rows g and
+///   g + 8 side by side.
+fn tile_stream(rows: usize, nb: usize, code: impl Fn(usize, usize) -> u32, planes: &[Vec<u32>], form: WordPlane) -> Vec<u8> {
+    let (tiles, chunks) = (rows.div_ceil(TILE), nb.div_ceil(TILE_G));
+    let groups = TILE_G >> form.shift;
+    let mut out = Vec::with_capacity(tiles * chunks * (1024 + groups * 16 * planes.len() * form.width()));
     for tile in 0..tiles {
-        for b in 0..nb {
-            for lane in 0..32 {
-                let (g, t) = (lane / 4, lane % 4);
-                for h in 0..2 {
-                    let mut u = 0u32;
-                    for s in 0..4 {
-                        let row = tile * TILE + g + 8 * (s & 1);
-                        if row >= rows {
-                            continue;
-                        }
-                        for e in 0..2 {
-                            let k = 32 * b + 16 * h + 2 * t + 8 * (s >> 1) + e;
-                            u |= code(row, k) << (4 * s + 16 * e);
+        for chunk in 0..chunks {
+            for pair in 0..TILE_G / 2 {
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    for bi in 0..2 {
+                        let b = chunk * TILE_G + 2 * pair + bi;
+                        for h in 0..2 {
+                            let mut u = 0u32;
+                            for s in 0..4 {
+                                let row = tile * TILE + g + 8 * (s & 1);
+                                if row >= rows || b >= nb {
+                                    continue;
+                                }
+                                for e in 0..2 {
+                                    let k = 32 * b + 8 * t + 4 * h + 2 * (s >> 1) + e;
+                                    u |= code(row, k) << (4 * s + 16 * e);
+                                }
+                            }
+                            out.extend_from_slice(&u.to_le_bytes());
                         }
                     }
-                    out[((tile * nb + b) * 32 + lane) * 2 + h] = u;
                 }
             }
-        }
-    }
-    out
-}
-
-/// Word planes (`[rows][nb]` each) in `qtile`'s order, all in `form`: `[tiles][ceil(nb /
-/// 2^shift)][8][W][2]`, lane group g's words of rows g and g + 8 side by side (0 past the last
-/// row).
-fn tile_words(planes: &[Vec<u32>], rows: usize, nb: usize, form: WordPlane) -> Vec<u8> {
-    let per_row = form.per_row(nb);
-    let mut out = Vec::with_capacity(rows.div_ceil(TILE) * per_row * 16 * planes.len() * form.width());
-    for tile in 0..rows.div_ceil(TILE) {
-        for grp in 0..per_row {
-            for g in 0..8 {
-                for plane in planes {
-                    for r in 0..2 {
-                        let row = tile * TILE + g + 8 * r;
-                        let w = if row < rows { plane[row * nb + (grp << form.shift)] } else { 0 };
-                        form.push(w, &mut out);
+            for grp in 0..groups {
+                let b = chunk * TILE_G + (grp << form.shift);
+                for g in 0..8 {
+                    for plane in planes {
+                        for r in 0..2 {
+                            let row = tile * TILE + g + 8 * r;
+                            form.push(if row < rows && b < nb { plane[row * nb + b] } else { 0 }, &mut out);
+                        }
                     }
                 }
             }
@@ -232,7 +234,7 @@ impl CudaQMatrix {
         let (w, c) = (f.words(), f.code_bytes());
         // planes[i] = word i of every block, [rows][nb].
         let mut planes = vec![vec![0u32; rows * nb]; w];
-        let mut codes = vec![0u8; (rows * nb * c).max(1)];
+        let mut codes = vec![0u8; rows * nb * c];
         for (r, row) in p.data().chunks_exact(p.row_bytes).enumerate() {
             let (heads, code) = row.split_at(4 * w * nb);
             for (i, word) in heads.chunks_exact(4).enumerate() {
@@ -240,28 +242,27 @@ impl CudaQMatrix {
             }
             codes[r * nb * c..(r + 1) * nb * c].copy_from_slice(&code[..nb * c]);
         }
-        let (mut words, form) = if matches!(f, BlockFormat::Q4_0 | BlockFormat::Q4_1) {
+        let (mut data, form) = if matches!(f, BlockFormat::Q4_0 | BlockFormat::Q4_1) {
             // 4-bit codes: tensor-core tiles.
             let form = WordPlane::common(planes.iter().map(|p| WordPlane::narrowest(p, nb)));
-            let tiled = tile_codes(rows, nb, |r, k| nibble(&codes[(r * nb + k / 32) * c..], k % 32));
-            codes = tiled.iter().flat_map(|u| u.to_le_bytes()).collect();
-            (tile_words(&planes, rows, nb, form), Form::Tiles(form))
+            let code = |r: usize, k: usize| nibble(&codes[(r * nb + k / 32) * c..], k % 32);
+            (tile_stream(rows, nb, code, &planes, form), Form::Tiles(form))
         } else {
-            let (mut words, mut layout) = (Vec::new(), 0u32);
+            let (mut data, mut layout) = (Vec::new(), 0u32);
             for (i, plane) in planes.iter().enumerate() {
                 let form = WordPlane::narrowest(plane, nb);
-                form.store(plane, nb, &mut words);
+                form.store(plane, nb, &mut data);
                 layout |= form.code() << (4 * i);
             }
-            (words, Form::Blocks { layout })
+            let codes_at = data.len();
+            data.extend_from_slice(&codes);
+            (data, Form::Blocks { layout, codes_at })
         };
-        let len = words.len().max(1);
-        words.resize(len, 0);
-        let words = Tensor::from_vec(words, len, dev)?;
-        codes.resize(codes.len().max(1), 0);
-        let len = codes.len();
-        let codes = Tensor::from_vec(codes, len, dev)?;
-        Ok(CudaQMatrix { format: f, rows, cols, words, form, codes })
+        // One unused byte where there is nothing (Q3 has no code bytes; a matrix no rows).
+        data.resize(data.len().max(1), 0);
+        let len = data.len();
+        let data = Tensor::from_vec(data, len, dev)?;
+        Ok(CudaQMatrix { format: f, rows, cols, form, data })
     }
 
     /// The most rows of x one pass over the quantized bytes takes (more: dequantize, GEMM).
@@ -274,7 +275,11 @@ impl CudaQMatrix {
 
     /// `x` `[.., cols]` (f32, bf16 or f16 on the matrix's device) -> `[.., rows]` of x's dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.contiguous()?;
+        let mut x = x.contiguous()?;
+        if x.layout().start_offset() * x.dtype().size_in_bytes() % 16 != 0 {
+            // The kernels read x 16 bytes at a time.
+            x = x.copy()?;
+        }
         let mut dims = x.dims().to_vec();
         let m = x.elem_count() / self.cols.max(1);
         let x2 = x.reshape((m, self.cols))?;
@@ -291,13 +296,13 @@ impl CudaQMatrix {
     /// The whole matrix, `[rows, cols]` of `dtype`.
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
         // The op's input only carries the dtype and device; its data is not read.
-        let like = Tensor::zeros(1, dtype, self.words.device())?;
+        let like = Tensor::zeros(1, dtype, self.data.device())?;
         like.apply_op1_no_bwd(&QDequant { q: self })
     }
 
     /// Bytes on the device.
     pub fn bytes(&self) -> usize {
-        self.words.elem_count() + self.codes.elem_count()
+        self.data.elem_count()
     }
 }
 
@@ -350,7 +355,7 @@ mod launch {
     use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
     use candle_core::{Layout, Result, WithDType};
 
-    use super::{format_name, CudaQMatrix, Form, TILE};
+    use super::{format_name, CudaQMatrix, Form, TILE, TILE_G};
     use crate::ops::cuda::{cuda_slice, dtype_name, QGEMV};
 
     const THREADS: usize = 256; // QGEMV_THREADS in qgemv.cu
@@ -376,10 +381,10 @@ mod launch {
     }
 
     /// Warps per tile of 16 rows: more where the matrix has few tiles (up to about 4096 warps,
-    /// enough to keep every SM's loads in flight), while each warp keeps 8 blocks or more.
-    fn warps_per_tile(tiles: usize, nb: usize) -> usize {
+    /// enough to keep every SM's loads in flight), while each warp keeps 2 chunks or more.
+    fn warps_per_tile(tiles: usize, chunks: usize) -> usize {
         let mut wpr = 1;
-        while wpr < WARPS && tiles * wpr < 4096 && nb / (wpr * 2) >= 8 {
+        while wpr < WARPS && tiles * wpr < 4096 && chunks / (wpr * 2) >= 2 {
             wpr *= 2;
         }
         wpr
@@ -394,15 +399,14 @@ mod launch {
             m: usize,
         ) -> Result<CudaStorage> {
             let dev = s.device().clone();
-            let (ws, _) = q.words.storage_and_layout();
-            let (cs, _) = q.codes.storage_and_layout();
-            let (words, codes) = (cuda_slice::<u8>(&ws, "qgemv words")?, cuda_slice::<u8>(&cs, "qgemv codes")?);
+            let (ds, _) = q.data.storage_and_layout();
+            let data = cuda_slice::<u8>(&ds, "qgemv data")?;
             let (n, nb) = (q.rows, q.cols / 32);
             // SAFETY: the kernel writes every element of y.
             let y = unsafe { dev.alloc::<T>(m * n)? };
             let x = x.slice(l.start_offset()..);
             match q.form {
-                Form::Blocks { layout } => {
+                Form::Blocks { layout, codes_at } => {
                     let name = format!("qgemv_{}_{}_{m}", format_name(q.format), dtype_name(T::DTYPE)?);
                     let func = QGEMV.func(&dev, &name)?;
                     let wpr = warps_per_row(n, nb);
@@ -412,14 +416,18 @@ mod launch {
                         shared_mem_bytes: 0,
                     };
                     let (n, nb, wpr) = (n as i32, nb as i32, wpr as i32);
+                    let codes = data.slice(codes_at..);
                     let mut b = func.builder();
-                    b.arg(&y).arg(&x).arg(words).arg(&layout).arg(codes).arg(&n).arg(&nb).arg(&wpr);
+                    b.arg(&y).arg(&x).arg(data).arg(&layout).arg(&codes).arg(&n).arg(&nb).arg(&wpr);
                     // SAFETY: (y, x, words, layout, codes, n, nb, wpr) are the kernel's
                     // parameters in order and type; x is [m, nb * 32] (checked by the op), the
                     // arrays are the matrix's.
                     unsafe { b.launch(cfg) }.w()?;
                 }
                 Form::Tiles(form) => {
+                    if (l.start_offset() * std::mem::size_of::<T>()) % 16 != 0 {
+                        candle_core::bail!("qtile: x must start 16-byte aligned (it reads 16 bytes at once)");
+                    }
                     let nt = m.div_ceil(8).next_power_of_two();
                     let name = format!(
                         "qtile_{}_{}_w{}_{nt}",
@@ -429,7 +437,7 @@ mod launch {
                     );
                     let func = QGEMV.func(&dev, &name)?;
                     let tiles = n.div_ceil(TILE);
-                    let wpr = warps_per_tile(tiles, nb);
+                    let wpr = warps_per_tile(tiles, nb.div_ceil(TILE_G));
                     let cfg = LaunchConfig {
                         grid_dim: (tiles.div_ceil(WARPS / wpr) as u32, 1, 1),
                         block_dim: (THREADS as u32, 1, 1),
@@ -437,10 +445,10 @@ mod launch {
                     };
                     let (n, m, nb, wpr, shift) = (n as i32, m as i32, nb as i32, wpr as i32, form.shift as i32);
                     let mut b = func.builder();
-                    b.arg(&y).arg(&x).arg(words).arg(&shift).arg(codes).arg(&n).arg(&m).arg(&nb).arg(&wpr);
-                    // SAFETY: (y, x, words, shift, codes, n, m, nb, wpr) are the kernel's
-                    // parameters in order and type; x is [m, nb * 32], m <= 8 nt (checked by
-                    // the op), the arrays are the matrix's, in tiles.
+                    b.arg(&y).arg(&x).arg(data).arg(&shift).arg(&n).arg(&m).arg(&nb).arg(&wpr);
+                    // SAFETY: (y, x, tiles, shift, n, m, nb, wpr) are the kernel's parameters in
+                    // order and type; x is [m, nb * 32], 16-byte aligned, m <= 8 nt (checked by
+                    // the op), the stream is the matrix's.
                     unsafe { b.launch(cfg) }.w()?;
                 }
             }
@@ -457,9 +465,8 @@ mod launch {
     pub fn dequant(q: &CudaQMatrix, s: &CudaStorage) -> Result<CudaStorage> {
         fn run<T: CudaDType + DeviceRepr + WithDType>(q: &CudaQMatrix, s: &CudaStorage) -> Result<CudaStorage> {
             let dev = s.device().clone();
-            let (ws, _) = q.words.storage_and_layout();
-            let (cs, _) = q.codes.storage_and_layout();
-            let (words, codes) = (cuda_slice::<u8>(&ws, "qgemv words")?, cuda_slice::<u8>(&cs, "qgemv codes")?);
+            let (ds, _) = q.data.storage_and_layout();
+            let data = cuda_slice::<u8>(&ds, "qdequant data")?;
             let (n, nb) = (q.rows, q.cols / 32);
             let blocks = n * nb;
             let cfg = LaunchConfig {
@@ -470,26 +477,32 @@ mod launch {
             // SAFETY: the kernel writes all 32 weights of every block.
             let out = unsafe { dev.alloc::<T>(n * q.cols)? };
             let (n, nb) = (n as i32, nb as i32);
-            let (name, form) = match q.form {
-                Form::Blocks { layout } => {
-                    (format!("qdequant_{}_{}", format_name(q.format), dtype_name(T::DTYPE)?), layout as i32)
+            match q.form {
+                Form::Blocks { layout, codes_at } => {
+                    let func = QGEMV.func(&dev, &format!("qdequant_{}_{}", format_name(q.format), dtype_name(T::DTYPE)?))?;
+                    let codes = data.slice(codes_at..);
+                    let mut b = func.builder();
+                    b.arg(&out).arg(data).arg(&layout).arg(&codes).arg(&n).arg(&nb);
+                    // SAFETY: (out, words, layout, codes, n, nb) are the kernel's parameters in
+                    // order and type; words and codes are the matrix's.
+                    unsafe { b.launch(cfg) }.w()?;
                 }
-                Form::Tiles(form) => (
-                    format!(
+                Form::Tiles(form) => {
+                    let name = format!(
                         "qtile_dequant_{}_{}_w{}",
                         format_name(q.format),
                         dtype_name(T::DTYPE)?,
                         dtype_name(form.dtype.dtype())?
-                    ),
-                    form.shift as i32,
-                ),
-            };
-            let func = QGEMV.func(&dev, &name)?;
-            let mut b = func.builder();
-            b.arg(&out).arg(words).arg(&form).arg(codes).arg(&n).arg(&nb);
-            // SAFETY: (out, words, layout or shift, codes, n, nb) are the kernel's parameters
-            // in order and type (a 32-bit layout or shift); words and codes are the matrix's.
-            unsafe { b.launch(cfg) }.w()?;
+                    );
+                    let func = QGEMV.func(&dev, &name)?;
+                    let shift = form.shift as i32;
+                    let mut b = func.builder();
+                    b.arg(&out).arg(data).arg(&shift).arg(&n).arg(&nb);
+                    // SAFETY: (out, tiles, shift, n, nb) are the kernel's parameters in order
+                    // and type; the stream is the matrix's.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+            }
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
         match &s.slice {
@@ -503,47 +516,47 @@ mod launch {
 
 #[cfg(test)]
 mod tests {
-    use super::{tile_codes, tile_words, WordPlane, WordType, TILE};
+    use super::{tile_stream, WordPlane, WordType, TILE, TILE_G};
 
-    /// Every code lands where m16n8k16's A fragment wants it, and where `qtile_dequant` reads
-    /// it back: lane 4 g + t, register s = (row / 8) + 2 (k / 8 % 2) of k-step k / 16.
+    /// Every code lands where m16n8k16's A fragment wants it, and every word beside its chunk's
+    /// codes, where `qtile` and `qtile_dequant` read them: lane 4 g + t, register s = (row / 8)
+    /// + 2 (w / 2 % 2) of k-step w / 4 % 2 for weight w of a block, t = w / 8.
     #[test]
-    fn tile_codes_follow_the_mma_fragment_layout() {
-        let (rows, nb) = (37, 3); // a last tile cut short
+    fn tile_stream_follows_the_mma_fragment_layout() {
+        // A last tile cut short, a last chunk of one block; groups of 2 blocks.
+        let (rows, nb) = (37, 5);
         let code = |r: usize, k: usize| ((r * 7 + k * 3) % 16) as u32;
-        let t = tile_codes(rows, nb, code);
-        assert_eq!(t.len(), rows.div_ceil(TILE) * nb * 64);
-        for row in 0..rows.div_ceil(TILE) * TILE {
-            for k in 0..nb * 32 {
-                let (tile, r, b, j) = (row / TILE, row % TILE, k / 32, k % 32);
-                let (h, c) = (j / 16, j % 16);
-                let s = r / 8 + 2 * (c / 8);
-                let lane = 4 * (r % 8) + (c % 8) / 2;
-                let u = t[((tile * nb + b) * 32 + lane) * 2 + h];
-                let got = (u >> (4 * s + 16 * (c % 2))) & 15;
-                assert_eq!(got, if row < rows { code(row, k) } else { 0 }, "row {row} k {k}");
-            }
-        }
-    }
-
-    #[test]
-    fn tile_words_put_a_lane_groups_rows_side_by_side() {
-        let (rows, nb) = (20, 5);
         let planes: Vec<Vec<u32>> = (0..2)
-            .map(|p| {
-                (0..rows * nb).map(|i| half::bf16::from_f32((p * 1000 + i / 2) as f32).to_f32().to_bits()).collect()
-            })
+            .map(|p| (0..rows * nb).map(|i| half::bf16::from_f32((p * 1000 + i / 2) as f32).to_f32().to_bits()).collect())
             .collect();
-        let form = WordPlane { dtype: WordType::Bf16, shift: 0 };
-        let out = tile_words(&planes, rows, nb, form);
-        assert_eq!(out.len(), 2 * nb * 8 * 2 * 2 * 2);
-        for row in 0..32 {
-            for b in 0..nb {
+        // Every word of a group equal, as `shift` 1 says.
+        let planes: Vec<Vec<u32>> = planes.iter().map(|p| (0..rows * nb).map(|i| p[i - (i % nb) % 2]).collect()).collect();
+        let form = WordPlane { dtype: WordType::Bf16, shift: 1 };
+        let out = tile_stream(rows, nb, code, &planes, form);
+        let (chunks, cb) = (nb.div_ceil(TILE_G), 1024 + 2 * 8 * 2 * 2 * 2);
+        assert_eq!(out.len(), rows.div_ceil(TILE) * chunks * cb);
+        let u32_at = |o: usize| u32::from_le_bytes(out[o..o + 4].try_into().unwrap());
+        for row in 0..rows.div_ceil(TILE) * TILE {
+            let (tile, r) = (row / TILE, row % TILE);
+            for b in 0..chunks * TILE_G {
+                let chunk = (tile * chunks + b / TILE_G) * cb;
+                let blk = b % TILE_G;
+                for w in 0..32 {
+                    let (t, h, s) = (w / 8, w / 4 % 2, r / 8 + 2 * (w / 2 % 2));
+                    let lane = 4 * (r % 8) + t;
+                    let u = u32_at(chunk + 512 * (blk / 2) + 16 * lane + 4 * (2 * (blk % 2) + h));
+                    let got = (u >> (4 * s + 16 * (w % 2))) & 15;
+                    let want = if row < rows && b < nb { code(row, 32 * b + w) } else { 0 };
+                    assert_eq!(got, want, "row {row} block {b} weight {w}");
+                }
                 for (p, plane) in planes.iter().enumerate() {
-                    let (tile, g, r) = (row / TILE, row % 8, row % TILE / 8);
-                    let e = (((tile * nb + b) * 8 + g) * 2 + p) * 2 + r;
-                    let got = u32::from(u16::from_le_bytes([out[2 * e], out[2 * e + 1]])) << 16;
-                    assert_eq!(got, if row < rows { plane[row * nb + b] } else { 0 }, "row {row} block {b} plane {p}");
+                    let e = chunk + 1024 + (((blk >> 1) * 8 + r % 8) * 2 + p) * 4 + 2 * (r / 8);
+                    let got = u32::from(u16::from_le_bytes([out[e], out[e + 1]])) << 16;
+                    // A group's word is its first block's (a padding block beside a real one
+                    // in its group has zero codes).
+                    let first = b & !1;
+                    let want = if row < rows && first < nb { plane[row * nb + first] } else { 0 };
+                    assert_eq!(got, want, "row {row} block {b} plane {p}");
                 }
             }
         }
