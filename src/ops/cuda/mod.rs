@@ -215,6 +215,15 @@ impl Kernel {
         self.stream.launch_builder(&self.func)
     }
 
+    /// Blocks of `threads` (no dynamic shared memory) the whole GPU holds at once: one wave.
+    pub fn wave(&self, threads: u32) -> Result<usize> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+        use candle_core::cuda_backend::WrapErr;
+        let per_sm = self.func.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None).w()? as usize;
+        let sms = self.stream.context().attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()? as usize;
+        Ok(per_sm.max(1) * sms)
+    }
+
     /// Arguments for a launch as a programmatic dependent (`DependentArgs::launch`).
     pub fn dependent(&self) -> DependentArgs<'_> {
         DependentArgs {

@@ -417,11 +417,12 @@ __device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
     constexpr int RING = WARPS * STAGES * MAXCB, RED = WARPS * NT * 4 * 32 * 4;
     __shared__ __align__(16) uint8_t smem[RING > RED ? RING : RED];
     uint8_t* ring = smem + warp * STAGES * MAXCB;
-    if (tile < ntiles) {
-        // Warp `part` of a tile takes chunks part, part + wpr, ...: `count` of them. Each lane
-        // copies the 16 bytes at 16 lane + 512 j of a chunk, for j < COPIES where the chunk has
-        // them.
-        const int count = (chunks - part + wpr - 1) / wpr;
+    pdl_launch_dependents();  // the kernel after it may launch (it waits for y itself)
+    {
+        // Warp `part` of a tile takes chunks part, part + wpr, ...: `count` of them (none past
+        // the last tile). Each lane copies the 16 bytes at 16 lane + 512 j of a chunk, for
+        // j < COPIES where the chunk has them.
+        const int count = tile < ntiles ? (chunks - part + wpr - 1) / wpr : 0;
         const uint8_t* src = tiles + ((size_t)tile * chunks + part) * cb + 16 * lane;
         const size_t src_step = (size_t)wpr * cb;
         const uint32_t dst = smem_addr(ring) + 16 * lane;
@@ -449,8 +450,11 @@ __device__ void qtile(T* __restrict__ y, const T* __restrict__ x, const uint8_t*
             col[j] = 8 * j + g < m;
         }
         const int x_step = wpr * TILE_G * 32;
+        // The weights do not come from the kernel before; x does (launched as a programmatic
+        // dependent: the first chunks stream in while that kernel ends).
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) fetch(i);
+        pdl_wait();
         for (int i = 0; i < count; ++i) {
             __syncwarp();  // every lane is done with the stage the next copies refill
             fetch(i + STAGES - 1);
