@@ -12,6 +12,11 @@
                                        MODEL+mlx4 / MODEL+mlx8: the same weights quantized as
                                        an MLX affine checkpoint (group 64, bf16 scales and biases,
                                        every linear layer, the embedding left bf16)
+    gpu_bench.py gguf FILE MODEL       the same random weights (qwen2.5-7b or smollm2-135m) as an F16
+                                       GGUF, as llama.cpp's converter names them, with a byte-level
+                                       BPE tokenizer (gpt2; 256 byte tokens, one merge, filler), for
+                                       llama.cpp's quantize tool and both engines (needs gguf-py:
+                                       GGUF_PY=DIR, e.g. llama.cpp's gguf-py)
     gpu_bench.py bandwidth             device-to-device copy bandwidth (bytes read + written / s)
     gpu_bench.py hf DIR                transformers generate on DIR: decode tok/s at --batches,
                                        prefill tok/s and TTFT for a --prefill-len prompt
@@ -275,6 +280,90 @@ def mlx_quantize(module, w, bits, group):
             f"{module}.biases": bias.squeeze(-1).cpu()}
 
 
+def gguf(out, name):
+    import numpy as np
+    try:
+        import torch
+    except ImportError:  # numpy's generator instead (slower; for small models off the GPU machine)
+        torch = None
+    sys.path.insert(0, os.environ.get("GGUF_PY", "gguf-py"))
+    import gguf as gg
+
+    cfg = CONFIGS[name]
+    if cfg["model_type"] not in ("qwen2", "llama"):
+        sys.exit(f"gguf: {name} is not a llama or qwen2 model")
+    arch = cfg["model_type"]
+    h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh, nkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    d = h // nh
+    w = gg.GGUFWriter(out, arch)
+    w.add_name(f"random {name}")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_block_count(L)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_file_type(gg.LlamaFileType.MOSTLY_F16)
+    # Byte-level BPE: the 256 byte symbols, one merge (llama.cpp wants the key), filler tokens
+    # (control tokens where the config names bos and eos).
+    byte_syms = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + [chr(c) for c in range(174, 256)]
+    byte_syms += [chr(256 + i) for i in range(256 - len(byte_syms))]
+    tokens = byte_syms + ["\u0120\u0120"] + [f"<t{i}>" for i in range(257, vocab)]
+    types = [gg.TokenType.NORMAL] * vocab
+    # bos and eos where the config has them, unless that is a byte's place (then the last ids).
+    bos, eos = (t if t > 256 else vocab - 2 + i for i, t in enumerate((cfg["bos_token_id"], cfg["eos_token_id"])))
+    for t in (bos, eos):
+        types[t] = gg.TokenType.CONTROL
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["\u0120 \u0120"])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+    if torch is not None:
+        dev = os.environ.get("BENCH_TORCH_DEVICE", "cuda")
+        g = torch.Generator(device=dev).manual_seed(1234)
+        randn = lambda shape: torch.randn(shape, generator=g, device=dev).cpu().numpy()  # noqa: E731
+    else:
+        rng = np.random.default_rng(1234)
+        randn = lambda shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+
+    def add(n, shape, norm=False):
+        t = (1.0 + 0.1 * randn(shape)) if norm else 0.02 * randn(shape)
+        # Norms and biases f32, as the converter writes them; matrices f16.
+        w.add_tensor(n, t.astype(np.float32 if norm or len(shape) == 1 else np.float16))
+
+    add("token_embd.weight", (vocab, h))
+    for i in range(L):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", (h,), norm=True)
+        add(p + "attn_q.weight", (nh * d, h))
+        add(p + "attn_k.weight", (nkv * d, h))
+        add(p + "attn_v.weight", (nkv * d, h))
+        if arch == "qwen2":
+            add(p + "attn_q.bias", (nh * d,))
+            add(p + "attn_k.bias", (nkv * d,))
+            add(p + "attn_v.bias", (nkv * d,))
+        add(p + "attn_output.weight", (h, nh * d))
+        add(p + "ffn_norm.weight", (h,), norm=True)
+        add(p + "ffn_gate.weight", (inter, h))
+        add(p + "ffn_up.weight", (inter, h))
+        add(p + "ffn_down.weight", (h, inter))
+    add("output_norm.weight", (h,), norm=True)
+    if not cfg["tie_word_embeddings"]:
+        add("output.weight", (vocab, h))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(json.dumps({"model": name, "gguf": out, "bytes": os.path.getsize(out)}))
+
+
 def bandwidth():
     import torch
     n = 2 << 30  # 2 GiB per buffer
@@ -383,6 +472,9 @@ def main():
     m = sub.add_parser("make")
     m.add_argument("out")
     m.add_argument("model", choices=sorted(CONFIGS) + sorted(f"{c}+{k}" for c in CONFIGS for k in ("bytes", "mlx4", "mlx8")))
+    gf = sub.add_parser("gguf")
+    gf.add_argument("out")
+    gf.add_argument("model", choices=sorted(CONFIGS))
     v = sub.add_parser("make-vl")
     v.add_argument("out")
     sub.add_parser("bandwidth")
@@ -397,6 +489,8 @@ def main():
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.out, a.model)
+    elif a.cmd == "gguf":
+        gguf(a.out, a.model)
     elif a.cmd == "make-vl":
         make_vl(a.out)
     elif a.cmd == "bandwidth":
