@@ -26,6 +26,8 @@ if [ "${1:-}" = pack ]; then
   exit 0
 fi
 OUT=${OUT:-/tmp/iris-llama-ab}; mkdir -p "$OUT"
+# The toolkit's nvcc where it is not on PATH.
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 L=/tmp/llama; M=/tmp/llama-models; STAGE=${STAGE:-all}
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader; date -u
 if [ "$STAGE" = all ] || [ "$STAGE" = build ]; then
@@ -61,7 +63,7 @@ if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
     f=$M/$t.gguf
     for r in $(seq "${ROUNDS:-1}"); do
       echo "== $t round $r"
-      timeout 300 "$bin/llama-bench" -m "$f" -ngl 99 -fa 1 -p 2048 -n 128 -o md > "$OUT/llama-bench-$t-$r.md" 2> "$OUT/llama-bench-$t-$r.err"
+      timeout 300 "$bin/llama-bench" -m "$f" -ngl 99 -fa 1 -p 2048 -n 128 -r 3 -o md > "$OUT/llama-bench-$t-$r.md" 2> "$OUT/llama-bench-$t-$r.err"
       grep -E "pp2048|tg128" "$OUT/llama-bench-$t-$r.md" | sed 's/^/llama-bench /'
       timeout 300 "$bin/llama-batched-bench" -m "$f" -ngl 99 -fa on -c 20480 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 1,8,64 \
         > "$OUT/llama-batched-$t-$r.log" 2>&1
