@@ -2,7 +2,8 @@
 # On the GPU machine: quantized products kept quantized (IRIS_CUDA_QUANT=1), a change against a
 # base, in one run. First the quantized-matrix test (cuda_ops -- quantized), then a random
 # Qwen2.5-7B-shaped checkpoint (KIND: mlx4, the default, or mlx8; scripts/gpu_bench.py) decoded
-# by both binaries, alternated, ROUNDS times (default 2), at BS (default 1,8,32,64).
+# by both binaries, alternated, ROUNDS times (default 2), at BS (default 1,8,32,64). MODEL=PATH:
+# that model instead (a GGUF from scripts/gpu-llama-ab.sh, say).
 # Needs .gpu/ from scripts/gpu-build.sh (iris.xz, tests.tar.xz, paths) and the base's binary as
 # .gpu/iris-base.xz (the iris.xz of a build of the base). Carry: .gpu/iris.xz,
 # .gpu/iris-base.xz, .gpu/tests.tar.xz, .gpu/paths. Results under $OUT. KERNEL_TIMES=1: then
@@ -19,8 +20,12 @@ T=$(mktemp -d); tar -C "$T" -xJf .gpu/tests.tar.xz; . .gpu/paths
 if [ "$MANIFEST_DIR" != "$PWD" ]; then mkdir -p "$(dirname "$MANIFEST_DIR")" && ln -sfn "$PWD" "$MANIFEST_DIR"; fi
 IRIS_TEST_DEVICE=cuda IRIS_REQUIRE_GPU=1 timeout 180 "$T/tests/cuda_ops" quantized --test-threads=1 > "$OUT/test.log" 2>&1
 grep -E "test result|panicked|rel err|changed at" "$OUT/test.log" | head -5
-M=$(mktemp -d)/model
-python3 scripts/gpu_bench.py make "$M" "qwen2.5-7b+${KIND:-mlx4}" > "$OUT/make.log" 2>&1; tail -1 "$OUT/make.log"
+if [ -n "${MODEL:-}" ]; then
+  M=$MODEL  # e.g. a GGUF that scripts/gpu-llama-ab.sh made (STAGE=model)
+else
+  M=$(mktemp -d)/model
+  python3 scripts/gpu_bench.py make "$M" "qwen2.5-7b+${KIND:-mlx4}" > "$OUT/make.log" 2>&1; tail -1 "$OUT/make.log"
+fi
 row() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], " ".join("b%d %.1f" % (r["batch"], r["decode_tok_s"]) for r in d["rows"]))' "$1" "$2" 2>/dev/null || tail -3 "${1%.json}.err"; }
 for r in $(seq "${ROUNDS:-2}"); do
   for v in base new; do
