@@ -16,8 +16,8 @@
 #          prompts, 64 new tokens, 1/8/64 sequences), iris bench (decode at 1/8/64, 2048-token
 #          prefill), alternated, ROUNDS times (default 1).
 # Needs .gpu/iris.xz and .gpu/llama-src.tar.xz or .gpu/llama-bin.tar.xz (carry them; the
-# prebuilt archive is about 42 MB, so the carry's 64 MiB leaves no room for tests/fixtures: move
-# it aside for the run). Logs and JSON under $OUT.
+# prebuilt archive is about 23 MB, which with iris.xz fits the carry's 64 MiB once the large
+# fixtures are aside, as for other runs). Logs and JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = pack ]; then
@@ -32,9 +32,11 @@ if [ "${1:-}" = pack ]; then
 fi
 if [ "${1:-}" = pack-bin ]; then
   # Here: a build made from those sources (LLAMA_BUILD, default /tmp/lb/build; configured as the
-  # build stage below does, with -DCMAKE_CUDA_COMPILER and -DCUDAToolkit_ROOT pointing at the
-  # toolkit and -DGGML_NATIVE=OFF), with the C++ and OpenMP runtimes it was linked against and
-  # gguf-py, for a GPU machine whose image may hold older ones.
+  # build stage below does, but with -DCMAKE_CUDA_COMPILER and -DCUDAToolkit_ROOT pointing at the
+  # toolkit, -DGGML_NATIVE=OFF and -DCMAKE_CUDA_ARCHITECTURES=90-real (machine code only, no
+  # PTX: half the size), and linked with LD_LIBRARY_PATH=$CUDA_HOME/lib so that ld finds cuBLAS
+  # behind libggml-cuda), with the C++ and OpenMP runtimes it was linked against and gguf-py,
+  # for a GPU machine whose image may hold older ones.
   b=${LLAMA_BUILD:-/tmp/lb/build}; st=$(mktemp -d)
   mkdir -p "$st/bin"
   cp -a "$b"/bin/llama-bench "$b"/bin/llama-batched-bench "$b"/bin/llama-quantize "$b"/bin/*.so* "$st/bin/"
