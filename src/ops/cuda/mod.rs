@@ -216,12 +216,23 @@ impl Kernel {
     }
 
     /// Blocks of `threads` (no dynamic shared memory) the whole GPU holds at once: one wave.
+    /// Asked of the driver once per loaded kernel and block size (launches ask again and again).
     pub fn wave(&self, threads: u32) -> Result<usize> {
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+
         use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
         use candle_core::cuda_backend::WrapErr;
+        static WAVES: Mutex<Option<HashMap<(usize, u32), usize>>> = Mutex::new(None);
+        let key = (self.func.cu_function() as usize, threads);
+        if let Some(&w) = WAVES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashMap::new).get(&key) {
+            return Ok(w);
+        }
         let per_sm = self.func.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None).w()? as usize;
         let sms = self.stream.context().attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()? as usize;
-        Ok(per_sm.max(1) * sms)
+        let wave = per_sm.max(1) * sms;
+        WAVES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashMap::new).insert(key, wave);
+        Ok(wave)
     }
 
     /// Arguments for a launch as a programmatic dependent (`DependentArgs::launch`).
