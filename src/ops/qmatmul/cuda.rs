@@ -353,13 +353,19 @@ mod launch {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice as S, WrapErr};
-    use candle_core::{Layout, Result, WithDType};
+    use candle_core::{DType, Layout, Result, WithDType};
 
-    use super::{format_name, CudaQMatrix, Form, TILE, TILE_G};
+    use super::{format_name, CudaQMatrix, Form, WordPlane, TILE, TILE_G};
     use crate::ops::cuda::{cuda_slice, dtype_name, QGEMV};
 
     const THREADS: usize = 256; // QGEMV_THREADS in qgemv.cu
     const WARPS: usize = THREADS / 32;
+
+    /// The name of tile kernel `kind` (`qtile`, less its rows of x, or `qtile_dequant`) for
+    /// the matrix, its words' form and the activations' dtype.
+    fn tile_kernel(kind: &str, q: &CudaQMatrix, form: WordPlane, x: DType) -> Result<String> {
+        Ok(format!("{kind}_{}_{}_w{}", format_name(q.format), dtype_name(x)?, dtype_name(form.dtype.dtype())?))
+    }
 
     /// Output rows a warp takes at once for `m` rows of x (`RowsPerWarp` in qgemv.cu).
     fn rows_per_warp(m: usize) -> usize {
@@ -432,13 +438,7 @@ mod launch {
                         candle_core::bail!("qtile: x must start 16-byte aligned (it reads 16 bytes at once)");
                     }
                     let nt = m.div_ceil(8).next_power_of_two();
-                    let name = format!(
-                        "qtile_{}_{}_w{}_{nt}",
-                        format_name(q.format),
-                        dtype_name(T::DTYPE)?,
-                        dtype_name(form.dtype.dtype())?
-                    );
-                    let func = QGEMV.func(&dev, &name)?;
+                    let func = QGEMV.func(&dev, &format!("{}_{nt}", tile_kernel("qtile", q, form, T::DTYPE)?))?;
                     let tiles = n.div_ceil(TILE);
                     let wpr = warps_per_tile(tiles, nb.div_ceil(TILE_G), func.wave(THREADS as u32)? * WARPS);
                     let cfg = LaunchConfig {
@@ -492,13 +492,7 @@ mod launch {
                     unsafe { b.launch(cfg) }.w()?;
                 }
                 Form::Tiles(form) => {
-                    let name = format!(
-                        "qtile_dequant_{}_{}_w{}",
-                        format_name(q.format),
-                        dtype_name(T::DTYPE)?,
-                        dtype_name(form.dtype.dtype())?
-                    );
-                    let func = QGEMV.func(&dev, &name)?;
+                    let func = QGEMV.func(&dev, &tile_kernel("qtile_dequant", q, form, T::DTYPE)?)?;
                     let shift = form.shift as i32;
                     let mut b = func.builder();
                     b.arg(&out).arg(data).arg(&shift).arg(&n).arg(&nb);
