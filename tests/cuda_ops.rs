@@ -780,7 +780,23 @@ fn quantized_matrices_match_cpu() {
             mats.push((format!("mlx {bits}-bit group {group} {form}"), q));
         }
     }
+    // Rows of 25 blocks: the tiles' last chunk of 4 blocks is cut short (its padding blocks must
+    // add nothing, and x past the row must not be read).
+    let short = 800;
+    let w = random(&mut rng, &[n, short]);
+    mats.push(("Q4_0, 25 blocks a row".into(), QMatrix::new(Arc::new(QTensor::quantize(&w, GgmlDType::Q4_0).unwrap())).unwrap()));
+    let params = AffineParams { bits: 4, group: 32 };
+    let a = AffineMatrix {
+        rows: n,
+        cols: short,
+        params,
+        codes: (0..n * params.packed_words(short)).map(|_| rng.random::<u32>()).collect(),
+        scales: (0..n * short / 32).map(|_| half::bf16::from_f32(rng.random_range(-0.05f32..0.05)).to_f32()).collect(),
+        biases: (0..n * short / 32).map(|_| half::bf16::from_f32(rng.random_range(-1f32..1.0)).to_f32()).collect(),
+    };
+    mats.push(("mlx 4-bit group 32, 25 blocks a row".into(), QMatrix::from_affine(&a).unwrap()));
     for (name, q) in &mats {
+        let k = q.dims().1;
         let g = q.upload(&dev).unwrap().expect("a packed format has CUDA kernels");
         let want = q.dequantize_all().unwrap();
         let got = g.dequantize(DType::F32).unwrap().to_device(&Device::Cpu).unwrap();
