@@ -107,7 +107,7 @@ if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
         --prompt-len 128 --gen-len 64 --repeats 1 --json > "$OUT/iris-$t-$r.json" 2> "$OUT/iris-$t-$r.err"
       echo "iris decode: $(decode "$OUT/iris-$t-$r.json")"
       IRIS_CUDA_QUANT=1 timeout 300 "$B/iris" bench --model "$f" --device cuda --dtype bf16 --batch-sizes 1 \
-        --prompt-len 2048 --gen-len 1 --repeats 1 --json > "$OUT/iris-prefill-$t-$r.json" 2> "$OUT/iris-prefill-$t-$r.err"
+        --prompt-len 2048 --gen-len 2 --repeats 1 --json > "$OUT/iris-prefill-$t-$r.json" 2> "$OUT/iris-prefill-$t-$r.err"
       echo "iris: $(prefill "$OUT/iris-prefill-$t-$r.json")"
     done
   done
