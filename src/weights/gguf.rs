@@ -3,8 +3,9 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::gguf_file::Content;
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 
 use super::error::WeightsError;
@@ -82,5 +83,68 @@ impl GgufFile {
             t = (t - 1.0).map_err(bad)?;
         }
         Ok(StoredTensor::Dense(t))
+    }
+}
+
+/// Part of a GGUF block-quantized matrix (`[rows, cols]`), as its bytes: the rows of `rows`
+/// (runs `(start, end)`, one after another), and of each the columns `cols`, which must start and end on
+/// block boundaries (32 weights, 256 for the k-quants). None where they do not, or where the
+/// tensor is not a matrix.
+pub fn quantized_part(
+    q: &QTensor,
+    rows: &[(usize, usize)],
+    cols: std::ops::Range<usize>,
+) -> Option<candle_core::Result<QTensor>> {
+    let &[n, k] = q.shape().dims() else { return None };
+    let (dt, bs) = (q.dtype(), q.dtype().block_size());
+    if rows.iter().any(|&(a, b)| a > b || b > n)
+        || cols.end > k
+        || !cols.start.is_multiple_of(bs)
+        || !cols.end.is_multiple_of(bs)
+    {
+        return None;
+    }
+    let per_block = dt.type_size();
+    let row_bytes = k / bs * per_block;
+    let (from, to) = (cols.start / bs * per_block, cols.end / bs * per_block);
+    let count: usize = rows.iter().map(|&(a, b)| b - a).sum();
+    let part = q.data().map(|data| {
+        let mut out = Vec::with_capacity(count * (to - from));
+        for r in rows.iter().flat_map(|&(a, b)| a..b) {
+            out.extend_from_slice(&data[r * row_bytes + from..r * row_bytes + to]);
+        }
+        out
+    });
+    Some(part.and_then(|bytes| qtensor_from_ggml(dt, &bytes, vec![count, cols.len()], &Device::Cpu)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quantized_part;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    /// A part's bytes are the whole's: it dequantizes to the same rows and columns. Columns off
+    /// the blocks' boundaries are refused.
+    #[test]
+    fn parts_are_whole_blocks_of_the_matrix() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (6, 512), &dev).unwrap();
+        for dt in [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+            let q = QTensor::quantize(&w, dt).unwrap();
+            let whole = q.dequantize(&dev).unwrap();
+            let bs = dt.block_size();
+            let part = quantized_part(&q, &[(1, 3), (4, 6)], bs..2 * bs).unwrap().unwrap();
+            assert_eq!(part.shape().dims(), &[4, bs]);
+            let want = Tensor::cat(&[whole.narrow(0, 1, 2).unwrap(), whole.narrow(0, 4, 2).unwrap()], 0)
+                .unwrap()
+                .narrow(1, bs, bs)
+                .unwrap();
+            let got = part.dequantize(&dev).unwrap();
+            let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert_eq!(diff, 0.0, "{dt:?}");
+            assert!(quantized_part(&q, &[(0, 6)], 16..bs + 16).is_none(), "{dt:?}: a cut block");
+            assert!(quantized_part(&q, &[(0, 7)], 0..bs).is_none(), "{dt:?}: rows past the end");
+        }
     }
 }

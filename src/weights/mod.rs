@@ -293,10 +293,38 @@ impl Weights {
                     ))
                 })
             }
-            StoredTensor::Quantized(_) => Err(bad(
-                "is GGUF-quantized; tensor parallelism divides float (bf16, f16, f32) and MLX affine checkpoints"
-                    .into(),
-            )),
+            // GGUF blocks: rows whole, or columns on the blocks' boundaries.
+            StoredTensor::Quantized(q) => {
+                let (n, k) = match q.shape().dims() {
+                    &[n, k] => (n, k),
+                    dims => return Err(undivided(dims)),
+                };
+                let part = match split {
+                    Split::Rows => {
+                        shard.start(n, len, replicable).and_then(|s| gguf::quantized_part(&q, &[(s, s + len)], 0..k))
+                    }
+                    Split::RowHalves if n % 2 == 0 && len % 2 == 0 => {
+                        shard.start(n / 2, len / 2, false).and_then(|s| {
+                            let (h, l) = (n / 2, len / 2);
+                            gguf::quantized_part(&q, &[(s, s + l), (h + s, h + s + l)], 0..k)
+                        })
+                    }
+                    Split::RowHalves => None,
+                    Split::Columns => {
+                        shard.start(k, len, false).and_then(|s| gguf::quantized_part(&q, &[(0, n)], s..s + len))
+                    }
+                };
+                let within = if split == Split::Columns { " on block boundaries" } else { "" };
+                match part {
+                    Some(p) => Ok(StoredTensor::Quantized(std::sync::Arc::new(p?))),
+                    None => Err(bad(format!(
+                        "is GGUF-quantized ({:?}, blocks of {}) and its {n} x {k} do not divide among {} ranks into parts of shape {shape:?}{within}",
+                        q.dtype(),
+                        q.dtype().block_size(),
+                        shard.world()
+                    ))),
+                }
+            }
         }
     }
 
