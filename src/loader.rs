@@ -135,29 +135,8 @@ pub fn load_model_parts(
     vision: bool,
 ) -> Result<LoadedModel, LoadError> {
     let loc = ModelLocation::resolve(path)?;
-    let (mut weights, mut cfg, tokenizer) = match &loc {
-        ModelLocation::HfDir(dir) => {
-            let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
-            merge_generation_config(dir, &mut cfg);
-            let tok = match tokenizer {
-                Some(t) => read_tokenizer(t)?,
-                None => TextTokenizer::from_dir(dir)?,
-            };
-            let st = SafetensorsDir::open(dir)?;
-            let mlx = mlx_quantization(&dir.join("config.json"))?;
-            (Weights::from_safetensors(st, device.clone(), dtype).with_mlx_quantization(mlx), cfg, tok)
-        }
-        ModelLocation::Gguf(file) => {
-            let g = GgufFile::open(file)?;
-            let cfg = TextConfig::from_gguf(file, g.content())?;
-            let tok = match tokenizer {
-                Some(t) => read_tokenizer(t)?,
-                None => TextTokenizer::from_gguf(g.content())
-                    .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?,
-            };
-            (Weights::from_gguf(g, device.clone(), dtype), cfg, tok)
-        }
-    };
+    let (mut cfg, tokenizer) = config_and_tokenizer(&loc, tokenizer)?;
+    let mut weights = weights_store(&loc, device, dtype)?;
     cfg.mtp_layers = match mtp {
         None => 0,
         Some(m) => {
@@ -193,40 +172,12 @@ pub fn load_tensor_parallel(
 ) -> Result<LoadedModel, LoadError> {
     let refuse = |msg: String| LoadError::TensorParallel { world, msg };
     let loc = ModelLocation::resolve(path)?;
-    let (mut cfg, tokenizer, mlx) = match &loc {
-        ModelLocation::HfDir(dir) => {
-            let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
-            merge_generation_config(dir, &mut cfg);
-            let tok = match tokenizer {
-                Some(t) => read_tokenizer(t)?,
-                None => TextTokenizer::from_dir(dir)?,
-            };
-            (cfg, tok, mlx_quantization(&dir.join("config.json"))?)
-        }
-        ModelLocation::Gguf(file) => {
-            let g = GgufFile::open(file)?;
-            let cfg = TextConfig::from_gguf(file, g.content())?;
-            let tok = match tokenizer {
-                Some(t) => read_tokenizer(t)?,
-                None => TextTokenizer::from_gguf(g.content())
-                    .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?,
-            };
-            (cfg, tok, None)
-        }
-    };
+    let (mut cfg, tokenizer) = config_and_tokenizer(&loc, tokenizer)?;
     // No MTP head is loaded (drafters are refused with tensor parallelism).
     cfg.mtp_layers = 0;
     if let Some(why) = crate::parallel::unsupported(&cfg, world) {
         return Err(refuse(why));
     }
-    // A store of the checkpoint's tensors on `device` (each rank reads its parts through one).
-    let store = |device: &Device| -> Result<Weights, LoadError> {
-        Ok(match &loc {
-            ModelLocation::HfDir(dir) => Weights::from_safetensors(SafetensorsDir::open(dir)?, device.clone(), dtype)
-                .with_mlx_quantization(mlx.clone()),
-            ModelLocation::Gguf(file) => Weights::from_gguf(GgufFile::open(file)?, device.clone(), dtype),
-        })
-    };
     let devices = rank_devices(first, world).map_err(refuse)?;
     let comms = if devices.iter().all(Device::is_cpu) {
         crate::parallel::thread_group(world)
@@ -246,7 +197,7 @@ pub fn load_tensor_parallel(
     let mut text = 0;
     for (device, comm) in devices.iter().zip(&comms) {
         let shard = crate::parallel::Shard { comm: comm.clone() };
-        let w = store(device)?.with_shard(shard);
+        let w = weights_store(&loc, device, dtype)?.with_shard(shard);
         ranks.push((load_text_model(&w, &rank_cfg)?, device.clone()));
         if ranks.len() == 1 {
             text = w.held_bytes();
@@ -257,13 +208,54 @@ pub fn load_tensor_parallel(
     // The tower from a store of its own, which divides nothing.
     let (vision, vision_bytes) = match &loc {
         ModelLocation::HfDir(dir) if vision => {
-            let towers = store(first)?;
+            let towers = weights_store(&loc, first, dtype)?;
             (load_vision_model(&towers, dir, &cfg)?, towers.held_bytes())
         }
         _ => (None, 0),
     };
     let held = HeldBytes { text, vision: vision_bytes };
     Ok(LoadedModel { model: Box::new(model), vision, tokenizer: Arc::new(tokenizer), location: loc, held })
+}
+
+/// A checkpoint's text config (with its generation config) and tokenizer (read from
+/// `tokenizer` when given: a directory with tokenizer.json, or a .gguf file's vocabulary).
+fn config_and_tokenizer(
+    loc: &ModelLocation,
+    tokenizer: Option<&Path>,
+) -> Result<(TextConfig, TextTokenizer), LoadError> {
+    Ok(match loc {
+        ModelLocation::HfDir(dir) => {
+            let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
+            merge_generation_config(dir, &mut cfg);
+            let tok = match tokenizer {
+                Some(t) => read_tokenizer(t)?,
+                None => TextTokenizer::from_dir(dir)?,
+            };
+            (cfg, tok)
+        }
+        ModelLocation::Gguf(file) => {
+            let g = GgufFile::open(file)?;
+            let cfg = TextConfig::from_gguf(file, g.content())?;
+            let tok = match tokenizer {
+                Some(t) => read_tokenizer(t)?,
+                None => TextTokenizer::from_gguf(g.content())
+                    .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?,
+            };
+            (cfg, tok)
+        }
+    })
+}
+
+/// A store of a checkpoint's tensors for `device` (the MLX quantization its config names
+/// applied).
+fn weights_store(loc: &ModelLocation, device: &Device, dtype: DType) -> Result<Weights, LoadError> {
+    Ok(match loc {
+        ModelLocation::HfDir(dir) => {
+            let mlx = mlx_quantization(&dir.join("config.json"))?;
+            Weights::from_safetensors(SafetensorsDir::open(dir)?, device.clone(), dtype).with_mlx_quantization(mlx)
+        }
+        ModelLocation::Gguf(file) => Weights::from_gguf(GgufFile::open(file)?, device.clone(), dtype),
+    })
 }
 
 /// The devices of `n` ranks: `first` and the GPUs after it, or `n` times the CPU.
