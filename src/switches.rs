@@ -26,7 +26,7 @@
 //! | `IRIS_CUDA_GATED_GEMV=0` | layers/linear.rs | the gated MLP's GEMV without the fused activation |
 //! | `IRIS_CUDA_GEMV=N` | ops/gemv.rs | most rows a step takes the GEMV path for |
 //! | `IRIS_CUDA_MMA_ROWS=N` | ops/invariant_matmul.rs | most rows a step takes the batch-invariant tensor-core products for without `--batch-invariant` (0) |
-//! | `IRIS_CUDA_QUANT=1` | layers/linear.rs | keep GGUF / MLX quantized matrices quantized on CUDA (default: dequantized at load; the kernels are slower past batch 1) |
+//! | `IRIS_CUDA_QUANT=1` | layers/linear.rs | keep GGUF / MLX quantized matrices quantized on CUDA (default: dequantized at load: past 32 rows a step the kept ones are dequantized for cuBLAS every step, and 5-, 6- and 8-bit codes take the slower block kernel; docs/benchmarks.md) |
 //! | `IRIS_TQ_MIN_CHUNK=N` | ops/tq_attention/cuda.rs | smallest prompt chunk the TurboQuant staging kernel takes (32) |
 //! | `IRIS_TQ_STAGE_MIB=N` | ops/tq_attention/cuda.rs | staging buffer of the TurboQuant prefill (256 MiB; 0: none) |
 //!
