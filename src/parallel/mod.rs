@@ -23,6 +23,7 @@ mod threads;
 #[cfg(feature = "nccl")]
 mod nccl;
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{Result, Tensor};
@@ -108,28 +109,43 @@ impl Shard {
     }
 
     /// This rank's part of a stored tensor `t` divided by `split`, the part having `len` entries
-    /// along that axis: part `rank` of `world`, or, where `replicable` (KV heads) and the tensor
-    /// has fewer parts than there are ranks, the part this rank's queries read. None when `t`
-    /// does not divide so.
+    /// along that axis (`runs`). None when `t` does not divide so.
     pub fn part(&self, t: &Tensor, split: Split, len: usize, replicable: bool) -> Result<Option<Tensor>> {
-        if split == Split::RowHalves {
-            if !len.is_multiple_of(2) || !t.dim(0)?.is_multiple_of(2) {
-                return Ok(None);
-            }
-            let half = t.dim(0)? / 2;
-            let parts = [t.narrow(0, 0, half)?, t.narrow(0, half, half)?]
-                .iter()
-                .map(|h| self.part(h, Split::Rows, len / 2, false))
-                .collect::<Result<Option<Vec<_>>>>()?;
-            return parts.map(|p| Tensor::cat(&p, 0)).transpose();
+        let last = t.rank().saturating_sub(1);
+        let Some((rows, cols)) = self.runs(split, t.dim(0)?, t.dim(last)?, len, replicable) else { return Ok(None) };
+        let parts = rows.iter().map(|r| t.narrow(0, r.start, r.len())).collect::<Result<Vec<_>>>()?;
+        let mut part = if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? };
+        if split == Split::Columns {
+            part = part.narrow(last, cols.start, cols.len())?;
         }
-        let axis = match split {
-            Split::Rows | Split::RowHalves => 0,
-            Split::Columns => t.rank().saturating_sub(1),
-        };
-        match self.start(t.dim(axis)?, len, replicable) {
-            Some(start) => Ok(Some(t.narrow(axis, start, len)?.contiguous()?)),
-            None => Ok(None),
+        Ok(Some(part.contiguous()?))
+    }
+
+    /// Which rows and columns of an `[n, k]` matrix divided by `split` this rank holds, its
+    /// part having `len` entries along that axis: runs of rows (taken one after another) and
+    /// the columns of each. Part `rank` of `world`, or, where `replicable` (KV heads) and the
+    /// matrix has fewer parts than there are ranks, the part this rank's queries read; a fused
+    /// gate/up projection's part of each half. None when the matrix does not divide so. Every
+    /// stored form (dense, MLX affine, GGUF blocks) takes its part from these.
+    #[allow(clippy::single_range_in_vec_init)] // a list of runs, often of one
+    pub fn runs(
+        &self,
+        split: Split,
+        n: usize,
+        k: usize,
+        len: usize,
+        replicable: bool,
+    ) -> Option<(Vec<Range<usize>>, Range<usize>)> {
+        match split {
+            Split::Rows => self.start(n, len, replicable).map(|s| (vec![s..s + len], 0..k)),
+            Split::RowHalves => {
+                if !n.is_multiple_of(2) || !len.is_multiple_of(2) {
+                    return None;
+                }
+                let (half, l) = (n / 2, len / 2);
+                self.start(half, l, false).map(|s| (vec![s..s + l, half + s..half + s + l], 0..k))
+            }
+            Split::Columns => self.start(k, len, replicable).map(|s| (vec![0..n], s..s + len)),
         }
     }
 
@@ -137,7 +153,7 @@ impl Shard {
     /// None when the axis does not divide so.
     pub fn start(&self, full: usize, len: usize, replicable: bool) -> Option<usize> {
         let world = self.world();
-        if len == 0 || full % len != 0 {
+        if len == 0 || !full.is_multiple_of(len) {
             return None;
         }
         let parts = full / len;

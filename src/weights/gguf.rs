@@ -86,18 +86,18 @@ impl GgufFile {
     }
 }
 
-/// Part of a GGUF block-quantized matrix (`[rows, cols]`), as its bytes: the rows of `rows`
-/// (runs `(start, end)`, one after another), and of each the columns `cols`, which must start and end on
+/// Part of a GGUF block-quantized matrix (`[rows, cols]`), as its bytes: the runs of rows
+/// `rows`, one after another, and of each the columns `cols`, which must start and end on
 /// block boundaries (32 weights, 256 for the k-quants). None where they do not, or where the
 /// tensor is not a matrix.
 pub fn quantized_part(
     q: &QTensor,
-    rows: &[(usize, usize)],
+    rows: &[std::ops::Range<usize>],
     cols: std::ops::Range<usize>,
 ) -> Option<candle_core::Result<QTensor>> {
     let &[n, k] = q.shape().dims() else { return None };
     let (dt, bs) = (q.dtype(), q.dtype().block_size());
-    if rows.iter().any(|&(a, b)| a > b || b > n)
+    if rows.iter().any(|r| r.start > r.end || r.end > n)
         || cols.end > k
         || !cols.start.is_multiple_of(bs)
         || !cols.end.is_multiple_of(bs)
@@ -107,10 +107,10 @@ pub fn quantized_part(
     let per_block = dt.type_size();
     let row_bytes = k / bs * per_block;
     let (from, to) = (cols.start / bs * per_block, cols.end / bs * per_block);
-    let count: usize = rows.iter().map(|&(a, b)| b - a).sum();
+    let count: usize = rows.iter().map(|r| r.len()).sum();
     let part = q.data().map(|data| {
         let mut out = Vec::with_capacity(count * (to - from));
-        for r in rows.iter().flat_map(|&(a, b)| a..b) {
+        for r in rows.iter().flat_map(|r| r.clone()) {
             out.extend_from_slice(&data[r * row_bytes + from..r * row_bytes + to]);
         }
         out
@@ -127,6 +127,7 @@ mod tests {
     /// A part's bytes are the whole's: it dequantizes to the same rows and columns. Columns off
     /// the blocks' boundaries are refused.
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // runs of rows
     fn parts_are_whole_blocks_of_the_matrix() {
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (6, 512), &dev).unwrap();
@@ -134,7 +135,7 @@ mod tests {
             let q = QTensor::quantize(&w, dt).unwrap();
             let whole = q.dequantize(&dev).unwrap();
             let bs = dt.block_size();
-            let part = quantized_part(&q, &[(1, 3), (4, 6)], bs..2 * bs).unwrap().unwrap();
+            let part = quantized_part(&q, &[1..3, 4..6], bs..2 * bs).unwrap().unwrap();
             assert_eq!(part.shape().dims(), &[4, bs]);
             let want = Tensor::cat(&[whole.narrow(0, 1, 2).unwrap(), whole.narrow(0, 4, 2).unwrap()], 0)
                 .unwrap()
@@ -143,8 +144,8 @@ mod tests {
             let got = part.dequantize(&dev).unwrap();
             let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert_eq!(diff, 0.0, "{dt:?}");
-            assert!(quantized_part(&q, &[(0, 6)], 16..bs + 16).is_none(), "{dt:?}: a cut block");
-            assert!(quantized_part(&q, &[(0, 7)], 0..bs).is_none(), "{dt:?}: rows past the end");
+            assert!(quantized_part(&q, &[0..6], 16..bs + 16).is_none(), "{dt:?}: a cut block");
+            assert!(quantized_part(&q, &[0..7], 0..bs).is_none(), "{dt:?}: rows past the end");
         }
     }
 }

@@ -265,22 +265,18 @@ impl Weights {
             },
             // MLX affine: rows whole, or columns on the quantization groups' boundaries.
             StoredTensor::Affine(a) => {
-                let rows = |full: usize, at: usize, len: usize| {
-                    shard.start(full, len, replicable).map(|s| a.rows(at + s, at + s + len))
-                };
-                let part = match split {
-                    Split::Rows => rows(a.rows, 0, len),
-                    Split::RowHalves => {
-                        let half = a.rows / 2;
-                        match (rows(half, 0, len / 2), rows(half, half, len / 2)) {
-                            (Some(g), Some(u)) if a.rows % 2 == 0 && len % 2 == 0 => {
-                                AffineMatrix::concat_rows(&[&g, &u])
-                            }
-                            _ => None,
-                        }
+                let part = shard.runs(split, a.rows, a.cols, len, replicable).and_then(|(rows, cols)| {
+                    let mut runs: Vec<AffineMatrix> = rows.iter().map(|r| a.rows(r.start, r.end)).collect();
+                    let held = match runs.len() {
+                        1 => runs.pop()?,
+                        _ => AffineMatrix::concat_rows(&runs.iter().collect::<Vec<_>>())?,
+                    };
+                    if cols == (0..a.cols) {
+                        Some(held)
+                    } else {
+                        held.columns(cols.start, cols.end)
                     }
-                    Split::Columns => shard.start(a.cols, len, false).and_then(|s| a.columns(s, s + len)),
-                };
+                });
                 // A column part must also start and end on a group's boundary.
                 let within = if split == Split::Columns { " on group boundaries" } else { "" };
                 part.map(StoredTensor::Affine).ok_or_else(|| {
@@ -299,21 +295,9 @@ impl Weights {
                     &[n, k] => (n, k),
                     dims => return Err(undivided(dims)),
                 };
-                let part = match split {
-                    Split::Rows => {
-                        shard.start(n, len, replicable).and_then(|s| gguf::quantized_part(&q, &[(s, s + len)], 0..k))
-                    }
-                    Split::RowHalves if n % 2 == 0 && len % 2 == 0 => {
-                        shard.start(n / 2, len / 2, false).and_then(|s| {
-                            let (h, l) = (n / 2, len / 2);
-                            gguf::quantized_part(&q, &[(s, s + l), (h + s, h + s + l)], 0..k)
-                        })
-                    }
-                    Split::RowHalves => None,
-                    Split::Columns => {
-                        shard.start(k, len, false).and_then(|s| gguf::quantized_part(&q, &[(0, n)], s..s + len))
-                    }
-                };
+                let part = shard
+                    .runs(split, n, k, len, replicable)
+                    .and_then(|(rows, cols)| gguf::quantized_part(&q, &rows, cols));
                 let within = if split == Split::Columns { " on block boundaries" } else { "" };
                 match part {
                     Some(p) => Ok(StoredTensor::Quantized(std::sync::Arc::new(p?))),
