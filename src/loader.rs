@@ -135,8 +135,8 @@ pub fn load_model_parts(
     vision: bool,
 ) -> Result<LoadedModel, LoadError> {
     let loc = ModelLocation::resolve(path)?;
-    let (mut cfg, tokenizer) = config_and_tokenizer(&loc, tokenizer)?;
-    let mut weights = weights_store(&loc, device, dtype)?;
+    let (mut cfg, tokenizer, gguf) = config_and_tokenizer(&loc, tokenizer)?;
+    let mut weights = weights_store(&loc, gguf, device, dtype)?;
     cfg.mtp_layers = match mtp {
         None => 0,
         Some(m) => {
@@ -172,7 +172,7 @@ pub fn load_tensor_parallel(
 ) -> Result<LoadedModel, LoadError> {
     let refuse = |msg: String| LoadError::TensorParallel { world, msg };
     let loc = ModelLocation::resolve(path)?;
-    let (mut cfg, tokenizer) = config_and_tokenizer(&loc, tokenizer)?;
+    let (mut cfg, tokenizer, mut gguf) = config_and_tokenizer(&loc, tokenizer)?;
     // No MTP head is loaded (drafters are refused with tensor parallelism).
     cfg.mtp_layers = 0;
     if let Some(why) = crate::parallel::unsupported(&cfg, world) {
@@ -197,7 +197,8 @@ pub fn load_tensor_parallel(
     let mut text = 0;
     for (device, comm) in devices.iter().zip(&comms) {
         let shard = crate::parallel::Shard { comm: comm.clone() };
-        let w = weights_store(&loc, device, dtype)?.with_shard(shard);
+        // Rank 0 reads through the file already open, the others open it again.
+        let w = weights_store(&loc, gguf.take(), device, dtype)?.with_shard(shard);
         ranks.push((load_text_model(&w, &rank_cfg)?, device.clone()));
         if ranks.len() == 1 {
             text = w.held_bytes();
@@ -208,7 +209,7 @@ pub fn load_tensor_parallel(
     // The tower from a store of its own, which divides nothing.
     let (vision, vision_bytes) = match &loc {
         ModelLocation::HfDir(dir) if vision => {
-            let towers = weights_store(&loc, first, dtype)?;
+            let towers = weights_store(&loc, None, first, dtype)?;
             (load_vision_model(&towers, dir, &cfg)?, towers.held_bytes())
         }
         _ => (None, 0),
@@ -218,11 +219,12 @@ pub fn load_tensor_parallel(
 }
 
 /// A checkpoint's text config (with its generation config) and tokenizer (read from
-/// `tokenizer` when given: a directory with tokenizer.json, or a .gguf file's vocabulary).
+/// `tokenizer` when given: a directory with tokenizer.json, or a .gguf file's vocabulary),
+/// and a GGUF file as opened for them, for `weights_store` to read on.
 fn config_and_tokenizer(
     loc: &ModelLocation,
     tokenizer: Option<&Path>,
-) -> Result<(TextConfig, TextTokenizer), LoadError> {
+) -> Result<(TextConfig, TextTokenizer, Option<GgufFile>), LoadError> {
     Ok(match loc {
         ModelLocation::HfDir(dir) => {
             let mut cfg = TextConfig::from_hf_file(&dir.join("config.json"))?;
@@ -231,7 +233,7 @@ fn config_and_tokenizer(
                 Some(t) => read_tokenizer(t)?,
                 None => TextTokenizer::from_dir(dir)?,
             };
-            (cfg, tok)
+            (cfg, tok, None)
         }
         ModelLocation::Gguf(file) => {
             let g = GgufFile::open(file)?;
@@ -241,20 +243,31 @@ fn config_and_tokenizer(
                 None => TextTokenizer::from_gguf(g.content())
                     .map_err(|source| LoadError::GgufTokenizer { file: file.clone(), source })?,
             };
-            (cfg, tok)
+            (cfg, tok, Some(g))
         }
     })
 }
 
 /// A store of a checkpoint's tensors for `device` (the MLX quantization its config names
-/// applied).
-fn weights_store(loc: &ModelLocation, device: &Device, dtype: DType) -> Result<Weights, LoadError> {
+/// applied); a GGUF checkpoint through `opened` where the file is open already.
+fn weights_store(
+    loc: &ModelLocation,
+    opened: Option<GgufFile>,
+    device: &Device,
+    dtype: DType,
+) -> Result<Weights, LoadError> {
     Ok(match loc {
         ModelLocation::HfDir(dir) => {
             let mlx = mlx_quantization(&dir.join("config.json"))?;
             Weights::from_safetensors(SafetensorsDir::open(dir)?, device.clone(), dtype).with_mlx_quantization(mlx)
         }
-        ModelLocation::Gguf(file) => Weights::from_gguf(GgufFile::open(file)?, device.clone(), dtype),
+        ModelLocation::Gguf(file) => {
+            let g = match opened {
+                Some(g) => g,
+                None => GgufFile::open(file)?,
+            };
+            Weights::from_gguf(g, device.clone(), dtype)
+        }
     })
 }
 
