@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the test suite on a CUDA GPU: the model tests with IRIS_TEST_DEVICE=cuda (f32, the same
 # 1e-4 tolerances against transformers as on the CPU), the CUDA kernels against their CPU
-# reference ops (tests/cuda_ops.rs, cuda_moe.rs, cuda_tq.rs; bf16 tolerances where the kernel computes in bf16), the CLI
+# reference ops (tests/cuda_ops.rs, cuda_quantized.rs, cuda_moe.rs, cuda_tq.rs; bf16 tolerances where the kernel computes in bf16), the CLI
 # and server tests with iris picking the GPU (--device auto). A missing GPU fails the run.
 #
 #   scripts/gpu-check.sh [LOG_DIR]        (ONLY="cuda_tq kv_quant": just those test binaries)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: quantized products kept quantized (IRIS_CUDA_QUANT=1), a change against a
-# base, in one run. First the quantized-matrix test (cuda_ops -- quantized), then a random
+# base, in one run. First the quantized-matrix test (tests/cuda_quantized.rs), then a random
 # Qwen2.5-7B-shaped checkpoint (KIND: mlx4, the default, or mlx8; scripts/gpu_bench.py) decoded
 # by both binaries, alternated, ROUNDS times (default 2), at BS (default 1,8,32,64). MODEL=PATH:
 # that model instead (a GGUF from scripts/gpu-llama-ab.sh, say).
@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader; da
 python3 scripts/gpu_bench.py bandwidth 2>&1 | tail -1
 T=$(mktemp -d); tar -C "$T" -xJf .gpu/tests.tar.xz; . .gpu/paths
 if [ "$MANIFEST_DIR" != "$PWD" ]; then mkdir -p "$(dirname "$MANIFEST_DIR")" && ln -sfn "$PWD" "$MANIFEST_DIR"; fi
-IRIS_TEST_DEVICE=cuda IRIS_REQUIRE_GPU=1 timeout 180 "$T/tests/cuda_ops" quantized --test-threads=1 > "$OUT/test.log" 2>&1
+IRIS_TEST_DEVICE=cuda IRIS_REQUIRE_GPU=1 timeout 180 "$T/tests/cuda_quantized" --test-threads=1 > "$OUT/test.log" 2>&1
 grep -E "test result|panicked|rel err|changed at" "$OUT/test.log" | head -5
 if [ -n "${MODEL:-}" ]; then
   M=$MODEL  # e.g. a GGUF that scripts/gpu-llama-ab.sh made (STAGE=model)

@@ -22,7 +22,7 @@ nccl=$(python3 -c 'import torch, os, glob; print(next(iter(glob.glob(os.path.joi
 export LD_LIBRARY_PATH="$nccl:${LD_LIBRARY_PATH:-}"
 nvidia-smi -L
 nvidia-smi topo -m 2>/dev/null | head -5
-ONLY="${ONLY:-tensor_parallel cuda_ops}" bash scripts/gpu-check.sh "$RES/check" | tail -5
+ONLY="${ONLY:-tensor_parallel cuda_ops cuda_quantized}" bash scripts/gpu-check.sh "$RES/check" | tail -5
 [ "${BENCH:-1}" = 1 ] || exit 0
 xz -dc .gpu/iris.xz > /tmp/iris-tp-bin && chmod +x /tmp/iris-tp-bin
 if [ ! -f "$DIR/done" ]; then
